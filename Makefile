@@ -1,0 +1,46 @@
+# gradserve — the README's commands. Everything runs in .venv (made on first use).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-dev
+HOST   ?= 127.0.0.1
+PORT   ?= 50051
+RESULTS ?= results/gpu-check
+
+.PHONY: run test bench proto lint docker gpu-check demo clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# The package (editable) with its test and lint tools; redone when pyproject changes.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+run: $(STAMP)  ## set up and start the server on the CPU
+	$(VENV)/bin/gradserve serve --host $(HOST) --port $(PORT) --device cpu
+
+test: $(STAMP)  ## set up and run every test (CPU only)
+	$(PY) -m pytest -m "not gpu"
+
+bench: $(STAMP)  ## benchmarks (figures, not pass/fail)
+	$(PY) tests/benchmarks/bench_core.py
+
+proto: $(STAMP)  ## regenerate the committed stubs from protos/
+	cd protos && ../$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. \
+		--grpc_python_out=. gradserve/v1/*.proto
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+docker:  ## CPU and CUDA images
+	docker build -f docker/Dockerfile -t gradserve:cpu .
+	docker build -f docker/Dockerfile.cuda -t gradserve:cuda .
+
+gpu-check: $(STAMP)  ## on a CUDA machine: GPU tests + GPU benchmark into $(RESULTS)/
+	bash tests/gpu_check.sh $(RESULTS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache results

@@ -1,0 +1,8 @@
+"""The gradserve client SDK."""
+
+from gradserve.client._batch import Batch
+from gradserve.client._client import Client
+from gradserve.client._tensor_array import TensorArray
+from gradserve.client._types import TensorArrayHandle, TensorRef
+
+__all__ = ["Batch", "Client", "TensorArray", "TensorArrayHandle", "TensorRef"]

@@ -1,0 +1,258 @@
+"""``gradserve.Client``: a channel, a session, and the one wrapper around every call."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+from google.protobuf.message import Message
+
+from gradserve import codec, dtypes, protocol
+from gradserve.client._errors import from_rpc_error
+from gradserve.client._types import TensorRef
+from gradserve.errors import GradserveError, InvalidArgumentError, error_class_for
+from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_pb2
+
+ArrayLike = Any  # np.ndarray, anything np.asarray takes, or a TensorRef
+
+
+class Client:
+    """A session on a gradserve server.
+
+    Parameters
+    ----------
+    target:
+        ``host:port`` of the server.
+    session_id:
+        Reattach to this existing session (a restarted worker picking up its
+        arrays) instead of creating one; it is then left open on ``close``.
+    timeout:
+        Default deadline in seconds of each call (None: no deadline).
+    stream_threshold:
+        Tensors of at least this many bytes travel by the streaming
+        PutTensor/GetTensor RPCs instead of inline in the op's message.
+    max_message_bytes:
+        Unary message ceiling of this channel, both directions.
+
+    Use as a context manager: the session is closed on exit (when this
+    client created it).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        session_id: str | None = None,
+        timeout: float | None = None,
+        stream_threshold: int = protocol.DEFAULT_STREAM_THRESHOLD_BYTES,
+        max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
+        chunk_bytes: int = protocol.DEFAULT_CHUNK_BYTES,
+        channel: grpc.Channel | None = None,
+    ) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.stream_threshold = stream_threshold
+        self.chunk_bytes = chunk_bytes
+        self._own_channel = channel is None
+        self._channel = channel or grpc.insecure_channel(
+            target, options=protocol.channel_options(max_message_bytes)
+        )
+        self._stub = service_pb2_grpc.GradServeStub(self._channel)
+        self._closed = False
+        if session_id is None:
+            reply = self._call("CreateSession", service_pb2.CreateSessionRequest(), session=False)
+            self.session_id: str = reply.session_id
+            self.owns_session = True
+        else:
+            self.session_id = session_id
+            self.owns_session = False
+            self.keep_alive()  # NotFoundError now, not at the first op
+        self._metadata = (
+            (protocol.SESSION_METADATA_KEY, self.session_id),
+            (protocol.INLINE_LIMIT_METADATA_KEY, str(stream_threshold)),
+        )
+        from gradserve.client._raw_ops import RawOps
+
+        self.raw_ops = RawOps(self, self._run_op)
+
+    # ---------------------------------------------------------------- lifecycle
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the session (if this client created it) and the channel."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.owns_session:
+                self._call("CloseSession", service_pb2.CloseSessionRequest())
+        finally:
+            if self._own_channel:
+                self._channel.close()
+
+    def keep_alive(self) -> float:
+        """Refresh the session's idle timer; returns the server's idle timeout (s)."""
+        md = ((protocol.SESSION_METADATA_KEY, self.session_id),)
+        reply = self._call("KeepAlive", service_pb2.KeepAliveRequest(), metadata=md)
+        return reply.idle_timeout_seconds
+
+    # ---------------------------------------------------------------- calls
+    def _call(
+        self,
+        rpc: str,
+        request: Any,
+        *,
+        session: bool = True,
+        metadata: Sequence[tuple[str, str]] | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """Invoke ``rpc``; a failure raises its ``gradserve.errors`` class."""
+        if metadata is None:
+            metadata = self._metadata if session else ()
+        try:
+            return getattr(self._stub, rpc)(
+                request, metadata=metadata, timeout=timeout if timeout is not None else self.timeout
+            )
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def _run_op(self, rpc: str, request: Message, parse: Callable[[Any], Any], temps: list[str]):
+        try:
+            return parse(self._call(rpc, request))
+        finally:
+            if temps:
+                self._delete_ids(temps)
+
+    # ---------------------------------------------------------------- tensors in/out
+    def encode_input(
+        self,
+        value: ArrayLike,
+        msg: tensor_pb2.TensorInput,
+        temps: list[str],
+        dtype: dtypes.DTypeLike | None = None,
+    ) -> None:
+        """Fill ``msg`` with ``value``: a ref, inline bytes, or (when large) a temp upload."""
+        if isinstance(value, TensorRef):
+            msg.ref = value.id
+            return
+        array = np.asarray(value)
+        if dtype is not None:
+            array = _as_integer_input(array, dtypes.normalize(dtype))
+        if array.nbytes >= self.stream_threshold:
+            ref = self.put(array)
+            temps.append(ref.id)
+            msg.ref = ref.id
+        else:
+            codec.encode(array, msg.value)
+
+    def decode_output(self, msg: tensor_pb2.TensorOutput) -> np.ndarray | TensorRef:
+        """An array for inline or transient outputs; a ``TensorRef`` for kept ones."""
+        if msg.WhichOneof("result") == "value":
+            return codec.decode(msg.value, field="output")
+        ref = msg.ref
+        if ref.transient:
+            return self._fetch(ref.id, delete_after=True)
+        return TensorRef(self, ref.id, dtypes.from_enum(ref.dtype), tuple(ref.shape))
+
+    def put(self, array: ArrayLike) -> TensorRef:
+        """Keep ``array`` in the session (streamed in chunks); returns its reference."""
+        array = np.asarray(array)
+        dtype = dtypes.normalize(array.dtype)
+        little = np.ascontiguousarray(array.astype(dtype.newbyteorder("<"), copy=False))
+        raw = memoryview(little.reshape(-1).view(np.uint8)) if little.size else memoryview(b"")
+        step = self.chunk_bytes
+
+        def chunks() -> Iterator[tensor_pb2.TensorChunk]:
+            yield tensor_pb2.TensorChunk(
+                dtype=dtypes.to_enum(dtype), shape=array.shape, data=bytes(raw[:step])
+            )
+            for start in range(step, len(raw), step):
+                yield tensor_pb2.TensorChunk(data=bytes(raw[start : start + step]))
+
+        reply = self._call("PutTensor", chunks())
+        return TensorRef(self, reply.id, dtype, tuple(reply.shape))
+
+    def get(self, ref: TensorRef | str) -> np.ndarray:
+        """Fetch a resident tensor (streamed in chunks)."""
+        return self._fetch(ref.id if isinstance(ref, TensorRef) else ref, delete_after=False)
+
+    def delete(self, *refs: TensorRef | str) -> int:
+        """Free resident tensors; returns how many existed."""
+        return self._delete_ids([r.id if isinstance(r, TensorRef) else r for r in refs])
+
+    def _delete_ids(self, ids: Iterable[str]) -> int:
+        reply = self._call("DeleteTensor", service_pb2.DeleteTensorRequest(ids=list(ids)))
+        return reply.deleted
+
+    def _fetch(self, tensor_id: str, *, delete_after: bool) -> np.ndarray:
+        request = service_pb2.GetTensorRequest(
+            id=tensor_id, chunk_bytes=self.chunk_bytes, delete_after=delete_after
+        )
+        try:
+            stream = self._stub.GetTensor(request, metadata=self._metadata, timeout=self.timeout)
+            first = next(stream)
+            dtype = dtypes.from_enum(first.dtype)
+            shape = tuple(first.shape)
+            nbytes = codec.element_count(shape) * dtype.itemsize
+            buffer = np.empty(nbytes, np.uint8)
+            filled = 0
+            for chunk in _chain(first, stream):
+                data = chunk.data
+                buffer[filled : filled + len(data)] = np.frombuffer(data, np.uint8)
+                filled += len(data)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        if filled != nbytes:
+            raise error_class_for(grpc.StatusCode.DATA_LOSS)(
+                f"GetTensor: received {filled} of {nbytes} bytes"
+            )
+        return buffer.view(dtype.newbyteorder("<")).reshape(shape)
+
+    # ---------------------------------------------------------------- Pythonic layer
+    def tensor_array(self, dtype: dtypes.DTypeLike, size: int = 0, **kwargs):
+        """A ``tf.TensorArray``-style object on the server (see ``gradserve.TensorArray``)."""
+        from gradserve.client._tensor_array import TensorArray
+
+        return TensorArray(self, dtype, size, **kwargs)
+
+    def stop_gradient(self, x: ArrayLike) -> np.ndarray:
+        """``tf.stop_gradient``: returns ``x`` unchanged, bit for bit."""
+        return self.raw_ops.StopGradient(input=x)
+
+    def batch(self):
+        """Collect ops (``b.raw_ops.X(...)``) and run them in one round trip with ``b.run()``."""
+        from gradserve.client._batch import Batch
+
+        return Batch(self)
+
+    def __repr__(self) -> str:
+        return f"Client({self.target!r}, session_id={self.session_id[:8]}…)"
+
+
+def _as_integer_input(array: np.ndarray, target: np.dtype) -> np.ndarray:
+    """Integers (and empty lists) in ``target``'s width, refusing silent wrap-around.
+
+    Anything else is sent as it is, for the server to reject with the op's message.
+    """
+    if array.dtype == target or not (array.size == 0 or array.dtype.kind in "iub"):
+        return array
+    converted = array.astype(target)
+    if array.size == 1 and converted.item() != array.item() or (
+        array.size > 1 and not np.array_equal(converted, array)
+    ):
+        raise InvalidArgumentError(f"{array.tolist()!r} does not fit in {target}")
+    return converted
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest
+
+
+__all__ = ["Client", "GradserveError"]

@@ -1,0 +1,31 @@
+"""Every failed call becomes a ``gradserve.errors`` exception, here and only here."""
+
+from __future__ import annotations
+
+import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from gradserve.errors import GradserveError, error_class_for
+
+
+def from_rpc_error(error: grpc.RpcError) -> GradserveError:
+    """The typed exception for a failed call, with reason and field from its details."""
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    message = error.details() if hasattr(error, "details") else str(error)
+    reason = field = ""
+    try:
+        status = rpc_status.from_call(error)
+    except ValueError:  # details that contradict the code/message: ignore them
+        status = None
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            reason = info.reason
+        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            if bad.field_violations:
+                field = bad.field_violations[0].field
+    return error_class_for(code)(message or str(code), reason=reason, field=field)

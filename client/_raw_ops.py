@@ -1,0 +1,201 @@
+"""``client.raw_ops``: the ops under ``tf.raw_ops`` names, arguments and output order.
+
+Each method builds the op's typed request and hands it to a ``submit``
+function: the client's (one RPC) or a batch's (recorded, run later). The
+``name`` argument of ``tf.raw_ops`` is accepted and ignored; ``keep=True``
+keeps tensor outputs in the session and returns ``TensorRef``s instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+from google.protobuf.message import Message
+
+from gradserve import codec, dtypes, shapes
+from gradserve.client._types import TensorArrayHandle
+from gradserve.v1 import tensor_array_pb2 as pb
+
+Submit = Callable[[str, Message, Callable[[Any], Any], list], Any]
+
+
+class TensorArrayV3Output(NamedTuple):
+    handle: TensorArrayHandle
+    flow: float
+
+
+class TensorArrayGradV3Output(NamedTuple):
+    grad_handle: TensorArrayHandle
+    flow_out: float
+
+
+TensorArrayGradWithShapeOutput = TensorArrayGradV3Output
+
+
+class TensorArrayConcatV3Output(NamedTuple):
+    value: Any
+    lengths: np.ndarray
+
+
+def _handle_msg(handle: Any) -> pb.TensorArrayHandle:
+    handle = getattr(handle, "handle", handle)  # a gradserve.TensorArray
+    return pb.TensorArrayHandle(id=handle.id, name=handle.name)
+
+
+def _handle(msg: pb.TensorArrayHandle) -> TensorArrayHandle:
+    return TensorArrayHandle(msg.id, msg.name)
+
+
+def _set_shape(msg: Message, field: str, shape) -> None:
+    """Set a PartialShape field; ``None`` leaves it unset (unknown rank)."""
+    if shape is not None:
+        codec.encode_shape(shapes.make(list(shape)), getattr(msg, field))
+
+
+class RawOps:
+    """The ops, called the way ``tf.raw_ops`` calls them."""
+
+    def __init__(self, client, submit: Submit) -> None:
+        self._client = client
+        self._submit = submit
+
+    def _op(self, rpc: str, request: Message, parse, temps: list) -> Any:
+        return self._submit(rpc, request, parse, temps)
+
+    def _in(self, value, msg, temps: list, dtype=None) -> None:
+        self._client.encode_input(value, msg, temps, dtype)
+
+    def _out(self, msg):
+        return self._client.decode_output(msg)
+
+    # ------------------------------------------------------------------ TensorArray
+    def TensorArrayV3(
+        self,
+        size,
+        dtype,
+        element_shape=None,
+        dynamic_size=False,
+        clear_after_read=True,
+        identical_element_shapes=False,
+        tensor_array_name="",
+        name=None,
+    ) -> TensorArrayV3Output:
+        temps: list[str] = []
+        req = pb.TensorArrayV3Request(
+            dtype=dtypes.to_enum(dtype),
+            dynamic_size=dynamic_size,
+            clear_after_read=clear_after_read,
+            identical_element_shapes=identical_element_shapes,
+            tensor_array_name=tensor_array_name,
+        )
+        self._in(size, req.size, temps, np.int32)
+        _set_shape(req, "element_shape", element_shape)
+        return self._op(
+            "TensorArrayV3", req, lambda r: TensorArrayV3Output(_handle(r.handle), r.flow), temps
+        )
+
+    def TensorArrayWriteV3(self, handle, index, value, flow_in, name=None) -> float:
+        temps: list[str] = []
+        req = pb.TensorArrayWriteV3Request(handle=_handle_msg(handle), flow_in=flow_in)
+        self._in(index, req.index, temps, np.int32)
+        self._in(value, req.value, temps)
+        return self._op("TensorArrayWriteV3", req, lambda r: r.flow_out, temps)
+
+    def TensorArrayReadV3(self, handle, index, flow_in, dtype, name=None, *, keep=False):
+        temps: list[str] = []
+        req = pb.TensorArrayReadV3Request(
+            handle=_handle_msg(handle),
+            flow_in=flow_in,
+            dtype=dtypes.to_enum(dtype),
+            keep_outputs=keep,
+        )
+        self._in(index, req.index, temps, np.int32)
+        return self._op("TensorArrayReadV3", req, lambda r: self._out(r.value), temps)
+
+    def TensorArrayGatherV3(
+        self, handle, indices, flow_in, dtype, element_shape=None, name=None, *, keep=False
+    ):
+        temps: list[str] = []
+        req = pb.TensorArrayGatherV3Request(
+            handle=_handle_msg(handle),
+            flow_in=flow_in,
+            dtype=dtypes.to_enum(dtype),
+            keep_outputs=keep,
+        )
+        self._in(indices, req.indices, temps, np.int32)
+        _set_shape(req, "element_shape", element_shape)
+        return self._op("TensorArrayGatherV3", req, lambda r: self._out(r.value), temps)
+
+    def TensorArrayScatterV3(self, handle, indices, value, flow_in, name=None) -> float:
+        temps: list[str] = []
+        req = pb.TensorArrayScatterV3Request(handle=_handle_msg(handle), flow_in=flow_in)
+        self._in(indices, req.indices, temps, np.int32)
+        self._in(value, req.value, temps)
+        return self._op("TensorArrayScatterV3", req, lambda r: r.flow_out, temps)
+
+    def TensorArrayConcatV3(
+        self, handle, flow_in, dtype, element_shape_except0=None, name=None, *, keep=False
+    ) -> TensorArrayConcatV3Output:
+        req = pb.TensorArrayConcatV3Request(
+            handle=_handle_msg(handle),
+            flow_in=flow_in,
+            dtype=dtypes.to_enum(dtype),
+            keep_outputs=keep,
+        )
+        _set_shape(req, "element_shape_except0", element_shape_except0)
+        return self._op(
+            "TensorArrayConcatV3",
+            req,
+            lambda r: TensorArrayConcatV3Output(self._out(r.value), self._out(r.lengths)),
+            [],
+        )
+
+    def TensorArraySplitV3(self, handle, value, lengths, flow_in, name=None) -> float:
+        temps: list[str] = []
+        req = pb.TensorArraySplitV3Request(handle=_handle_msg(handle), flow_in=flow_in)
+        self._in(value, req.value, temps)
+        self._in(lengths, req.lengths, temps, np.int64)
+        return self._op("TensorArraySplitV3", req, lambda r: r.flow_out, temps)
+
+    def TensorArraySizeV3(self, handle, flow_in, name=None) -> np.int32:
+        req = pb.TensorArraySizeV3Request(handle=_handle_msg(handle), flow_in=flow_in)
+        return self._op("TensorArraySizeV3", req, lambda r: self._out(r.size)[()], [])
+
+    def TensorArrayCloseV3(self, handle, name=None) -> None:
+        req = pb.TensorArrayCloseV3Request(handle=_handle_msg(handle))
+        return self._op("TensorArrayCloseV3", req, lambda r: None, [])
+
+    def TensorArrayGradV3(self, handle, flow_in, source, name=None) -> TensorArrayGradV3Output:
+        req = pb.TensorArrayGradV3Request(
+            handle=_handle_msg(handle), flow_in=flow_in, source=source
+        )
+        return self._op(
+            "TensorArrayGradV3",
+            req,
+            lambda r: TensorArrayGradV3Output(_handle(r.grad_handle), r.flow_out),
+            [],
+        )
+
+    def TensorArrayGradWithShape(
+        self, handle, flow_in, shape_to_prepend, source, name=None
+    ) -> TensorArrayGradV3Output:
+        temps: list[str] = []
+        req = pb.TensorArrayGradWithShapeRequest(
+            handle=_handle_msg(handle), flow_in=flow_in, source=source
+        )
+        self._in(shape_to_prepend, req.shape_to_prepend, temps, np.int32)
+        return self._op(
+            "TensorArrayGradWithShape",
+            req,
+            lambda r: TensorArrayGradV3Output(_handle(r.grad_handle), r.flow_out),
+            temps,
+        )
+
+    # ------------------------------------------------------------------ StopGradient
+    def StopGradient(self, input, name=None, *, keep=False):  # noqa: A002 - TF's name
+        temps: list[str] = []
+        req = pb.StopGradientRequest(keep_outputs=keep)
+        self._in(input, req.input, temps)
+        return self._op("StopGradient", req, lambda r: self._out(r.output), temps)

@@ -1,0 +1,116 @@
+"""``gradserve.TensorArray``: a ``tf.TensorArray``-style object living on the server."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from gradserve import dtypes
+from gradserve.client._types import TensorArrayHandle, TensorRef
+
+
+class TensorArray:
+    """A TensorArray in the client's session, used the way ``tf.TensorArray`` is.
+
+    Methods that change the array return ``self`` (so ``ta = ta.write(i, x)``
+    reads like TensorFlow code). ``element_shape`` is passed to gather and
+    concat as TensorFlow's wrapper does. Values that are not arrays are
+    converted with the array's dtype.
+    """
+
+    def __init__(
+        self,
+        client,
+        dtype: dtypes.DTypeLike,
+        size: int = 0,
+        dynamic_size: bool = False,
+        clear_after_read: bool = True,
+        tensor_array_name: str = "",
+        element_shape: Sequence[int | None] | None = None,
+        identical_element_shapes: bool = False,
+        *,
+        handle: TensorArrayHandle | None = None,
+        flow: float = 0.0,
+    ) -> None:
+        self._client = client
+        self.dtype = dtypes.normalize(dtype)
+        self.element_shape = None if element_shape is None else tuple(element_shape)
+        if handle is None:
+            handle, flow = client.raw_ops.TensorArrayV3(
+                size=size,
+                dtype=self.dtype,
+                element_shape=element_shape,
+                dynamic_size=dynamic_size,
+                clear_after_read=clear_after_read,
+                identical_element_shapes=identical_element_shapes,
+                tensor_array_name=tensor_array_name,
+            )
+        self.handle = handle
+        self.flow = flow
+
+    @property
+    def _ops(self):
+        return self._client.raw_ops
+
+    def _value(self, value):
+        if isinstance(value, (np.ndarray, TensorRef)):
+            return value
+        return np.asarray(value, dtype=self.dtype)
+
+    def write(self, index: int, value) -> TensorArray:
+        self.flow = self._ops.TensorArrayWriteV3(self.handle, index, self._value(value), self.flow)
+        return self
+
+    def read(self, index: int) -> np.ndarray:
+        return self._ops.TensorArrayReadV3(self.handle, index, self.flow, self.dtype)
+
+    def gather(self, indices: Sequence[int]) -> np.ndarray:
+        return self._ops.TensorArrayGatherV3(
+            self.handle, np.asarray(indices, np.int32), self.flow, self.dtype, self.element_shape
+        )
+
+    def stack(self) -> np.ndarray:
+        return self.gather(np.arange(self.size(), dtype=np.int32))
+
+    def scatter(self, indices: Sequence[int], value) -> TensorArray:
+        self.flow = self._ops.TensorArrayScatterV3(
+            self.handle, np.asarray(indices, np.int32), self._value(value), self.flow
+        )
+        return self
+
+    def unstack(self, value) -> TensorArray:
+        value = self._value(value)
+        return self.scatter(np.arange(value.shape[0], dtype=np.int32), value)
+
+    def concat(self) -> np.ndarray:
+        except0 = None if self.element_shape is None else self.element_shape[1:]
+        return self._ops.TensorArrayConcatV3(self.handle, self.flow, self.dtype, except0).value
+
+    def split(self, value, lengths: Sequence[int]) -> TensorArray:
+        self.flow = self._ops.TensorArraySplitV3(
+            self.handle, self._value(value), np.asarray(lengths, np.int64), self.flow
+        )
+        return self
+
+    def size(self) -> int:
+        return int(self._ops.TensorArraySizeV3(self.handle, self.flow))
+
+    def close(self) -> None:
+        self._ops.TensorArrayCloseV3(self.handle)
+
+    def grad(self, source: str, flow: float | None = None) -> TensorArray:
+        """The gradient TensorArray for ``source`` (the same one for the same source)."""
+        handle, grad_flow = self._ops.TensorArrayGradV3(
+            self.handle, self.flow if flow is None else flow, source
+        )
+        return TensorArray(
+            self._client,
+            self.dtype,
+            element_shape=self.element_shape,
+            handle=handle,
+            flow=grad_flow,
+        )
+
+    def __repr__(self) -> str:
+        return f"TensorArray(name={self.handle.name!r}, dtype={self.dtype})"

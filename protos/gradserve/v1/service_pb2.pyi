@@ -1,0 +1,143 @@
+from gradserve.v1 import tensor_pb2 as _tensor_pb2
+from gradserve.v1 import tensor_array_pb2 as _tensor_array_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CreateSessionRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CreateSessionResponse(_message.Message):
+    __slots__ = ("session_id", "idle_timeout_seconds")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    idle_timeout_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., idle_timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("idle_timeout_seconds",)
+    IDLE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    idle_timeout_seconds: float
+    def __init__(self, idle_timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class GetTensorRequest(_message.Message):
+    __slots__ = ("id", "chunk_bytes", "delete_after")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DELETE_AFTER_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    chunk_bytes: int
+    delete_after: bool
+    def __init__(self, id: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., delete_after: _Optional[bool] = ...) -> None: ...
+
+class DeleteTensorRequest(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DeleteTensorResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: int
+    def __init__(self, deleted: _Optional[int] = ...) -> None: ...
+
+class BatchStep(_message.Message):
+    __slots__ = ("tensor_array_v3", "tensor_array_write_v3", "tensor_array_read_v3", "tensor_array_gather_v3", "tensor_array_scatter_v3", "tensor_array_concat_v3", "tensor_array_split_v3", "tensor_array_size_v3", "tensor_array_close_v3", "tensor_array_grad_v3", "tensor_array_grad_with_shape", "stop_gradient")
+    TENSOR_ARRAY_V3_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ARRAY_WRITE_V3_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ARRAY_READ_V3_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ARRAY_GATHER_V3_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ARRAY_SCATTER_V3_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ARRAY_CONCAT_V3_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ARRAY_SPLIT_V3_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ARRAY_SIZE_V3_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ARRAY_CLOSE_V3_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ARRAY_GRAD_V3_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ARRAY_GRAD_WITH_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    STOP_GRADIENT_FIELD_NUMBER: _ClassVar[int]
+    tensor_array_v3: _tensor_array_pb2.TensorArrayV3Request
+    tensor_array_write_v3: _tensor_array_pb2.TensorArrayWriteV3Request
+    tensor_array_read_v3: _tensor_array_pb2.TensorArrayReadV3Request
+    tensor_array_gather_v3: _tensor_array_pb2.TensorArrayGatherV3Request
+    tensor_array_scatter_v3: _tensor_array_pb2.TensorArrayScatterV3Request
+    tensor_array_concat_v3: _tensor_array_pb2.TensorArrayConcatV3Request
+    tensor_array_split_v3: _tensor_array_pb2.TensorArraySplitV3Request
+    tensor_array_size_v3: _tensor_array_pb2.TensorArraySizeV3Request
+    tensor_array_close_v3: _tensor_array_pb2.TensorArrayCloseV3Request
+    tensor_array_grad_v3: _tensor_array_pb2.TensorArrayGradV3Request
+    tensor_array_grad_with_shape: _tensor_array_pb2.TensorArrayGradWithShapeRequest
+    stop_gradient: _tensor_array_pb2.StopGradientRequest
+    def __init__(self, tensor_array_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayV3Request, _Mapping]] = ..., tensor_array_write_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayWriteV3Request, _Mapping]] = ..., tensor_array_read_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayReadV3Request, _Mapping]] = ..., tensor_array_gather_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayGatherV3Request, _Mapping]] = ..., tensor_array_scatter_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayScatterV3Request, _Mapping]] = ..., tensor_array_concat_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayConcatV3Request, _Mapping]] = ..., tensor_array_split_v3: _Optional[_Union[_tensor_array_pb2.TensorArraySplitV3Request, _Mapping]] = ..., tensor_array_size_v3: _Optional[_Union[_tensor_array_pb2.TensorArraySizeV3Request, _Mapping]] = ..., tensor_array_close_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayCloseV3Request, _Mapping]] = ..., tensor_array_grad_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayGradV3Request, _Mapping]] = ..., tensor_array_grad_with_shape: _Optional[_Union[_tensor_array_pb2.TensorArrayGradWithShapeRequest, _Mapping]] = ..., stop_gradient: _Optional[_Union[_tensor_array_pb2.StopGradientRequest, _Mapping]] = ...) -> None: ...
+
+class BatchResult(_message.Message):
+    __slots__ = ("tensor_array_v3", "tensor_array_write_v3", "tensor_array_read_v3", "tensor_array_gather_v3", "tensor_array_scatter_v3", "tensor_array_concat_v3", "tensor_array_split_v3", "tensor_array_size_v3", "tensor_array_close_v3", "tensor_array_grad_v3", "tensor_array_grad_with_shape", "stop_gradient")
+    TENSOR_ARRAY_V3_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ARRAY_WRITE_V3_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ARRAY_READ_V3_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ARRAY_GATHER_V3_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ARRAY_SCATTER_V3_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ARRAY_CONCAT_V3_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ARRAY_SPLIT_V3_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ARRAY_SIZE_V3_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ARRAY_CLOSE_V3_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ARRAY_GRAD_V3_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ARRAY_GRAD_WITH_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    STOP_GRADIENT_FIELD_NUMBER: _ClassVar[int]
+    tensor_array_v3: _tensor_array_pb2.TensorArrayV3Response
+    tensor_array_write_v3: _tensor_array_pb2.TensorArrayWriteV3Response
+    tensor_array_read_v3: _tensor_array_pb2.TensorArrayReadV3Response
+    tensor_array_gather_v3: _tensor_array_pb2.TensorArrayGatherV3Response
+    tensor_array_scatter_v3: _tensor_array_pb2.TensorArrayScatterV3Response
+    tensor_array_concat_v3: _tensor_array_pb2.TensorArrayConcatV3Response
+    tensor_array_split_v3: _tensor_array_pb2.TensorArraySplitV3Response
+    tensor_array_size_v3: _tensor_array_pb2.TensorArraySizeV3Response
+    tensor_array_close_v3: _tensor_array_pb2.TensorArrayCloseV3Response
+    tensor_array_grad_v3: _tensor_array_pb2.TensorArrayGradV3Response
+    tensor_array_grad_with_shape: _tensor_array_pb2.TensorArrayGradWithShapeResponse
+    stop_gradient: _tensor_array_pb2.StopGradientResponse
+    def __init__(self, tensor_array_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayV3Response, _Mapping]] = ..., tensor_array_write_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayWriteV3Response, _Mapping]] = ..., tensor_array_read_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayReadV3Response, _Mapping]] = ..., tensor_array_gather_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayGatherV3Response, _Mapping]] = ..., tensor_array_scatter_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayScatterV3Response, _Mapping]] = ..., tensor_array_concat_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayConcatV3Response, _Mapping]] = ..., tensor_array_split_v3: _Optional[_Union[_tensor_array_pb2.TensorArraySplitV3Response, _Mapping]] = ..., tensor_array_size_v3: _Optional[_Union[_tensor_array_pb2.TensorArraySizeV3Response, _Mapping]] = ..., tensor_array_close_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayCloseV3Response, _Mapping]] = ..., tensor_array_grad_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayGradV3Response, _Mapping]] = ..., tensor_array_grad_with_shape: _Optional[_Union[_tensor_array_pb2.TensorArrayGradWithShapeResponse, _Mapping]] = ..., stop_gradient: _Optional[_Union[_tensor_array_pb2.StopGradientResponse, _Mapping]] = ...) -> None: ...
+
+class StepError(_message.Message):
+    __slots__ = ("code", "message", "reason")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    reason: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class BatchRequest(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[BatchStep]
+    def __init__(self, steps: _Optional[_Iterable[_Union[BatchStep, _Mapping]]] = ...) -> None: ...
+
+class BatchResponse(_message.Message):
+    __slots__ = ("results", "failed_step", "error")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_STEP_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[BatchResult]
+    failed_step: int
+    error: StepError
+    def __init__(self, results: _Optional[_Iterable[_Union[BatchResult, _Mapping]]] = ..., failed_step: _Optional[int] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...

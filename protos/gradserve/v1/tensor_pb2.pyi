@@ -1,0 +1,97 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DT_INVALID: _ClassVar[DType]
+    DT_BOOL: _ClassVar[DType]
+    DT_INT8: _ClassVar[DType]
+    DT_INT16: _ClassVar[DType]
+    DT_INT32: _ClassVar[DType]
+    DT_INT64: _ClassVar[DType]
+    DT_UINT8: _ClassVar[DType]
+    DT_UINT16: _ClassVar[DType]
+    DT_UINT32: _ClassVar[DType]
+    DT_UINT64: _ClassVar[DType]
+    DT_FLOAT16: _ClassVar[DType]
+    DT_FLOAT32: _ClassVar[DType]
+    DT_FLOAT64: _ClassVar[DType]
+    DT_COMPLEX64: _ClassVar[DType]
+    DT_COMPLEX128: _ClassVar[DType]
+DT_INVALID: DType
+DT_BOOL: DType
+DT_INT8: DType
+DT_INT16: DType
+DT_INT32: DType
+DT_INT64: DType
+DT_UINT8: DType
+DT_UINT16: DType
+DT_UINT32: DType
+DT_UINT64: DType
+DT_FLOAT16: DType
+DT_FLOAT32: DType
+DT_FLOAT64: DType
+DT_COMPLEX64: DType
+DT_COMPLEX128: DType
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "content")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    content: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., content: _Optional[bytes] = ...) -> None: ...
+
+class ResidentTensor(_message.Message):
+    __slots__ = ("id", "dtype", "shape", "transient")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    TRANSIENT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    transient: bool
+    def __init__(self, id: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., transient: _Optional[bool] = ...) -> None: ...
+
+class TensorInput(_message.Message):
+    __slots__ = ("value", "ref")
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    REF_FIELD_NUMBER: _ClassVar[int]
+    value: Tensor
+    ref: str
+    def __init__(self, value: _Optional[_Union[Tensor, _Mapping]] = ..., ref: _Optional[str] = ...) -> None: ...
+
+class TensorOutput(_message.Message):
+    __slots__ = ("value", "ref")
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    REF_FIELD_NUMBER: _ClassVar[int]
+    value: Tensor
+    ref: ResidentTensor
+    def __init__(self, value: _Optional[_Union[Tensor, _Mapping]] = ..., ref: _Optional[_Union[ResidentTensor, _Mapping]] = ...) -> None: ...
+
+class PartialShape(_message.Message):
+    __slots__ = ("unknown_rank", "dims")
+    UNKNOWN_RANK_FIELD_NUMBER: _ClassVar[int]
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    unknown_rank: bool
+    dims: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, unknown_rank: _Optional[bool] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...

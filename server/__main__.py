@@ -1,0 +1,10 @@
+"""``python -m gradserve.server serve …`` (the word ``serve`` may be left out)."""
+
+import sys
+
+from gradserve.server.cli import main
+
+argv = sys.argv[1:]
+if not argv or argv[0] not in ("serve", "health", "-h", "--help"):
+    argv = ["serve", *argv]
+sys.exit(main(argv))

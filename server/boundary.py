@@ -1,0 +1,100 @@
+"""The one place where domain errors become gRPC statuses.
+
+``rpc_status_for`` builds a ``google.rpc.Status`` with details (``ErrorInfo``
+carrying the reason, ``BadRequest`` naming the field at fault), and
+``guarded`` wraps a handler so that every exception leaves through it: typed
+errors with their own code, anything unexpected as INTERNAL (logged with its
+traceback). No handler picks a status code itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from gradserve.errors import GradserveError, InternalError
+
+log = logging.getLogger(__name__)
+
+ERROR_DOMAIN = "gradserve"
+
+H = TypeVar("H", bound=Callable)
+
+
+def as_gradserve_error(exc: BaseException) -> GradserveError:
+    """``exc`` itself if typed; otherwise an INTERNAL error that says what broke."""
+    if isinstance(exc, GradserveError):
+        return exc
+    log.exception("unexpected error in handler")
+    return InternalError(f"internal error: {type(exc).__name__}: {exc}", reason="INTERNAL")
+
+
+def rpc_status_for(err: GradserveError) -> status_pb2.Status:
+    details = []
+    if err.reason:
+        info = any_pb2.Any()
+        info.Pack(error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN))
+        details.append(info)
+    if err.field:
+        bad = any_pb2.Any()
+        bad.Pack(
+            error_details_pb2.BadRequest(
+                field_violations=[
+                    error_details_pb2.BadRequest.FieldViolation(
+                        field=err.field, description=err.message
+                    )
+                ]
+            )
+        )
+        details.append(bad)
+    return status_pb2.Status(code=err.code.value[0], message=err.message, details=details)
+
+
+def abort(context: grpc.ServicerContext, err: GradserveError):
+    """End the RPC with ``err``'s status and details (raises, as context.abort does)."""
+    context.abort_with_status(rpc_status.to_status(rpc_status_for(err)))
+
+
+def guarded(handler: H) -> H:
+    """Wrap a unary or server-streaming servicer method with the error mapping."""
+
+    @functools.wraps(handler)
+    def unary(self, request, context):
+        try:
+            return handler(self, request, context)
+        except Exception as exc:  # noqa: BLE001 - the boundary: nothing escapes
+            if _is_abort(exc, context):
+                raise
+            abort(context, as_gradserve_error(exc))
+
+    return unary  # type: ignore[return-value]
+
+
+def guarded_stream(handler: H) -> H:
+    """Like ``guarded``, for handlers that yield (server streaming)."""
+
+    @functools.wraps(handler)
+    def streaming(self, request, context):
+        try:
+            yield from handler(self, request, context)
+        except Exception as exc:  # noqa: BLE001
+            if _is_abort(exc, context):
+                raise
+            abort(context, as_gradserve_error(exc))
+
+    return streaming  # type: ignore[return-value]
+
+
+def _is_abort(exc: Exception, context: grpc.ServicerContext) -> bool:
+    # context.abort raises a bare Exception after setting the code.
+    return type(exc) is Exception and context.code() not in (None, grpc.StatusCode.OK)
+
+
+assert code_pb2.OK == 0  # google.rpc.Code and grpc.StatusCode share numbers

@@ -1,0 +1,168 @@
+"""TensorArray*V3 ops: TensorFlow's op-kernel checks, then the state machine.
+
+The order of checks follows tensor_array_ops.cc, so the first error a bad
+call meets is the one TensorFlow reports.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gradserve import dtypes, shapes
+from gradserve.errors import InvalidArgumentError
+from gradserve.server.ops import args
+from gradserve.server.sessions import Session
+from gradserve.server.tensor_array import TensorArray
+
+
+def _check_write_dtype(ta: TensorArray, value: np.ndarray) -> None:
+    if value.dtype != ta.dtype:
+        raise InvalidArgumentError(
+            f"TensorArray dtype is {dtypes.tf_name(ta.dtype)} but Op is trying to write dtype "
+            f"{dtypes.tf_name(value.dtype)}.",
+            field="value",
+        )
+
+
+def _check_read_dtype(ta: TensorArray, dtype: np.dtype) -> None:
+    if dtype != ta.dtype:
+        raise InvalidArgumentError(
+            f"TensorArray dtype is {dtypes.tf_name(ta.dtype)} but Op requested dtype "
+            f"{dtypes.tf_name(dtype)}.",
+            field="dtype",
+        )
+
+
+def create(
+    session: Session,
+    *,
+    size: np.ndarray,
+    dtype: np.dtype,
+    element_shape: shapes.PartialShape,
+    dynamic_size: bool,
+    clear_after_read: bool,
+    identical_element_shapes: bool,
+    tensor_array_name: str,
+) -> tuple[str, TensorArray]:
+    """TensorArrayV3 -> (handle id, array). Flow out is always 0.0."""
+    n = args.int32_scalar(size, "size", "TensorArray size must be scalar, but had shape: ")
+    if n < 0:
+        raise InvalidArgumentError("Size should be >= 0.", field="size")
+    return session.create_tensor_array(
+        tensor_array_name=tensor_array_name,
+        dtype=dtype,
+        size=n,
+        element_shape=element_shape,
+        identical_element_shapes=identical_element_shapes,
+        dynamic_size=dynamic_size,
+        clear_after_read=clear_after_read,
+    )
+
+
+def write(session: Session, handle: str, index: np.ndarray, value: np.ndarray) -> None:
+    i = args.int32_scalar(index, "index", "TensorArray index must be scalar, but had shape: ")
+    ta = session.tensor_array(handle)
+    _check_write_dtype(ta, value)
+    ta.write(i, value)
+
+
+def read(session: Session, handle: str, index: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    i = args.int32_scalar(index, "index", "TensorArray index must be scalar, but had shape: ")
+    ta = session.tensor_array(handle)
+    _check_read_dtype(ta, dtype)
+    return ta.read(i)
+
+
+def gather(
+    session: Session,
+    handle: str,
+    indices: np.ndarray,
+    dtype: np.dtype,
+    element_shape: shapes.PartialShape,
+) -> np.ndarray:
+    ta = session.tensor_array(handle)
+    _check_read_dtype(ta, dtype)
+    idx = args.int_vector(
+        indices, "indices", "Expected indices to be a vector, but received shape: "
+    )
+    return ta.gather(idx, element_shape)
+
+
+def scatter(session: Session, handle: str, indices: np.ndarray, value: np.ndarray) -> None:
+    ta = session.tensor_array(handle)
+    _check_write_dtype(ta, value)
+    if value.ndim == 0:
+        raise InvalidArgumentError(
+            "Input value for unpack must be at least a vector but received shape: []",
+            field="value",
+        )
+    idx = args.int_vector(
+        indices, "indices", "Expected indices to be a vector, but received shape: "
+    )
+    ta.scatter(idx, value)
+
+
+def concat(
+    session: Session, handle: str, dtype: np.dtype, element_shape_except0: shapes.PartialShape
+) -> tuple[np.ndarray, np.ndarray]:
+    ta = session.tensor_array(handle)
+    _check_read_dtype(ta, dtype)
+    return ta.concat(element_shape_except0)
+
+
+def split(session: Session, handle: str, value: np.ndarray, lengths: np.ndarray) -> None:
+    ta = session.tensor_array(handle)
+    n = args.int_vector(
+        lengths, "lengths", "Expected lengths to be a vector, received shape: ", bits=64
+    )
+    if value.ndim == 0:
+        raise InvalidArgumentError(
+            "Expected value to be at least a vector, but received shape: []", field="value"
+        )
+    for i, length in enumerate(n):
+        if length < 0:
+            raise InvalidArgumentError(
+                f"Expected lengths to be non-negative, but lengths[{i}] is {length}",
+                field="lengths",
+            )
+    if sum(n) != value.shape[0]:
+        raise InvalidArgumentError(
+            f"Expected sum of lengths to be equal to values.shape[0], but sum of lengths is "
+            f"{sum(n)} and value's shape is: {shapes.debug_string(value.shape)}",
+            field="lengths",
+        )
+    _check_write_dtype(ta, value)
+    ta.split(n, value)
+
+
+def size(session: Session, handle: str) -> np.ndarray:
+    return np.array(session.tensor_array(handle).size(), dtype=np.int32)
+
+
+def close(session: Session, handle: str) -> None:
+    session.tensor_array(handle).close()
+
+
+def grad(
+    session: Session, handle: str, source: str, shape_to_prepend: np.ndarray | None = None
+) -> tuple[str, TensorArray]:
+    """TensorArrayGradV3 (``shape_to_prepend`` None) or TensorArrayGradWithShape."""
+    prepend: tuple[int, ...] = ()
+    if shape_to_prepend is not None:
+        dims = args.int_vector(
+            shape_to_prepend,
+            "shape_to_prepend",
+            "shape_to_prepend must be a vector, but received shape: ",
+            bits=64,
+        )
+        if any(d < 0 for d in dims):
+            raise InvalidArgumentError(
+                f"shape_to_prepend {dims} has a negative dimension", field="shape_to_prepend"
+            )
+        prepend = tuple(dims)
+    return session.grad_array(handle, source, prepend)
+
+
+def stop_gradient(value: np.ndarray) -> np.ndarray:
+    """StopGradient: the identity, bit for bit (the array is immutable, so no copy)."""
+    return value

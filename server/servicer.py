@@ -1,0 +1,203 @@
+"""The GradServe servicer: sessions, resident tensors, op RPCs and Batch.
+
+Every method finds its session from the ``x-gradserve-session`` metadata,
+translates, and delegates; errors leave through ``boundary``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gradserve import codec, dtypes, protocol
+from gradserve.errors import (
+    CancelledError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+)
+from gradserve.server import boundary
+from gradserve.server.op_handlers import OPS, OPS_BY_BATCH_FIELD, Op
+from gradserve.server.sessions import Session, SessionStore
+from gradserve.server.wire import CallIO, dtype_of
+from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_pb2
+
+
+class GradServeServicer(service_pb2_grpc.GradServeServicer):
+    def __init__(
+        self,
+        store: SessionStore,
+        *,
+        max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
+        chunk_bytes: int = protocol.DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        self.store = store
+        self.max_message_bytes = max_message_bytes
+        self.chunk_bytes = chunk_bytes
+
+    # ---------------------------------------------------------------- helpers
+    def _session(self, context) -> Session:
+        session_id = _metadata(context, protocol.SESSION_METADATA_KEY)
+        if not session_id:
+            raise InvalidArgumentError(
+                f"no session: pass the id CreateSession returned in "
+                f"'{protocol.SESSION_METADATA_KEY}' request metadata",
+                reason="SESSION_REQUIRED",
+            )
+        return self.store.get(session_id)
+
+    def _io(self, context) -> CallIO:
+        # Room for the rest of the response next to the largest inline tensor.
+        ceiling = self.max_message_bytes - 64 * 1024
+        raw = _metadata(context, protocol.INLINE_LIMIT_METADATA_KEY)
+        try:
+            limit = min(int(raw), ceiling) if raw else ceiling
+        except ValueError:
+            raise InvalidArgumentError(
+                f"'{protocol.INLINE_LIMIT_METADATA_KEY}' must be an integer, got {raw!r}"
+            ) from None
+        return CallIO(self._session(context), limit)
+
+    # ---------------------------------------------------------------- sessions
+    @boundary.guarded
+    def CreateSession(self, request, context):
+        session = self.store.create()
+        return service_pb2.CreateSessionResponse(
+            session_id=session.id, idle_timeout_seconds=self.store.idle_timeout
+        )
+
+    @boundary.guarded
+    def CloseSession(self, request, context):
+        self.store.close(self._session(context).id)
+        return service_pb2.CloseSessionResponse()
+
+    @boundary.guarded
+    def KeepAlive(self, request, context):
+        self._session(context)  # finding it refreshes its idle timer
+        return service_pb2.KeepAliveResponse(idle_timeout_seconds=self.store.idle_timeout)
+
+    # ---------------------------------------------------------------- resident tensors
+    def PutTensor(self, request_iterator, context):
+        try:
+            session = self._session(context)
+            array = self._receive(request_iterator)
+            tensor_id = session.put(array)
+            return tensor_pb2.ResidentTensor(
+                id=tensor_id, dtype=dtypes.to_enum(array.dtype), shape=array.shape
+            )
+        except Exception as exc:  # noqa: BLE001 - the boundary
+            boundary.abort(context, boundary.as_gradserve_error(exc))
+
+    def _receive(self, chunks) -> np.ndarray:
+        first = next(chunks, None)
+        if first is None:
+            raise InvalidArgumentError("PutTensor: the stream carried no chunk")
+        dtype = dtype_of(first.dtype, "dtype")
+        shape = tuple(first.shape)
+        nbytes = codec.element_count(shape, field="shape") * dtype.itemsize
+        limit = self.store.max_tensor_bytes
+        if limit is not None and nbytes > limit:
+            raise ResourceExhaustedError(
+                f"PutTensor: tensor of {nbytes} bytes is over the server's max tensor size "
+                f"of {limit} bytes",
+                reason="TENSOR_TOO_LARGE",
+            )
+        buffer = np.empty(nbytes, np.uint8)
+        filled = 0
+        for chunk in _chain(first, chunks):
+            data = chunk.data
+            end = filled + len(data)
+            if end > nbytes:
+                raise InvalidArgumentError(
+                    f"PutTensor: more data than shape {list(shape)} of {dtype} holds "
+                    f"({nbytes} bytes)"
+                )
+            buffer[filled:end] = np.frombuffer(data, np.uint8)
+            filled = end
+        if filled != nbytes:
+            raise InvalidArgumentError(f"PutTensor: stream ended after {filled} of {nbytes} bytes")
+        array = buffer.view(dtype.newbyteorder("<")).reshape(shape)
+        array.flags.writeable = False
+        return array
+
+    @boundary.guarded_stream
+    def GetTensor(self, request, context):
+        session = self._session(context)
+        array = session.get(request.id)
+        chunk = request.chunk_bytes if request.chunk_bytes > 0 else self.chunk_bytes
+        chunk = min(chunk, self.max_message_bytes - 1024)
+        little = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<"), copy=False))
+        raw = memoryview(little.reshape(-1).view(np.uint8)) if little.size else memoryview(b"")
+        if request.delete_after:
+            session.delete([request.id])
+        yield tensor_pb2.TensorChunk(
+            dtype=dtypes.to_enum(array.dtype), shape=array.shape, data=bytes(raw[:chunk])
+        )
+        for start in range(chunk, len(raw), chunk):
+            yield tensor_pb2.TensorChunk(data=bytes(raw[start : start + chunk]))
+
+    @boundary.guarded
+    def DeleteTensor(self, request, context):
+        deleted = self._session(context).delete(request.ids)
+        return service_pb2.DeleteTensorResponse(deleted=deleted)
+
+    # ---------------------------------------------------------------- Batch
+    @boundary.guarded
+    def Batch(self, request, context):
+        io = self._io(context)
+        response = service_pb2.BatchResponse()
+        for index, step in enumerate(request.steps):
+            try:
+                _check_call_alive(context)
+                which = step.WhichOneof("op")
+                if which is None:
+                    raise InvalidArgumentError(f"Batch step {index} names no op")
+                op = OPS_BY_BATCH_FIELD[which]
+                result = op.handler(io, getattr(step, which))
+                getattr(response.results.add(), which).CopyFrom(result)
+            except Exception as exc:  # noqa: BLE001 - reported in the response
+                err = boundary.as_gradserve_error(exc)
+                response.failed_step = index
+                response.error.code = err.code.value[0]
+                response.error.message = f"Batch step {index} ({_op_name(step)}): {err.message}"
+                response.error.reason = err.reason
+                break
+        return response
+
+
+def _op_rpc(op: Op):
+    def method(self, request, context):
+        return op.handler(self._io(context), request)
+
+    method.__name__ = op.rpc
+    method.__doc__ = f"The {op.rpc} op (see tf.raw_ops.{op.rpc})."
+    return boundary.guarded(method)
+
+
+for _op in OPS:
+    setattr(GradServeServicer, _op.rpc, _op_rpc(_op))
+
+
+def _op_name(step) -> str:
+    which = step.WhichOneof("op")
+    return OPS_BY_BATCH_FIELD[which].rpc if which else "no op"
+
+
+def _metadata(context, key: str) -> str | None:
+    for k, v in context.invocation_metadata() or ():
+        if k == key:
+            return v
+    return None
+
+
+def _check_call_alive(context) -> None:
+    """Between steps of long work: stop if the client cancelled or the deadline passed."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        raise DeadlineExceededError("deadline exceeded")
+    if not context.is_active():
+        raise CancelledError("the call was cancelled")
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest

@@ -1,0 +1,490 @@
+"""TensorFlow's TensorArray as a pure state machine (no gRPC, no sessions).
+
+Invariants, as in tensorflow/core/kernels/tensor_array.h:
+
+* write-once per index for a forward array; a gradient array instead *sums*
+  repeated writes to one index (its values are partial gradients of the many
+  reads of that index in the forward pass), with exact shape equality;
+* read-many, unless ``clear_after_read``: then a read drops the value and a
+  second read of that index fails;
+* an index that has been read can no longer be written;
+* thread-safe: every public method takes the array's lock;
+* closable: ``close`` drops every value; later use fails.
+
+One deliberate difference: TensorFlow applies a multi-index op (scatter, split,
+gather with clear_after_read) index by index and keeps what it did before the
+first failing index. Here a failing call changes nothing: each public method
+runs inside a journal that restores every touched slot and field on error.
+
+Values are NumPy arrays that are never mutated in place (an aggregated write
+allocates the sum), so a journal entry is a shallow copy of the slot record and
+a stored array can be shared with the session's resident tensors.
+
+Slots live in a dict keyed by index, so ``size`` can be any int32 without
+allocating per-slot state; an absent key is an unwritten slot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+
+from gradserve import dtypes, shapes
+from gradserve.errors import InvalidArgumentError, ResourceExhaustedError, UnimplementedError
+
+INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass
+class _Slot:
+    """The state of one index."""
+
+    #: The value; ``None`` while written means zeros of ``shape`` not yet
+    #: materialised (a gradient array's soft copy) or dropped by a clearing read.
+    value: np.ndarray | None = None
+    #: Shape of the value (or of the implied zeros).
+    shape: tuple[int, ...] = ()
+    #: A value (or a shape standing for zeros) has been written.
+    written: bool = False
+    #: The index has been read; it can no longer be written.
+    read: bool = False
+    #: Read with clear_after_read: the value is gone; reading again fails.
+    cleared: bool = False
+
+
+class TensorArray:
+    """One TensorArray or gradient TensorArray.
+
+    Parameters mirror TensorFlow's constructor. ``name`` is the unique name
+    TensorFlow prints in messages ("ta_3", "ta_3@gradients");
+    ``max_output_bytes`` bounds every tensor the array allocates (zeros for an
+    unwritten read, a gather or concat result).
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        dtype: np.dtype,
+        size: int,
+        element_shape: shapes.PartialShape = None,
+        identical_element_shapes: bool = False,
+        dynamic_size: bool = False,
+        clear_after_read: bool = True,
+        multiple_writes_aggregate: bool = False,
+        is_grad: bool = False,
+        marked_size: int = -1,
+        max_output_bytes: int | None = None,
+    ) -> None:
+        if size < 0:
+            raise InvalidArgumentError("Size should be >= 0.")
+        self.name = name
+        self.dtype = np.dtype(dtype)
+        self.is_grad = is_grad
+        self.identical_element_shapes = identical_element_shapes
+        self.clear_after_read = clear_after_read
+        self.multiple_writes_aggregate = multiple_writes_aggregate
+        self.max_output_bytes = max_output_bytes
+        self._lock = threading.Lock()
+        self._slots: dict[int, _Slot] = {}
+        self._size = size
+        self._element_shape = element_shape
+        self._dynamic_size = dynamic_size
+        self._marked_size = marked_size
+        self._gradients_disallowed = False
+        self._closed = False
+        self._journal: dict[int, _Slot | None] | None = None
+
+    # ------------------------------------------------------------------ journal
+    _FIELDS = ("_size", "_element_shape", "_dynamic_size", "_marked_size", "_gradients_disallowed")
+
+    @contextlib.contextmanager
+    def _atomic(self) -> Iterator[None]:
+        """Hold the lock; on any exception restore every slot and field touched."""
+        with self._lock:
+            saved = {f: getattr(self, f) for f in self._FIELDS}
+            self._journal = {}
+            try:
+                yield
+            except BaseException:
+                for f, v in saved.items():
+                    setattr(self, f, v)
+                for index, old in self._journal.items():
+                    if old is None:
+                        self._slots.pop(index, None)
+                    else:
+                        self._slots[index] = old
+                raise
+            finally:
+                self._journal = None
+
+    def _slot_for_update(self, index: int) -> _Slot:
+        """The slot at ``index``, created if absent, journaled before first change."""
+        slot = self._slots.get(index)
+        if self._journal is not None and index not in self._journal:
+            self._journal[index] = dataclasses.replace(slot) if slot is not None else None
+        if slot is None:
+            slot = self._slots[index] = _Slot()
+        return slot
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def element_shape(self) -> shapes.PartialShape:
+        with self._lock:
+            return self._element_shape
+
+    @property
+    def closed(self) -> bool:
+        with self._lock:
+            return self._closed
+
+    @property
+    def dynamic_size(self) -> bool:
+        with self._lock:
+            return self._dynamic_size
+
+    def size(self) -> int:
+        """TensorArraySizeV3. Fails once closed."""
+        with self._lock:
+            self._check_open()
+            return self._size
+
+    def nbytes(self) -> int:
+        """Bytes of values currently held (zeros not yet materialised count 0)."""
+        with self._lock:
+            return sum(s.value.nbytes for s in self._slots.values() if s.value is not None)
+
+    # ------------------------------------------------------------------ writes
+    def write(self, index: int, value: np.ndarray) -> None:
+        """TensorArrayWriteV3.
+
+        Preconditions: open; ``0 <= index`` and, unless dynamic, ``index < size``;
+        value shape compatible with the element shape; index not yet read; not
+        yet written unless this is a gradient (aggregating) array, whose repeated
+        writes need exactly the existing shape.
+        Side effects: the value is stored (or summed); a dynamic array grows to
+        ``index + 1``; an identical-shapes array learns its element shape.
+        """
+        with self._atomic():
+            self._check_open()
+            self._write_locked(index, value)
+
+    def scatter(self, indices: Sequence[int], value: np.ndarray) -> None:
+        """TensorArrayScatterV3: ``value[i]`` to ``indices[i]``, all or nothing."""
+        with self._atomic():
+            self._check_open()
+            if len(indices) != value.shape[0]:
+                raise InvalidArgumentError(
+                    f"Expected len(indices) == values.shape[0], but saw: "
+                    f"{len(indices)} vs. {value.shape[0]}"
+                )
+            max_index = max(indices, default=-1)
+            size = self._size
+            if self._dynamic_size and size < max_index + 1:
+                size = max_index + 1
+            if max_index >= size:
+                raise InvalidArgumentError(
+                    f"Max scatter index must be < array size ({max_index} vs. {size})"
+                )
+            for i, index in enumerate(indices):
+                self._write_locked(int(index), value[i])
+
+    def split(self, lengths: Sequence[int], value: np.ndarray) -> None:
+        """TensorArraySplitV3: consecutive row blocks of ``value`` to indices 0..n-1."""
+        with self._atomic():
+            self._check_open()
+            n = len(lengths)
+            size = self._size
+            if self._dynamic_size and size < n:
+                size = n
+            if size != n:
+                raise InvalidArgumentError(
+                    f"TensorArray's size is not equal to the size of lengths ({size} vs. "
+                    f"{n}), and the TensorArray is not marked as dynamically resizeable"
+                )
+            if not self.is_grad:
+                self._marked_size = n
+            start = 0
+            for index, length in enumerate(lengths):
+                self._write_locked(index, value[start : start + length])
+                start += length
+
+    def _write_locked(self, index: int, value: np.ndarray) -> None:
+        if index < 0 or (not self._dynamic_size and index >= self._size):
+            raise InvalidArgumentError(
+                f"TensorArray {self.name}: Tried to write to index {index} but array is "
+                f"not resizeable and size is: {self._size}"
+            )
+        if index > INT32_MAX - 1:
+            raise InvalidArgumentError(f"TensorArray {self.name}: index {index} exceeds int32")
+        if value.dtype != self.dtype:
+            raise InvalidArgumentError(
+                f"TensorArray {self.name}: Could not write to TensorArray index {index} "
+                f"because the value dtype is {dtypes.tf_name(value.dtype)} but TensorArray "
+                f"dtype is {dtypes.tf_name(self.dtype)}."
+            )
+        if not shapes.is_compatible(self._element_shape, value.shape):
+            raise InvalidArgumentError(
+                f"TensorArray {self.name}: Could not write to TensorArray index {index} "
+                f"because the value shape is {shapes.debug_string(value.shape)} which is "
+                f"incompatible with the TensorArray's inferred element shape: "
+                f"{shapes.debug_string(self._element_shape)} (consider setting "
+                f"infer_shape=False)."
+            )
+        existing = self._slots.get(index)
+        if existing is not None and existing.read:
+            raise InvalidArgumentError(
+                f"TensorArray {self.name}: Could not write to TensorArray index {index} "
+                f"because it has already been read."
+            )
+        if existing is not None and existing.written and not self.multiple_writes_aggregate:
+            raise InvalidArgumentError(
+                f"TensorArray {self.name}: Could not write to TensorArray index {index} "
+                f"because it has already been written to."
+            )
+        if existing is not None and existing.written and value.shape != existing.shape:
+            raise InvalidArgumentError(
+                f"TensorArray {self.name}: Could not aggregate to TensorArray index {index} "
+                f"because the existing shape is {shapes.debug_string(existing.shape)} but "
+                f"the new input shape is {shapes.debug_string(value.shape)}."
+            )
+        # Every check passed: mutate.
+        if self.identical_element_shapes and not shapes.is_fully_defined(self._element_shape):
+            self._element_shape = tuple(value.shape)
+        if self._dynamic_size and index >= self._size:
+            self._size = index + 1
+        slot = self._slot_for_update(index)
+        if not slot.written:
+            slot.value, slot.shape, slot.written = value, tuple(value.shape), True
+        elif slot.value is None or slot.value.size == 0:
+            slot.value = value  # the stored "value" was only a shape: zeros
+        else:
+            slot.value = slot.value + value  # never in place: see module docstring
+            self._gradients_disallowed = True
+
+    # ------------------------------------------------------------------ reads
+    def read(self, index: int) -> np.ndarray:
+        """TensorArrayReadV3.
+
+        Preconditions: open; ``0 <= index < size`` (a gradient array also reads
+        past its size, as zeros); written, or the element shape (or, for a
+        gradient array, the copied forward shape) fully known, giving zeros;
+        not cleared by an earlier read.
+        Side effects: marks the index read; with clear_after_read drops the value.
+        """
+        with self._atomic():
+            self._check_open()
+            return self._read_locked(index)
+
+    def gather(self, indices: Sequence[int], element_shape: shapes.PartialShape) -> np.ndarray:
+        """TensorArrayGatherV3: the values at ``indices`` stacked on a new axis 0."""
+        with self._atomic():
+            self._check_open()
+            self._element_shape = shapes.merge(self._element_shape, element_shape)
+            if len(indices) == 0:
+                if not shapes.is_fully_defined(element_shape):
+                    raise UnimplementedError(
+                        f"TensorArray has size zero, but element shape "
+                        f"{shapes.debug_string(element_shape)} is not fully defined. "
+                        "Currently only static shapes are supported when packing zero-size "
+                        "TensorArrays."
+                    )
+                return np.zeros((0, *element_shape), self.dtype)
+            values = self._read_many(indices)
+            first = values[0].shape
+            if not shapes.is_compatible(element_shape, first):
+                raise InvalidArgumentError(
+                    f"TensorArray was passed element_shape {shapes.debug_string(element_shape)} "
+                    f"which does not match the Tensor at index 0: {shapes.debug_string(first)}"
+                )
+            for i, v in enumerate(values[1:], start=1):
+                if v.shape != first:
+                    raise InvalidArgumentError(
+                        f"TensorArray has inconsistent shapes.  Index 0 has shape: "
+                        f"{shapes.debug_string(first)} but index {i} has shape: "
+                        f"{shapes.debug_string(v.shape)}"
+                    )
+            return np.stack(values)
+
+    def concat(self, element_shape_except0: shapes.PartialShape) -> tuple[np.ndarray, np.ndarray]:
+        """TensorArrayConcatV3: every value joined on axis 0, and their lengths (int64)."""
+        with self._atomic():
+            self._check_open()
+            # A gradient array concatenates as many elements as its forward was
+            # split into (TensorFlow's marked size); -1 (never split) means all.
+            n = self._marked_size if self.is_grad and self._marked_size >= 0 else self._size
+            if n == 0:
+                if not shapes.is_fully_defined(element_shape_except0):
+                    raise UnimplementedError(
+                        f"TensorArray has size zero, but element_shape_except0 "
+                        f"{shapes.debug_string(element_shape_except0)} is not fully defined. "
+                        "Currently only static shapes are supported when concatenating "
+                        "zero-size TensorArrays."
+                    )
+                return np.zeros((0, *element_shape_except0), self.dtype), np.zeros(0, np.int64)
+            values = self._read_many(range(n))
+            except0 = None
+            for i, v in enumerate(values):
+                if v.ndim == 0:
+                    raise InvalidArgumentError(
+                        f"Concat saw a scalar shape at index {i} but requires at least "
+                        "vectors.  Did you mean to call pack?"
+                    )
+                if i == 0:
+                    except0 = v.shape[1:]
+                    if not shapes.is_compatible(element_shape_except0, except0):
+                        raise InvalidArgumentError(
+                            f"TensorArray was passed element_shape_except0 "
+                            f"{shapes.debug_string(element_shape_except0)} but index 0 has "
+                            f"(excepting dimension 0) shape: {shapes.debug_string(except0)} "
+                            "which does not match."
+                        )
+                elif v.shape[1:] != except0:
+                    raise InvalidArgumentError(
+                        f"TensorArray has inconsistent shapes.  Index 0 has (excepting "
+                        f"dimension 0) shape: {shapes.debug_string(except0)} but index {i} "
+                        f"has (excepting dimension 0) shape: {shapes.debug_string(v.shape[1:])}"
+                    )
+            lengths = np.array([v.shape[0] for v in values], dtype=np.int64)
+            return np.concatenate(values), lengths
+
+    def _read_many(self, indices: Sequence[int]) -> list[np.ndarray]:
+        """Read each index in turn, refusing before allocation once the values
+        (which the caller joins into one output) would pass the byte limit."""
+        values, spent = [], 0
+        for index in indices:
+            value = self._read_locked(int(index), spent)
+            spent += value.nbytes
+            self._check_output_bytes((spent // self.dtype.itemsize,))
+            values.append(value)
+        return values
+
+    def _read_locked(self, index: int, spent: int = 0) -> np.ndarray:
+        if index < 0 or (not self.is_grad and index >= self._size):
+            raise InvalidArgumentError(
+                f"Tried to read from index {index} but array size is: {self._size}"
+            )
+        slot = self._slots.get(index)
+        if slot is None or not slot.written:
+            shape = self._zeros_shape_for_unwritten(index, slot)
+            if index >= self._size:
+                # A gradient array read past its end grows it (TensorFlow marks
+                # the new slots written with the element shape; an unwritten
+                # slot of a fully-defined element shape reads the same zeros).
+                self._size = index + 1
+            slot = self._slot_for_update(index)
+            slot.shape, slot.written = shape, True
+        else:
+            slot = self._slot_for_update(index)
+        if slot.cleared:
+            raise InvalidArgumentError(
+                f"TensorArray {self.name}: Could not read index {index} twice because it was "
+                "cleared after a previous read (perhaps try setting clear_after_read = false?)."
+            )
+        value = slot.value
+        if value is None or value.size == 0:
+            self._check_output_bytes(slot.shape, spent)
+            value = np.zeros(slot.shape, self.dtype)
+            slot.value = value
+        if self.clear_after_read:
+            slot.value, slot.cleared = None, True
+        slot.read = True
+        return value
+
+    def _zeros_shape_for_unwritten(self, index: int, slot: _Slot | None) -> tuple[int, ...]:
+        if self.is_grad and slot is not None and len(slot.shape) > 0:
+            return slot.shape
+        if not shapes.is_fully_defined(self._element_shape):
+            raise InvalidArgumentError(
+                f"TensorArray {self.name}: Could not read from TensorArray index {index}.  "
+                f"Furthermore, the element shape is not fully defined: "
+                f"{shapes.debug_string(self._element_shape)}.  It is possible you are working "
+                "with a resizeable TensorArray and stop_gradients is not allowing the "
+                "gradients to be written.  If you set the full element_shape property on the "
+                "forward TensorArray, the proper all-zeros tensor will be returned instead of "
+                "incurring this error."
+            )
+        return tuple(self._element_shape)  # type: ignore[arg-type]
+
+    def _check_output_bytes(self, shape: Sequence[int], spent: int = 0) -> None:
+        """Refuse (before allocating) a result over the byte limit, counting
+        ``spent`` bytes already gathered for the same output."""
+        if self.max_output_bytes is None:
+            return
+        nbytes = spent + int(np.prod(shape, dtype=object)) * self.dtype.itemsize
+        if nbytes > self.max_output_bytes:
+            raise ResourceExhaustedError(
+                f"TensorArray {self.name}: the result would take over {nbytes} bytes, "
+                f"more than the server's max tensor size of {self.max_output_bytes} bytes",
+                reason="TENSOR_TOO_LARGE",
+            )
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """TensorArrayCloseV3: drop every value; any later op but close fails."""
+        with self._lock:
+            self._slots.clear()
+            self._closed = True
+
+    def make_grad(
+        self,
+        *,
+        name: str,
+        shape_to_prepend: tuple[int, ...] = (),
+        lookup: Callable[[], TensorArray | None] = lambda: None,
+        register: Callable[[TensorArray], None] = lambda ta: None,
+    ) -> TensorArray:
+        """Create this array's gradient array (TensorArrayGradV3 / WithShape).
+
+        Side effects on this (forward) array: dynamic sizing is switched off for
+        good, so the gradient's size stays the forward's size. The gradient
+        array aggregates writes, clears after read, has this array's size,
+        marked size, identical-shapes flag and element shape (``shape_to_prepend``
+        in front when known), and holds a zero "soft copy" of the shape of every
+        index written here. After the checks (which run on every call, as in
+        TensorFlow), ``lookup`` may return the gradient array made by an earlier
+        call, which is returned unchanged; otherwise ``register`` publishes the
+        new one, under this array's lock. If anything raises, nothing changed.
+        """
+        with self._atomic():
+            self._dynamic_size = False
+            self._check_open()
+            if self._gradients_disallowed:
+                raise InvalidArgumentError(
+                    f"Unable to create a gradients TensorArray for {self.name}.  Perhaps you "
+                    "used the multiple_writes_aggregate flag on a previous write?  Gradient "
+                    "calculation is impossible when multiple writes are performed to the "
+                    "same index."
+                )
+            existing = lookup()
+            if existing is not None:
+                return existing
+            element_shape = (
+                None if self._element_shape is None else (*shape_to_prepend, *self._element_shape)
+            )
+            grad = TensorArray(
+                name=name,
+                dtype=self.dtype,
+                size=self._size,
+                element_shape=element_shape,
+                identical_element_shapes=self.identical_element_shapes,
+                dynamic_size=False,
+                clear_after_read=True,
+                multiple_writes_aggregate=True,
+                is_grad=True,
+                marked_size=self._marked_size,
+                max_output_bytes=self.max_output_bytes,
+            )
+            for index, slot in self._slots.items():
+                if slot.written:
+                    grad._slots[index] = _Slot(shape=(*shape_to_prepend, *slot.shape), written=True)
+            register(grad)
+            return grad
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgumentError(f"TensorArray {self.name} has already been closed.")

@@ -1,0 +1,211 @@
+"""Core-service benchmark (``make bench``): not a test, prints figures and ratios.
+
+One server process hosts both gradserve and a bare gRPC echo service (same
+thread pool size, same message limits), so the two are compared under the
+same conditions; this process is the client. Every comparison is interleaved
+(A, B, A, B, ...) and reported as a median with the ratio.
+
+(a) a small TensorArray write+read through the SDK vs bare unary echoes of the
+    same bytes (per RPC, and write+read in one Batch vs one echo);
+(b) a 256 MiB tensor put+get through the SDK (chunked streams) vs a bare
+    single-message echo of it vs memcpy of the same bytes;
+(c) 100 writes, one per RPC vs one Batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from concurrent import futures
+
+import grpc
+import numpy as np
+
+import gradserve
+from gradserve import codec
+from gradserve.v1 import tensor_array_pb2 as pb
+
+ECHO_METHOD = "/bench.Echo/Echo"
+BIG = 256 * 1024 * 1024
+
+
+def serve(echo_port_file: str) -> None:
+    """Child process: gradserve on a free port plus a bare echo server."""
+    from gradserve.server import ServerConfig, start
+
+    limit = 2 * BIG
+    server = start(ServerConfig(port=0, device="cpu", max_message_bytes=limit))
+    echo = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=16),
+        options=[("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)],
+    )
+    identity = grpc.unary_unary_rpc_method_handler(lambda req, ctx: req)
+    echo.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("bench.Echo", {"Echo": identity}),)
+    )
+    echo_port = echo.add_insecure_port("127.0.0.1:0")
+    echo.start()
+    print(f"ports {server.port} {echo_port}", flush=True)
+    sys.stdin.read()  # until the parent closes our stdin
+
+
+def median_time(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def interleaved(fns: dict, rounds: int, repeat: int) -> dict[str, float]:
+    """Median seconds of each fn, measured in alternating rounds."""
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(median_time(fn, repeat))
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    if args.serve:
+        serve("")
+        return
+
+    child = subprocess.Popen([sys.executable, __file__, "--serve"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline()
+        gs_port, echo_port = map(int, re.match(r"ports (\d+) (\d+)", line).groups())
+        run(f"127.0.0.1:{gs_port}", f"127.0.0.1:{echo_port}", args.rounds)
+    finally:
+        child.stdin.close()
+        child.wait(10)
+
+
+def run(target: str, echo_target: str, rounds: int) -> None:
+    print(f"# gradserve core benchmark: {os.cpu_count()} CPUs, loopback, medians of {rounds} "
+          "interleaved rounds")
+    limit = 2 * BIG
+    options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+    echo_channel = grpc.insecure_channel(echo_target, options=options)
+    echo = echo_channel.unary_unary(ECHO_METHOD)  # bytes in, bytes out: no serialisation at all
+    client = gradserve.Client(target, max_message_bytes=limit, stream_threshold=32 << 20)
+
+    # (a) small write + read
+    value = np.arange(64, dtype=np.float32)  # 256 bytes
+    # Echo payloads as large as the real messages: the write request, the read reply.
+    h0, _ = client.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
+    write_req = pb.TensorArrayWriteV3Request(handle=pb.TensorArrayHandle(id=h0.id, name=h0.name))
+    codec.encode(np.array(0, np.int32), write_req.index.value)
+    codec.encode(value, write_req.value.value)
+    read_reply = pb.TensorArrayReadV3Response()
+    codec.encode(value, read_reply.value.value)
+    write_msg = bytes(write_req.ByteSize())
+    read_msg = bytes(read_reply.ByteSize())
+
+    def new_array():  # made ahead of time: not part of what is timed
+        return client.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
+
+    handles = [new_array() for _ in range(rounds * 200 + 10)]
+    it = iter(handles)
+
+    def sdk_pair():
+        h, flow = next(it)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, value, flow)
+        client.raw_ops.TensorArrayReadV3(h, 0, flow, np.float32)
+
+    batch_handles = iter([new_array() for _ in range(rounds * 200 + 10)])
+
+    def sdk_batch_pair():
+        h, flow = next(batch_handles)
+        b = client.batch()
+        b.raw_ops.TensorArrayWriteV3(h, 0, value, flow)
+        b.raw_ops.TensorArrayReadV3(h, 0, flow, np.float32)
+        b.run()
+
+    def echo_pair():
+        echo(write_msg)
+        echo(read_msg)
+
+    def echo_one():
+        echo(write_msg)
+
+    for _ in range(50):
+        echo_one()
+    a = interleaved(
+        {"sdk write+read (2 RPCs)": sdk_pair, "bare echo x2": echo_pair,
+         "sdk write+read (1 Batch)": sdk_batch_pair, "bare echo x1": echo_one},
+        rounds, 20,
+    )
+    print("\n(a) small TensorArray write+read vs bare gRPC unary echo (256-byte tensor)")
+    for k, v in a.items():
+        print(f"    {k:28s} {v * 1e6:8.1f} us")
+    print(f"    ratio, per RPC:          {a['sdk write+read (2 RPCs)'] / a['bare echo x2']:.2f}x "
+          "of the echo (goal <= 1.5x)")
+    print(f"    ratio, Batch vs 1 echo:  {a['sdk write+read (1 Batch)'] / a['bare echo x1']:.2f}x")
+
+    # (b) 256 MiB put + get
+    big = np.random.default_rng(0).standard_normal(BIG // 8)
+    raw = big.tobytes()
+    dst = np.empty_like(big)
+
+    def sdk_put_get():
+        ref = client.put(big)
+        out = client.get(ref)
+        client.delete(ref)
+        assert out.nbytes == BIG
+
+    def echo_big():
+        assert len(echo(raw)) == BIG
+
+    def memcpy():
+        np.copyto(dst, big)  # there ...
+        np.copyto(big, dst)  # ... and back: the same bytes moved as put+get
+
+    b = interleaved({"sdk put+get (streamed)": sdk_put_get, "bare echo (1 message)": echo_big,
+                     "memcpy x2": memcpy}, max(3, rounds // 2), 1)
+    moved = 2 * BIG / 2**30
+    print("\n(b) 256 MiB tensor there and back (512 MiB moved)")
+    for k, v in b.items():
+        print(f"    {k:28s} {v * 1e3:8.1f} ms  {moved / v:6.2f} GiB/s")
+    print(f"    sdk vs bare echo:        {b['bare echo (1 message)'] / b['sdk put+get (streamed)']:.2f}x "
+          "faster (goal >= 2x)")
+    print(f"    sdk as fraction of memcpy: {b['memcpy x2'] / b['sdk put+get (streamed)']:.1%}")
+
+    # (c) 100 writes: one per RPC vs one Batch
+    step = np.ones(128, np.float32)
+
+    def writes_unary():
+        h, flow = client.raw_ops.TensorArrayV3(size=100, dtype=np.float32)
+        for t in range(100):
+            flow = client.raw_ops.TensorArrayWriteV3(h, t, step, flow)
+
+    def writes_batch():
+        h, flow = client.raw_ops.TensorArrayV3(size=100, dtype=np.float32)
+        batch = client.batch()
+        for t in range(100):
+            batch.raw_ops.TensorArrayWriteV3(h, t, step, flow)
+        batch.run()
+
+    c = interleaved({"100 unary writes": writes_unary, "1 Batch of 100": writes_batch}, rounds, 3)
+    print("\n(c) 100 TensorArray writes (512-byte values; both include one TensorArrayV3 call)")
+    for k, v in c.items():
+        print(f"    {k:28s} {v * 1e3:8.2f} ms")
+    print(f"    Batch speed-up:          {c['100 unary writes'] / c['1 Batch of 100']:.1f}x "
+          "(goal >= 10x)")
+    client.close()
+    echo_channel.close()
+
+
+if __name__ == "__main__":
+    main()

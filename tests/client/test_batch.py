@@ -1,0 +1,43 @@
+"""The Batch RPC: many ops, one round trip, stop at the first failure."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gradserve.errors import InvalidArgumentError
+
+
+def test_batch_runs_in_order_and_returns_typed_results(client):
+    h, flow = client.raw_ops.TensorArrayV3(size=100, dtype=np.float32)
+    batch = client.batch()
+    for t in range(100):
+        batch.raw_ops.TensorArrayWriteV3(h, t, np.full(3, t, np.float32), flow)
+    batch.raw_ops.TensorArraySizeV3(h, flow)
+    batch.raw_ops.TensorArrayGatherV3(h, [5, 99], flow, np.float32)
+    results = batch.run()
+    assert len(results) == 102
+    assert results[100] == 100
+    np.testing.assert_array_equal(results[101], [[5, 5, 5], [99, 99, 99]])
+
+
+def test_batch_stops_at_first_failure_and_says_where(client):
+    h, flow = client.raw_ops.TensorArrayV3(size=2, dtype=np.float32)
+    batch = client.batch()
+    batch.raw_ops.TensorArrayWriteV3(h, 0, np.ones(1, np.float32), flow)
+    batch.raw_ops.TensorArrayWriteV3(h, 0, np.ones(1, np.float32), flow)  # fails
+    batch.raw_ops.TensorArrayWriteV3(h, 1, np.ones(1, np.float32), flow)  # never runs
+    with pytest.raises(InvalidArgumentError) as info:
+        batch.run()
+    assert info.value.step == 1
+    assert len(info.value.results) == 1
+    assert "Batch step 1 (TensorArrayWriteV3)" in str(info.value)
+    assert "already been written to" in str(info.value)
+    # Step 0 applied, step 2 did not run.
+    np.testing.assert_array_equal(client.raw_ops.TensorArrayReadV3(h, 0, flow, np.float32), [1])
+    with pytest.raises(InvalidArgumentError, match="not fully defined"):
+        client.raw_ops.TensorArrayReadV3(h, 1, flow, np.float32)
+
+
+def test_empty_batch(client):
+    assert client.batch().run() == []

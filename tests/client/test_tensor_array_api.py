@@ -1,0 +1,51 @@
+"""The tf.TensorArray-style layer: client.tensor_array(...)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gradserve.errors import InvalidArgumentError
+
+
+def test_write_read_stack_unstack(client):
+    ta = client.tensor_array(np.float32, size=3, clear_after_read=False)
+    ta = ta.write(0, [1, 2]).write(1, [3, 4]).write(2, [5, 6])
+    np.testing.assert_array_equal(ta.read(1), [3, 4])
+    np.testing.assert_array_equal(ta.stack(), [[1, 2], [3, 4], [5, 6]])
+    other = client.tensor_array("float32", size=2).unstack(np.eye(2, dtype=np.float32))
+    np.testing.assert_array_equal(other.gather([1, 0]), [[0, 1], [1, 0]])
+
+
+def test_split_concat_size_close(client):
+    ta = client.tensor_array(np.int32, size=2).split(np.arange(5, dtype=np.int32), [2, 3])
+    assert ta.size() == 2
+    np.testing.assert_array_equal(ta.concat(), np.arange(5))
+    ta.close()
+    with pytest.raises(InvalidArgumentError, match="closed"):
+        ta.size()
+
+
+def test_grad_same_source_same_array(client):
+    ta = client.tensor_array(np.float64, size=2)
+    ta.write(0, [1.0]).write(1, [2.0])
+    g1 = ta.grad("gradients")
+    g2 = ta.grad("gradients")
+    g3 = ta.grad("gradients_1")
+    assert g1.handle == g2.handle != g3.handle
+    assert g1.handle.name.endswith("@gradients")
+    g1.write(0, [0.5]).write(0, [0.25])
+    np.testing.assert_array_equal(g2.read(0), [0.75])
+    np.testing.assert_array_equal(g3.read(1), [0.0])  # soft copy: zeros of the forward shape
+
+
+def test_stack_of_empty_array_uses_element_shape(client):
+    ta = client.tensor_array(np.float32, size=0, element_shape=[3])
+    assert ta.stack().shape == (0, 3)
+
+
+def test_grad_with_shape(client):
+    h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=np.float32, element_shape=[2])
+    flow = client.raw_ops.TensorArrayWriteV3(h, 0, np.ones(2, np.float32), flow)
+    g, gflow = client.raw_ops.TensorArrayGradWithShape(h, flow, [3], "gradients")
+    assert client.raw_ops.TensorArrayReadV3(g, 0, gflow, np.float32).shape == (3, 2)

@@ -1,0 +1,91 @@
+"""The wire codec: bit-exact round trips and rejection of malformed tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gradserve import codec, dtypes, shapes
+from gradserve.errors import InvalidArgumentError
+from gradserve.v1 import tensor_pb2
+
+
+def sample(dtype: np.dtype, shape) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
+    if dtype == np.bool_:
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape)  # arbitrary bits: NaN payloads, -0.0, ...
+
+
+@pytest.mark.parametrize("dtype", dtypes.SUPPORTED, ids=str)
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (7,), (2, 3, 4)])
+def test_round_trip_is_bit_exact(dtype, shape):
+    x = sample(dtype, shape)
+    msg = tensor_pb2.Tensor.FromString(codec.encode(x).SerializeToString())
+    y = codec.decode(msg)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert y.tobytes() == x.tobytes()
+
+
+def test_decode_is_a_read_only_view():
+    y = codec.decode(codec.encode(np.arange(4.0)))
+    assert not y.flags.writeable
+
+
+def test_big_endian_input_is_sent_little_endian():
+    x = np.arange(3, dtype=">i4")
+    msg = codec.encode(x)
+    assert msg.content == np.arange(3, dtype="<i4").tobytes()
+    np.testing.assert_array_equal(codec.decode(msg), x)
+
+
+def test_non_contiguous_input():
+    x = np.arange(12.0).reshape(3, 4)[:, ::2]
+    np.testing.assert_array_equal(codec.decode(codec.encode(x)), x)
+
+
+@pytest.mark.parametrize(
+    "msg, match",
+    [
+        (tensor_pb2.Tensor(dtype=0, shape=[1], content=b"\0"), "unknown or unset dtype"),
+        (tensor_pb2.Tensor(dtype=99, shape=[1], content=b"\0"), "unknown or unset dtype"),
+        (
+            tensor_pb2.Tensor(dtype=tensor_pb2.DT_FLOAT32, shape=[2], content=b"\0" * 4),
+            "needs 8 bytes",
+        ),
+        (tensor_pb2.Tensor(dtype=tensor_pb2.DT_FLOAT32, shape=[-1], content=b""), "negative"),
+        (
+            tensor_pb2.Tensor(dtype=tensor_pb2.DT_FLOAT32, shape=[2**40, 2**40], content=b""),
+            "needs",
+        ),
+    ],
+)
+def test_malformed_tensors_are_invalid_argument(msg, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        codec.decode(msg, field="value")
+
+
+def test_unsupported_dtype_is_refused_on_encode():
+    with pytest.raises(dtypes.UnsupportedDTypeError):
+        codec.encode(np.array(["a"]))
+
+
+@pytest.mark.parametrize("shape", [None, (), (2, None, 3)])
+def test_partial_shape_round_trip(shape):
+    msg = tensor_pb2.PartialShape.FromString(codec.encode_shape(shape).SerializeToString())
+    assert codec.decode_shape(msg) == shape
+
+
+def test_shape_merge_and_debug_string():
+    assert shapes.merge((2, None), (None, 3)) == (2, 3)
+    assert shapes.debug_string((2, None)) == "[2,?]"
+    assert shapes.debug_string(None) == "<unknown>"
+    with pytest.raises(InvalidArgumentError, match="Incompatible ranks"):
+        shapes.merge((1,), (1, 2))
+
+
+def test_tf_dtype_names():
+    assert dtypes.tf_name(np.dtype(np.float32)) == "float"
+    assert dtypes.normalize("float") == np.float32
+    assert dtypes.normalize("half") == np.float16

@@ -1,0 +1,37 @@
+"""Shared fixtures: a real gradserve server on loopback and clients of it."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+import gradserve
+from gradserve.server import run_server
+
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+
+
+@pytest.fixture(scope="session")
+def server():
+    """One in-process server on a free loopback port for the whole test run."""
+    with run_server(host="127.0.0.1", port=0, device="cpu", max_tensor_bytes=1 << 30) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def target(server) -> str:
+    return f"127.0.0.1:{server.port}"
+
+
+@pytest.fixture
+def client(target):
+    """A client with its own fresh session, closed after the test."""
+    with gradserve.Client(target, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def traces() -> dict:
+    return json.loads((GOLDEN / "tensor_array_traces.json").read_text())["traces"]

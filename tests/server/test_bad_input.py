@@ -1,0 +1,188 @@
+"""Hostile and broken input: each gets the right status, and the server keeps serving."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+import gradserve
+from gradserve import protocol
+from gradserve.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnimplementedError,
+)
+from gradserve.v1 import service_pb2, tensor_array_pb2, tensor_pb2
+
+
+@pytest.fixture
+def stub_call(client, target):
+    """Call an RPC with a hand-built request (bypassing the SDK's own checks)."""
+    channel = grpc.insecure_channel(target)
+    md = ((protocol.SESSION_METADATA_KEY, client.session_id),)
+
+    def call(rpc: str, request, response_cls):
+        method = channel.unary_unary(
+            f"/gradserve.v1.GradServe/{rpc}",
+            request_serializer=lambda r: r if isinstance(r, bytes) else r.SerializeToString(),
+            response_deserializer=response_cls.FromString,
+        )
+        return method(request, metadata=md, timeout=10)
+
+    yield call
+    channel.close()
+
+
+def assert_code(fn, code: grpc.StatusCode):
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    assert info.value.code() == code, info.value.details()
+    return info.value.details()
+
+
+@pytest.fixture(autouse=True)
+def server_still_answers(client):
+    yield
+    np.testing.assert_array_equal(client.stop_gradient(np.arange(3)), np.arange(3))
+
+
+@pytest.mark.parametrize("garbage", [b"\xff\xff\xff", b"\x0a\x05abc", b"\x08" + b"\xff" * 11])
+def test_malformed_proto_bytes(stub_call, garbage):
+    for rpc in ("TensorArrayWriteV3", "StopGradient", "Batch"):
+        assert_code(
+            lambda rpc=rpc: stub_call(rpc, garbage, service_pb2.BatchResponse),
+            grpc.StatusCode.INTERNAL,  # grpc's own: "Exception deserializing request!"
+        )
+
+
+def test_unknown_dtype_enum(stub_call):
+    request = tensor_array_pb2.StopGradientRequest()
+    request.input.value.dtype = 77
+    request.input.value.shape[:] = [1]
+    request.input.value.content = b"\0"
+    details = assert_code(
+        lambda: stub_call("StopGradient", request, tensor_array_pb2.StopGradientResponse),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    )
+    assert "unknown or unset dtype enum value 77" in details
+
+
+def test_content_does_not_match_shape(stub_call):
+    request = tensor_array_pb2.StopGradientRequest()
+    request.input.value.CopyFrom(
+        tensor_pb2.Tensor(dtype=tensor_pb2.DT_FLOAT32, shape=[2**62, 4], content=b"")
+    )
+    assert_code(
+        lambda: stub_call("StopGradient", request, tensor_array_pb2.StopGradientResponse),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    )
+
+
+def test_missing_input_and_handle(stub_call):
+    assert_code(
+        lambda: stub_call(
+            "StopGradient",
+            tensor_array_pb2.StopGradientRequest(),
+            tensor_array_pb2.StopGradientResponse,
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    )
+    assert_code(
+        lambda: stub_call(
+            "TensorArraySizeV3",
+            tensor_array_pb2.TensorArraySizeV3Request(),
+            tensor_array_pb2.TensorArraySizeV3Response,
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    )
+
+
+def test_empty_batch_step(stub_call):
+    request = service_pb2.BatchRequest()
+    request.steps.add()
+    reply = stub_call("Batch", request, service_pb2.BatchResponse)
+    assert reply.failed_step == 0 and reply.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+
+@pytest.mark.parametrize("size", [-1, -(2**31)])
+def test_negative_size(client, size):
+    with pytest.raises(InvalidArgumentError, match="Size should be >= 0"):
+        client.raw_ops.TensorArrayV3(size=size, dtype=np.float32)
+
+
+def test_huge_size_is_cheap_but_huge_reads_are_refused(client):
+    h, flow = client.raw_ops.TensorArrayV3(
+        size=2**31 - 1, dtype=np.float32, element_shape=[1024, 1024]
+    )
+    assert client.raw_ops.TensorArraySizeV3(h, flow) == 2**31 - 1
+    with pytest.raises(ResourceExhaustedError, match="max tensor size"):
+        client.raw_ops.TensorArrayConcatV3(h, flow, np.float32)
+
+
+def test_size_over_int32(client):
+    with pytest.raises(InvalidArgumentError, match="does not fit in int32"):
+        client.raw_ops.TensorArrayV3(size=np.int64(2**40), dtype=np.float32)
+
+
+def test_non_scalar_index_and_float_index(client):
+    h, flow = client.raw_ops.TensorArrayV3(size=2, dtype=np.float32)
+    with pytest.raises(InvalidArgumentError, match="index must be scalar, but had shape: \\[2\\]"):
+        client.raw_ops.TensorArrayWriteV3(
+            h, np.array([0, 1], np.int32), np.ones(1, np.float32), flow
+        )
+    with pytest.raises(InvalidArgumentError, match="must be an integer tensor"):
+        client.raw_ops.TensorArrayReadV3(
+            gradserve.TensorArrayHandle(h.id, h.name), client.put(np.float32(0)), flow, np.float32
+        )
+
+
+def test_unknown_handle_and_tensor_id(client):
+    fake = gradserve.TensorArrayHandle("no-such-handle", "ta_0")
+    with pytest.raises(NotFoundError):
+        client.raw_ops.TensorArraySizeV3(fake, 0.0)
+    with pytest.raises(NotFoundError):
+        client.get("no-such-tensor")
+
+
+def test_grad_of_grad_is_refused(client):
+    h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
+    g, gflow = client.raw_ops.TensorArrayGradV3(h, flow, "gradients")
+    with pytest.raises(InvalidArgumentError, match="Wrong input container"):
+        client.raw_ops.TensorArrayGradV3(g, gflow, "gradients")
+
+
+def test_empty_gather_with_unknown_shape_is_unimplemented(client):
+    h, flow = client.raw_ops.TensorArrayV3(size=0, dtype=np.float32)
+    with pytest.raises(UnimplementedError):
+        client.raw_ops.TensorArrayGatherV3(h, np.zeros(0, np.int32), flow, np.float32)
+
+
+def test_split_with_negative_lengths(client):
+    h, flow = client.raw_ops.TensorArrayV3(size=2, dtype=np.float32)
+    with pytest.raises(InvalidArgumentError, match="non-negative"):
+        client.raw_ops.TensorArraySplitV3(h, np.ones((2, 1), np.float32), [3, -1], flow)
+
+
+def test_message_over_the_limit_is_resource_exhausted(target):
+    small = gradserve.Client(target, max_message_bytes=1 << 20, stream_threshold=1 << 30)
+    with small, pytest.raises(ResourceExhaustedError) as info:
+        small.stop_gradient(np.zeros(1 << 19))  # 4 MiB, over this channel's 1 MiB
+    assert "1048576" in str(info.value)
+
+
+def test_put_stream_with_wrong_length(client, target):
+    chunks = [tensor_pb2.TensorChunk(dtype=tensor_pb2.DT_FLOAT32, shape=[4], data=b"\0" * 8)]
+    with grpc.insecure_channel(target) as channel:
+        put = channel.stream_unary(
+            "/gradserve.v1.GradServe/PutTensor",
+            request_serializer=tensor_pb2.TensorChunk.SerializeToString,
+            response_deserializer=tensor_pb2.ResidentTensor.FromString,
+        )
+        md = ((protocol.SESSION_METADATA_KEY, client.session_id),)
+        assert_code(lambda: put(iter(chunks), metadata=md), grpc.StatusCode.INVALID_ARGUMENT)
+        too_much = [chunks[0], tensor_pb2.TensorChunk(data=b"\0" * 16)]
+        assert_code(lambda: put(iter(too_much), metadata=md), grpc.StatusCode.INVALID_ARGUMENT)
+        empty = []
+        assert_code(lambda: put(iter(empty), metadata=md), grpc.StatusCode.INVALID_ARGUMENT)

@@ -1,0 +1,94 @@
+"""The real process: CLI flags, 'listening on', health, reflection, SIGTERM exit 0."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+import gradserve
+
+
+@pytest.fixture(scope="module")
+def process():
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gradserve.server",
+            "serve",
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--grace",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    line = proc.stdout.readline()
+    match = re.match(r"listening on 127\.0\.0\.1:(\d+)", line)
+    assert match, line
+    yield proc, f"127.0.0.1:{match.group(1)}"
+    if proc.poll() is None:
+        proc.kill()
+
+
+def test_health_serving(process):
+    _, target = process
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "gradserve.v1.GradServe"):
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_health_subcommand(process):
+    _, target = process
+    port = target.rsplit(":", 1)[1]
+    done = subprocess.run([sys.executable, "-m", "gradserve.server", "health", "--port", port],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and "SERVING" in done.stdout
+
+
+def test_reflection_lists_services(process):
+    _, target = process
+    with grpc.insecure_channel(target) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        reply = next(stub.ServerReflectionInfo(iter([request]), timeout=5))
+        names = {s.name for s in reply.list_services_response.service}
+        assert {"gradserve.v1.GradServe", "grpc.health.v1.Health"} <= names
+
+
+def test_op_through_sdk(process):
+    _, target = process
+    with gradserve.Client(target) as client:
+        np.testing.assert_array_equal(client.stop_gradient(np.eye(2)), np.eye(2))
+
+
+def test_sigterm_exits_zero(process):
+    proc, _ = process
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+
+
+def test_cuda_without_gpu_fails_fast():
+    if gradserve.kernels.device.cuda_available():
+        pytest.skip("a GPU is present")
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradserve.server", "--port", "0", "--device", "cuda"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0 and "--device cuda" in proc.stderr

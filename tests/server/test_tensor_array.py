@@ -1,0 +1,225 @@
+"""Unit tests of the pure TensorArray state machine (no server)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gradserve.errors import InvalidArgumentError, ResourceExhaustedError, UnimplementedError
+from gradserve.server.tensor_array import TensorArray
+
+F32 = np.float32
+
+
+def make(size=3, **kw) -> TensorArray:
+    kw.setdefault("dtype", np.dtype(F32))
+    return TensorArray(name="ta_1", size=size, **kw)
+
+
+def v(*values) -> np.ndarray:
+    return np.array(values, F32)
+
+
+def test_write_read_and_clear_after_read():
+    ta = make()
+    ta.write(1, v(1, 2))
+    np.testing.assert_array_equal(ta.read(1), v(1, 2))
+    with pytest.raises(InvalidArgumentError, match="cleared after a previous read"):
+        ta.read(1)
+
+
+def test_read_many_without_clear():
+    ta = make(clear_after_read=False)
+    ta.write(0, v(3))
+    for _ in range(3):
+        np.testing.assert_array_equal(ta.read(0), v(3))
+
+
+def test_write_after_read_is_refused():
+    ta = make(clear_after_read=False)
+    ta.write(0, v(3))
+    ta.read(0)
+    with pytest.raises(InvalidArgumentError, match="because it has already been read"):
+        ta.write(0, v(4))
+
+
+def test_negative_and_out_of_range_indices():
+    ta = make(size=2)
+    with pytest.raises(InvalidArgumentError, match="Tried to write to index -1"):
+        ta.write(-1, v(1))
+    with pytest.raises(
+        InvalidArgumentError, match="Tried to read from index 2 but array size is: 2"
+    ):
+        ta.read(2)
+
+
+def test_dynamic_size_grows_on_write():
+    ta = make(size=0, dynamic_size=True)
+    ta.write(4, v(1))
+    assert ta.size() == 5
+
+
+def test_failed_write_does_not_grow_a_dynamic_array():
+    ta = make(size=0, dynamic_size=True, element_shape=(2,))
+    with pytest.raises(InvalidArgumentError, match="incompatible"):
+        ta.write(7, v(1, 2, 3))
+    assert ta.size() == 0
+
+
+def test_identical_element_shapes_learns_shape_from_first_write():
+    ta = make(identical_element_shapes=True)
+    ta.write(0, v(1, 2))
+    assert ta.element_shape == (2,)
+    with pytest.raises(InvalidArgumentError, match="inferred element shape: \\[2\\]"):
+        ta.write(1, v(1, 2, 3))
+
+
+def test_unwritten_read_zeros_when_shape_known():
+    ta = make(element_shape=(2, 2))
+    np.testing.assert_array_equal(ta.read(1), np.zeros((2, 2), F32))
+
+
+def test_partial_element_shape_is_not_enough_for_zeros():
+    ta = make(element_shape=(2, None))
+    with pytest.raises(InvalidArgumentError, match="not fully defined: \\[2,\\?\\]"):
+        ta.read(0)
+
+
+def test_scatter_is_all_or_nothing():
+    ta = make(size=3)
+    ta.write(2, v(9, 9))
+    with pytest.raises(InvalidArgumentError, match="already been written"):
+        ta.scatter([0, 1, 2], np.ones((3, 2), F32))
+    # TensorFlow would have kept indices 0 and 1; nothing changed here.
+    ta.write(0, v(5, 5))
+    ta.write(1, v(6, 6))
+    np.testing.assert_array_equal(ta.gather([0, 1, 2], None), [[5, 5], [6, 6], [9, 9]])
+
+
+def test_gather_failure_does_not_clear_earlier_reads():
+    ta = make(size=2)
+    ta.write(0, v(1))
+    with pytest.raises(InvalidArgumentError, match="not yet been written|not fully defined"):
+        ta.gather([0, 1], None)
+    np.testing.assert_array_equal(ta.read(0), v(1))  # not cleared by the failed gather
+
+
+def test_gather_empty_needs_full_shape():
+    ta = make(size=0)
+    with pytest.raises(UnimplementedError):
+        ta.gather([], None)
+    assert ta.gather([], (3,)).shape == (0, 3)
+
+
+def test_gather_merges_element_shape():
+    ta = make(size=1, element_shape=(None, 2))
+    with pytest.raises(InvalidArgumentError, match="Incompatible shapes during merge"):
+        ta.gather([0], (3, 3))
+    ta.write(0, np.ones((4, 2), F32))
+    assert ta.gather([0], (4, None)).shape == (1, 4, 2)
+    assert ta.element_shape == (4, 2)
+
+
+def test_concat_and_lengths():
+    ta = make(size=3)
+    ta.split([1, 0, 2], np.arange(6, dtype=F32).reshape(3, 2))
+    value, lengths = ta.concat(None)
+    np.testing.assert_array_equal(value, np.arange(6, dtype=F32).reshape(3, 2))
+    assert lengths.tolist() == [1, 0, 2] and lengths.dtype == np.int64
+
+
+def test_concat_rejects_scalars_and_inconsistent_shapes():
+    ta = make(size=1)
+    ta.write(0, np.array(1, F32))
+    with pytest.raises(InvalidArgumentError, match="Concat saw a scalar shape at index 0"):
+        ta.concat(None)
+    ta = make(size=2)
+    ta.write(0, np.ones((1, 2), F32))
+    ta.write(1, np.ones((1, 3), F32))
+    with pytest.raises(InvalidArgumentError, match="inconsistent shapes"):
+        ta.concat(None)
+
+
+def test_split_size_must_match_unless_dynamic():
+    ta = make(size=2)
+    with pytest.raises(
+        InvalidArgumentError, match="not equal to the size of lengths \\(2 vs. 3\\)"
+    ):
+        ta.split([1, 1, 1], np.ones((3, 1), F32))
+    grow = make(size=0, dynamic_size=True)
+    grow.split([1, 1, 1], np.ones((3, 1), F32))
+    assert grow.size() == 3
+
+
+def test_close_then_use():
+    ta = make()
+    ta.close()
+    with pytest.raises(InvalidArgumentError, match="has already been closed"):
+        ta.size()
+    ta.close()  # closing twice is fine, as in TensorFlow
+
+
+def test_grad_sums_writes_and_freezes_forward_size():
+    fwd = make(size=1, dynamic_size=True)
+    fwd.write(2, v(1, 2))
+    grad = fwd.make_grad(name="ta_1@g")
+    assert grad.size() == 3 and not fwd.dynamic_size
+    with pytest.raises(InvalidArgumentError, match="not resizeable and size is: 3"):
+        fwd.write(5, v(0, 0))
+    grad.write(2, v(1, 1))
+    grad.write(2, v(2, 3))
+    grad.write(2, v(0.5, 0.5))
+    np.testing.assert_array_equal(grad.read(2), v(3.5, 4.5))
+
+
+def test_grad_needs_exact_shape_to_aggregate():
+    fwd = make(size=1)
+    fwd.write(0, v(1, 2))
+    grad = fwd.make_grad(name="g")
+    with pytest.raises(InvalidArgumentError, match="Could not aggregate to TensorArray index 0"):
+        grad.write(0, v(1, 2, 3))
+
+
+def test_grad_soft_copy_reads_zeros_of_forward_shape():
+    fwd = make(size=2)
+    fwd.write(0, np.ones((2, 3), F32))
+    grad = fwd.make_grad(name="g")
+    np.testing.assert_array_equal(grad.read(0), np.zeros((2, 3), F32))
+    with pytest.raises(InvalidArgumentError, match="not fully defined"):
+        grad.read(1)  # never written forward: shape unknown
+
+
+def test_grad_with_shape_prepends():
+    fwd = make(size=1, element_shape=(3,))
+    fwd.write(0, v(1, 2, 3))
+    grad = fwd.make_grad(name="g", shape_to_prepend=(2,))
+    assert grad.element_shape == (2, 3)
+    np.testing.assert_array_equal(grad.read(0), np.zeros((2, 3), F32))
+
+
+def test_grad_of_closed_forward_changes_nothing():
+    fwd = make(size=1, dynamic_size=True)
+    fwd.close()
+    with pytest.raises(InvalidArgumentError, match="closed"):
+        fwd.make_grad(name="g")
+    assert fwd.dynamic_size  # TensorFlow would have switched it off anyway
+
+
+def test_grad_array_read_past_end_grows_it():
+    fwd = make(size=1, element_shape=(2,))
+    grad = fwd.make_grad(name="g")
+    np.testing.assert_array_equal(grad.read(3), np.zeros(2, F32))
+    assert grad.size() == 4
+
+
+def test_output_byte_limit():
+    ta = make(size=3, element_shape=(1000,), max_output_bytes=1000)
+    with pytest.raises(ResourceExhaustedError, match="max tensor size"):
+        ta.read(0)
+
+
+def test_huge_size_costs_nothing_until_used():
+    ta = make(size=2**31 - 1)
+    ta.write(2**31 - 2, v(1))
+    assert ta.size() == 2**31 - 1
+    assert ta.nbytes() == 4
