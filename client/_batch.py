@@ -15,13 +15,8 @@ from google.protobuf.message import Message
 
 from gradserve.client._raw_ops import RawOps
 from gradserve.errors import error_class_for
+from gradserve.protocol import BATCH_FIELDS
 from gradserve.v1 import service_pb2
-
-# rpc name -> BatchStep oneof field, read off the proto so the two never drift.
-_FIELD_BY_RPC = {
-    f.message_type.name.removesuffix("Request"): f.name
-    for f in service_pb2.BatchStep.DESCRIPTOR.oneofs_by_name["op"].fields
-}
 
 
 class Batch:
@@ -45,7 +40,7 @@ class Batch:
         """Run every recorded op; returns their results in order (like the typed calls)."""
         request = service_pb2.BatchRequest()
         for rpc, op_request, _ in self._steps:
-            getattr(request.steps.add(), _FIELD_BY_RPC[rpc]).CopyFrom(op_request)
+            getattr(request.steps.add(), BATCH_FIELDS[rpc]).CopyFrom(op_request)
         try:
             reply = self._client._call("Batch", request)
         finally:

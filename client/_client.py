@@ -243,8 +243,10 @@ def _as_integer_input(array: np.ndarray, target: np.dtype) -> np.ndarray:
     if array.dtype == target or not (array.size == 0 or array.dtype.kind in "iub"):
         return array
     converted = array.astype(target)
-    if array.size == 1 and converted.item() != array.item() or (
-        array.size > 1 and not np.array_equal(converted, array)
+    if (
+        array.size == 1
+        and converted.item() != array.item()
+        or (array.size > 1 and not np.array_equal(converted, array))
     ):
         raise InvalidArgumentError(f"{array.tolist()!r} does not fit in {target}")
     return converted

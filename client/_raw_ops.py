@@ -16,6 +16,7 @@ from google.protobuf.message import Message
 
 from gradserve import codec, dtypes, shapes
 from gradserve.client._types import TensorArrayHandle
+from gradserve.v1 import lstm_pb2
 from gradserve.v1 import tensor_array_pb2 as pb
 
 Submit = Callable[[str, Message, Callable[[Any], Any], list], Any]
@@ -32,6 +33,34 @@ class TensorArrayGradV3Output(NamedTuple):
 
 
 TensorArrayGradWithShapeOutput = TensorArrayGradV3Output
+
+
+class BlockLSTMOutput(NamedTuple):
+    i: Any
+    cs: Any
+    f: Any
+    o: Any
+    ci: Any
+    co: Any
+    h: Any
+
+
+class BlockLSTMGradOutput(NamedTuple):
+    x_grad: Any
+    cs_prev_grad: Any
+    h_prev_grad: Any
+    w_grad: Any
+    wci_grad: Any
+    wcf_grad: Any
+    wco_grad: Any
+    b_grad: Any
+
+
+BlockLSTMV2Output = BlockLSTMOutput
+BlockLSTMGradV2Output = BlockLSTMGradOutput
+
+_LSTM_INPUTS = ("x", "cs_prev", "h_prev", "w", "wci", "wcf", "wco", "b")
+_LSTM_GRAD_INPUTS = _LSTM_INPUTS + ("i", "cs", "f", "o", "ci", "co", "h", "cs_grad", "h_grad")
 
 
 class TensorArrayConcatV3Output(NamedTuple):
@@ -199,3 +228,60 @@ class RawOps:
         req = pb.StopGradientRequest(keep_outputs=keep)
         self._in(input, req.input, temps)
         return self._op("StopGradient", req, lambda r: self._out(r.output), temps)
+
+    # ------------------------------------------------------------------ LSTM
+    def _lstm(self, rpc: str, req: Message, values: dict, names: tuple[str, ...], parse):
+        temps: list[str] = []
+        self._in(values.pop("seq_len_max"), req.seq_len_max, temps, np.int64)
+        for field in names:
+            self._in(values[field], getattr(req, field), temps)
+        return self._op(rpc, req, parse, temps)
+
+    def _lstm_out(self, r) -> BlockLSTMOutput:
+        return BlockLSTMOutput(*(self._out(getattr(r, k)) for k in BlockLSTMOutput._fields))
+
+    def _lstm_grad_out(self, r) -> BlockLSTMGradOutput:
+        return BlockLSTMGradOutput(*(self._out(getattr(r, k)) for k in BlockLSTMGradOutput._fields))
+
+    def BlockLSTMV2(
+        self, seq_len_max, x, cs_prev, h_prev, w, wci, wcf, wco, b, cell_clip=0.0,
+        use_peephole=False, name=None, *, keep=False,
+    ) -> BlockLSTMOutput:  # fmt: skip
+        """Gate layout IFCO; ``keep=True`` keeps the seven outputs on the server."""
+        values = dict(locals())
+        req = lstm_pb2.BlockLSTMV2Request(
+            cell_clip=cell_clip, use_peephole=use_peephole, keep_outputs=keep
+        )
+        return self._lstm("BlockLSTMV2", req, values, _LSTM_INPUTS, self._lstm_out)
+
+    def BlockLSTM(
+        self, seq_len_max, x, cs_prev, h_prev, w, wci, wcf, wco, b, forget_bias=1.0,
+        cell_clip=3.0, use_peephole=False, name=None, *, keep=False,
+    ) -> BlockLSTMOutput:  # fmt: skip
+        """The V1 op: gate layout ICFO, with forget bias."""
+        values = dict(locals())
+        req = lstm_pb2.BlockLSTMRequest(
+            forget_bias=forget_bias,
+            cell_clip=cell_clip,
+            use_peephole=use_peephole,
+            keep_outputs=keep,
+        )
+        return self._lstm("BlockLSTM", req, values, _LSTM_INPUTS, self._lstm_out)
+
+    def BlockLSTMGradV2(
+        self, seq_len_max, x, cs_prev, h_prev, w, wci, wcf, wco, b, i, cs, f, o, ci, co, h,
+        cs_grad, h_grad, use_peephole, name=None, *, keep=False,
+    ) -> BlockLSTMGradOutput:  # fmt: skip
+        """Backward over the whole sequence (IFCO). Any input may be a ``TensorRef``."""
+        values = dict(locals())
+        req = lstm_pb2.BlockLSTMGradRequest(use_peephole=use_peephole, keep_outputs=keep)
+        return self._lstm("BlockLSTMGradV2", req, values, _LSTM_GRAD_INPUTS, self._lstm_grad_out)
+
+    def BlockLSTMGrad(
+        self, seq_len_max, x, cs_prev, h_prev, w, wci, wcf, wco, b, i, cs, f, o, ci, co, h,
+        cs_grad, h_grad, use_peephole, name=None, *, keep=False,
+    ) -> BlockLSTMGradOutput:  # fmt: skip
+        """The V1 backward (ICFO)."""
+        values = dict(locals())
+        req = lstm_pb2.BlockLSTMGradRequest(use_peephole=use_peephole, keep_outputs=keep)
+        return self._lstm("BlockLSTMGrad", req, values, _LSTM_GRAD_INPUTS, self._lstm_grad_out)

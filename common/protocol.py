@@ -23,3 +23,26 @@ def channel_options(limit: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, i
         ("grpc.max_send_message_length", limit),
         ("grpc.max_receive_message_length", limit),
     ]
+
+
+#: Every op RPC and its field in ``BatchStep``/``BatchResult`` (the RPC name in
+#: snake case). Server and SDK both use this table; a test checks it against
+#: the proto.
+BATCH_FIELDS: dict[str, str] = {
+    "TensorArrayV3": "tensor_array_v3",
+    "TensorArrayWriteV3": "tensor_array_write_v3",
+    "TensorArrayReadV3": "tensor_array_read_v3",
+    "TensorArrayGatherV3": "tensor_array_gather_v3",
+    "TensorArrayScatterV3": "tensor_array_scatter_v3",
+    "TensorArrayConcatV3": "tensor_array_concat_v3",
+    "TensorArraySplitV3": "tensor_array_split_v3",
+    "TensorArraySizeV3": "tensor_array_size_v3",
+    "TensorArrayCloseV3": "tensor_array_close_v3",
+    "TensorArrayGradV3": "tensor_array_grad_v3",
+    "TensorArrayGradWithShape": "tensor_array_grad_with_shape",
+    "StopGradient": "stop_gradient",
+    "BlockLSTMV2": "block_lstm_v2",
+    "BlockLSTMGradV2": "block_lstm_grad_v2",
+    "BlockLSTM": "block_lstm",
+    "BlockLSTMGrad": "block_lstm_grad",
+}

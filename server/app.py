@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gradserve import protocol
 from gradserve.kernels import select_device
+from gradserve.kernels.backends import get_backend
 from gradserve.server.config import ServerConfig
 from gradserve.server.servicer import GradServeServicer
 from gradserve.server.sessions import SessionStore
@@ -61,7 +62,10 @@ def start(config: ServerConfig) -> Server:
         options=protocol.channel_options(config.max_message_bytes),
     )
     service_pb2_grpc.add_GradServeServicer_to_server(
-        GradServeServicer(store, max_message_bytes=config.max_message_bytes), server
+        GradServeServicer(
+            store, backend=get_backend(device), max_message_bytes=config.max_message_bytes
+        ),
+        server,
     )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -12,8 +12,11 @@ from collections.abc import Callable
 from google.protobuf.message import Message
 
 from gradserve import codec
+from gradserve.protocol import BATCH_FIELDS
+from gradserve.server.ops import lstm_ops
 from gradserve.server.ops import tensor_array_ops as ta_ops
 from gradserve.server.wire import CallIO, dtype_of, handle_id
+from gradserve.v1 import lstm_pb2
 from gradserve.v1 import tensor_array_pb2 as pb
 
 
@@ -135,28 +138,88 @@ def stop_gradient(io: CallIO, req: pb.StopGradientRequest) -> pb.StopGradientRes
     return resp
 
 
+def _attr(req: Message, field: str):
+    """An attribute's value; None (the op's default) when absent or unset-optional."""
+    desc = req.DESCRIPTOR.fields_by_name.get(field)
+    if desc is None or (desc.has_presence and not req.HasField(field)):
+        return None
+    return getattr(req, field)
+
+
+def _lstm_inputs(io: CallIO, req: Message, names: tuple[str, ...]) -> dict:
+    return {name: io.input(getattr(req, name), name) for name in names}
+
+
+def _lstm_forward(variant: lstm_ops.LSTMVariant):
+    def handler(io: CallIO, req) -> lstm_pb2.BlockLSTMResponse:
+        out = lstm_ops.forward(
+            io.backend,
+            variant,
+            _lstm_inputs(io, req, lstm_ops.WEIGHTS),
+            io.input(req.seq_len_max, "seq_len_max"),
+            use_peephole=req.use_peephole,
+            cell_clip=_attr(req, "cell_clip"),
+            forget_bias=_attr(req, "forget_bias"),
+            check=io.check_alive,
+        )
+        resp = lstm_pb2.BlockLSTMResponse()
+        for name, value in out._asdict().items():
+            io.output(value, getattr(resp, name), req.keep_outputs)
+        return resp
+
+    handler.__name__ = variant.op
+    return handler
+
+
+def _lstm_backward(variant: lstm_ops.LSTMVariant):
+    def handler(io: CallIO, req: lstm_pb2.BlockLSTMGradRequest) -> lstm_pb2.BlockLSTMGradResponse:
+        names = lstm_ops.WEIGHTS + lstm_ops.ACTIVATIONS + lstm_ops.OUTPUT_GRADS
+        grads = lstm_ops.backward(
+            io.backend,
+            variant,
+            _lstm_inputs(io, req, names),
+            io.input(req.seq_len_max, "seq_len_max"),
+            use_peephole=req.use_peephole,
+            check=io.check_alive,
+        )
+        resp = lstm_pb2.BlockLSTMGradResponse()
+        for name, value in grads._asdict().items():
+            io.output(value, getattr(resp, name), req.keep_outputs)
+        return resp
+
+    handler.__name__ = variant.op + "Grad"
+    return handler
+
+
 @dataclasses.dataclass(frozen=True)
 class Op:
     """An op as served: its RPC name, Batch oneof field and handler."""
 
     rpc: str
-    batch_field: str
     handler: Callable[[CallIO, Message], Message]
+
+    @property
+    def batch_field(self) -> str:
+        return BATCH_FIELDS[self.rpc]
 
 
 OPS: tuple[Op, ...] = (
-    Op("TensorArrayV3", "tensor_array_v3", tensor_array_v3),
-    Op("TensorArrayWriteV3", "tensor_array_write_v3", write),
-    Op("TensorArrayReadV3", "tensor_array_read_v3", read),
-    Op("TensorArrayGatherV3", "tensor_array_gather_v3", gather),
-    Op("TensorArrayScatterV3", "tensor_array_scatter_v3", scatter),
-    Op("TensorArrayConcatV3", "tensor_array_concat_v3", concat),
-    Op("TensorArraySplitV3", "tensor_array_split_v3", split),
-    Op("TensorArraySizeV3", "tensor_array_size_v3", size),
-    Op("TensorArrayCloseV3", "tensor_array_close_v3", close),
-    Op("TensorArrayGradV3", "tensor_array_grad_v3", grad),
-    Op("TensorArrayGradWithShape", "tensor_array_grad_with_shape", grad_with_shape),
-    Op("StopGradient", "stop_gradient", stop_gradient),
+    Op("TensorArrayV3", tensor_array_v3),
+    Op("TensorArrayWriteV3", write),
+    Op("TensorArrayReadV3", read),
+    Op("TensorArrayGatherV3", gather),
+    Op("TensorArrayScatterV3", scatter),
+    Op("TensorArrayConcatV3", concat),
+    Op("TensorArraySplitV3", split),
+    Op("TensorArraySizeV3", size),
+    Op("TensorArrayCloseV3", close),
+    Op("TensorArrayGradV3", grad),
+    Op("TensorArrayGradWithShape", grad_with_shape),
+    Op("StopGradient", stop_gradient),
+    Op("BlockLSTMV2", _lstm_forward(lstm_ops.V2)),
+    Op("BlockLSTMGradV2", _lstm_backward(lstm_ops.V2)),
+    Op("BlockLSTM", _lstm_forward(lstm_ops.V1)),
+    Op("BlockLSTMGrad", _lstm_backward(lstm_ops.V1)),
 )
 
 OPS_BY_BATCH_FIELD = {op.batch_field: op for op in OPS}

@@ -27,10 +27,12 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
         self,
         store: SessionStore,
         *,
+        backend=None,
         max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
         chunk_bytes: int = protocol.DEFAULT_CHUNK_BYTES,
     ) -> None:
         self.store = store
+        self.backend = backend
         self.max_message_bytes = max_message_bytes
         self.chunk_bytes = chunk_bytes
 
@@ -55,7 +57,9 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
             raise InvalidArgumentError(
                 f"'{protocol.INLINE_LIMIT_METADATA_KEY}' must be an integer, got {raw!r}"
             ) from None
-        return CallIO(self._session(context), limit)
+        return CallIO(
+            self._session(context), limit, self.backend, lambda: _check_call_alive(context)
+        )
 
     # ---------------------------------------------------------------- sessions
     @boundary.guarded

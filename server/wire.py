@@ -7,6 +7,8 @@ request asked to keep outputs or the value is over the caller's inline limit).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from gradserve import codec, dtypes
@@ -15,12 +17,29 @@ from gradserve.server.sessions import Session
 from gradserve.v1 import tensor_array_pb2, tensor_pb2
 
 
-class CallIO:
-    """Inputs and outputs of one op call in ``session``."""
+def _never_stop() -> None:
+    return None
 
-    def __init__(self, session: Session, inline_limit: int) -> None:
+
+class CallIO:
+    """Inputs and outputs of one op call in ``session``.
+
+    ``backend`` is the array backend ops compute on; ``check_alive`` raises
+    once the call is cancelled or past its deadline (long ops call it between
+    steps).
+    """
+
+    def __init__(
+        self,
+        session: Session,
+        inline_limit: int,
+        backend=None,
+        check_alive: Callable[[], None] = _never_stop,
+    ) -> None:
         self.session = session
         self.inline_limit = inline_limit
+        self.backend = backend
+        self.check_alive = check_alive
 
     def input(self, msg: tensor_pb2.TensorInput, field: str) -> np.ndarray:
         which = msg.WhichOneof("source")

@@ -42,7 +42,10 @@ def serve(echo_port_file: str) -> None:
     server = start(ServerConfig(port=0, device="cpu", max_message_bytes=limit))
     echo = grpc.server(
         futures.ThreadPoolExecutor(max_workers=16),
-        options=[("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)],
+        options=[
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limit),
+        ],
     )
     identity = grpc.unary_unary_rpc_method_handler(lambda req, ctx: req)
     echo.add_generic_rpc_handlers(
@@ -81,8 +84,12 @@ def main() -> None:
         serve("")
         return
 
-    child = subprocess.Popen([sys.executable, __file__, "--serve"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--serve"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = child.stdout.readline()
         gs_port, echo_port = map(int, re.match(r"ports (\d+) (\d+)", line).groups())
@@ -93,8 +100,10 @@ def main() -> None:
 
 
 def run(target: str, echo_target: str, rounds: int) -> None:
-    print(f"# gradserve core benchmark: {os.cpu_count()} CPUs, loopback, medians of {rounds} "
-          "interleaved rounds")
+    print(
+        f"# gradserve core benchmark: {os.cpu_count()} CPUs, loopback, medians of {rounds} "
+        "interleaved rounds"
+    )
     limit = 2 * BIG
     options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
     echo_channel = grpc.insecure_channel(echo_target, options=options)
@@ -143,15 +152,22 @@ def run(target: str, echo_target: str, rounds: int) -> None:
     for _ in range(50):
         echo_one()
     a = interleaved(
-        {"sdk write+read (2 RPCs)": sdk_pair, "bare echo x2": echo_pair,
-         "sdk write+read (1 Batch)": sdk_batch_pair, "bare echo x1": echo_one},
-        rounds, 20,
+        {
+            "sdk write+read (2 RPCs)": sdk_pair,
+            "bare echo x2": echo_pair,
+            "sdk write+read (1 Batch)": sdk_batch_pair,
+            "bare echo x1": echo_one,
+        },
+        rounds,
+        20,
     )
     print("\n(a) small TensorArray write+read vs bare gRPC unary echo (256-byte tensor)")
     for k, v in a.items():
         print(f"    {k:28s} {v * 1e6:8.1f} us")
-    print(f"    ratio, per RPC:          {a['sdk write+read (2 RPCs)'] / a['bare echo x2']:.2f}x "
-          "of the echo (goal <= 1.5x)")
+    print(
+        f"    ratio, per RPC:          {a['sdk write+read (2 RPCs)'] / a['bare echo x2']:.2f}x "
+        "of the echo (goal <= 1.5x)"
+    )
     print(f"    ratio, Batch vs 1 echo:  {a['sdk write+read (1 Batch)'] / a['bare echo x1']:.2f}x")
 
     # (b) 256 MiB put + get
@@ -172,14 +188,23 @@ def run(target: str, echo_target: str, rounds: int) -> None:
         np.copyto(dst, big)  # there ...
         np.copyto(big, dst)  # ... and back: the same bytes moved as put+get
 
-    b = interleaved({"sdk put+get (streamed)": sdk_put_get, "bare echo (1 message)": echo_big,
-                     "memcpy x2": memcpy}, max(3, rounds // 2), 1)
+    b = interleaved(
+        {
+            "sdk put+get (streamed)": sdk_put_get,
+            "bare echo (1 message)": echo_big,
+            "memcpy x2": memcpy,
+        },
+        max(3, rounds // 2),
+        1,
+    )
     moved = 2 * BIG / 2**30
     print("\n(b) 256 MiB tensor there and back (512 MiB moved)")
     for k, v in b.items():
         print(f"    {k:28s} {v * 1e3:8.1f} ms  {moved / v:6.2f} GiB/s")
-    print(f"    sdk vs bare echo:        {b['bare echo (1 message)'] / b['sdk put+get (streamed)']:.2f}x "
-          "faster (goal >= 2x)")
+    print(
+        f"    sdk vs bare echo:        {b['bare echo (1 message)'] / b['sdk put+get (streamed)']:.2f}x "
+        "faster (goal >= 2x)"
+    )
     print(f"    sdk as fraction of memcpy: {b['memcpy x2'] / b['sdk put+get (streamed)']:.1%}")
 
     # (c) 100 writes: one per RPC vs one Batch
@@ -201,8 +226,10 @@ def run(target: str, echo_target: str, rounds: int) -> None:
     print("\n(c) 100 TensorArray writes (512-byte values; both include one TensorArrayV3 call)")
     for k, v in c.items():
         print(f"    {k:28s} {v * 1e3:8.2f} ms")
-    print(f"    Batch speed-up:          {c['100 unary writes'] / c['1 Batch of 100']:.1f}x "
-          "(goal >= 10x)")
+    print(
+        f"    Batch speed-up:          {c['100 unary writes'] / c['1 Batch of 100']:.1f}x "
+        "(goal >= 10x)"
+    )
     client.close()
     echo_channel.close()
 

@@ -55,8 +55,12 @@ def test_health_serving(process):
 def test_health_subcommand(process):
     _, target = process
     port = target.rsplit(":", 1)[1]
-    done = subprocess.run([sys.executable, "-m", "gradserve.server", "health", "--port", port],
-                          capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        [sys.executable, "-m", "gradserve.server", "health", "--port", port],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 0 and "SERVING" in done.stdout
 
 

@@ -1,4 +1,5 @@
 from gradserve.v1 import tensor_pb2 as _tensor_pb2
+from gradserve.v1 import lstm_pb2 as _lstm_pb2
 from gradserve.v1 import tensor_array_pb2 as _tensor_array_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -61,7 +62,7 @@ class DeleteTensorResponse(_message.Message):
     def __init__(self, deleted: _Optional[int] = ...) -> None: ...
 
 class BatchStep(_message.Message):
-    __slots__ = ("tensor_array_v3", "tensor_array_write_v3", "tensor_array_read_v3", "tensor_array_gather_v3", "tensor_array_scatter_v3", "tensor_array_concat_v3", "tensor_array_split_v3", "tensor_array_size_v3", "tensor_array_close_v3", "tensor_array_grad_v3", "tensor_array_grad_with_shape", "stop_gradient")
+    __slots__ = ("tensor_array_v3", "tensor_array_write_v3", "tensor_array_read_v3", "tensor_array_gather_v3", "tensor_array_scatter_v3", "tensor_array_concat_v3", "tensor_array_split_v3", "tensor_array_size_v3", "tensor_array_close_v3", "tensor_array_grad_v3", "tensor_array_grad_with_shape", "stop_gradient", "block_lstm_v2", "block_lstm_grad_v2", "block_lstm", "block_lstm_grad")
     TENSOR_ARRAY_V3_FIELD_NUMBER: _ClassVar[int]
     TENSOR_ARRAY_WRITE_V3_FIELD_NUMBER: _ClassVar[int]
     TENSOR_ARRAY_READ_V3_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +75,10 @@ class BatchStep(_message.Message):
     TENSOR_ARRAY_GRAD_V3_FIELD_NUMBER: _ClassVar[int]
     TENSOR_ARRAY_GRAD_WITH_SHAPE_FIELD_NUMBER: _ClassVar[int]
     STOP_GRADIENT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_LSTM_V2_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_LSTM_GRAD_V2_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_LSTM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_LSTM_GRAD_FIELD_NUMBER: _ClassVar[int]
     tensor_array_v3: _tensor_array_pb2.TensorArrayV3Request
     tensor_array_write_v3: _tensor_array_pb2.TensorArrayWriteV3Request
     tensor_array_read_v3: _tensor_array_pb2.TensorArrayReadV3Request
@@ -86,10 +91,14 @@ class BatchStep(_message.Message):
     tensor_array_grad_v3: _tensor_array_pb2.TensorArrayGradV3Request
     tensor_array_grad_with_shape: _tensor_array_pb2.TensorArrayGradWithShapeRequest
     stop_gradient: _tensor_array_pb2.StopGradientRequest
-    def __init__(self, tensor_array_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayV3Request, _Mapping]] = ..., tensor_array_write_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayWriteV3Request, _Mapping]] = ..., tensor_array_read_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayReadV3Request, _Mapping]] = ..., tensor_array_gather_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayGatherV3Request, _Mapping]] = ..., tensor_array_scatter_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayScatterV3Request, _Mapping]] = ..., tensor_array_concat_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayConcatV3Request, _Mapping]] = ..., tensor_array_split_v3: _Optional[_Union[_tensor_array_pb2.TensorArraySplitV3Request, _Mapping]] = ..., tensor_array_size_v3: _Optional[_Union[_tensor_array_pb2.TensorArraySizeV3Request, _Mapping]] = ..., tensor_array_close_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayCloseV3Request, _Mapping]] = ..., tensor_array_grad_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayGradV3Request, _Mapping]] = ..., tensor_array_grad_with_shape: _Optional[_Union[_tensor_array_pb2.TensorArrayGradWithShapeRequest, _Mapping]] = ..., stop_gradient: _Optional[_Union[_tensor_array_pb2.StopGradientRequest, _Mapping]] = ...) -> None: ...
+    block_lstm_v2: _lstm_pb2.BlockLSTMV2Request
+    block_lstm_grad_v2: _lstm_pb2.BlockLSTMGradRequest
+    block_lstm: _lstm_pb2.BlockLSTMRequest
+    block_lstm_grad: _lstm_pb2.BlockLSTMGradRequest
+    def __init__(self, tensor_array_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayV3Request, _Mapping]] = ..., tensor_array_write_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayWriteV3Request, _Mapping]] = ..., tensor_array_read_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayReadV3Request, _Mapping]] = ..., tensor_array_gather_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayGatherV3Request, _Mapping]] = ..., tensor_array_scatter_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayScatterV3Request, _Mapping]] = ..., tensor_array_concat_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayConcatV3Request, _Mapping]] = ..., tensor_array_split_v3: _Optional[_Union[_tensor_array_pb2.TensorArraySplitV3Request, _Mapping]] = ..., tensor_array_size_v3: _Optional[_Union[_tensor_array_pb2.TensorArraySizeV3Request, _Mapping]] = ..., tensor_array_close_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayCloseV3Request, _Mapping]] = ..., tensor_array_grad_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayGradV3Request, _Mapping]] = ..., tensor_array_grad_with_shape: _Optional[_Union[_tensor_array_pb2.TensorArrayGradWithShapeRequest, _Mapping]] = ..., stop_gradient: _Optional[_Union[_tensor_array_pb2.StopGradientRequest, _Mapping]] = ..., block_lstm_v2: _Optional[_Union[_lstm_pb2.BlockLSTMV2Request, _Mapping]] = ..., block_lstm_grad_v2: _Optional[_Union[_lstm_pb2.BlockLSTMGradRequest, _Mapping]] = ..., block_lstm: _Optional[_Union[_lstm_pb2.BlockLSTMRequest, _Mapping]] = ..., block_lstm_grad: _Optional[_Union[_lstm_pb2.BlockLSTMGradRequest, _Mapping]] = ...) -> None: ...
 
 class BatchResult(_message.Message):
-    __slots__ = ("tensor_array_v3", "tensor_array_write_v3", "tensor_array_read_v3", "tensor_array_gather_v3", "tensor_array_scatter_v3", "tensor_array_concat_v3", "tensor_array_split_v3", "tensor_array_size_v3", "tensor_array_close_v3", "tensor_array_grad_v3", "tensor_array_grad_with_shape", "stop_gradient")
+    __slots__ = ("tensor_array_v3", "tensor_array_write_v3", "tensor_array_read_v3", "tensor_array_gather_v3", "tensor_array_scatter_v3", "tensor_array_concat_v3", "tensor_array_split_v3", "tensor_array_size_v3", "tensor_array_close_v3", "tensor_array_grad_v3", "tensor_array_grad_with_shape", "stop_gradient", "block_lstm_v2", "block_lstm_grad_v2", "block_lstm", "block_lstm_grad")
     TENSOR_ARRAY_V3_FIELD_NUMBER: _ClassVar[int]
     TENSOR_ARRAY_WRITE_V3_FIELD_NUMBER: _ClassVar[int]
     TENSOR_ARRAY_READ_V3_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +111,10 @@ class BatchResult(_message.Message):
     TENSOR_ARRAY_GRAD_V3_FIELD_NUMBER: _ClassVar[int]
     TENSOR_ARRAY_GRAD_WITH_SHAPE_FIELD_NUMBER: _ClassVar[int]
     STOP_GRADIENT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_LSTM_V2_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_LSTM_GRAD_V2_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_LSTM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_LSTM_GRAD_FIELD_NUMBER: _ClassVar[int]
     tensor_array_v3: _tensor_array_pb2.TensorArrayV3Response
     tensor_array_write_v3: _tensor_array_pb2.TensorArrayWriteV3Response
     tensor_array_read_v3: _tensor_array_pb2.TensorArrayReadV3Response
@@ -114,7 +127,11 @@ class BatchResult(_message.Message):
     tensor_array_grad_v3: _tensor_array_pb2.TensorArrayGradV3Response
     tensor_array_grad_with_shape: _tensor_array_pb2.TensorArrayGradWithShapeResponse
     stop_gradient: _tensor_array_pb2.StopGradientResponse
-    def __init__(self, tensor_array_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayV3Response, _Mapping]] = ..., tensor_array_write_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayWriteV3Response, _Mapping]] = ..., tensor_array_read_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayReadV3Response, _Mapping]] = ..., tensor_array_gather_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayGatherV3Response, _Mapping]] = ..., tensor_array_scatter_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayScatterV3Response, _Mapping]] = ..., tensor_array_concat_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayConcatV3Response, _Mapping]] = ..., tensor_array_split_v3: _Optional[_Union[_tensor_array_pb2.TensorArraySplitV3Response, _Mapping]] = ..., tensor_array_size_v3: _Optional[_Union[_tensor_array_pb2.TensorArraySizeV3Response, _Mapping]] = ..., tensor_array_close_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayCloseV3Response, _Mapping]] = ..., tensor_array_grad_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayGradV3Response, _Mapping]] = ..., tensor_array_grad_with_shape: _Optional[_Union[_tensor_array_pb2.TensorArrayGradWithShapeResponse, _Mapping]] = ..., stop_gradient: _Optional[_Union[_tensor_array_pb2.StopGradientResponse, _Mapping]] = ...) -> None: ...
+    block_lstm_v2: _lstm_pb2.BlockLSTMResponse
+    block_lstm_grad_v2: _lstm_pb2.BlockLSTMGradResponse
+    block_lstm: _lstm_pb2.BlockLSTMResponse
+    block_lstm_grad: _lstm_pb2.BlockLSTMGradResponse
+    def __init__(self, tensor_array_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayV3Response, _Mapping]] = ..., tensor_array_write_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayWriteV3Response, _Mapping]] = ..., tensor_array_read_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayReadV3Response, _Mapping]] = ..., tensor_array_gather_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayGatherV3Response, _Mapping]] = ..., tensor_array_scatter_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayScatterV3Response, _Mapping]] = ..., tensor_array_concat_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayConcatV3Response, _Mapping]] = ..., tensor_array_split_v3: _Optional[_Union[_tensor_array_pb2.TensorArraySplitV3Response, _Mapping]] = ..., tensor_array_size_v3: _Optional[_Union[_tensor_array_pb2.TensorArraySizeV3Response, _Mapping]] = ..., tensor_array_close_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayCloseV3Response, _Mapping]] = ..., tensor_array_grad_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayGradV3Response, _Mapping]] = ..., tensor_array_grad_with_shape: _Optional[_Union[_tensor_array_pb2.TensorArrayGradWithShapeResponse, _Mapping]] = ..., stop_gradient: _Optional[_Union[_tensor_array_pb2.StopGradientResponse, _Mapping]] = ..., block_lstm_v2: _Optional[_Union[_lstm_pb2.BlockLSTMResponse, _Mapping]] = ..., block_lstm_grad_v2: _Optional[_Union[_lstm_pb2.BlockLSTMGradResponse, _Mapping]] = ..., block_lstm: _Optional[_Union[_lstm_pb2.BlockLSTMResponse, _Mapping]] = ..., block_lstm_grad: _Optional[_Union[_lstm_pb2.BlockLSTMGradResponse, _Mapping]] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("code", "message", "reason")

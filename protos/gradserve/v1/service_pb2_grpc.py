@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from gradserve.v1 import lstm_pb2 as gradserve_dot_v1_dot_lstm__pb2
 from gradserve.v1 import service_pb2 as gradserve_dot_v1_dot_service__pb2
 from gradserve.v1 import tensor_array_pb2 as gradserve_dot_v1_dot_tensor__array__pb2
 from gradserve.v1 import tensor_pb2 as gradserve_dot_v1_dot_tensor__pb2
@@ -126,6 +127,26 @@ class GradServeStub:
                 request_serializer=gradserve_dot_v1_dot_tensor__array__pb2.StopGradientRequest.SerializeToString,
                 response_deserializer=gradserve_dot_v1_dot_tensor__array__pb2.StopGradientResponse.FromString,
                 _registered_method=True)
+        self.BlockLSTMV2 = channel.unary_unary(
+                '/gradserve.v1.GradServe/BlockLSTMV2',
+                request_serializer=gradserve_dot_v1_dot_lstm__pb2.BlockLSTMV2Request.SerializeToString,
+                response_deserializer=gradserve_dot_v1_dot_lstm__pb2.BlockLSTMResponse.FromString,
+                _registered_method=True)
+        self.BlockLSTMGradV2 = channel.unary_unary(
+                '/gradserve.v1.GradServe/BlockLSTMGradV2',
+                request_serializer=gradserve_dot_v1_dot_lstm__pb2.BlockLSTMGradRequest.SerializeToString,
+                response_deserializer=gradserve_dot_v1_dot_lstm__pb2.BlockLSTMGradResponse.FromString,
+                _registered_method=True)
+        self.BlockLSTM = channel.unary_unary(
+                '/gradserve.v1.GradServe/BlockLSTM',
+                request_serializer=gradserve_dot_v1_dot_lstm__pb2.BlockLSTMRequest.SerializeToString,
+                response_deserializer=gradserve_dot_v1_dot_lstm__pb2.BlockLSTMResponse.FromString,
+                _registered_method=True)
+        self.BlockLSTMGrad = channel.unary_unary(
+                '/gradserve.v1.GradServe/BlockLSTMGrad',
+                request_serializer=gradserve_dot_v1_dot_lstm__pb2.BlockLSTMGradRequest.SerializeToString,
+                response_deserializer=gradserve_dot_v1_dot_lstm__pb2.BlockLSTMGradResponse.FromString,
+                _registered_method=True)
         self.Batch = channel.unary_unary(
                 '/gradserve.v1.GradServe/Batch',
                 request_serializer=gradserve_dot_v1_dot_service__pb2.BatchRequest.SerializeToString,
@@ -248,6 +269,30 @@ class GradServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BlockLSTMV2(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BlockLSTMGradV2(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BlockLSTM(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BlockLSTMGrad(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Batch(self, request, context):
         """Runs ops in order in one round trip; stops at the first failure.
         """
@@ -347,6 +392,26 @@ def add_GradServeServicer_to_server(servicer, server):
                     servicer.StopGradient,
                     request_deserializer=gradserve_dot_v1_dot_tensor__array__pb2.StopGradientRequest.FromString,
                     response_serializer=gradserve_dot_v1_dot_tensor__array__pb2.StopGradientResponse.SerializeToString,
+            ),
+            'BlockLSTMV2': grpc.unary_unary_rpc_method_handler(
+                    servicer.BlockLSTMV2,
+                    request_deserializer=gradserve_dot_v1_dot_lstm__pb2.BlockLSTMV2Request.FromString,
+                    response_serializer=gradserve_dot_v1_dot_lstm__pb2.BlockLSTMResponse.SerializeToString,
+            ),
+            'BlockLSTMGradV2': grpc.unary_unary_rpc_method_handler(
+                    servicer.BlockLSTMGradV2,
+                    request_deserializer=gradserve_dot_v1_dot_lstm__pb2.BlockLSTMGradRequest.FromString,
+                    response_serializer=gradserve_dot_v1_dot_lstm__pb2.BlockLSTMGradResponse.SerializeToString,
+            ),
+            'BlockLSTM': grpc.unary_unary_rpc_method_handler(
+                    servicer.BlockLSTM,
+                    request_deserializer=gradserve_dot_v1_dot_lstm__pb2.BlockLSTMRequest.FromString,
+                    response_serializer=gradserve_dot_v1_dot_lstm__pb2.BlockLSTMResponse.SerializeToString,
+            ),
+            'BlockLSTMGrad': grpc.unary_unary_rpc_method_handler(
+                    servicer.BlockLSTMGrad,
+                    request_deserializer=gradserve_dot_v1_dot_lstm__pb2.BlockLSTMGradRequest.FromString,
+                    response_serializer=gradserve_dot_v1_dot_lstm__pb2.BlockLSTMGradResponse.SerializeToString,
             ),
             'Batch': grpc.unary_unary_rpc_method_handler(
                     servicer.Batch,
@@ -840,6 +905,114 @@ class GradServe:
             '/gradserve.v1.GradServe/StopGradient',
             gradserve_dot_v1_dot_tensor__array__pb2.StopGradientRequest.SerializeToString,
             gradserve_dot_v1_dot_tensor__array__pb2.StopGradientResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BlockLSTMV2(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradserve.v1.GradServe/BlockLSTMV2',
+            gradserve_dot_v1_dot_lstm__pb2.BlockLSTMV2Request.SerializeToString,
+            gradserve_dot_v1_dot_lstm__pb2.BlockLSTMResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BlockLSTMGradV2(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradserve.v1.GradServe/BlockLSTMGradV2',
+            gradserve_dot_v1_dot_lstm__pb2.BlockLSTMGradRequest.SerializeToString,
+            gradserve_dot_v1_dot_lstm__pb2.BlockLSTMGradResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BlockLSTM(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradserve.v1.GradServe/BlockLSTM',
+            gradserve_dot_v1_dot_lstm__pb2.BlockLSTMRequest.SerializeToString,
+            gradserve_dot_v1_dot_lstm__pb2.BlockLSTMResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BlockLSTMGrad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradserve.v1.GradServe/BlockLSTMGrad',
+            gradserve_dot_v1_dot_lstm__pb2.BlockLSTMGradRequest.SerializeToString,
+            gradserve_dot_v1_dot_lstm__pb2.BlockLSTMGradResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,80 @@
+"""The CuPy (CUDA) backend of ``kernels.lstm``: ``lstm.cu`` as RawKernels, GEMMs in cuBLAS.
+
+One ``RawModule`` for the LSTM kernel family, compiled lazily once per device
+with ``name_expressions`` generated from the dtype table. Shapes and dtypes are
+checked by the caller before any launch; launches go on the current stream
+with no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import cupy
+import numpy as np
+
+from gradserve.kernels import cuda_source
+
+xp = cupy
+name = "cuda"
+
+THREADS = 256
+MAX_BLOCKS = 65535
+
+
+@functools.cache
+def _module(device_id: int) -> cupy.RawModule:
+    """The LSTM RawModule, compiled once per device (CuPy caches the binary on disk too)."""
+    module = cupy.RawModule(
+        code=cuda_source.SOURCE.read_text(),
+        options=("--std=c++14",),
+        name_expressions=cuda_source.name_expressions(),
+    )
+    module.compile()
+    return module
+
+
+def _kernel(kernel: str, dtype: np.dtype) -> cupy.RawKernel:
+    return _module(cupy.cuda.Device().id).get_function(cuda_source.kernel_name(kernel, dtype))
+
+
+def _launch(kernel: str, dtype, cells: int, args: tuple) -> None:
+    blocks = max(1, min(MAX_BLOCKS, (cells + THREADS - 1) // THREADS))
+    _kernel(kernel, dtype)(grid=(blocks,), block=(THREADS,), args=args)
+
+
+def compute_dtype(dtype) -> np.dtype:
+    return np.dtype(np.float32) if np.dtype(dtype) == np.float16 else np.dtype(dtype)
+
+
+def asarray(a, dtype) -> cupy.ndarray:
+    return cupy.ascontiguousarray(cupy.asarray(a, dtype=dtype))
+
+
+def cast(a: cupy.ndarray, dtype) -> cupy.ndarray:
+    return a.astype(dtype, copy=False)
+
+
+def to_host(a) -> np.ndarray:
+    return cupy.asnumpy(a)
+
+
+def fwd_step(gates_x, gates_h, cs_prev, wci, wcf, wco, i, cs, f, o, ci, co, h,
+             offsets, forget_bias, cell_clip, use_peephole) -> None:  # fmt: skip
+    batch, units = cs_prev.shape
+    scalar = gates_x.dtype.type
+    _launch("lstm_fwd_step", gates_x.dtype, batch * units, (
+        gates_x, gates_h, cs_prev, wci, wcf, wco, i, cs, f, o, ci, co, h,
+        np.int32(batch), np.int32(units), *(np.int32(v) for v in offsets),
+        scalar(forget_bias), scalar(cell_clip), np.int32(bool(use_peephole)),
+    ))  # fmt: skip
+
+
+def bwd_step(cs_prev, i, f, o, ci, co, cs_grad, h_grad, dh_carry, dcs_carry, wci, wcf, wco,
+             dgates, offsets, use_peephole) -> None:  # fmt: skip
+    batch, units = i.shape
+    _launch("lstm_bwd_step", i.dtype, batch * units, (
+        cs_prev, i, f, o, ci, co, cs_grad, h_grad, dh_carry, dcs_carry, wci, wcf, wco, dgates,
+        np.int32(batch), np.int32(units), *(np.int32(v) for v in offsets),
+        np.int32(bool(use_peephole)),
+    ))  # fmt: skip

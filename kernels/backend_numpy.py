@@ -1,0 +1,98 @@
+"""The NumPy (CPU) backend of ``kernels.lstm``: the fused steps as in-place NumPy passes.
+
+Function names and argument order are those of the CUDA kernels in
+``lstm.cu`` (and of ``backend_cuda``), so the two read side by side.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+xp = np
+name = "cpu"
+
+
+def compute_dtype(dtype: np.dtype) -> np.dtype:
+    """float16 computes in float32; float32 and float64 as they are."""
+    return np.dtype(np.float32) if np.dtype(dtype) == np.float16 else np.dtype(dtype)
+
+
+def asarray(a, dtype) -> np.ndarray:
+    return np.asarray(a, dtype=dtype)
+
+
+def cast(a: np.ndarray, dtype) -> np.ndarray:
+    return a.astype(dtype, copy=False)
+
+
+def to_host(a) -> np.ndarray:
+    return a
+
+
+def _sigmoid(x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """0.5 * tanh(0.5 x) + 0.5: no exp, so no overflow for any x."""
+    np.multiply(x, 0.5, out=out)
+    np.tanh(out, out=out)
+    out *= 0.5
+    out += 0.5
+    return out
+
+
+def fwd_step(gates_x, gates_h, cs_prev, wci, wcf, wco, i, cs, f, o, ci, co, h,
+             offsets, forget_bias, cell_clip, use_peephole) -> None:  # fmt: skip
+    """One forward step; ``gates_h`` (this step's scratch) is overwritten."""
+    units = cs_prev.shape[1]
+    off_i, off_f, off_c, off_o = offsets
+    gates = gates_h
+    gates += gates_x
+    pre_i = gates[:, off_i : off_i + units]
+    pre_f = gates[:, off_f : off_f + units]
+    pre_c = gates[:, off_c : off_c + units]
+    pre_o = gates[:, off_o : off_o + units]
+    if forget_bias:
+        pre_f += forget_bias
+    if use_peephole:
+        pre_i += cs_prev * wci
+        pre_f += cs_prev * wcf
+    _sigmoid(pre_i, i)
+    _sigmoid(pre_f, f)
+    np.tanh(pre_c, out=ci)
+    np.multiply(i, ci, out=cs)
+    cs += f * cs_prev
+    if cell_clip > 0:
+        np.clip(cs, -cell_clip, cell_clip, out=cs)
+    np.tanh(cs, out=co)
+    if use_peephole:
+        pre_o += cs * wco
+    _sigmoid(pre_o, o)
+    np.multiply(o, co, out=h)
+
+
+def bwd_step(cs_prev, i, f, o, ci, co, cs_grad, h_grad, dh_carry, dcs_carry, wci, wcf, wco,
+             dgates, offsets, use_peephole) -> None:  # fmt: skip
+    """One backward step: gate gradients into ``dgates``; ``dcs_carry`` updated in place."""
+    units = i.shape[1]
+    off_i, off_f, off_c, off_o = offsets
+    dh = dh_carry + h_grad
+    d_o = dgates[:, off_o : off_o + units]
+    np.multiply(o, 1 - o, out=d_o)
+    d_o *= dh
+    d_o *= co
+    dcs = (1 - co * co) * dh * o
+    dcs += dcs_carry
+    dcs += cs_grad
+    if use_peephole:
+        dcs += d_o * wco
+    dci = dgates[:, off_c : off_c + units]
+    np.multiply(1 - ci * ci, dcs, out=dci)
+    dci *= i
+    df = dgates[:, off_f : off_f + units]
+    np.multiply(f * (1 - f), dcs, out=df)
+    df *= cs_prev
+    di = dgates[:, off_i : off_i + units]
+    np.multiply(i * (1 - i), dcs, out=di)
+    di *= ci
+    np.multiply(dcs, f, out=dcs_carry)
+    if use_peephole:
+        dcs_carry += di * wci
+        dcs_carry += df * wcf

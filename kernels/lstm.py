@@ -1,0 +1,212 @@
+"""TensorFlow's block LSTM (BlockLSTM / BlockLSTMV2) forward and backward over a sequence.
+
+One implementation for every device: array math goes through ``backend.xp``
+(NumPy or CuPy) and the two fused per-step elementwise passes through
+``backend.fwd_step`` / ``backend.bwd_step`` (NumPy code, or the CUDA kernels
+of ``lstm.cu``). The spec is tensorflow/core/kernels/rnn/lstm_ops.{h,cc}.
+
+Gates, per time step t (``x`` is [T, B, I], states [B, H], ``w`` is
+[I + H, 4H] with rows [x; h], ``b`` is [4H])::
+
+    gates = x[t] @ w[:I] + h[t-1] @ w[I:] + b          # columns by `layout`
+    i  = sigmoid(gates_i + cs[t-1] * wci)               # peephole terms only
+    f  = sigmoid(gates_f + forget_bias + cs[t-1] * wcf) #   with use_peephole
+    ci = tanh(gates_c)
+    cs = clip(i * ci + f * cs[t-1], ±cell_clip)         # no clip if cell_clip <= 0
+    co = tanh(cs)
+    o  = sigmoid(gates_o + cs * wco)                    # the new, clipped cs
+    h  = o * co
+
+Gate column blocks (``GateLayout``): IFCO = i|f|c|o (BlockLSTMV2, no forget
+bias), ICFO = i|c|f|o (BlockLSTM, forget_bias default 1.0).
+
+Steps from ``seq_len_max`` on produce zeros (TensorFlow leaves five of the
+seven outputs uninitialised there) and get no gradient. float16 runs in
+float32 (every GEMM accumulates in float32) and is returned as float16.
+
+Cost: the input projection of all steps is one GEMM; each step is one
+``h @ W_h`` GEMM plus one fused pass. The backward is, per step, one fused
+pass and one ``dgates @ W_h^T`` GEMM; then x_grad is one GEMM, w_grad two,
+and b_grad and the peephole gradients are reductions.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+Array = Any  # numpy.ndarray or cupy.ndarray
+
+
+class GateLayout(enum.Enum):
+    """Order of the four gate column blocks in ``w``, ``b`` and the gate buffers."""
+
+    IFCO = "ifco"  # BlockLSTMV2
+    ICFO = "icfo"  # BlockLSTM
+
+    def offsets(self, units: int) -> tuple[int, int, int, int]:
+        """Column offsets (i, f, c, o) of the gate blocks, each ``units`` wide."""
+        if self is GateLayout.IFCO:
+            return 0, units, 2 * units, 3 * units
+        return 0, 2 * units, units, 3 * units
+
+
+class LSTMOutputs(NamedTuple):
+    i: Array
+    cs: Array
+    f: Array
+    o: Array
+    ci: Array
+    co: Array
+    h: Array
+
+
+class LSTMGrads(NamedTuple):
+    x_grad: Array
+    cs_prev_grad: Array
+    h_prev_grad: Array
+    w_grad: Array
+    wci_grad: Array
+    wcf_grad: Array
+    wco_grad: Array
+    b_grad: Array
+
+
+def block_lstm_forward(
+    backend,
+    x: Array,
+    cs_prev: Array,
+    h_prev: Array,
+    w: Array,
+    wci: Array,
+    wcf: Array,
+    wco: Array,
+    b: Array,
+    *,
+    seq_len_max: int,
+    forget_bias: float = 0.0,
+    cell_clip: float = 0.0,
+    use_peephole: bool = False,
+    layout: GateLayout = GateLayout.IFCO,
+    check: Callable[[], None] | None = None,
+) -> LSTMOutputs:
+    """The seven [T, B, H] outputs. Inputs must already be validated.
+
+    ``check`` runs before every time step (deadline and cancellation): it may
+    raise to abandon the call; nothing outside this function has changed then.
+    """
+    xp = backend.xp
+    out_dtype = x.dtype
+    ct = backend.compute_dtype(out_dtype)
+    x, cs_prev, h_prev, w, wci, wcf, wco, b = (
+        backend.asarray(a, ct) for a in (x, cs_prev, h_prev, w, wci, wcf, wco, b)
+    )
+    steps, batch, inputs = x.shape
+    units = cs_prev.shape[1]
+    length = seq_len_max
+    outs = LSTMOutputs(*(xp.zeros((steps, batch, units), ct) for _ in range(7)))
+    if length > 0:
+        w_x, w_h = w[:inputs], w[inputs:]
+        gates_x = xp.matmul(x[:length].reshape(length * batch, inputs), w_x)
+        gates_x += b
+        gates_x = gates_x.reshape(length, batch, 4 * units)
+        gates_h = xp.empty((batch, 4 * units), ct)
+        offsets = layout.offsets(units)
+        for t in range(length):
+            if check is not None:
+                check()
+            c_prev = cs_prev if t == 0 else outs.cs[t - 1]
+            h_last = h_prev if t == 0 else outs.h[t - 1]
+            xp.matmul(h_last, w_h, out=gates_h)
+            backend.fwd_step(
+                gates_x[t], gates_h, c_prev, wci, wcf, wco,
+                outs.i[t], outs.cs[t], outs.f[t], outs.o[t], outs.ci[t], outs.co[t], outs.h[t],
+                offsets, forget_bias, cell_clip, use_peephole,
+            )  # fmt: skip
+    return LSTMOutputs(*(backend.cast(a, out_dtype) for a in outs))
+
+
+def block_lstm_backward(
+    backend,
+    x: Array,
+    cs_prev: Array,
+    h_prev: Array,
+    w: Array,
+    wci: Array,
+    wcf: Array,
+    wco: Array,
+    b: Array,
+    i: Array,
+    cs: Array,
+    f: Array,
+    o: Array,
+    ci: Array,
+    co: Array,
+    h: Array,
+    cs_grad: Array,
+    h_grad: Array,
+    *,
+    seq_len_max: int,
+    use_peephole: bool = False,
+    layout: GateLayout = GateLayout.IFCO,
+    check: Callable[[], None] | None = None,
+) -> LSTMGrads:
+    """Gradients of the whole sequence (TensorFlow's BlockLSTMGrad recursion).
+
+    ``h_grad[t]`` and ``cs_grad[t]`` add to the recurrent carries at step t;
+    the forward's cell clip is ignored, as TensorFlow ignores it.
+    """
+    xp = backend.xp
+    out_dtype = x.dtype
+    ct = backend.compute_dtype(out_dtype)
+    (x, cs_prev, h_prev, w, wci, wcf, wco, b, i, cs, f, o, ci, co, h, cs_grad, h_grad) = (
+        backend.asarray(a, ct)
+        for a in (x, cs_prev, h_prev, w, wci, wcf, wco, b, i, cs, f, o, ci, co, h, cs_grad, h_grad)
+    )
+    steps, batch, inputs = x.shape
+    units = cs_prev.shape[1]
+    length = seq_len_max
+    x_grad = xp.zeros((steps, batch, inputs), ct)
+    w_grad = xp.zeros(w.shape, ct)
+    peephole_grads = [xp.zeros(units, ct) for _ in range(3)]
+    b_grad = xp.zeros(4 * units, ct)
+    dcs = xp.zeros((batch, units), ct)  # carry: d loss / d cs[t-1]
+    dh = xp.zeros((batch, units), ct)  # carry: d loss / d h[t-1] from step t
+    if length > 0:
+        w_x, w_h = w[:inputs], w[inputs:]
+        dgates = xp.empty((length, batch, 4 * units), ct)
+        offsets = layout.offsets(units)
+        for t in reversed(range(length)):
+            if check is not None:
+                check()
+            c_prev = cs_prev if t == 0 else cs[t - 1]
+            backend.bwd_step(
+                c_prev, i[t], f[t], o[t], ci[t], co[t], cs_grad[t], h_grad[t],
+                dh, dcs, wci, wcf, wco, dgates[t], offsets, use_peephole,
+            )  # fmt: skip
+            xp.matmul(dgates[t], w_h.T, out=dh)
+        flat = dgates.reshape(length * batch, 4 * units)
+        x_grad[:length] = xp.matmul(flat, w_x.T).reshape(length, batch, inputs)
+        w_grad[:inputs] = xp.matmul(x[:length].reshape(length * batch, inputs).T, flat)
+        h_seq = _shifted(xp, h_prev, h, length)
+        w_grad[inputs:] = xp.matmul(h_seq.reshape(length * batch, units).T, flat)
+        b_grad = flat.sum(axis=0)
+        if use_peephole:
+            off_i, off_f, _, off_o = offsets
+            cs_seq = _shifted(xp, cs_prev, cs, length)
+            peephole_grads = [
+                (dgates[:, :, off_i : off_i + units] * cs_seq).sum(axis=(0, 1)),
+                (dgates[:, :, off_f : off_f + units] * cs_seq).sum(axis=(0, 1)),
+                (dgates[:, :, off_o : off_o + units] * cs[:length]).sum(axis=(0, 1)),
+            ]
+    grads = LSTMGrads(x_grad, dcs, dh, w_grad, *peephole_grads, b_grad)
+    return LSTMGrads(*(backend.cast(a, out_dtype) for a in grads))
+
+
+def _shifted(xp, first: Array, seq: Array, length: int) -> Array:
+    """[first, seq[0], ..., seq[length-2]]: each step's previous state."""
+    out = xp.empty((length, *first.shape), first.dtype)
+    out[0] = first
+    out[1:] = seq[: length - 1]
+    return out

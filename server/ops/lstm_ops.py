@@ -1,0 +1,175 @@
+"""BlockLSTMV2 / BlockLSTMGradV2 (and the V1 pair): validation, then ``kernels.lstm``.
+
+Validation uses TensorFlow's messages where TensorFlow has them (ranks and
+every shape against T, B, I, H). Where TensorFlow has no check and aborts the
+process or reads out of bounds (``seq_len_max`` > T, mismatched gradient
+shapes, mixed dtypes), this returns INVALID_ARGUMENT instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from gradserve import dtypes, shapes
+from gradserve.errors import InvalidArgumentError
+from gradserve.kernels import lstm
+from gradserve.server.ops import args
+
+FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+WEIGHTS = ("x", "cs_prev", "h_prev", "w", "wci", "wcf", "wco", "b")
+ACTIVATIONS = ("i", "cs", "f", "o", "ci", "co", "h")
+OUTPUT_GRADS = ("cs_grad", "h_grad")
+
+
+@dataclasses.dataclass(frozen=True)
+class LSTMVariant:
+    """What differs between BlockLSTM (V1) and BlockLSTMV2: layout and attribute defaults."""
+
+    op: str
+    layout: lstm.GateLayout
+    forget_bias: float
+    cell_clip: float
+
+
+V2 = LSTMVariant("BlockLSTMV2", lstm.GateLayout.IFCO, forget_bias=0.0, cell_clip=0.0)
+V1 = LSTMVariant("BlockLSTM", lstm.GateLayout.ICFO, forget_bias=1.0, cell_clip=3.0)
+
+
+def _invalid(message: str, field: str = "") -> InvalidArgumentError:
+    return InvalidArgumentError(message, field=field)
+
+
+def _require(cond: bool, message: str, field: str) -> None:
+    if not cond:
+        raise _invalid(message, field)
+
+
+def validate(op: str, inputs: dict[str, np.ndarray], seq_len_max: np.ndarray) -> int:
+    """Check every input of the forward (and, if present, the backward); returns seq_len_max."""
+    x = inputs["x"]
+    _require(
+        x.dtype in FLOAT_DTYPES,
+        f"{op}: T must be half, float or double, but x is {dtypes.tf_name(x.dtype)}",
+        "x",
+    )
+    for name, value in inputs.items():
+        _require(
+            value.dtype == x.dtype,
+            f"{op}: {name} is {dtypes.tf_name(value.dtype)} but x is "
+            f"{dtypes.tf_name(x.dtype)}; all float inputs must share one dtype",
+            name,
+        )
+    _require(x.ndim == 3, "x must be 3D", "x")
+    steps, batch, input_size = x.shape
+    cs_prev, h_prev, w, b = inputs["cs_prev"], inputs["h_prev"], inputs["w"], inputs["b"]
+    _require(cs_prev.ndim == 2, "cs_prev must be 2D", "cs_prev")
+    _require(
+        cs_prev.shape[0] == batch,
+        f"cs_prev.dims(0) != batch_size: {cs_prev.shape[0]} vs. {batch}",
+        "cs_prev",
+    )
+    units = cs_prev.shape[1]
+    _require(h_prev.ndim == 2, "h_prev must be 2D", "h_prev")
+    _require(
+        h_prev.shape[0] == batch,
+        f"h_prev.dims(0) != batch_size: {h_prev.shape[0]} vs. {batch}",
+        "h_prev",
+    )
+    _require(
+        h_prev.shape[1] == units,
+        f"h_prev.dims(1) != cell_size: {h_prev.shape[1]} vs. {units}",
+        "h_prev",
+    )
+    _require(w.ndim == 2, "w must be 2D", "w")
+    _require(
+        w.shape[0] == input_size + units,
+        f"w.dim_size(0) != input_size + cell_size: {w.shape[0]} vs. {input_size + units}",
+        "w",
+    )
+    _require(
+        w.shape[1] == 4 * units,
+        f"w.dim_size(1) != cell_size * 4: {w.shape[1]} vs. {4 * units}",
+        "w",
+    )
+    for name in ("wci", "wcf", "wco"):
+        v = inputs[name]
+        _require(v.ndim == 1, f"{name} must be 1D", name)
+        _require(
+            v.shape[0] == units, f"{name}.dim_size(0) != cell_size: {v.shape[0]} vs. {units}", name
+        )
+    _require(b.ndim == 1, "b must be 1D", "b")
+    _require(
+        b.shape[0] == 4 * units,
+        f"b.dim_size(0) != cell_size * 4: {b.shape[0]} vs. {4 * units}",
+        "b",
+    )
+    for name in ACTIVATIONS + OUTPUT_GRADS:
+        if name in inputs:
+            v = inputs[name]
+            _require(
+                v.shape == (steps, batch, units),
+                f"{name} must be [T, B, H] = {shapes.debug_string((steps, batch, units))}, "
+                f"got {shapes.debug_string(v.shape)}",
+                name,
+            )
+    length = args.int32_scalar(
+        seq_len_max, "seq_len_max", "seq_len_max must be a scalar, but had shape: "
+    )
+    _require(
+        0 <= length <= steps,
+        f"seq_len_max must be in [0, T] = [0, {steps}], got {length} (TensorFlow reads "
+        "past the end of x here)",
+        "seq_len_max",
+    )
+    return length
+
+
+def forward(
+    backend,
+    variant: LSTMVariant,
+    inputs: dict[str, np.ndarray],
+    seq_len_max: np.ndarray,
+    *,
+    use_peephole: bool,
+    cell_clip: float | None = None,
+    forget_bias: float | None = None,
+    check: Callable[[], None] | None = None,
+) -> lstm.LSTMOutputs:
+    """BlockLSTMV2 / BlockLSTM: the seven outputs as NumPy arrays."""
+    length = validate(variant.op, inputs, seq_len_max)
+    out = lstm.block_lstm_forward(
+        backend,
+        *(inputs[k] for k in WEIGHTS),
+        seq_len_max=length,
+        forget_bias=variant.forget_bias if forget_bias is None else forget_bias,
+        cell_clip=variant.cell_clip if cell_clip is None else cell_clip,
+        use_peephole=use_peephole,
+        layout=variant.layout,
+        check=check,
+    )
+    return lstm.LSTMOutputs(*(backend.to_host(a) for a in out))
+
+
+def backward(
+    backend,
+    variant: LSTMVariant,
+    inputs: dict[str, np.ndarray],
+    seq_len_max: np.ndarray,
+    *,
+    use_peephole: bool,
+    check: Callable[[], None] | None = None,
+) -> lstm.LSTMGrads:
+    """BlockLSTMGradV2 / BlockLSTMGrad: the eight gradients as NumPy arrays."""
+    length = validate(variant.op + "Grad", inputs, seq_len_max)
+    grads = lstm.block_lstm_backward(
+        backend,
+        *(inputs[k] for k in WEIGHTS + ACTIVATIONS + OUTPUT_GRADS),
+        seq_len_max=length,
+        use_peephole=use_peephole,
+        layout=variant.layout,
+        check=check,
+    )
+    return lstm.LSTMGrads(*(backend.to_host(a) for a in grads))

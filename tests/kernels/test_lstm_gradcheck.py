@@ -1,0 +1,102 @@
+"""float64 gradients against central finite differences of the forward.
+
+The loss is ``sum(h * h_grad) + sum(cs * cs_grad)``, so the backward fed
+``h_grad`` and ``cs_grad`` must return exactly its derivatives. Covers IFCO
+(BlockLSTMV2) and ICFO with forget bias (BlockLSTM), with and without
+peepholes, with seq_len_max < T. TensorFlow's registered gradient of
+BlockLSTMV2 runs the ICFO kernel; ``test_icfo_gradient_is_wrong_for_ifco``
+shows that disagrees with finite differences, which ours does not.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gradserve.kernels import backend_numpy, lstm
+from tests.kernels.lstm_cases import GRADS, INPUTS, random_case
+
+EPS = 1e-6
+
+
+def loss(case, layout, forget_bias, use_peephole, cell_clip=0.0) -> float:
+    out = lstm.block_lstm_forward(
+        backend_numpy,
+        *(case[k] for k in INPUTS),
+        seq_len_max=int(case["seq_len_max"]),
+        forget_bias=forget_bias,
+        cell_clip=cell_clip,
+        use_peephole=use_peephole,
+        layout=layout,
+    )
+    return float((out.h * case["h_grad"]).sum() + (out.cs * case["cs_grad"]).sum())
+
+
+def numeric_grads(case, layout, forget_bias, use_peephole) -> dict[str, np.ndarray]:
+    grads = {}
+    for name in INPUTS:
+        value = case[name]
+        g = np.zeros_like(value)
+        for idx in np.ndindex(value.shape):
+            keep = value[idx]
+            value[idx] = keep + EPS
+            up = loss(case, layout, forget_bias, use_peephole)
+            value[idx] = keep - EPS
+            down = loss(case, layout, forget_bias, use_peephole)
+            value[idx] = keep
+            g[idx] = (up - down) / (2 * EPS)
+        grads[name + "_grad"] = g
+    grads["cs_prev_grad"] = grads.pop("cs_prev_grad")
+    return grads
+
+
+def analytic_grads(case, layout, forget_bias, use_peephole, grad_layout=None):
+    out = lstm.block_lstm_forward(
+        backend_numpy,
+        *(case[k] for k in INPUTS),
+        seq_len_max=int(case["seq_len_max"]),
+        forget_bias=forget_bias,
+        use_peephole=use_peephole,
+        layout=layout,
+    )
+    grads = lstm.block_lstm_backward(
+        backend_numpy,
+        *(case[k] for k in INPUTS),
+        *out,
+        case["cs_grad"],
+        case["h_grad"],
+        seq_len_max=int(case["seq_len_max"]),
+        use_peephole=use_peephole,
+        layout=grad_layout or layout,
+    )
+    return grads._asdict()
+
+
+def max_scaled_diff(a: dict, b: dict) -> dict[str, float]:
+    return {k: float(np.abs(a[k] - b[k]).max() / max(1.0, np.abs(b[k]).max())) for k in GRADS}
+
+
+@pytest.mark.parametrize(
+    "layout, forget_bias",
+    [(lstm.GateLayout.IFCO, 0.0), (lstm.GateLayout.ICFO, 1.0)],
+    ids=["V2-IFCO", "V1-ICFO"],
+)
+@pytest.mark.parametrize("use_peephole", [False, True], ids=["plain", "peephole"])
+@pytest.mark.parametrize("seq_len_max", [4, 2], ids=["full", "short"])
+def test_gradients_match_finite_differences(layout, forget_bias, use_peephole, seq_len_max):
+    rng = np.random.default_rng(hash((layout.value, use_peephole, seq_len_max)) % 2**32)
+    case = random_case(rng, steps=4, batch=2, inputs=3, units=3, seq_len_max=seq_len_max)
+    numeric = numeric_grads(case, layout, forget_bias, use_peephole)
+    analytic = analytic_grads(case, layout, forget_bias, use_peephole)
+    diffs = max_scaled_diff(analytic, numeric)
+    assert max(diffs.values()) < 1e-6, diffs
+    if seq_len_max < 4:
+        assert not analytic["x_grad"][seq_len_max:].any()
+
+
+def test_icfo_gradient_is_wrong_for_ifco():
+    """What TensorFlow's registered BlockLSTMV2 gradient does: the check above would catch it."""
+    case = random_case(np.random.default_rng(7), steps=3, batch=2, inputs=2, units=3)
+    numeric = numeric_grads(case, lstm.GateLayout.IFCO, 0.0, True)
+    wrong = analytic_grads(case, lstm.GateLayout.IFCO, 0.0, True, grad_layout=lstm.GateLayout.ICFO)
+    assert max(max_scaled_diff(wrong, numeric).values()) > 1e-2

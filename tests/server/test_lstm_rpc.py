@@ -1,0 +1,198 @@
+"""The LSTM ops served: goldens over RPC, resident activations, validation, deadlines."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+import gradserve
+from gradserve.errors import DeadlineExceededError, InvalidArgumentError
+from gradserve.kernels import backend_numpy, lstm
+from gradserve.server.ops import lstm_ops
+from tests.kernels.lstm_cases import (
+    GRADS,
+    INDEX,
+    INPUTS,
+    OUTPUTS,
+    TOLERANCE,
+    UNINITIALISED_PAST_END,
+    golden,
+    random_case,
+    scaled_error,
+)
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in INDEX])
+def test_golden_over_rpc_with_resident_activations(client, name):
+    d = golden(name)
+    tol, length = TOLERANCE[str(d["x"].dtype)], int(d["seq_len_max"])
+    args = [d["seq_len_max"], *(d[k] for k in INPUTS)]
+    kept = client.raw_ops.BlockLSTMV2(
+        *args, cell_clip=float(d["cell_clip"]), use_peephole=bool(d["use_peephole"]), keep=True
+    )
+    assert all(isinstance(v, gradserve.TensorRef) for v in kept)
+    for k in OUTPUTS:
+        got = getattr(kept, k).numpy()
+        end = length if k in UNINITIALISED_PAST_END else None
+        assert scaled_error(got[:end], d[k][:end]) < tol, k
+    grads = client.raw_ops.BlockLSTMGradV2(
+        *args, *kept, d["cs_grad"], d["h_grad"], use_peephole=bool(d["use_peephole"])
+    )
+    for k in GRADS:
+        assert getattr(grads, k).dtype == d[k].dtype
+        assert scaled_error(getattr(grads, k), d[k]) < tol, k
+
+
+def test_v1_ops_are_the_icfo_layout_with_forget_bias(client):
+    case = random_case(
+        np.random.default_rng(5), steps=3, batch=2, inputs=3, units=4, dtype=np.float32
+    )
+    args = [case["seq_len_max"], *(case[k] for k in INPUTS)]
+    out = client.raw_ops.BlockLSTM(*args, use_peephole=True)  # forget_bias 1, cell_clip 3
+    want = lstm.block_lstm_forward(
+        backend_numpy,
+        *(case[k] for k in INPUTS),
+        seq_len_max=3,
+        forget_bias=1.0,
+        cell_clip=3.0,
+        use_peephole=True,
+        layout=lstm.GateLayout.ICFO,
+    )
+    for k in OUTPUTS:
+        np.testing.assert_array_equal(getattr(out, k), getattr(want, k))
+    grads = client.raw_ops.BlockLSTMGrad(
+        *args, *out, case["cs_grad"], case["h_grad"], use_peephole=True
+    )
+    v2 = client.raw_ops.BlockLSTMGradV2(
+        *args, *out, case["cs_grad"], case["h_grad"], use_peephole=True
+    )
+    assert not np.allclose(grads.w_grad, v2.w_grad)  # the layout really differs
+
+
+class ByteCounter(grpc.UnaryUnaryClientInterceptor):
+    """Counts serialized request and response bytes of every unary call."""
+
+    def __init__(self):
+        self.sent = self.received = 0
+
+    def intercept_unary_unary(self, continuation, details, request):
+        self.sent += request.ByteSize()
+        response = continuation(details, request)
+        self.received += response.result().ByteSize()
+        return response
+
+
+def test_round_trip_moves_no_activations(target):
+    steps, batch, units = 50, 8, 32
+    case = random_case(
+        np.random.default_rng(1),
+        steps=steps,
+        batch=batch,
+        inputs=units,
+        units=units,
+        dtype=np.float32,
+    )
+    counter = ByteCounter()
+    channel = grpc.intercept_channel(grpc.insecure_channel(target), counter)
+    with gradserve.Client(target, channel=channel) as client:
+        args = [case["seq_len_max"], *(case[k] for k in INPUTS)]
+        kept = client.raw_ops.BlockLSTMV2(*args, use_peephole=True, keep=True)
+        grads = client.raw_ops.BlockLSTMGradV2(
+            *args, *kept, case["cs_grad"], case["h_grad"], use_peephole=True
+        )
+    nbytes = lambda names: sum(case[k].nbytes for k in names)  # noqa: E731
+    payload = (
+        2 * nbytes(INPUTS)  # x, states and weights, in both calls
+        + nbytes(("cs_grad", "h_grad"))  # output gradients
+        + sum(g.nbytes for g in grads)
+    )  # results
+    activations = 7 * steps * batch * units * 4
+    moved = counter.sent + counter.received
+    overhead = moved - payload
+    assert 0 <= overhead < 8192, (moved, payload)  # ids, shapes, headers only
+    assert activations > 10 * overhead
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"seq_len_max": np.int64(6)}, "seq_len_max must be in \\[0, T\\] = \\[0, 5\\], got 6"),
+        ({"seq_len_max": np.int64(-1)}, "seq_len_max must be in"),
+        ({"x": np.zeros((5, 2), np.float32)}, "x must be 3D"),
+        ({"cs_prev": np.zeros((3, 4), np.float32)}, "cs_prev.dims\\(0\\) != batch_size: 3 vs. 2"),
+        ({"h_prev": np.zeros((2, 5), np.float32)}, "h_prev.dims\\(1\\) != cell_size: 5 vs. 4"),
+        ({"w": np.zeros((6, 16), np.float32)}, "w.dim_size\\(0\\) != input_size \\+ cell_size"),
+        ({"w": np.zeros((7, 12), np.float32)}, "w.dim_size\\(1\\) != cell_size \\* 4: 12 vs. 16"),
+        ({"wcf": np.zeros(3, np.float32)}, "wcf.dim_size\\(0\\) != cell_size: 3 vs. 4"),
+        ({"b": np.zeros(15, np.float32)}, "b.dim_size\\(0\\) != cell_size \\* 4"),
+        ({"b": np.zeros(16, np.float64)}, "b is double but x is float"),
+        ({"x": np.zeros((5, 2, 3), np.int32)}, "T must be half, float or double"),
+    ],
+)
+def test_bad_inputs_are_invalid_argument_and_server_survives(client, change, message):
+    case = random_case(
+        np.random.default_rng(2), steps=5, batch=2, inputs=3, units=4, dtype=np.float32
+    )
+    case.update(change)
+    with pytest.raises(InvalidArgumentError, match=message):
+        client.raw_ops.BlockLSTMV2(case["seq_len_max"], *(case[k] for k in INPUTS))
+    assert client.stop_gradient(np.ones(2)).sum() == 2  # still serving
+
+
+def test_grad_shapes_are_checked(client):
+    case = random_case(
+        np.random.default_rng(2), steps=5, batch=2, inputs=3, units=4, dtype=np.float32
+    )
+    args = [case["seq_len_max"], *(case[k] for k in INPUTS)]
+    out = client.raw_ops.BlockLSTMV2(*args)
+    with pytest.raises(InvalidArgumentError, match="h_grad must be \\[T, B, H\\]"):
+        client.raw_ops.BlockLSTMGradV2(
+            *args, *out, case["cs_grad"], case["h_grad"][:4], use_peephole=False
+        )
+
+
+def test_check_between_steps_stops_the_op_and_keeps_nothing():
+    case = random_case(np.random.default_rng(4), steps=6, dtype=np.float32)
+    calls = []
+
+    def check():
+        calls.append(1)
+        if len(calls) == 3:
+            raise DeadlineExceededError("deadline exceeded")
+
+    with pytest.raises(DeadlineExceededError):
+        lstm_ops.forward(
+            backend_numpy,
+            lstm_ops.V2,
+            {k: case[k] for k in INPUTS},
+            case["seq_len_max"],
+            use_peephole=False,
+            check=check,
+        )
+    assert len(calls) == 3
+
+
+def test_deadline_over_rpc_leaves_session_unchanged(server, target):
+    # ~20k steps take seconds; the deadline passes within the first few hundred.
+    case = random_case(
+        np.random.default_rng(6), steps=20000, batch=4, inputs=8, units=8, dtype=np.float32
+    )
+    with gradserve.Client(target, timeout=0.2) as client:
+        with pytest.raises(DeadlineExceededError):
+            client.raw_ops.BlockLSTMV2(case["seq_len_max"], *(case[k] for k in INPUTS), keep=True)
+        session = server.store.get(client.session_id)
+        time.sleep(0.5)  # let the server thread notice and stop
+        assert session.stats()["resident_tensors"] == 0
+
+
+def test_lstm_in_a_batch(client):
+    case = random_case(np.random.default_rng(8), steps=3, dtype=np.float64)
+    batch = client.batch()
+    batch.raw_ops.BlockLSTMV2(case["seq_len_max"], *(case[k] for k in INPUTS))
+    batch.raw_ops.StopGradient(np.arange(3))
+    (out, sg) = batch.run()
+    want = lstm.block_lstm_forward(backend_numpy, *(case[k] for k in INPUTS), seq_len_max=3)
+    np.testing.assert_array_equal(out.h, want.h)
