@@ -26,6 +26,7 @@ test: $(STAMP)  ## set up and run every test (CPU only)
 
 bench: $(STAMP)  ## benchmarks (figures, not pass/fail)
 	$(PY) tests/benchmarks/bench_core.py
+	$(PY) tests/benchmarks/bench_lstm.py
 
 proto: $(STAMP)  ## regenerate the committed stubs from protos/
 	cd protos && ../$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. \
@@ -40,7 +41,14 @@ docker:  ## CPU and CUDA images
 	docker build -f docker/Dockerfile.cuda -t gradserve:cuda .
 
 gpu-check: $(STAMP)  ## on a CUDA machine: GPU tests + GPU benchmark into $(RESULTS)/
+	$(PY) -m pip install -q -e '.[dev,cuda]'
 	bash tests/gpu_check.sh $(RESULTS)
+
+demo: $(STAMP)  ## start a local server, train the example LSTM worker against it
+	$(VENV)/bin/gradserve serve --port 50071 --device auto > /tmp/gradserve-demo.log 2>&1 & \
+	pid=$$!; trap "kill $$pid" EXIT; \
+	for i in $$(seq 50); do $(VENV)/bin/gradserve health --port 50071 >/dev/null 2>&1 && break; sleep 0.2; done; \
+	$(PY) examples/train_lstm_worker.py --target 127.0.0.1:50071
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache results

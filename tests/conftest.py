@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 import pytest
@@ -13,10 +14,15 @@ from gradserve.server import run_server
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 
 
+#: The device the test server computes on; `make gpu-check` sets it to "cuda".
+DEVICE = os.environ.get("GRADSERVE_TEST_DEVICE", "cpu")
+
+
 @pytest.fixture(scope="session")
 def server():
     """One in-process server on a free loopback port for the whole test run."""
-    with run_server(host="127.0.0.1", port=0, device="cpu", max_tensor_bytes=1 << 30) as s:
+    with run_server(host="127.0.0.1", port=0, device=DEVICE, max_tensor_bytes=1 << 30) as s:
+        assert s.device == DEVICE
         yield s
 
 
