@@ -53,13 +53,23 @@ def train_step(client: gradserve.Client, params: dict, x: np.ndarray, y: np.ndar
     raw = client.raw_ops
     zeros_state = np.zeros((BATCH, UNITS), np.float32)
     peep = np.zeros(UNITS, np.float32)
-    lstm_args = [np.int64(STEPS), x, zeros_state, zeros_state, params["w"], peep, peep, peep,
-                 params["b"]]
+    lstm_args = [
+        np.int64(STEPS),
+        x,
+        zeros_state,
+        zeros_state,
+        params["w"],
+        peep,
+        peep,
+        peep,
+        params["b"],
+    ]
     acts = raw.BlockLSTMV2(*lstm_args, keep=True)  # seven TensorRefs
 
     # Hidden states into a TensorArray, server-side; the head reads them once.
-    ta = client.tensor_array(np.float32, size=STEPS, clear_after_read=False,
-                             element_shape=[BATCH, UNITS]).unstack(acts.h)
+    ta = client.tensor_array(
+        np.float32, size=STEPS, clear_after_read=False, element_shape=[BATCH, UNITS]
+    ).unstack(acts.h)
     h = ta.stack()  # [T, B, H]
     pred = h @ params["w_out"] + params["b_out"]
     err = pred - y
@@ -74,11 +84,13 @@ def train_step(client: gradserve.Client, params: dict, x: np.ndarray, y: np.ndar
         d_h = (d_pred[t][:, None] * params["w_out"][None, :]).astype(np.float32)
         batch.raw_ops.TensorArrayWriteV3(grad_ta.handle, t, d_h, grad_ta.flow)
     batch.run()
-    h_grad = raw.TensorArrayGatherV3(grad_ta.handle, np.arange(STEPS, dtype=np.int32),
-                                     grad_ta.flow, np.float32, keep=True)
+    h_grad = raw.TensorArrayGatherV3(
+        grad_ta.handle, np.arange(STEPS, dtype=np.int32), grad_ta.flow, np.float32, keep=True
+    )
 
-    lstm_grads = raw.BlockLSTMGradV2(*lstm_args, *acts, np.zeros_like(h), h_grad,
-                                     use_peephole=False)
+    lstm_grads = raw.BlockLSTMGradV2(
+        *lstm_args, *acts, np.zeros_like(h), h_grad, use_peephole=False
+    )
     grads["w"], grads["b"] = lstm_grads.w_grad, lstm_grads.b_grad
 
     # Free this step's server-side state.
@@ -88,8 +100,14 @@ def train_step(client: gradserve.Client, params: dict, x: np.ndarray, y: np.ndar
     return loss, grads
 
 
-def train(target: str, iterations: int = 150, lr: float = 0.5, seed: int = 0,
-          log_every: int = 10, quiet: bool = False) -> list[float]:
+def train(
+    target: str,
+    iterations: int = 150,
+    lr: float = 0.5,
+    seed: int = 0,
+    log_every: int = 10,
+    quiet: bool = False,
+) -> list[float]:
     """Train; returns the loss of every iteration."""
     rng = np.random.default_rng(seed)
     params = init_params(rng)

@@ -39,7 +39,9 @@ def baseline_forward(x, cs_prev, h_prev, w, b):
     """TensorFlow's per-step structure (no peephole, IFCO, no clip)."""
     steps, batch, _ = x.shape
     units = cs_prev.shape[1]
-    outs = {k: np.empty((steps, batch, units), x.dtype) for k in ("i", "cs", "f", "o", "ci", "co", "h")}
+    outs = {
+        k: np.empty((steps, batch, units), x.dtype) for k in ("i", "cs", "f", "o", "ci", "co", "h")
+    }
     c, h = cs_prev, h_prev
     for t in range(steps):
         xh = np.concatenate([x[t], h], axis=1)
@@ -117,8 +119,11 @@ def blas_info() -> str:
         from threadpoolctl import threadpool_info
 
         infos = [i for i in threadpool_info() if i.get("user_api") == "blas"]
-        return ", ".join(f"{i['internal_api']} {i.get('version')} ({i.get('architecture')}), "
-                         f"{i['num_threads']} threads" for i in infos)
+        return ", ".join(
+            f"{i['internal_api']} {i.get('version')} ({i.get('architecture')}), "
+            f"{i['num_threads']} threads"
+            for i in infos
+        )
     except ImportError:
         return f"threadpoolctl not installed; OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')}"
 
@@ -148,12 +153,13 @@ def bench_size(steps, batch, units, rounds, rpc_target):
         "ours fwd": lambda: lstm.block_lstm_forward(backend_numpy, *weights, seq_len_max=steps),
         "base fwd": lambda: baseline_forward(x, cs_prev, h_prev, w, b),
         "ours bwd": lambda: lstm.block_lstm_backward(
-            backend_numpy, *weights, *acts, cs_grad, h_grad, seq_len_max=steps),
+            backend_numpy, *weights, *acts, cs_grad, h_grad, seq_len_max=steps
+        ),
         "base bwd": lambda: baseline_backward(x, cs_prev, h_prev, w, base_acts, cs_grad, h_grad),
         "matmul": lambda: np.matmul(big_a, w, out=out),
     }
     results = {}
-    for threads in ([1, None] if _has_threadpoolctl() else [None]):
+    for threads in [1, None] if _has_threadpoolctl() else [None]:
         with blas_threads(threads):
             t = interleaved(fns, rounds)
         label = "1 thread" if threads == 1 else f"{os.cpu_count()} threads (all)"
@@ -161,15 +167,21 @@ def bench_size(steps, batch, units, rounds, rpc_target):
         gf = lambda flops, s: flops / s / 1e9  # noqa: E731
         mm = gf(fwd_flops, t["matmul"])
         print(f"  BLAS {label}:")
-        print(f"    forward : ours {t['ours fwd'] * 1e3:8.1f} ms {gf(fwd_flops, t['ours fwd']):6.1f} GF/s"
-              f" | baseline {t['base fwd'] * 1e3:8.1f} ms {gf(fwd_flops, t['base fwd']):6.1f} GF/s"
-              f" | speed-up {t['base fwd'] / t['ours fwd']:.2f}x")
-        print(f"    backward: ours {t['ours bwd'] * 1e3:8.1f} ms {gf(bwd_flops, t['ours bwd']):6.1f} GF/s"
-              f" | baseline {t['base bwd'] * 1e3:8.1f} ms {gf(bwd_flops, t['base bwd']):6.1f} GF/s"
-              f" | speed-up {t['base bwd'] / t['ours bwd']:.2f}x (goal >= 1.5x)")
-        print(f"    one large matmul: {mm:6.1f} GF/s; ours backward at "
-              f"{gf(bwd_flops, t['ours bwd']) / mm:.0%} of it (goal >= 50%), forward at "
-              f"{gf(fwd_flops, t['ours fwd']) / mm:.0%}")
+        print(
+            f"    forward : ours {t['ours fwd'] * 1e3:8.1f} ms {gf(fwd_flops, t['ours fwd']):6.1f} GF/s"
+            f" | baseline {t['base fwd'] * 1e3:8.1f} ms {gf(fwd_flops, t['base fwd']):6.1f} GF/s"
+            f" | speed-up {t['base fwd'] / t['ours fwd']:.2f}x"
+        )
+        print(
+            f"    backward: ours {t['ours bwd'] * 1e3:8.1f} ms {gf(bwd_flops, t['ours bwd']):6.1f} GF/s"
+            f" | baseline {t['base bwd'] * 1e3:8.1f} ms {gf(bwd_flops, t['base bwd']):6.1f} GF/s"
+            f" | speed-up {t['base bwd'] / t['ours bwd']:.2f}x (goal >= 1.5x)"
+        )
+        print(
+            f"    one large matmul: {mm:6.1f} GF/s; ours backward at "
+            f"{gf(bwd_flops, t['ours bwd']) / mm:.0%} of it (goal >= 50%), forward at "
+            f"{gf(fwd_flops, t['ours fwd']) / mm:.0%}"
+        )
 
     if rpc_target:
         import gradserve
@@ -181,13 +193,16 @@ def bench_size(steps, batch, units, rounds, rpc_target):
             grad_refs = [client.put(cs_grad), client.put(h_grad)]
 
             def rpc_bwd():
-                raw.BlockLSTMGradV2(np.int64(steps), *weight_refs, *refs, *grad_refs,
-                                    use_peephole=False)
+                raw.BlockLSTMGradV2(
+                    np.int64(steps), *weight_refs, *refs, *grad_refs, use_peephole=False
+                )
 
             t = interleaved({"rpc": rpc_bwd, "inproc": fns["ours bwd"]}, rounds)
-        print(f"  backward through RPC, all inputs resident: {t['rpc'] * 1e3:.1f} ms vs "
-              f"{t['inproc'] * 1e3:.1f} ms in process ({t['rpc'] / t['inproc'] - 1:+.1%} overhead,"
-              " results sent back inline)")
+        print(
+            f"  backward through RPC, all inputs resident: {t['rpc'] * 1e3:.1f} ms vs "
+            f"{t['inproc'] * 1e3:.1f} ms in process ({t['rpc'] / t['inproc'] - 1:+.1%} overhead,"
+            " results sent back inline)"
+        )
 
 
 def _has_threadpoolctl() -> bool:
@@ -204,8 +219,10 @@ def main() -> None:
     parser.add_argument("--no-rpc", action="store_true")
     args = parser.parse_args()
     print(f"# gradserve LSTM benchmark (CPU, float32): {os.cpu_count()} CPUs; {blas_info()}")
-    print(f"# OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')}; medians of "
-          f"{args.rounds} interleaved rounds")
+    print(
+        f"# OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')}; medians of "
+        f"{args.rounds} interleaved rounds"
+    )
     server = None
     target = None
     if not args.no_rpc:

@@ -34,66 +34,91 @@ def cuda_time(fn, cupy, repeat=10) -> float:
     return statistics.median(times)
 
 
+def bench_one(steps, batch, units, cupy, torch):
+    """Figures for one size: ours, and cuDNN when ``torch`` is given."""
+    from gradserve.kernels import backend_cuda, lstm
+
+    rng = np.random.default_rng(0)
+    f32 = np.float32
+    x = cupy.asarray(rng.standard_normal((steps, batch, units)), f32)
+    cs0 = cupy.zeros((batch, units), f32)
+    w = cupy.asarray(rng.standard_normal((2 * units, 4 * units)) / np.sqrt(2 * units), f32)
+    b = cupy.zeros(4 * units, f32)
+    p = cupy.zeros(units, f32)
+    g = cupy.asarray(rng.standard_normal((steps, batch, units)), f32)
+    weights = (x, cs0, cs0, w, p, p, p, b)
+    acts = lstm.block_lstm_forward(backend_cuda, *weights, seq_len_max=steps)
+    ours_fwd = cuda_time(
+        lambda: lstm.block_lstm_forward(backend_cuda, *weights, seq_len_max=steps), cupy
+    )
+    ours_bwd = cuda_time(
+        lambda: lstm.block_lstm_backward(backend_cuda, *weights, *acts, g, g, seq_len_max=steps),
+        cupy,
+    )
+    flops = 2.0 * steps * batch * 2 * units * 4 * units
+    row = {
+        "T": steps,
+        "B": batch,
+        "H": units,
+        "ours_fwd_ms": ours_fwd,
+        "ours_bwd_ms": ours_bwd,
+        "ours_fwd_gflops": flops / ours_fwd / 1e6,
+        "ours_bwd_gflops": 2 * flops / ours_bwd / 1e6,
+    }
+    line = (
+        f"(T, B, I=H) = ({steps}, {batch}, {units}): ours fwd {ours_fwd:.2f} ms, "
+        f"bwd {ours_bwd:.2f} ms"
+    )
+    if torch is not None:
+        torch.backends.cudnn.benchmark = True
+        model = torch.nn.LSTM(units, units).cuda()
+        tx = torch.randn(steps, batch, units, device="cuda", requires_grad=True)
+        tg = torch.randn(steps, batch, units, device="cuda")
+
+        def torch_fwd():
+            with torch.no_grad():
+                model(tx)
+
+        out, _ = model(tx)
+
+        def torch_bwd():
+            torch.autograd.grad(out, [tx, *model.parameters()], tg, retain_graph=True)
+
+        cudnn_fwd = cuda_time(torch_fwd, cupy)
+        cudnn_bwd = cuda_time(torch_bwd, cupy)
+        row |= {
+            "cudnn_fwd_ms": cudnn_fwd,
+            "cudnn_bwd_ms": cudnn_bwd,
+            "fwd_ratio": ours_fwd / cudnn_fwd,
+            "bwd_ratio": ours_bwd / cudnn_bwd,
+        }
+        line += (
+            f" | cuDNN fwd {cudnn_fwd:.2f} ms, bwd {cudnn_bwd:.2f} ms | ours/cuDNN: "
+            f"fwd {ours_fwd / cudnn_fwd:.2f}x, bwd {ours_bwd / cudnn_bwd:.2f}x (goal <= 2x)"
+        )
+    return row, line
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     import cupy
 
-    from gradserve.kernels import backend_cuda, lstm
-
     try:
         import torch
 
         have_torch = torch.cuda.is_available()
     except ImportError:
-        have_torch = False
+        torch, have_torch = None, False
     props = cupy.cuda.runtime.getDeviceProperties(0)
-    print(f"# gradserve LSTM GPU benchmark: {props['name'].decode()}, float32; "
-          f"cuDNN reference: {'torch ' + torch.__version__ if have_torch else 'torch not installed'}")
+    print(
+        f"# gradserve LSTM GPU benchmark: {props['name'].decode()}, float32; "
+        f"cuDNN reference: {'torch ' + torch.__version__ if have_torch else 'torch not installed'}"
+    )
     report = {"device": props["name"].decode(), "sizes": []}
     for steps, batch, units in SIZES:
-        rng = np.random.default_rng(0)
-        f32 = np.float32
-        x = cupy.asarray(rng.standard_normal((steps, batch, units)), f32)
-        cs0 = cupy.zeros((batch, units), f32)
-        w = cupy.asarray(rng.standard_normal((2 * units, 4 * units)) / np.sqrt(2 * units), f32)
-        b = cupy.zeros(4 * units, f32)
-        p = cupy.zeros(units, f32)
-        g = cupy.asarray(rng.standard_normal((steps, batch, units)), f32)
-        weights = (x, cs0, cs0, w, p, p, p, b)
-        acts = lstm.block_lstm_forward(backend_cuda, *weights, seq_len_max=steps)
-        ours_fwd = cuda_time(lambda: lstm.block_lstm_forward(backend_cuda, *weights,
-                                                             seq_len_max=steps), cupy)
-        ours_bwd = cuda_time(lambda: lstm.block_lstm_backward(
-            backend_cuda, *weights, *acts, g, g, seq_len_max=steps), cupy)
-        flops = 2.0 * steps * batch * 2 * units * 4 * units
-        row = {"T": steps, "B": batch, "H": units,
-               "ours_fwd_ms": ours_fwd, "ours_bwd_ms": ours_bwd,
-               "ours_fwd_gflops": flops / ours_fwd / 1e6, "ours_bwd_gflops": 2 * flops / ours_bwd / 1e6}
-        line = (f"(T, B, I=H) = ({steps}, {batch}, {units}): ours fwd {ours_fwd:.2f} ms, "
-                f"bwd {ours_bwd:.2f} ms")
-        if have_torch:
-            torch.backends.cudnn.benchmark = True
-            model = torch.nn.LSTM(units, units).cuda()
-            tx = torch.randn(steps, batch, units, device="cuda", requires_grad=True)
-            tg = torch.randn(steps, batch, units, device="cuda")
-
-            def torch_fwd():
-                with torch.no_grad():
-                    model(tx)
-
-            out, _ = model(tx)
-
-            def torch_bwd():
-                torch.autograd.grad(out, [tx, *model.parameters()], tg, retain_graph=True)
-
-            cudnn_fwd = cuda_time(torch_fwd, cupy)
-            cudnn_bwd = cuda_time(torch_bwd, cupy)
-            row |= {"cudnn_fwd_ms": cudnn_fwd, "cudnn_bwd_ms": cudnn_bwd,
-                    "fwd_ratio": ours_fwd / cudnn_fwd, "bwd_ratio": ours_bwd / cudnn_bwd}
-            line += (f" | cuDNN fwd {cudnn_fwd:.2f} ms, bwd {cudnn_bwd:.2f} ms | ours/cuDNN: "
-                     f"fwd {ours_fwd / cudnn_fwd:.2f}x, bwd {ours_bwd / cudnn_bwd:.2f}x (goal <= 2x)")
+        row, line = bench_one(steps, batch, units, cupy, torch if have_torch else None)
         print(line)
         report["sizes"].append(row)
     if args.json:
