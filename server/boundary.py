@@ -20,6 +20,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from gradserve.errors import GradserveError, InternalError
+from gradserve.server.observability import REQUEST_ID_KEY
 
 log = logging.getLogger(__name__)
 
@@ -57,39 +58,64 @@ def rpc_status_for(err: GradserveError) -> status_pb2.Status:
     return status_pb2.Status(code=err.code.value[0], message=err.message, details=details)
 
 
-def abort(context: grpc.ServicerContext, err: GradserveError):
+def abort(context: grpc.ServicerContext, err: GradserveError, request_id: str = ""):
     """End the RPC with ``err``'s status and details (raises, as context.abort does)."""
-    context.abort_with_status(rpc_status.to_status(rpc_status_for(err)))
+    status = rpc_status.to_status(rpc_status_for(err))
+    if request_id:
+        status = status._replace(
+            trailing_metadata=(*status.trailing_metadata, (REQUEST_ID_KEY, request_id))
+        )
+    context.abort_with_status(status)
 
 
 def guarded(handler: H) -> H:
-    """Wrap a unary or server-streaming servicer method with the error mapping."""
+    """Wrap a unary-response servicer method: observe it, map every error once.
+
+    The servicer provides ``observer`` (``observability.Observer``).
+    """
+    name = handler.__name__
 
     @functools.wraps(handler)
     def unary(self, request, context):
-        try:
-            return handler(self, request, context)
-        except Exception as exc:  # noqa: BLE001 - the boundary: nothing escapes
-            if _is_abort(exc, context):
-                raise
-            abort(context, as_gradserve_error(exc))
+        with self.observer.call(name, context) as call:
+            if hasattr(request, "ByteSize"):
+                call.bytes_in = request.ByteSize()
+            try:
+                response = handler(self, request, context)
+            except Exception as exc:  # noqa: BLE001 - the boundary: nothing escapes
+                fail(call, exc, context)
+            call.bytes_out = response.ByteSize()
+            return response
 
     return unary  # type: ignore[return-value]
 
 
 def guarded_stream(handler: H) -> H:
     """Like ``guarded``, for handlers that yield (server streaming)."""
+    name = handler.__name__
 
     @functools.wraps(handler)
     def streaming(self, request, context):
-        try:
-            yield from handler(self, request, context)
-        except Exception as exc:  # noqa: BLE001
-            if _is_abort(exc, context):
-                raise
-            abort(context, as_gradserve_error(exc))
+        with self.observer.call(name, context) as call:
+            call.bytes_in = request.ByteSize()
+            try:
+                for message in handler(self, request, context):
+                    call.bytes_out += message.ByteSize()
+                    yield message
+            except Exception as exc:  # noqa: BLE001
+                fail(call, exc, context)
 
     return streaming  # type: ignore[return-value]
+
+
+def fail(call, exc: Exception, context: grpc.ServicerContext):
+    """Record ``exc`` on the call and end the RPC with its status (always raises)."""
+    if _is_abort(exc, context):
+        call.code, call.message = context.code(), str(context.details() or "")
+        raise exc
+    err = as_gradserve_error(exc)
+    call.code, call.message = err.code, err.message
+    abort(context, err, call.request_id)
 
 
 def _is_abort(exc: Exception, context: grpc.ServicerContext) -> bool:

@@ -1,68 +1,87 @@
-"""``gradserve serve …`` and ``python -m gradserve.server …``."""
+"""``gradserve serve …`` / ``gradserve health …`` (also ``python -m gradserve.server``)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
-from gradserve import protocol
-from gradserve.server.app import serve
 from gradserve.server.config import ServerConfig
+
+
+def _optional(kind):
+    """A flag value of ``kind``, or None for "none"/"off"/"unlimited"."""
+
+    def parse(text: str):
+        return None if text.lower() in ("none", "off", "unlimited") else kind(text)
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+# (config field, value type, help). Flags are the field names with dashes.
+SERVE_FLAGS = [
+    ("host", str, "address to bind; a non-loopback address needs --token-file"),
+    ("port", int, "port to bind; 0 picks a free port"),
+    ("device", str, "auto | cpu | cuda: where the LSTM math runs (auto: CUDA when CuPy sees a GPU)"),
+    ("workers", int, "RPC threads"),
+    ("token_file", str, "bearer tokens, one 'principal:token' per line"),
+    ("tls_cert", str, "PEM certificate chain: serve TLS"),
+    ("tls_key", str, "PEM private key of --tls-cert"),
+    ("tls_client_ca", str, "PEM CA bundle: require client certificates (mutual TLS)"),
+    ("max_message_bytes", int, "ceiling of one unary message, each direction"),
+    ("max_tensor_bytes", _optional(int), "largest tensor the server holds or builds"),
+    ("max_tensor_array_size", _optional(int), "most elements of one TensorArray"),
+    ("max_sessions", _optional(int), "open sessions, all principals together"),
+    ("max_sessions_per_principal", _optional(int), "open sessions of one principal"),
+    ("max_session_bytes", _optional(int), "bytes one session may hold"),
+    ("max_server_bytes", _optional(int), "bytes all sessions may hold (default: half of RAM)"),
+    ("session_ttl", float, "seconds before an idle session is closed"),
+    ("max_concurrent_rpcs", _optional(int), "RPCs in flight; more get RESOURCE_EXHAUSTED"),
+    ("compute_slots", int, "heavy ops (LSTM) computing at once"),
+    ("max_queued_compute", int, "heavy ops waiting for a slot; more get RESOURCE_EXHAUSTED"),
+    ("keepalive_time", float, "seconds between keepalive pings"),
+    ("keepalive_timeout", float, "seconds to wait for a keepalive ack"),
+    ("max_connection_age", _optional(float), "recycle connections after this many seconds"),
+    ("max_connection_age_grace", float, "grace for in-flight RPCs when a connection is recycled"),
+    ("grace", float, "seconds in-flight RPCs get on SIGTERM/SIGINT"),
+    ("metrics_port", _optional(int), "serve Prometheus metrics on this port"),
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
     defaults = ServerConfig()
     parser = argparse.ArgumentParser(prog="gradserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("serve", help="run the gRPC server until SIGTERM/SIGINT")
-    p.add_argument("--host", default=defaults.host, help="address to bind (default %(default)s)")
-    p.add_argument("--port", type=int, default=defaults.port, help="0 picks a free port")
-    p.add_argument(
-        "--device",
-        choices=("auto", "cpu", "cuda"),
-        default=defaults.device,
-        help="where the LSTM math runs; auto uses CUDA when CuPy finds a GPU",
-    )
-    p.add_argument("--workers", type=int, default=defaults.workers, help="RPC threads")
-    p.add_argument(
-        "--max-message-bytes",
-        type=int,
-        default=protocol.DEFAULT_MAX_MESSAGE_BYTES,
-        help="ceiling of one unary message (default %(default)s)",
-    )
-    p.add_argument(
-        "--max-tensor-bytes",
-        type=int,
-        default=defaults.max_tensor_bytes,
-        help="largest tensor the server holds or builds (default %(default)s)",
-    )
-    p.add_argument(
-        "--session-ttl",
-        type=float,
-        default=defaults.session_ttl,
-        help="seconds before an idle session is closed (default %(default)s)",
-    )
-    p.add_argument(
-        "--grace",
-        type=float,
-        default=defaults.grace,
-        help="seconds in-flight RPCs get on shutdown (default %(default)s)",
-    )
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
-    h = sub.add_parser("health", help="exit 0 if the server at HOST:PORT reports SERVING")
-    h.add_argument("--host", default="127.0.0.1")
-    h.add_argument("--port", type=int, default=defaults.port)
-    h.add_argument("--timeout", type=float, default=3.0)
+    serve = sub.add_parser("serve", help="run the gRPC server until SIGTERM/SIGINT")
+    for field, kind, text in SERVE_FLAGS:
+        default = getattr(defaults, field)
+        extra = {"choices": ("auto", "cpu", "cuda")} if field == "device" else {}
+        serve.add_argument(f"--{field.replace('_', '-')}", dest=field, type=kind, default=default,
+                           help=f"{text} (default: {default})", **extra)
+    serve.add_argument("--log-level", default="INFO", help="DEBUG logs one line per RPC")
+    serve.add_argument("--log-format", choices=("text", "json"), default="text")
+    health = sub.add_parser("health", help="exit 0 if the server at HOST:PORT reports SERVING")
+    health.add_argument("--host", default="127.0.0.1")
+    health.add_argument("--port", type=int, default=defaults.port)
+    health.add_argument("--timeout", type=float, default=3.0)
+    health.add_argument("--tls-ca", default=None, help="PEM CA of a TLS server")
     return parser
 
 
-def check_health(host: str, port: int, timeout: float) -> int:
+def check_health(host: str, port: int, timeout: float, tls_ca: str | None = None) -> int:
     """0 when the standard gRPC health service says SERVING, else 1 (for healthchecks)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(f"{host}:{port}") as channel:
+    target = f"{host}:{port}"
+    if tls_ca:
+        with open(tls_ca, "rb") as fh:
+            channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(fh.read()))
+    else:
+        channel = grpc.insecure_channel(target)
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout
@@ -70,29 +89,35 @@ def check_health(host: str, port: int, timeout: float) -> int:
         except grpc.RpcError as e:
             print(f"unhealthy: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
-    serving = reply.status == health_pb2.HealthCheckResponse.SERVING
     print(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
-    return 0 if serving else 1
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def configure_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        from gradserve.server.observability import JsonFormatter
+
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "health":
-        return check_health(args.host, args.port, args.timeout)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    config = ServerConfig(
-        host=args.host,
-        port=args.port,
-        device=args.device,
-        workers=args.workers,
-        max_message_bytes=args.max_message_bytes,
-        max_tensor_bytes=args.max_tensor_bytes,
-        session_ttl=args.session_ttl,
-        grace=args.grace,
-    )
-    return serve(config)
+        return check_health(args.host, args.port, args.timeout, args.tls_ca)
+    configure_logging(args.log_level, args.log_format)
+    fields = {f.name for f in dataclasses.fields(ServerConfig)}
+    config = ServerConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    from gradserve.server.app import ConfigError, serve
+
+    try:
+        return serve(config)
+    except (ConfigError, RuntimeError, OSError) as e:
+        print(f"gradserve: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,10 +1,22 @@
-"""Server settings, one dataclass, filled from the command line or by tests."""
+"""Server settings, one dataclass, filled from the command line or by tests.
+
+Every limit has a default sized for a shared machine and a flag to change it;
+None means unlimited.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from gradserve import protocol
+
+
+def _half_of_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 @dataclasses.dataclass
@@ -15,11 +27,59 @@ class ServerConfig:
     device: str = "auto"
     #: Threads serving RPCs.
     workers: int = 16
+
+    # --- security
+    #: ``principal:token`` lines; without it, the server only binds to loopback.
+    token_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    #: CA bundle for client certificates: mutual TLS when set.
+    tls_client_ca: str | None = None
+
+    # --- limits
     #: Ceiling of one unary message, each direction.
     max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES
     #: Largest single tensor the server will hold or build.
-    max_tensor_bytes: int = 4 * 1024**3
+    max_tensor_bytes: int | None = 4 * 1024**3
+    #: Most elements (indices) one TensorArray may have.
+    max_tensor_array_size: int | None = 1 << 24
+    max_sessions: int | None = 1024
+    max_sessions_per_principal: int | None = 64
+    #: Bytes one session may hold (resident tensors and TensorArray values).
+    max_session_bytes: int | None = 8 * 1024**3
+    #: Bytes all sessions together may hold: half the machine's memory by default.
+    max_server_bytes: int | None = dataclasses.field(default_factory=_half_of_memory)
     #: Idle sessions are closed after this many seconds.
     session_ttl: float = 3600.0
+
+    # --- admission control and connections
+    #: RPCs in flight at once; more are refused with RESOURCE_EXHAUSTED by gRPC.
+    max_concurrent_rpcs: int | None = 256
+    #: Heavy ops (LSTM) computing at once, and how many may wait for a slot.
+    compute_slots: int = max(1, os.cpu_count() or 1)
+    max_queued_compute: int = 64
+    keepalive_time: float = 60.0
+    keepalive_timeout: float = 20.0
+    #: Connections are recycled after this long (None: never), with this grace.
+    max_connection_age: float | None = None
+    max_connection_age_grace: float = 30.0
+
+    # --- lifecycle and observability
     #: Seconds in-flight RPCs get to finish on SIGTERM/SIGINT.
     grace: float = 10.0
+    #: Serve Prometheus metrics on this port (None: off).
+    metrics_port: int | None = None
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        options = protocol.channel_options(self.max_message_bytes) + [
+            ("grpc.keepalive_time_ms", int(self.keepalive_time * 1000)),
+            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout * 1000)),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+        if self.max_connection_age is not None:
+            options += [
+                ("grpc.max_connection_age_ms", int(self.max_connection_age * 1000)),
+                ("grpc.max_connection_age_grace_ms", int(self.max_connection_age_grace * 1000)),
+            ]
+        return options

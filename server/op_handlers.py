@@ -161,6 +161,7 @@ def _lstm_forward(variant: lstm_ops.LSTMVariant):
             cell_clip=_attr(req, "cell_clip"),
             forget_bias=_attr(req, "forget_bias"),
             check=io.check_alive,
+            check_bytes=io.session.check_tensor_bytes,
         )
         resp = lstm_pb2.BlockLSTMResponse()
         for name, value in out._asdict().items():
@@ -181,6 +182,7 @@ def _lstm_backward(variant: lstm_ops.LSTMVariant):
             io.input(req.seq_len_max, "seq_len_max"),
             use_peephole=req.use_peephole,
             check=io.check_alive,
+            check_bytes=io.session.check_tensor_bytes,
         )
         resp = lstm_pb2.BlockLSTMGradResponse()
         for name, value in grads._asdict().items():
@@ -197,6 +199,8 @@ class Op:
 
     rpc: str
     handler: Callable[[CallIO, Message], Message]
+    #: Compute-bound: runs only with a slot of the server's compute gate.
+    heavy: bool = False
 
     @property
     def batch_field(self) -> str:
@@ -216,10 +220,10 @@ OPS: tuple[Op, ...] = (
     Op("TensorArrayGradV3", grad),
     Op("TensorArrayGradWithShape", grad_with_shape),
     Op("StopGradient", stop_gradient),
-    Op("BlockLSTMV2", _lstm_forward(lstm_ops.V2)),
-    Op("BlockLSTMGradV2", _lstm_backward(lstm_ops.V2)),
-    Op("BlockLSTM", _lstm_forward(lstm_ops.V1)),
-    Op("BlockLSTMGrad", _lstm_backward(lstm_ops.V1)),
+    Op("BlockLSTMV2", _lstm_forward(lstm_ops.V2), heavy=True),
+    Op("BlockLSTMGradV2", _lstm_backward(lstm_ops.V2), heavy=True),
+    Op("BlockLSTM", _lstm_forward(lstm_ops.V1), heavy=True),
+    Op("BlockLSTMGrad", _lstm_backward(lstm_ops.V1), heavy=True),
 )
 
 OPS_BY_BATCH_FIELD = {op.batch_field: op for op in OPS}

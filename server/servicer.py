@@ -13,9 +13,11 @@ from gradserve.errors import (
     CancelledError,
     DeadlineExceededError,
     InvalidArgumentError,
-    ResourceExhaustedError,
 )
 from gradserve.server import boundary
+from gradserve.server.auth import current_principal
+from gradserve.server.limits import ComputeGate
+from gradserve.server.observability import Observer
 from gradserve.server.op_handlers import OPS, OPS_BY_BATCH_FIELD, Op
 from gradserve.server.sessions import Session, SessionStore
 from gradserve.server.wire import CallIO, dtype_of
@@ -28,11 +30,15 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
         store: SessionStore,
         *,
         backend=None,
+        observer: Observer | None = None,
+        compute_gate: ComputeGate | None = None,
         max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
         chunk_bytes: int = protocol.DEFAULT_CHUNK_BYTES,
     ) -> None:
         self.store = store
         self.backend = backend
+        self.observer = observer or Observer()
+        self.compute_gate = compute_gate or ComputeGate(slots=2, max_waiting=64)
         self.max_message_bytes = max_message_bytes
         self.chunk_bytes = chunk_bytes
 
@@ -45,7 +51,7 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
                 f"'{protocol.SESSION_METADATA_KEY}' request metadata",
                 reason="SESSION_REQUIRED",
             )
-        return self.store.get(session_id)
+        return self.store.get(session_id, current_principal.get())
 
     def _io(self, context) -> CallIO:
         # Room for the rest of the response next to the largest inline tensor.
@@ -64,14 +70,14 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
     # ---------------------------------------------------------------- sessions
     @boundary.guarded
     def CreateSession(self, request, context):
-        session = self.store.create()
+        session = self.store.create(current_principal.get())
         return service_pb2.CreateSessionResponse(
             session_id=session.id, idle_timeout_seconds=self.store.idle_timeout
         )
 
     @boundary.guarded
     def CloseSession(self, request, context):
-        self.store.close(self._session(context).id)
+        self.store.close(self._session(context).id, current_principal.get())
         return service_pb2.CloseSessionResponse()
 
     @boundary.guarded
@@ -81,47 +87,48 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
 
     # ---------------------------------------------------------------- resident tensors
     def PutTensor(self, request_iterator, context):
-        try:
-            session = self._session(context)
-            array = self._receive(request_iterator)
-            tensor_id = session.put(array)
-            return tensor_pb2.ResidentTensor(
-                id=tensor_id, dtype=dtypes.to_enum(array.dtype), shape=array.shape
-            )
-        except Exception as exc:  # noqa: BLE001 - the boundary
-            boundary.abort(context, boundary.as_gradserve_error(exc))
+        with self.observer.call("PutTensor", context) as call:
+            try:
+                session = self._session(context)
+                return self._receive(session, request_iterator, call)
+            except Exception as exc:  # noqa: BLE001 - the boundary
+                boundary.fail(call, exc, context)
 
-    def _receive(self, chunks) -> np.ndarray:
+    def _receive(self, session: Session, chunks, call) -> tensor_pb2.ResidentTensor:
+        """Stream chunks into one buffer, reserved in the session's budget first."""
         first = next(chunks, None)
         if first is None:
             raise InvalidArgumentError("PutTensor: the stream carried no chunk")
         dtype = dtype_of(first.dtype, "dtype")
         shape = tuple(first.shape)
         nbytes = codec.element_count(shape, field="shape") * dtype.itemsize
-        limit = self.store.max_tensor_bytes
-        if limit is not None and nbytes > limit:
-            raise ResourceExhaustedError(
-                f"PutTensor: tensor of {nbytes} bytes is over the server's max tensor size "
-                f"of {limit} bytes",
-                reason="TENSOR_TOO_LARGE",
-            )
-        buffer = np.empty(nbytes, np.uint8)
-        filled = 0
-        for chunk in _chain(first, chunks):
+        session.check_tensor_bytes(nbytes)
+        with session.budget.reservation(nbytes) as keep:
+            array = self._fill(np.empty(nbytes, np.uint8), _chain(first, chunks), call)
+            array = array.view(dtype.newbyteorder("<")).reshape(shape)
+            array.flags.writeable = False
+            tensor_id = session.put(array, reserved=True)
+            keep()
+        return tensor_pb2.ResidentTensor(
+            id=tensor_id, dtype=dtypes.to_enum(array.dtype), shape=array.shape
+        )
+
+    @staticmethod
+    def _fill(buffer: np.ndarray, chunks, call) -> np.ndarray:
+        nbytes, filled = buffer.size, 0
+        for chunk in chunks:
             data = chunk.data
             end = filled + len(data)
             if end > nbytes:
                 raise InvalidArgumentError(
-                    f"PutTensor: more data than shape {list(shape)} of {dtype} holds "
-                    f"({nbytes} bytes)"
+                    f"PutTensor: more data than the announced shape holds ({nbytes} bytes)"
                 )
             buffer[filled:end] = np.frombuffer(data, np.uint8)
             filled = end
+            call.bytes_in += len(data)
         if filled != nbytes:
             raise InvalidArgumentError(f"PutTensor: stream ended after {filled} of {nbytes} bytes")
-        array = buffer.view(dtype.newbyteorder("<")).reshape(shape)
-        array.flags.writeable = False
-        return array
+        return buffer
 
     @boundary.guarded_stream
     def GetTensor(self, request, context):
@@ -144,6 +151,13 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
         deleted = self._session(context).delete(request.ids)
         return service_pb2.DeleteTensorResponse(deleted=deleted)
 
+    def _run(self, op: Op, io: CallIO, request):
+        """Run one op; heavy ones wait for a compute slot (or are refused when the queue is full)."""
+        if not op.heavy:
+            return op.handler(io, request)
+        with self.compute_gate.slot(io.check_alive):
+            return op.handler(io, request)
+
     # ---------------------------------------------------------------- Batch
     @boundary.guarded
     def Batch(self, request, context):
@@ -156,7 +170,7 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
                 if which is None:
                     raise InvalidArgumentError(f"Batch step {index} names no op")
                 op = OPS_BY_BATCH_FIELD[which]
-                result = op.handler(io, getattr(step, which))
+                result = self._run(op, io, getattr(step, which))
                 getattr(response.results.add(), which).CopyFrom(result)
             except Exception as exc:  # noqa: BLE001 - reported in the response
                 err = boundary.as_gradserve_error(exc)
@@ -170,7 +184,7 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
 
 def _op_rpc(op: Op):
     def method(self, request, context):
-        return op.handler(self._io(context), request)
+        return self._run(op, self._io(context), request)
 
     method.__name__ = op.rpc
     method.__doc__ = f"The {op.rpc} op (see tf.raw_ops.{op.rpc})."

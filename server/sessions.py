@@ -21,8 +21,17 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from gradserve.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from gradserve.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from gradserve.server.limits import MemoryBudget
 from gradserve.server.tensor_array import TensorArray
+
+#: The principal of every session when authentication is off.
+ANONYMOUS = "anonymous"
 
 
 def new_token(nbytes: int = 16) -> str:
@@ -31,11 +40,27 @@ def new_token(nbytes: int = 16) -> str:
 
 
 class Session:
-    """All state of one client session. Thread-safe."""
+    """All state of one client session, owned by one principal. Thread-safe.
 
-    def __init__(self, session_id: str, *, max_tensor_bytes: int | None = None) -> None:
+    ``budget`` counts the bytes the session holds (resident tensors and
+    TensorArray values) against the per-session limit and, through its parent,
+    the server-wide one.
+    """
+
+    def __init__(
+        self,
+        session_id: str,
+        *,
+        principal: str = ANONYMOUS,
+        max_tensor_bytes: int | None = None,
+        max_tensor_array_size: int | None = None,
+        budget: MemoryBudget | None = None,
+    ) -> None:
         self.id = session_id
+        self.principal = principal
         self.max_tensor_bytes = max_tensor_bytes
+        self.max_tensor_array_size = max_tensor_array_size
+        self.budget = budget or MemoryBudget(None, f"session {session_id[:8]}")
         self.last_used = time.monotonic()
         self._lock = threading.Lock()
         self._closed = False
@@ -58,7 +83,13 @@ class Session:
             self._check_open()
             self._name_counter += 1
             name = f"{tensor_array_name or 'TensorArrayV3'}_{self._name_counter}"
-            ta = TensorArray(name=name, max_output_bytes=self.max_tensor_bytes, **attrs)
+            ta = TensorArray(
+                name=name,
+                max_output_bytes=self.max_tensor_bytes,
+                max_size=self.max_tensor_array_size,
+                budget=self.budget,
+                **attrs,
+            )
             handle = new_token()
             self._arrays[handle] = ta
             return handle, ta
@@ -111,18 +142,32 @@ class Session:
             return grad_handle, grad
 
     # ---------------------------------------------------------------- tensors
-    def put(self, array: np.ndarray) -> str:
-        """Keep ``array`` (never mutated afterwards) in the session; returns its id."""
-        if self.max_tensor_bytes is not None and array.nbytes > self.max_tensor_bytes:
+    def check_tensor_bytes(self, nbytes: int) -> None:
+        """Refuse a single tensor over the server's max tensor size."""
+        if self.max_tensor_bytes is not None and nbytes > self.max_tensor_bytes:
             raise ResourceExhaustedError(
-                f"tensor of {array.nbytes} bytes is over the server's max tensor size of "
-                f"{self.max_tensor_bytes} bytes",
+                f"tensor of {nbytes} bytes is over the server's max tensor size of "
+                f"{self.max_tensor_bytes} bytes (--max-tensor-bytes)",
                 reason="TENSOR_TOO_LARGE",
             )
+
+    def put(self, array: np.ndarray, *, reserved: bool = False) -> str:
+        """Keep ``array`` (never mutated afterwards) in the session; returns its id.
+
+        Its bytes are charged to the session's budget, unless the caller
+        already ``reserved`` them (to check the limit before allocating).
+        """
+        self.check_tensor_bytes(array.nbytes)
         tensor_id = new_token()
-        with self._lock:
-            self._check_open()
-            self._resident[tensor_id] = array
+        if not reserved:
+            self.budget.reserve(array.nbytes)
+        try:
+            with self._lock:
+                self._check_open()
+                self._resident[tensor_id] = array
+        except BaseException:
+            self.budget.release(array.nbytes)
+            raise
         return tensor_id
 
     def get(self, tensor_id: str) -> np.ndarray:
@@ -138,7 +183,9 @@ class Session:
 
     def delete(self, tensor_ids: Iterable[str]) -> int:
         with self._lock:
-            return sum(self._resident.pop(t, None) is not None for t in tensor_ids)
+            dropped = [a for a in (self._resident.pop(t, None) for t in tensor_ids) if a is not None]
+        self.budget.release(sum(a.nbytes for a in dropped))
+        return len(dropped)
 
     def stats(self) -> dict[str, int]:
         """Counts and bytes held, for tests and metrics."""
@@ -157,11 +204,13 @@ class Session:
         with self._lock:
             self._closed = True
             arrays = list(self._arrays.values())
+            resident = list(self._resident.values())
             self._arrays.clear()
             self._grads.clear()
             self._resident.clear()
         for ta in arrays:
             ta.close()
+        self.budget.release(sum(a.nbytes for a in resident))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -169,25 +218,76 @@ class Session:
 
 
 class SessionStore:
-    """Every open session, by id; expires idle ones."""
+    """Every open session, by id: creation limits, ownership, idle expiry, draining."""
 
-    def __init__(self, *, idle_timeout: float = 3600.0, max_tensor_bytes: int | None = None):
+    def __init__(
+        self,
+        *,
+        idle_timeout: float = 3600.0,
+        max_tensor_bytes: int | None = None,
+        max_tensor_array_size: int | None = None,
+        max_sessions: int | None = None,
+        max_sessions_per_principal: int | None = None,
+        max_session_bytes: int | None = None,
+        max_server_bytes: int | None = None,
+    ):
         self.idle_timeout = idle_timeout
         self.max_tensor_bytes = max_tensor_bytes
+        self.max_tensor_array_size = max_tensor_array_size
+        self.max_sessions = max_sessions
+        self.max_sessions_per_principal = max_sessions_per_principal
+        self.max_session_bytes = max_session_bytes
+        self.budget = MemoryBudget(max_server_bytes, "server (--max-server-bytes)")
+        self.expired = 0  # sessions closed by the idle timeout, for metrics
+        self.draining = False
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
 
-    def create(self) -> Session:
-        session = Session(new_token(24), max_tensor_bytes=self.max_tensor_bytes)
+    def create(self, principal: str = ANONYMOUS) -> Session:
+        """A new session for ``principal``; refused past the session limits or while draining."""
         with self._lock:
-            self._sessions[session.id] = session
+            if self.draining:
+                raise UnavailableError(
+                    "the server is shutting down and accepts no new sessions",
+                    reason="DRAINING",
+                )
+            if self.max_sessions is not None and len(self._sessions) >= self.max_sessions:
+                raise ResourceExhaustedError(
+                    f"the server holds its limit of {self.max_sessions} sessions "
+                    "(--max-sessions); close one or retry later",
+                    reason="TOO_MANY_SESSIONS",
+                )
+            owned = sum(s.principal == principal for s in self._sessions.values())
+            limit = self.max_sessions_per_principal
+            if limit is not None and owned >= limit:
+                raise ResourceExhaustedError(
+                    f"principal {principal!r} holds its limit of {limit} sessions "
+                    "(--max-sessions-per-principal)",
+                    reason="TOO_MANY_SESSIONS_FOR_PRINCIPAL",
+                )
+            session_id = new_token(24)
+            session = Session(
+                session_id,
+                principal=principal,
+                max_tensor_bytes=self.max_tensor_bytes,
+                max_tensor_array_size=self.max_tensor_array_size,
+                budget=MemoryBudget(
+                    self.max_session_bytes,
+                    "session (--max-session-bytes)",
+                    parent=self.budget,
+                ),
+            )
+            self._sessions[session_id] = session
         return session
 
-    def get(self, session_id: str) -> Session:
-        """The open session ``session_id`` (refreshing its idle timer)."""
+    def get(self, session_id: str, principal: str = ANONYMOUS) -> Session:
+        """The open session ``session_id`` of ``principal`` (refreshing its idle timer).
+
+        Another principal's session is reported exactly as a missing one.
+        """
         with self._lock:
             session = self._sessions.get(session_id)
-        if session is None:
+        if session is None or not secrets.compare_digest(session.principal.encode(), principal.encode()):
             raise NotFoundError(
                 "session not found: it was closed, expired, or never existed "
                 "(pass the id CreateSession returned in 'x-gradserve-session' metadata)",
@@ -196,11 +296,10 @@ class SessionStore:
         session.touch()
         return session
 
-    def close(self, session_id: str) -> None:
+    def close(self, session_id: str, principal: str = ANONYMOUS) -> None:
+        session = self.get(session_id, principal)
         with self._lock:
-            session = self._sessions.pop(session_id, None)
-        if session is None:
-            raise NotFoundError("session not found", reason="SESSION_NOT_FOUND")
+            self._sessions.pop(session_id, None)
         session.close()
 
     def expire_idle(self, now: float | None = None) -> int:
@@ -210,6 +309,7 @@ class SessionStore:
             stale = [s for s in self._sessions.values() if now - s.last_used > self.idle_timeout]
             for s in stale:
                 del self._sessions[s.id]
+            self.expired += len(stale)
         for s in stale:
             s.close()
         return len(stale)

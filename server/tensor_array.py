@@ -35,6 +35,7 @@ import numpy as np
 
 from gradserve import dtypes, shapes
 from gradserve.errors import InvalidArgumentError, ResourceExhaustedError, UnimplementedError
+from gradserve.server.limits import MemoryBudget
 
 INT32_MAX = 2**31 - 1
 
@@ -79,9 +80,13 @@ class TensorArray:
         is_grad: bool = False,
         marked_size: int = -1,
         max_output_bytes: int | None = None,
+        max_size: int | None = None,
+        budget: MemoryBudget | None = None,
     ) -> None:
         if size < 0:
             raise InvalidArgumentError("Size should be >= 0.")
+        if max_size is not None and size > max_size:
+            raise _too_many_elements(name, size, max_size)
         self.name = name
         self.dtype = np.dtype(dtype)
         self.is_grad = is_grad
@@ -89,6 +94,9 @@ class TensorArray:
         self.clear_after_read = clear_after_read
         self.multiple_writes_aggregate = multiple_writes_aggregate
         self.max_output_bytes = max_output_bytes
+        self.max_size = max_size
+        self._budget = budget
+        self._nbytes = 0  # bytes of the values held, counted in ``budget``
         self._lock = threading.Lock()
         self._slots: dict[int, _Slot] = {}
         self._size = size
@@ -100,16 +108,29 @@ class TensorArray:
         self._journal: dict[int, _Slot | None] | None = None
 
     # ------------------------------------------------------------------ journal
-    _FIELDS = ("_size", "_element_shape", "_dynamic_size", "_marked_size", "_gradients_disallowed")
+    _FIELDS = (
+        "_size",
+        "_element_shape",
+        "_dynamic_size",
+        "_marked_size",
+        "_gradients_disallowed",
+        "_nbytes",
+    )
 
     @contextlib.contextmanager
     def _atomic(self) -> Iterator[None]:
-        """Hold the lock; on any exception restore every slot and field touched."""
+        """Hold the lock; on any exception restore every slot and field touched.
+
+        On success the change in bytes held is charged to the memory budget;
+        if that passes a limit, the whole operation is rolled back as well.
+        """
         with self._lock:
             saved = {f: getattr(self, f) for f in self._FIELDS}
             self._journal = {}
             try:
                 yield
+                if self._budget is not None:
+                    self._budget.adjust(self._nbytes - saved["_nbytes"])
             except BaseException:
                 for f, v in saved.items():
                     setattr(self, f, v)
@@ -156,7 +177,18 @@ class TensorArray:
     def nbytes(self) -> int:
         """Bytes of values currently held (zeros not yet materialised count 0)."""
         with self._lock:
-            return sum(s.value.nbytes for s in self._slots.values() if s.value is not None)
+            return self._nbytes
+
+    def _set_value(self, slot: _Slot, value: np.ndarray | None) -> None:
+        """Store ``value`` in ``slot``, keeping the byte count."""
+        old = slot.value.nbytes if slot.value is not None else 0
+        self._nbytes += (value.nbytes if value is not None else 0) - old
+        slot.value = value
+
+    def _grow_to(self, size: int) -> None:
+        if self.max_size is not None and size > self.max_size:
+            raise _too_many_elements(self.name, size, self.max_size)
+        self._size = size
 
     # ------------------------------------------------------------------ writes
     def write(self, index: int, value: np.ndarray) -> None:
@@ -256,14 +288,15 @@ class TensorArray:
         if self.identical_element_shapes and not shapes.is_fully_defined(self._element_shape):
             self._element_shape = tuple(value.shape)
         if self._dynamic_size and index >= self._size:
-            self._size = index + 1
+            self._grow_to(index + 1)
         slot = self._slot_for_update(index)
         if not slot.written:
-            slot.value, slot.shape, slot.written = value, tuple(value.shape), True
+            self._set_value(slot, value)
+            slot.shape, slot.written = tuple(value.shape), True
         elif slot.value is None or slot.value.size == 0:
-            slot.value = value  # the stored "value" was only a shape: zeros
+            self._set_value(slot, value)  # the stored "value" was only a shape: zeros
         else:
-            slot.value = slot.value + value  # never in place: see module docstring
+            self._set_value(slot, slot.value + value)  # never in place: see module docstring
             self._gradients_disallowed = True
 
     # ------------------------------------------------------------------ reads
@@ -375,7 +408,7 @@ class TensorArray:
                 # A gradient array read past its end grows it (TensorFlow marks
                 # the new slots written with the element shape; an unwritten
                 # slot of a fully-defined element shape reads the same zeros).
-                self._size = index + 1
+                self._grow_to(index + 1)
             slot = self._slot_for_update(index)
             slot.shape, slot.written = shape, True
         else:
@@ -389,9 +422,10 @@ class TensorArray:
         if value is None or value.size == 0:
             self._check_output_bytes(slot.shape, spent)
             value = np.zeros(slot.shape, self.dtype)
-            slot.value = value
+            self._set_value(slot, value)
         if self.clear_after_read:
-            slot.value, slot.cleared = None, True
+            self._set_value(slot, None)
+            slot.cleared = True
         slot.read = True
         return value
 
@@ -429,6 +463,9 @@ class TensorArray:
         with self._lock:
             self._slots.clear()
             self._closed = True
+            if self._budget is not None:
+                self._budget.release(self._nbytes)
+            self._nbytes = 0
 
     def make_grad(
         self,
@@ -478,6 +515,8 @@ class TensorArray:
                 is_grad=True,
                 marked_size=self._marked_size,
                 max_output_bytes=self.max_output_bytes,
+                max_size=self.max_size,
+                budget=self._budget,
             )
             for index, slot in self._slots.items():
                 if slot.written:
@@ -488,3 +527,11 @@ class TensorArray:
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidArgumentError(f"TensorArray {self.name} has already been closed.")
+
+
+def _too_many_elements(name: str, size: int, limit: int) -> ResourceExhaustedError:
+    return ResourceExhaustedError(
+        f"TensorArray {name}: size {size} is over the server's limit of {limit} elements "
+        "per TensorArray (--max-tensor-array-size)",
+        reason="TENSOR_ARRAY_TOO_LARGE",
+    )

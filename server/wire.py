@@ -7,12 +7,14 @@ request asked to keep outputs or the value is over the caller's inline limit).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
 
 from gradserve import codec, dtypes
 from gradserve.errors import InvalidArgumentError
+from gradserve.server import observability
 from gradserve.server.sessions import Session
 from gradserve.v1 import tensor_array_pb2, tensor_pb2
 
@@ -44,7 +46,10 @@ class CallIO:
     def input(self, msg: tensor_pb2.TensorInput, field: str) -> np.ndarray:
         which = msg.WhichOneof("source")
         if which == "value":
-            return codec.decode(msg.value, field=field)
+            started = time.perf_counter()
+            array = codec.decode(msg.value, field=field)
+            observability.add_decode_time(time.perf_counter() - started)
+            return array
         if which == "ref":
             return self.session.get(msg.ref)
         raise InvalidArgumentError(f"input '{field}' is required", field=field)
@@ -60,7 +65,9 @@ class CallIO:
             ref.shape[:] = array.shape
             ref.transient = transient
         else:
+            started = time.perf_counter()
             codec.encode(array, out.value)
+            observability.add_encode_time(time.perf_counter() - started)
 
 
 def handle_id(msg: tensor_array_pb2.TensorArrayHandle, field: str = "handle") -> str:

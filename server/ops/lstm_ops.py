@@ -137,9 +137,15 @@ def forward(
     cell_clip: float | None = None,
     forget_bias: float | None = None,
     check: Callable[[], None] | None = None,
+    check_bytes: Callable[[int], None] = lambda nbytes: None,
 ) -> lstm.LSTMOutputs:
-    """BlockLSTMV2 / BlockLSTM: the seven outputs as NumPy arrays."""
+    """BlockLSTMV2 / BlockLSTM: the seven outputs as NumPy arrays.
+
+    ``check_bytes`` is asked about the size of one output before anything is
+    allocated (the server's max tensor size).
+    """
     length = validate(variant.op, inputs, seq_len_max)
+    check_bytes(inputs["h_prev"].itemsize * inputs["x"].shape[0] * inputs["h_prev"].size)
     out = lstm.block_lstm_forward(
         backend,
         *(inputs[k] for k in WEIGHTS),
@@ -161,9 +167,12 @@ def backward(
     *,
     use_peephole: bool,
     check: Callable[[], None] | None = None,
+    check_bytes: Callable[[int], None] = lambda nbytes: None,
 ) -> lstm.LSTMGrads:
     """BlockLSTMGradV2 / BlockLSTMGrad: the eight gradients as NumPy arrays."""
     length = validate(variant.op + "Grad", inputs, seq_len_max)
+    x = inputs["x"]
+    check_bytes(x.itemsize * x.shape[0] * x.shape[1] * inputs["w"].shape[1])  # the gate buffer
     grads = lstm.block_lstm_backward(
         backend,
         *(inputs[k] for k in WEIGHTS + ACTIVATIONS + OUTPUT_GRADS),

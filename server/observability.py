@@ -1,0 +1,159 @@
+"""Metrics and per-RPC logs.
+
+Prometheus metrics (prometheus-client, one registry per server so that many
+servers can live in one process): RPCs by method and status code, latency
+histograms split into decode, compute and encode time, bytes in and out,
+sessions open, bytes held, compute device, expired sessions.
+
+Logs: one line per RPC at DEBUG and one per failed RPC at INFO, carrying a
+request id taken from ``x-request-id`` metadata (the SDK sends one per call)
+or made up, and echoed back in trailing metadata. ``JsonFormatter`` turns
+records into one JSON object per line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import json
+import logging
+import secrets
+import time
+from typing import Iterator
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+
+REQUEST_ID_KEY = "x-request-id"
+log = logging.getLogger("gradserve.rpc")
+
+#: The record of the RPC being served, for CallIO to add decode/encode time to.
+current_call: contextvars.ContextVar[CallRecord | None] = contextvars.ContextVar(
+    "gradserve_call", default=None
+)
+
+_BUCKETS = (0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100)
+
+
+@dataclasses.dataclass
+class CallRecord:
+    method: str
+    request_id: str
+    started: float
+    decode_seconds: float = 0.0
+    encode_seconds: float = 0.0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    code: grpc.StatusCode = grpc.StatusCode.OK
+    message: str = ""
+
+
+class Metrics:
+    """The server's Prometheus metrics, in their own registry."""
+
+    def __init__(self, store, device: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.rpcs = Counter("gradserve_rpcs", "RPCs served, by method and status code",
+                            ["method", "code"], registry=r)
+        self.seconds = Histogram("gradserve_rpc_seconds", "RPC time by phase",
+                                 ["method", "phase"], buckets=_BUCKETS, registry=r)
+        self.bytes_in = Counter("gradserve_received_bytes", "request bytes", ["method"], registry=r)
+        self.bytes_out = Counter("gradserve_sent_bytes", "response bytes", ["method"], registry=r)
+        Gauge("gradserve_sessions_open", "open sessions", registry=r).set_function(
+            lambda: len(store))
+        Gauge("gradserve_bytes_held", "bytes held in all sessions", registry=r).set_function(
+            lambda: store.budget.used)
+        Gauge("gradserve_device_info", "compute device of this server", ["device"],
+              registry=r).labels(device=device).set(1)
+        r.register(_ExpiredSessions(store))
+
+
+class _ExpiredSessions:
+    def __init__(self, store) -> None:
+        self._store = store
+
+    def collect(self):
+        family = CounterMetricFamily("gradserve_sessions_expired",
+                                     "sessions closed by the idle timeout (evictions)")
+        family.add_metric([], self._store.expired)
+        yield family
+
+
+class Observer:
+    """Times, counts and logs every RPC; ``metrics`` may be None (metrics off)."""
+
+    def __init__(self, metrics: Metrics | None = None) -> None:
+        self.metrics = metrics
+
+    @contextlib.contextmanager
+    def call(self, method: str, context: grpc.ServicerContext) -> Iterator[CallRecord]:
+        request_id = _request_id(context)
+        record = CallRecord(method, request_id, time.perf_counter())
+        with contextlib.suppress(Exception):  # an abort later replaces it, adding its own
+            context.set_trailing_metadata(((REQUEST_ID_KEY, request_id),))
+        token = current_call.set(record)
+        try:
+            yield record
+        finally:
+            current_call.reset(token)
+            self._finish(record, context)
+
+    def _finish(self, record: CallRecord, context) -> None:
+        code, message = record.code, record.message
+        total = time.perf_counter() - record.started
+        compute = max(0.0, total - record.decode_seconds - record.encode_seconds)
+        if self.metrics is not None:
+            m = self.metrics
+            m.rpcs.labels(record.method, code.name).inc()
+            m.seconds.labels(record.method, "decode").observe(record.decode_seconds)
+            m.seconds.labels(record.method, "compute").observe(compute)
+            m.seconds.labels(record.method, "encode").observe(record.encode_seconds)
+            m.bytes_in.labels(record.method).inc(record.bytes_in)
+            m.bytes_out.labels(record.method).inc(record.bytes_out)
+        fields = {
+            "request_id": record.request_id, "method": record.method, "code": code.name,
+            "ms": round(total * 1e3, 3), "bytes_in": record.bytes_in,
+            "bytes_out": record.bytes_out,
+        }
+        if code is grpc.StatusCode.OK:
+            log.debug("rpc", extra={"fields": fields})
+        else:
+            log.info("rpc failed: %s", message, extra={"fields": fields})
+
+
+def add_decode_time(seconds: float) -> None:
+    record = current_call.get()
+    if record is not None:
+        record.decode_seconds += seconds
+
+
+def add_encode_time(seconds: float) -> None:
+    record = current_call.get()
+    if record is not None:
+        record.encode_seconds += seconds
+
+
+def _request_id(context) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_KEY and isinstance(value, str) and 0 < len(value) <= 128:
+            return value
+    return secrets.token_hex(8)
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message and any ``fields``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        out.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
