@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import random
+import threading
+import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -16,6 +21,7 @@ from gradserve.errors import GradserveError, InvalidArgumentError, error_class_f
 from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_pb2
 
 ArrayLike = Any  # np.ndarray, anything np.asarray takes, or a TensorRef
+log = logging.getLogger(__name__)
 
 
 class Client:
@@ -35,9 +41,23 @@ class Client:
         PutTensor/GetTensor RPCs instead of inline in the op's message.
     max_message_bytes:
         Unary message ceiling of this channel, both directions.
+    token:
+        Bearer token sent with every call (``authorization`` metadata).
+    root_certificates, private_key, certificate_chain:
+        PEM bytes: connect with TLS (trusting ``root_certificates``) and, with a
+        key and chain, present a client certificate (mutual TLS).
+    retries:
+        Attempts after the first for calls that are safe to repeat (session
+        keep-alive, health, size, StopGradient, LSTM ops without ``keep``,
+        tensor fetches and deletes), on UNAVAILABLE, with exponential backoff.
+        Writes and clearing reads are never retried.
+    keepalive:
+        Refresh the session in the background while the client is open, so
+        that the server's idle timeout does not close it.
 
-    Use as a context manager: the session is closed on exit (when this
-    client created it).
+    Every call carries an ``x-request-id`` (also on raised errors as
+    ``.request_id``) that the server logs. Use as a context manager: the
+    session is closed on exit (when this client created it).
     """
 
     def __init__(
@@ -50,17 +70,35 @@ class Client:
         max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
         chunk_bytes: int = protocol.DEFAULT_CHUNK_BYTES,
         channel: grpc.Channel | None = None,
+        token: str | None = None,
+        root_certificates: bytes | None = None,
+        private_key: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        retries: int = 3,
+        keepalive: bool = True,
     ) -> None:
         self.target = target
         self.timeout = timeout
         self.stream_threshold = stream_threshold
         self.chunk_bytes = chunk_bytes
+        self.retries = retries
         self._own_channel = channel is None
-        self._channel = channel or grpc.insecure_channel(
-            target, options=protocol.channel_options(max_message_bytes)
-        )
+        if channel is None:
+            options = protocol.channel_options(max_message_bytes)
+            if root_certificates or private_key or certificate_chain:
+                creds = grpc.ssl_channel_credentials(
+                    root_certificates, private_key, certificate_chain
+                )
+                channel = grpc.secure_channel(target, creds, options=options)
+            else:
+                channel = grpc.insecure_channel(target, options=options)
+        self._channel = channel
         self._stub = service_pb2_grpc.GradServeStub(self._channel)
+        self._auth: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {token}"),) if token else ()
+        )
         self._closed = False
+        self._stop_keepalive = threading.Event()
         if session_id is None:
             reply = self._call("CreateSession", service_pb2.CreateSessionRequest(), session=False)
             self.session_id: str = reply.session_id
@@ -68,11 +106,14 @@ class Client:
         else:
             self.session_id = session_id
             self.owns_session = False
-            self.keep_alive()  # NotFoundError now, not at the first op
         self._metadata = (
+            *self._auth,
             (protocol.SESSION_METADATA_KEY, self.session_id),
             (protocol.INLINE_LIMIT_METADATA_KEY, str(stream_threshold)),
         )
+        idle_timeout = self.keep_alive()  # for a reattach: NotFoundError now, not later
+        if keepalive:
+            self._start_keepalive(idle_timeout)
         from gradserve.client._raw_ops import RawOps
 
         self.raw_ops = RawOps(self, self._run_op)
@@ -89,6 +130,7 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        self._stop_keepalive.set()
         try:
             if self.owns_session:
                 self._call("CloseSession", service_pb2.CloseSessionRequest())
@@ -98,9 +140,33 @@ class Client:
 
     def keep_alive(self) -> float:
         """Refresh the session's idle timer; returns the server's idle timeout (s)."""
-        md = ((protocol.SESSION_METADATA_KEY, self.session_id),)
+        md = (*self._auth, (protocol.SESSION_METADATA_KEY, self.session_id))
         reply = self._call("KeepAlive", service_pb2.KeepAliveRequest(), metadata=md)
         return reply.idle_timeout_seconds
+
+    def _start_keepalive(self, idle_timeout: float) -> None:
+        interval = max(0.05, min(60.0, idle_timeout / 3))
+
+        def loop() -> None:
+            while not self._stop_keepalive.wait(interval):
+                try:
+                    self.keep_alive()
+                except GradserveError as e:  # the next op reports a lost session
+                    log.debug("background keep-alive failed: %s", e)
+
+        threading.Thread(target=loop, name="gradserve-keepalive", daemon=True).start()
+
+    def health(self, service: str = "") -> str:
+        """The server's health status name (SERVING, NOT_SERVING, ...)."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self._channel)
+
+        def check():
+            return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout)
+
+        reply = self._with_retries(check, safe=True)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     # ---------------------------------------------------------------- calls
     def _call(
@@ -114,13 +180,27 @@ class Client:
     ) -> Any:
         """Invoke ``rpc``; a failure raises its ``gradserve.errors`` class."""
         if metadata is None:
-            metadata = self._metadata if session else ()
-        try:
-            return getattr(self._stub, rpc)(
-                request, metadata=metadata, timeout=timeout if timeout is not None else self.timeout
-            )
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            metadata = self._metadata if session else self._auth
+        method = getattr(self._stub, rpc)
+        timeout = timeout if timeout is not None else self.timeout
+
+        def attempt():
+            return method(request, metadata=(*metadata, _request_id()), timeout=timeout)
+
+        return self._with_retries(attempt, safe=_safe_to_repeat(rpc, request))
+
+    def _with_retries(self, attempt: Callable[[], Any], *, safe: bool) -> Any:
+        """Run ``attempt``; repeat it on UNAVAILABLE with exponential backoff when ``safe``."""
+        delay = 0.1
+        for remaining in range(self.retries if safe else 0, -1, -1):
+            try:
+                return attempt()
+            except grpc.RpcError as e:
+                if remaining and e.code() == grpc.StatusCode.UNAVAILABLE:
+                    time.sleep(delay * (1 + random.random()))
+                    delay = min(2 * delay, 5.0)
+                    continue
+                raise from_rpc_error(e) from None
 
     def _run_op(self, rpc: str, request: Message, parse: Callable[[Any], Any], temps: list[str]):
         try:
@@ -194,8 +274,15 @@ class Client:
         request = service_pb2.GetTensorRequest(
             id=tensor_id, chunk_bytes=self.chunk_bytes, delete_after=delete_after
         )
+        stream = self._with_retries(
+            lambda: _peek(
+                self._stub.GetTensor(
+                    request, metadata=(*self._metadata, _request_id()), timeout=self.timeout
+                )
+            ),
+            safe=not delete_after,
+        )
         try:
-            stream = self._stub.GetTensor(request, metadata=self._metadata, timeout=self.timeout)
             first = next(stream)
             dtype = dtypes.from_enum(first.dtype)
             shape = tuple(first.shape)
@@ -233,6 +320,28 @@ class Client:
 
     def __repr__(self) -> str:
         return f"Client({self.target!r}, session_id={self.session_id[:8]}…)"
+
+
+#: RPCs that change nothing on the server, or change it the same way twice.
+_IDEMPOTENT = {"KeepAlive", "TensorArraySizeV3", "DeleteTensor"}
+#: Pure computations: safe unless they keep their outputs in the session.
+_PURE = {"StopGradient", "BlockLSTMV2", "BlockLSTMGradV2", "BlockLSTM", "BlockLSTMGrad"}
+
+
+def _safe_to_repeat(rpc: str, request: Any) -> bool:
+    if rpc in _IDEMPOTENT:
+        return True
+    return rpc in _PURE and not getattr(request, "keep_outputs", False)
+
+
+def _request_id() -> tuple[str, str]:
+    return ("x-request-id", uuid.uuid4().hex[:16])
+
+
+def _peek(stream):
+    """Wait for a stream's first message (so a failure to connect raises here)."""
+    first = next(stream)
+    return _chain(first, stream)
 
 
 def _as_integer_input(array: np.ndarray, target: np.dtype) -> np.ndarray:

@@ -28,4 +28,7 @@ def from_rpc_error(error: grpc.RpcError) -> GradserveError:
             detail.Unpack(bad)
             if bad.field_violations:
                 field = bad.field_violations[0].field
-    return error_class_for(code)(message or str(code), reason=reason, field=field)
+    err = error_class_for(code)(message or str(code), reason=reason, field=field)
+    trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    err.request_id = next((v for k, v in trailing or () if k == "x-request-id"), "")
+    return err
