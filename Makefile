@@ -25,8 +25,9 @@ test: $(STAMP)  ## set up and run every test (CPU only)
 	$(PY) -m pytest -m "not gpu"
 
 bench: $(STAMP)  ## benchmarks (figures, not pass/fail)
-	$(PY) tests/benchmarks/bench_core.py
-	$(PY) tests/benchmarks/bench_lstm.py
+	$(PY) -m tests.benchmarks.bench_core
+	$(PY) -m tests.benchmarks.bench_lstm
+	$(PY) -m tests.benchmarks.bench_load
 
 proto: $(STAMP)  ## regenerate the committed stubs from protos/
 	cd protos && ../$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. \

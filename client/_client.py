@@ -17,7 +17,13 @@ from google.protobuf.message import Message
 from gradserve import codec, dtypes, protocol
 from gradserve.client._errors import from_rpc_error
 from gradserve.client._types import TensorRef
-from gradserve.errors import GradserveError, InvalidArgumentError, error_class_for
+from gradserve.errors import (
+    GradserveError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnavailableError,
+    error_class_for,
+)
 from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_pb2
 
 ArrayLike = Any  # np.ndarray, anything np.asarray takes, or a TensorRef
@@ -133,7 +139,13 @@ class Client:
         self._stop_keepalive.set()
         try:
             if self.owns_session:
-                self._call("CloseSession", service_pb2.CloseSessionRequest())
+                try:
+                    self._call("CloseSession", service_pb2.CloseSessionRequest())
+                except NotFoundError:
+                    pass  # already gone (expired, or the server restarted): nothing to free
+                except UnavailableError as e:
+                    # The server is unreachable; its idle timeout frees the session.
+                    log.warning("could not close session %s…: %s", self.session_id[:8], e)
         finally:
             if self._own_channel:
                 self._channel.close()

@@ -14,8 +14,8 @@ import logging
 import pathlib
 import signal
 import threading
+from collections.abc import Iterator
 from concurrent import futures
-from typing import Iterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -139,7 +139,9 @@ def start(config: ServerConfig) -> Server:
     if metrics is not None:
         from prometheus_client import start_http_server
 
-        http, _ = start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
+        http, _ = start_http_server(
+            config.metrics_port, addr=config.host, registry=metrics.registry
+        )
         metrics_port = http.server_port
     server.start()
     for name in ("", SERVICE_NAME):

@@ -18,7 +18,7 @@ import hashlib
 import hmac
 import ipaddress
 import pathlib
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 
@@ -29,8 +29,11 @@ current_principal: contextvars.ContextVar[str] = contextvars.ContextVar(
     "gradserve_principal", default=ANONYMOUS
 )
 
-OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
-                 "/grpc.reflection.v1.ServerReflection/")
+OPEN_SERVICES = (
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.v1alpha.ServerReflection/",
+    "/grpc.reflection.v1.ServerReflection/",
+)
 
 
 class TokenTable:

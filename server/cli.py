@@ -24,7 +24,11 @@ def _optional(kind):
 SERVE_FLAGS = [
     ("host", str, "address to bind; a non-loopback address needs --token-file"),
     ("port", int, "port to bind; 0 picks a free port"),
-    ("device", str, "auto | cpu | cuda: where the LSTM math runs (auto: CUDA when CuPy sees a GPU)"),
+    (
+        "device",
+        str,
+        "auto | cpu | cuda: where the LSTM math runs (auto: CUDA when CuPy sees a GPU)",
+    ),
     ("workers", int, "RPC threads"),
     ("token_file", str, "bearer tokens, one 'principal:token' per line"),
     ("tls_cert", str, "PEM certificate chain: serve TLS"),
@@ -58,8 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     for field, kind, text in SERVE_FLAGS:
         default = getattr(defaults, field)
         extra = {"choices": ("auto", "cpu", "cuda")} if field == "device" else {}
-        serve.add_argument(f"--{field.replace('_', '-')}", dest=field, type=kind, default=default,
-                           help=f"{text} (default: {default})", **extra)
+        serve.add_argument(
+            f"--{field.replace('_', '-')}",
+            dest=field,
+            type=kind,
+            default=default,
+            help=f"{text} (default: {default})",
+            **extra,
+        )
     serve.add_argument("--log-level", default="INFO", help="DEBUG logs one line per RPC")
     serve.add_argument("--log-format", choices=("text", "json"), default="text")
     health = sub.add_parser("health", help="exit 0 if the server at HOST:PORT reports SERVING")

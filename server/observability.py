@@ -20,7 +20,7 @@ import json
 import logging
 import secrets
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -56,18 +56,30 @@ class Metrics:
     def __init__(self, store, device: str) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.rpcs = Counter("gradserve_rpcs", "RPCs served, by method and status code",
-                            ["method", "code"], registry=r)
-        self.seconds = Histogram("gradserve_rpc_seconds", "RPC time by phase",
-                                 ["method", "phase"], buckets=_BUCKETS, registry=r)
+        self.rpcs = Counter(
+            "gradserve_rpcs",
+            "RPCs served, by method and status code",
+            ["method", "code"],
+            registry=r,
+        )
+        self.seconds = Histogram(
+            "gradserve_rpc_seconds",
+            "RPC time by phase",
+            ["method", "phase"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
         self.bytes_in = Counter("gradserve_received_bytes", "request bytes", ["method"], registry=r)
         self.bytes_out = Counter("gradserve_sent_bytes", "response bytes", ["method"], registry=r)
         Gauge("gradserve_sessions_open", "open sessions", registry=r).set_function(
-            lambda: len(store))
+            lambda: len(store)
+        )
         Gauge("gradserve_bytes_held", "bytes held in all sessions", registry=r).set_function(
-            lambda: store.budget.used)
-        Gauge("gradserve_device_info", "compute device of this server", ["device"],
-              registry=r).labels(device=device).set(1)
+            lambda: store.budget.used
+        )
+        Gauge(
+            "gradserve_device_info", "compute device of this server", ["device"], registry=r
+        ).labels(device=device).set(1)
         r.register(_ExpiredSessions(store))
 
 
@@ -76,8 +88,9 @@ class _ExpiredSessions:
         self._store = store
 
     def collect(self):
-        family = CounterMetricFamily("gradserve_sessions_expired",
-                                     "sessions closed by the idle timeout (evictions)")
+        family = CounterMetricFamily(
+            "gradserve_sessions_expired", "sessions closed by the idle timeout (evictions)"
+        )
         family.add_metric([], self._store.expired)
         yield family
 
@@ -114,8 +127,11 @@ class Observer:
             m.bytes_in.labels(record.method).inc(record.bytes_in)
             m.bytes_out.labels(record.method).inc(record.bytes_out)
         fields = {
-            "request_id": record.request_id, "method": record.method, "code": code.name,
-            "ms": round(total * 1e3, 3), "bytes_in": record.bytes_in,
+            "request_id": record.request_id,
+            "method": record.method,
+            "code": code.name,
+            "ms": round(total * 1e3, 3),
+            "bytes_in": record.bytes_in,
             "bytes_out": record.bytes_out,
         }
         if code is grpc.StatusCode.OK:

@@ -183,7 +183,9 @@ class Session:
 
     def delete(self, tensor_ids: Iterable[str]) -> int:
         with self._lock:
-            dropped = [a for a in (self._resident.pop(t, None) for t in tensor_ids) if a is not None]
+            dropped = [
+                a for a in (self._resident.pop(t, None) for t in tensor_ids) if a is not None
+            ]
         self.budget.release(sum(a.nbytes for a in dropped))
         return len(dropped)
 
@@ -287,7 +289,9 @@ class SessionStore:
         """
         with self._lock:
             session = self._sessions.get(session_id)
-        if session is None or not secrets.compare_digest(session.principal.encode(), principal.encode()):
+        if session is None or not secrets.compare_digest(
+            session.principal.encode(), principal.encode()
+        ):
             raise NotFoundError(
                 "session not found: it was closed, expired, or never existed "
                 "(pass the id CreateSession returned in 'x-gradserve-session' metadata)",

@@ -117,9 +117,7 @@ def test_huge_size_is_cheap_but_huge_reads_are_refused(server, client):
     with pytest.raises(ResourceExhaustedError, match="--max-tensor-array-size") as info:
         client.raw_ops.TensorArrayV3(size=2**31 - 1, dtype=np.float32)
     assert info.value.reason == "TENSOR_ARRAY_TOO_LARGE"
-    h, flow = client.raw_ops.TensorArrayV3(
-        size=limit, dtype=np.float32, element_shape=[1024, 1024]
-    )
+    h, flow = client.raw_ops.TensorArrayV3(size=limit, dtype=np.float32, element_shape=[1024, 1024])
     assert client.raw_ops.TensorArraySizeV3(h, flow) == limit
     with pytest.raises(ResourceExhaustedError, match="max tensor size"):
         client.raw_ops.TensorArrayConcatV3(h, flow, np.float32)

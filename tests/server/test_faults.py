@@ -1,0 +1,128 @@
+"""Faults, against a server in its own process: a client killed mid-call, a client
+that never closes its session, SIGTERM under load."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import gradserve
+from gradserve.errors import CancelledError, GradserveError, UnavailableError
+from tests.server_process import ServerProcess
+
+
+@pytest.fixture
+def short_ttl_server():
+    server = ServerProcess("--session-ttl", "1")
+    yield server
+    assert server.stop() == 0
+
+
+KILLED_CLIENT = textwrap.dedent("""
+    import sys, numpy as np, gradserve
+    c = gradserve.Client(sys.argv[1], keepalive=False)
+    c.put(np.ones(100_000))
+    r = lambda *s: np.ones(s, np.float32)
+    print("calling", flush=True)
+    c.raw_ops.BlockLSTMV2(np.int64(400_000), r(400_000, 1, 1), r(1, 1), r(1, 1), r(2, 4),
+                          r(1), r(1), r(1), r(4))
+""")
+
+
+def test_client_killed_mid_call(short_ttl_server):
+    server = short_ttl_server
+    client = subprocess.Popen(
+        [sys.executable, "-c", KILLED_CLIENT, server.target], stdout=subprocess.PIPE, text=True
+    )
+    assert client.stdout.readline().strip() == "calling"
+    time.sleep(0.5)
+    client.kill()
+    client.wait()
+    with gradserve.Client(server.target) as other:  # still serving
+        np.testing.assert_array_equal(other.stop_gradient(np.arange(3)), np.arange(3))
+    # The dead client's session expires (TTL 1 s) and its 800 kB are freed.
+    assert server.wait_for("gradserve_sessions_open", 0) == 0
+    assert server.metric("gradserve_bytes_held") == 0
+    assert server.metric("gradserve_sessions_expired_total") >= 1
+
+
+def test_client_that_never_closes(short_ttl_server):
+    server = short_ttl_server
+    leaky = gradserve.Client(server.target, keepalive=False)
+    leaky.put(np.ones(50_000))
+    leaky.tensor_array(np.float64, size=2).write(0, np.ones(1000))
+    assert server.metric("gradserve_bytes_held") == 408_000
+    assert server.wait_for("gradserve_bytes_held", 0) == 0
+    assert server.metric("gradserve_sessions_open") == 0
+
+
+def test_sigterm_under_load():
+    server = ServerProcess("--grace", "20")
+    stop_load = threading.Event()
+    outcomes: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def load(k):
+        try:
+            with gradserve.Client(server.target, retries=0) as c:
+                while not stop_load.is_set():
+                    try:
+                        v = np.full(8, k, np.float32)
+                        assert c.stop_gradient(v).tobytes() == v.tobytes()
+                        key = "ok"
+                    except (UnavailableError, CancelledError):
+                        # The server stopped taking new calls; a call racing with the
+                        # shutdown is cancelled before it ran.
+                        key = "refused"
+                    except GradserveError as e:
+                        key = type(e).__name__
+                    with lock:
+                        outcomes[key] = outcomes.get(key, 0) + 1
+                    if key != "ok":
+                        return
+        except GradserveError as e:
+            with lock:
+                outcomes[type(e).__name__] = outcomes.get(type(e).__name__, 0) + 1
+
+    threads = [threading.Thread(target=load, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    long_result = {}
+
+    def long_call():
+        with gradserve.Client(server.target, retries=0) as c:
+            r = lambda *s: np.ones(s, np.float32)  # noqa: E731
+            long_result["h"] = c.raw_ops.BlockLSTMV2(
+                np.int64(150_000),
+                r(150_000, 1, 1),
+                r(1, 1),
+                r(1, 1),
+                r(2, 4),
+                r(1),
+                r(1),
+                r(1),
+                r(4),
+            ).h
+
+    in_flight = threading.Thread(target=long_call)
+    in_flight.start()
+    time.sleep(0.5)
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    with pytest.raises(UnavailableError):
+        gradserve.Client(server.target, retries=0, timeout=5)  # no new sessions
+    in_flight.join(30)
+    assert long_result["h"].shape == (150_000, 1, 1)  # the in-flight op completed
+    stop_load.set()
+    for t in threads:
+        t.join(30)
+    assert server.proc.wait(30) == 0
+    assert outcomes.get("ok", 0) > 0
+    assert set(outcomes) <= {"ok", "refused", "UnavailableError"}, outcomes

@@ -1,0 +1,209 @@
+"""Every resource limit: RESOURCE_EXHAUSTED naming the limit, nothing half-allocated,
+other clients still served, memory back to zero when sessions close."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import gradserve
+from gradserve.errors import ResourceExhaustedError
+from gradserve.server import run_server
+from gradserve.server.limits import ComputeGate, MemoryBudget
+
+KIB = 1024
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    path = tmp_path_factory.mktemp("limits") / "tokens"
+    path.write_text("a:token-a\nb:token-b\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def small(tokens):
+    with run_server(
+        device="cpu",
+        token_file=tokens,
+        max_sessions=3,
+        max_sessions_per_principal=2,
+        max_session_bytes=1024 * KIB,
+        max_server_bytes=1536 * KIB,
+        max_tensor_bytes=600 * KIB,
+        max_tensor_array_size=100,
+        max_message_bytes=2048 * KIB,
+    ) as s:
+        yield s
+
+
+def connect(server, principal="a", **kw):
+    return gradserve.Client(f"127.0.0.1:{server.port}", token=f"token-{principal}", **kw)
+
+
+def f32(kib: int) -> np.ndarray:
+    return np.ones(kib * KIB // 4, np.float32)
+
+
+def test_session_limits(small):
+    a1, a2 = connect(small), connect(small)
+    try:
+        with pytest.raises(ResourceExhaustedError, match="--max-sessions-per-principal") as info:
+            connect(small)
+        assert info.value.reason == "TOO_MANY_SESSIONS_FOR_PRINCIPAL"
+        b1 = connect(small, "b")
+        with pytest.raises(ResourceExhaustedError, match="--max-sessions\\)") as info:
+            connect(small, "b")
+        assert info.value.reason == "TOO_MANY_SESSIONS"
+        b1.close()
+        connect(small, "b").close()  # a slot is free again
+    finally:
+        a1.close()
+        a2.close()
+
+
+def test_tensor_size_limit(small):
+    with connect(small) as client:
+        with pytest.raises(ResourceExhaustedError, match="--max-tensor-bytes"):
+            client.put(f32(700))
+        assert small.store.get(client.session_id, "a").stats()["bytes"] == 0
+
+
+def test_session_bytes_limit_is_all_or_nothing(small):
+    with connect(small) as client:
+        client.put(f32(400))
+        ta = client.tensor_array(np.float32, size=3).write(0, f32(400))
+        session = small.store.get(client.session_id, "a")
+        before = session.stats()
+        with pytest.raises(ResourceExhaustedError, match="--max-session-bytes") as info:
+            ta.write(1, f32(400))
+        assert info.value.reason == "MEMORY_LIMIT"
+        with pytest.raises(ResourceExhaustedError, match="--max-session-bytes"):
+            client.put(f32(400))
+        assert session.stats() == before
+        assert ta.size() == 3
+        with pytest.raises(gradserve.errors.InvalidArgumentError, match="not fully defined"):
+            ta.read(1)  # the refused write left no trace
+        np.testing.assert_array_equal(ta.read(0), f32(400))  # clear_after_read frees it
+        ta.write(1, f32(400))  # ... so this fits now
+    assert small.store.budget.used == 0
+
+
+def test_server_bytes_limit(small):
+    with connect(small) as a, connect(small, "b") as b:
+        a.put(f32(500))
+        a.put(f32(500))
+        with pytest.raises(ResourceExhaustedError, match="--max-server-bytes"):
+            b.put(f32(600))
+        b.put(f32(300))  # what fits still fits
+        assert small.store.budget.used == 1300 * KIB
+    assert small.store.budget.used == 0
+
+
+def test_tensor_array_size_limit(small):
+    with connect(small) as client:
+        with pytest.raises(ResourceExhaustedError, match="--max-tensor-array-size"):
+            client.tensor_array(np.float32, size=101)
+        ta = client.tensor_array(np.float32, size=0, dynamic_size=True)
+        ta.write(99, [1.0])
+        with pytest.raises(ResourceExhaustedError, match="size 101 is over"):
+            ta.write(100, [1.0])
+        assert ta.size() == 100
+
+
+def test_streamed_put_is_refused_before_allocating(small):
+    with connect(small, stream_threshold=64 * KIB, chunk_bytes=64 * KIB) as client:
+        client.put(f32(500))
+        client.put(f32(500))
+        with pytest.raises(ResourceExhaustedError, match="--max-session-bytes"):
+            client.put(f32(300))
+        assert small.store.get(client.session_id, "a").stats()["bytes"] == 1000 * KIB
+
+
+def test_memory_budget_nesting():
+    server = MemoryBudget(100, "server")
+    a, b = MemoryBudget(80, "a", server), MemoryBudget(80, "b", server)
+    a.reserve(60)
+    with pytest.raises(ResourceExhaustedError, match="server"):
+        b.reserve(50)
+    assert (a.used, b.used, server.used) == (60, 0, 60)
+    with pytest.raises(ResourceExhaustedError, match="a:"):
+        a.reserve(30)
+    with a.reservation(20):
+        assert server.used == 80
+    assert server.used == 60
+
+
+def test_compute_gate_refuses_past_the_queue():
+    gate = ComputeGate(slots=1, max_waiting=0)
+    with gate.slot():
+        with pytest.raises(ResourceExhaustedError, match="compute queue full") as info:
+            with gate.slot():
+                pass
+        assert info.value.reason == "COMPUTE_QUEUE_FULL"
+    with gate.slot():
+        pass
+
+
+def long_lstm_args(steps=150_000):
+    """An LSTM call that computes for a second or two (tiny cells, many steps)."""
+    rng = np.random.default_rng(0)
+    r = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    return [np.int64(steps), r(steps, 2, 4), r(2, 4), r(2, 4), r(8, 16), r(4), r(4), r(4), r(16)]
+
+
+def test_compute_queue_over_rpc():
+    with run_server(device="cpu", compute_slots=1, max_queued_compute=0) as server:
+        target = f"127.0.0.1:{server.port}"
+        started = threading.Event()
+
+        def long_call():
+            with gradserve.Client(target) as c:
+                started.set()
+                c.raw_ops.BlockLSTMV2(*long_lstm_args())
+
+        worker = threading.Thread(target=long_call)
+        worker.start()
+        started.wait()
+        time.sleep(0.2)
+        with gradserve.Client(target) as client:
+            with pytest.raises(ResourceExhaustedError, match="compute queue full"):
+                client.raw_ops.BlockLSTMV2(*long_lstm_args(10))
+            assert client.stop_gradient(np.ones(1))[0] == 1  # light ops are not gated
+        worker.join()
+
+
+def test_max_concurrent_rpcs():
+    with run_server(device="cpu", max_concurrent_rpcs=2) as server:
+        target = f"127.0.0.1:{server.port}"
+        with gradserve.Client(target) as a, gradserve.Client(target) as b:
+            calls = [
+                threading.Thread(target=c.raw_ops.BlockLSTMV2, args=long_lstm_args())
+                for c in (a, b)
+            ]
+            for t in calls:
+                t.start()
+            time.sleep(0.3)
+            with pytest.raises(ResourceExhaustedError):
+                a.stop_gradient(np.ones(1))
+            for t in calls:
+                t.join()
+            assert a.stop_gradient(np.ones(1))[0] == 1
+
+
+def test_idle_sessions_expire_unless_kept_alive():
+    with run_server(device="cpu", session_ttl=0.4) as server:
+        target = f"127.0.0.1:{server.port}"
+        idle = gradserve.Client(target, keepalive=False)
+        idle.put(np.ones(1000))
+        kept = gradserve.Client(target)  # keeps itself alive in the background
+        time.sleep(1.5)
+        with pytest.raises(gradserve.errors.NotFoundError):
+            idle.keep_alive()
+        assert kept.stop_gradient(np.ones(1))[0] == 1
+        assert len(server.store) == 1 and server.store.expired >= 1
+        assert server.store.budget.used == 0
+        kept.close()

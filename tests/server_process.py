@@ -1,0 +1,60 @@
+"""A gradserve server in its own process (``python -m gradserve.server``), for fault
+tests and benchmarks: its address, its metrics, SIGTERM."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+
+class ServerProcess:
+    def __init__(self, *flags: str) -> None:
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gradserve.server",
+                "serve",
+                "--port",
+                "0",
+                "--device",
+                "cpu",
+                "--metrics-port",
+                "0",
+                *flags,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        line = self.proc.stdout.readline()
+        match = re.search(r"listening on 127\.0\.0\.1:(\d+).*metrics on :(\d+)", line)
+        assert match, line
+        self.target = f"127.0.0.1:{match.group(1)}"
+        self.metrics_port = int(match.group(2))
+        threading.Thread(target=self.proc.stdout.read, daemon=True).start()  # drain logs
+
+    def metric(self, name: str) -> float:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:  # noqa: S310 - loopback
+            text = r.read().decode()
+        return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+    def wait_for(self, name: str, want: float, timeout: float = 10.0) -> float:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            got = self.metric(name)
+            if got == want:
+                return got
+            time.sleep(0.1)
+        return self.metric(name)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(30)
