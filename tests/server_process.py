@@ -13,28 +13,17 @@ import urllib.request
 
 
 class ServerProcess:
+    """``python -m gradserve.server serve --port 0 --device cpu --metrics-port 0 *flags``."""
+
     def __init__(self, *flags: str) -> None:
+        command = [sys.executable, "-m", "gradserve.server", "serve", "--port", "0"]
+        command += ["--device", "cpu", "--metrics-port", "0", *flags]
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gradserve.server",
-                "serve",
-                "--port",
-                "0",
-                "--device",
-                "cpu",
-                "--metrics-port",
-                "0",
-                *flags,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-        line = self.proc.stdout.readline()
-        match = re.search(r"listening on 127\.0\.0\.1:(\d+).*metrics on :(\d+)", line)
-        assert match, line
+        self.first_line = self.proc.stdout.readline()
+        match = re.search(r"listening on 127\.0\.0\.1:(\d+).*metrics on :(\d+)", self.first_line)
+        assert match, self.first_line
         self.target = f"127.0.0.1:{match.group(1)}"
         self.metrics_port = int(match.group(2))
         threading.Thread(target=self.proc.stdout.read, daemon=True).start()  # drain logs

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import signal
 import subprocess
 import sys
@@ -14,33 +13,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import gradserve
+from tests.server_process import ServerProcess
 
 
 @pytest.fixture(scope="module")
 def process():
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gradserve.server",
-            "serve",
-            "--port",
-            "0",
-            "--device",
-            "cpu",
-            "--grace",
-            "2",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    line = proc.stdout.readline()
-    match = re.match(r"listening on 127\.0\.0\.1:(\d+)", line)
-    assert match, line
-    yield proc, f"127.0.0.1:{match.group(1)}"
-    if proc.poll() is None:
-        proc.kill()
+    server = ServerProcess("--grace", "2")
+    assert server.first_line.startswith(f"listening on {server.target}")
+    yield server.proc, server.target
+    if server.proc.poll() is None:
+        server.proc.kill()
 
 
 def test_health_serving(process):
