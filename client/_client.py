@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -347,7 +347,7 @@ def _safe_to_repeat(rpc: str, request: Any) -> bool:
 
 
 def _request_id() -> tuple[str, str]:
-    return ("x-request-id", uuid.uuid4().hex[:16])
+    return ("x-request-id", os.urandom(8).hex())
 
 
 def _peek(stream):

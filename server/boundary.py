@@ -77,14 +77,14 @@ def guarded(handler: H) -> H:
 
     @functools.wraps(handler)
     def unary(self, request, context):
-        with self.observer.call(name, context) as call:
-            if hasattr(request, "ByteSize"):
-                call.bytes_in = request.ByteSize()
+        observer = self.observer
+        with observer.call(name, context) as call:
             try:
                 response = handler(self, request, context)
             except Exception as exc:  # noqa: BLE001 - the boundary: nothing escapes
                 fail(call, exc, context)
-            call.bytes_out = response.ByteSize()
+            if observer.counts_bytes:
+                call.bytes_in, call.bytes_out = request.ByteSize(), response.ByteSize()
             return response
 
     return unary  # type: ignore[return-value]

@@ -105,8 +105,6 @@ class Observer:
     def call(self, method: str, context: grpc.ServicerContext) -> Iterator[CallRecord]:
         request_id = _request_id(context)
         record = CallRecord(method, request_id, time.perf_counter())
-        with contextlib.suppress(Exception):  # an abort later replaces it, adding its own
-            context.set_trailing_metadata(((REQUEST_ID_KEY, request_id),))
         token = current_call.set(record)
         try:
             yield record
@@ -114,8 +112,16 @@ class Observer:
             current_call.reset(token)
             self._finish(record, context)
 
+    @property
+    def counts_bytes(self) -> bool:
+        """Whether anyone (metrics, DEBUG logs) reads the byte counts: they cost a pass."""
+        return self.metrics is not None or log.isEnabledFor(logging.DEBUG)
+
     def _finish(self, record: CallRecord, context) -> None:
         code, message = record.code, record.message
+        ok = code is grpc.StatusCode.OK
+        if ok and self.metrics is None and not log.isEnabledFor(logging.DEBUG):
+            return  # the hot path: nothing to record
         total = time.perf_counter() - record.started
         compute = max(0.0, total - record.decode_seconds - record.encode_seconds)
         if self.metrics is not None:
@@ -134,7 +140,7 @@ class Observer:
             "bytes_in": record.bytes_in,
             "bytes_out": record.bytes_out,
         }
-        if code is grpc.StatusCode.OK:
+        if ok:
             log.debug("rpc", extra={"fields": fields})
         else:
             log.info("rpc failed: %s", message, extra={"fields": fields})
