@@ -68,6 +68,7 @@ def gather(io: CallIO, req: pb.TensorArrayGatherV3Request) -> pb.TensorArrayGath
         io.input(req.indices, "indices"),
         dtype_of(req.dtype),
         _shape(req, "element_shape"),
+        io.check_alive,
     )
     resp = pb.TensorArrayGatherV3Response()
     io.output(value, resp.value, req.keep_outputs)
@@ -86,7 +87,11 @@ def scatter(io: CallIO, req: pb.TensorArrayScatterV3Request) -> pb.TensorArraySc
 
 def concat(io: CallIO, req: pb.TensorArrayConcatV3Request) -> pb.TensorArrayConcatV3Response:
     value, lengths = ta_ops.concat(
-        io.session, handle_id(req.handle), dtype_of(req.dtype), _shape(req, "element_shape_except0")
+        io.session,
+        handle_id(req.handle),
+        dtype_of(req.dtype),
+        _shape(req, "element_shape_except0"),
+        io.check_alive,
     )
     resp = pb.TensorArrayConcatV3Response()
     io.output(value, resp.value, req.keep_outputs)

@@ -38,6 +38,8 @@ from gradserve.errors import InvalidArgumentError, ResourceExhaustedError, Unimp
 from gradserve.server.limits import MemoryBudget
 
 INT32_MAX = 2**31 - 1
+#: Multi-index reads call their ``check`` (deadline, cancellation) this often.
+CHECK_EVERY = 1024
 
 
 @dataclasses.dataclass
@@ -313,8 +315,17 @@ class TensorArray:
             self._check_open()
             return self._read_locked(index)
 
-    def gather(self, indices: Sequence[int], element_shape: shapes.PartialShape) -> np.ndarray:
-        """TensorArrayGatherV3: the values at ``indices`` stacked on a new axis 0."""
+    def gather(
+        self,
+        indices: Sequence[int],
+        element_shape: shapes.PartialShape,
+        check: Callable[[], None] | None = None,
+    ) -> np.ndarray:
+        """TensorArrayGatherV3: the values at ``indices`` stacked on a new axis 0.
+
+        ``check`` runs every ``CHECK_EVERY`` reads (deadline, cancellation); if
+        it raises, the array is left as it was.
+        """
         with self._atomic():
             self._check_open()
             self._element_shape = shapes.merge(self._element_shape, element_shape)
@@ -327,7 +338,7 @@ class TensorArray:
                         "TensorArrays."
                     )
                 return np.zeros((0, *element_shape), self.dtype)
-            values = self._read_many(indices)
+            values = self._read_many(indices, check)
             first = values[0].shape
             if not shapes.is_compatible(element_shape, first):
                 raise InvalidArgumentError(
@@ -343,7 +354,11 @@ class TensorArray:
                     )
             return np.stack(values)
 
-    def concat(self, element_shape_except0: shapes.PartialShape) -> tuple[np.ndarray, np.ndarray]:
+    def concat(
+        self,
+        element_shape_except0: shapes.PartialShape,
+        check: Callable[[], None] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """TensorArrayConcatV3: every value joined on axis 0, and their lengths (int64)."""
         with self._atomic():
             self._check_open()
@@ -359,7 +374,7 @@ class TensorArray:
                         "zero-size TensorArrays."
                     )
                 return np.zeros((0, *element_shape_except0), self.dtype), np.zeros(0, np.int64)
-            values = self._read_many(range(n))
+            values = self._read_many(range(n), check)
             except0 = None
             for i, v in enumerate(values):
                 if v.ndim == 0:
@@ -385,11 +400,15 @@ class TensorArray:
             lengths = np.array([v.shape[0] for v in values], dtype=np.int64)
             return np.concatenate(values), lengths
 
-    def _read_many(self, indices: Sequence[int]) -> list[np.ndarray]:
+    def _read_many(
+        self, indices: Sequence[int], check: Callable[[], None] | None = None
+    ) -> list[np.ndarray]:
         """Read each index in turn, refusing before allocation once the values
         (which the caller joins into one output) would pass the byte limit."""
         values, spent = [], 0
-        for index in indices:
+        for count, index in enumerate(indices):
+            if check is not None and count % CHECK_EVERY == 0:
+                check()
             value = self._read_locked(int(index), spent)
             spent += value.nbytes
             self._check_output_bytes((spent // self.dtype.itemsize,))

@@ -6,6 +6,8 @@ call meets is the one TensorFlow reports.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from gradserve import dtypes, shapes
@@ -79,13 +81,14 @@ def gather(
     indices: np.ndarray,
     dtype: np.dtype,
     element_shape: shapes.PartialShape,
+    check: Callable[[], None] | None = None,
 ) -> np.ndarray:
     ta = session.tensor_array(handle)
     _check_read_dtype(ta, dtype)
     idx = args.int_vector(
         indices, "indices", "Expected indices to be a vector, but received shape: "
     )
-    return ta.gather(idx, element_shape)
+    return ta.gather(idx, element_shape, check)
 
 
 def scatter(session: Session, handle: str, indices: np.ndarray, value: np.ndarray) -> None:
@@ -103,11 +106,15 @@ def scatter(session: Session, handle: str, indices: np.ndarray, value: np.ndarra
 
 
 def concat(
-    session: Session, handle: str, dtype: np.dtype, element_shape_except0: shapes.PartialShape
+    session: Session,
+    handle: str,
+    dtype: np.dtype,
+    element_shape_except0: shapes.PartialShape,
+    check: Callable[[], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     ta = session.tensor_array(handle)
     _check_read_dtype(ta, dtype)
-    return ta.concat(element_shape_except0)
+    return ta.concat(element_shape_except0, check)
 
 
 def split(session: Session, handle: str, value: np.ndarray, lengths: np.ndarray) -> None:

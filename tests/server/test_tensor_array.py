@@ -223,3 +223,23 @@ def test_huge_size_costs_nothing_until_used():
     ta.write(2**31 - 2, v(1))
     assert ta.size() == 2**31 - 1
     assert ta.nbytes() == 4
+
+
+def test_gather_checks_between_reads_and_leaves_array_unchanged():
+    from gradserve.errors import DeadlineExceededError
+    from gradserve.server.tensor_array import CHECK_EVERY
+
+    n = 3 * CHECK_EVERY
+    ta = make(size=n, element_shape=(1,))
+    calls = []
+
+    def check():
+        calls.append(1)
+        if len(calls) == 3:
+            raise DeadlineExceededError("deadline exceeded")
+
+    with pytest.raises(DeadlineExceededError):
+        ta.gather(list(range(n)), None, check)
+    assert len(calls) == 3
+    assert ta.nbytes() == 0  # the zeros read so far were rolled back
+    np.testing.assert_array_equal(ta.read(0), [0.0])  # index 0 was not cleared
