@@ -14,6 +14,7 @@ from google.protobuf.message import Message
 from gradserve import codec
 from gradserve.protocol import BATCH_FIELDS
 from gradserve.server.ops import lstm_ops
+from gradserve.server.ops import stop_gradient as sg_ops
 from gradserve.server.ops import tensor_array_ops as ta_ops
 from gradserve.server.wire import CallIO, dtype_of, handle_id
 from gradserve.v1 import lstm_pb2
@@ -139,7 +140,7 @@ def grad_with_shape(
 
 def stop_gradient(io: CallIO, req: pb.StopGradientRequest) -> pb.StopGradientResponse:
     resp = pb.StopGradientResponse()
-    io.output(ta_ops.stop_gradient(io.input(req.input, "input")), resp.output, req.keep_outputs)
+    io.output(sg_ops.stop_gradient(io.input(req.input, "input")), resp.output, req.keep_outputs)
     return resp
 
 

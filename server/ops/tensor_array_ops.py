@@ -168,8 +168,3 @@ def grad(
             )
         prepend = tuple(dims)
     return session.grad_array(handle, source, prepend)
-
-
-def stop_gradient(value: np.ndarray) -> np.ndarray:
-    """StopGradient: the identity, bit for bit (the array is immutable, so no copy)."""
-    return value

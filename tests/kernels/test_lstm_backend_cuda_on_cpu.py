@@ -1,0 +1,98 @@
+"""``backend_cuda`` itself, run on the CPU: fake cupy + the host-shim kernels.
+
+The launches it makes must give exactly the NumPy backend's results on the golden
+cases and on float64 cases of both layouts — which checks the kernel argument
+order and scalar types that a GPU run would otherwise be the first to see.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import numpy as np
+import pytest
+
+from gradserve.kernels import backend_numpy, lstm
+from tests.kernels import shim_backend
+from tests.kernels.fake_cupy import make_fake_cupy
+from tests.kernels.lstm_cases import (
+    GRADS,
+    INDEX,
+    INPUTS,
+    OUTPUTS,
+    golden,
+    random_case,
+    scaled_error,
+)
+
+
+@pytest.fixture(scope="module")
+def backend_cuda(tmp_path_factory):
+    lib = shim_backend.build(tmp_path_factory.mktemp("shim"))
+    saved = {k: sys.modules.get(k) for k in ("cupy", "gradserve.kernels.backend_cuda")}
+    sys.modules["cupy"] = make_fake_cupy(lib)
+    sys.modules.pop("gradserve.kernels.backend_cuda", None)
+    try:
+        yield importlib.import_module("gradserve.kernels.backend_cuda")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+
+
+def run(backend, case, length, peep, layout=lstm.GateLayout.IFCO, clip=0.0, bias=0.0):
+    out = lstm.block_lstm_forward(
+        backend,
+        *(case[k] for k in INPUTS),
+        seq_len_max=length,
+        cell_clip=clip,
+        forget_bias=bias,
+        use_peephole=peep,
+        layout=layout,
+    )
+    out = lstm.LSTMOutputs(*(backend.to_host(a) for a in out))
+    grads = lstm.block_lstm_backward(
+        backend,
+        *(case[k] for k in INPUTS),
+        *out,
+        case["cs_grad"],
+        case["h_grad"],
+        seq_len_max=length,
+        use_peephole=peep,
+        layout=layout,
+    )
+    return out, lstm.LSTMGrads(*(backend.to_host(a) for a in grads))
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in INDEX])
+def test_golden_cases_match_numpy(backend_cuda, name):
+    d = golden(name)
+    length, peep = int(d["seq_len_max"]), bool(d["use_peephole"])
+    got = run(backend_cuda, d, length, peep, clip=float(d["cell_clip"]))
+    want = run(backend_numpy, d, length, peep, clip=float(d["cell_clip"]))
+    tol = 1e-5  # float32 rounding order differs over 20 steps; float64 below is exact
+    for k in OUTPUTS:
+        assert scaled_error(getattr(got[0], k), getattr(want[0], k)) < tol, k
+        assert getattr(got[0], k).dtype == d["x"].dtype
+    for k in GRADS:
+        assert scaled_error(getattr(got[1], k), getattr(want[1], k)) < tol, k
+
+
+@pytest.mark.parametrize("layout", list(lstm.GateLayout))
+def test_float64_both_layouts(backend_cuda, layout):
+    case = random_case(np.random.default_rng(9), steps=4, batch=5, inputs=3, units=7, seq_len_max=3)
+    got = run(backend_cuda, case, 3, True, layout, clip=0.3, bias=1.0)
+    want = run(backend_numpy, case, 3, True, layout, clip=0.3, bias=1.0)
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-13)
+
+
+def test_module_compiled_once_with_every_instantiation(backend_cuda):
+    from gradserve.kernels import cuda_source
+
+    compiled = sys.modules["cupy"].compiled
+    assert len(compiled) == 1  # cached per device
+    assert compiled[0]["names"] == cuda_source.name_expressions()
