@@ -24,13 +24,21 @@ _BIG_ENDIAN_HOST = sys.byteorder == "big"
 __all__ = ["encode", "decode", "element_count", "encode_shape", "decode_shape"]
 
 
-def element_count(shape: Sequence[int], *, field: str = "tensor") -> int:
-    """Number of elements of a wire shape, checking every dim is non-negative."""
+#: NumPy refuses a shape whose non-zero dims multiply past this many bytes, even
+#: when another dim is 0 and the array would hold nothing.
+_MAX_ARRAY_BYTES = np.iinfo(np.intp).max
+
+
+def element_count(shape: Sequence[int], *, field: str = "tensor", itemsize: int = 1) -> int:
+    """Number of elements of a wire shape; every dim non-negative and the shape one
+    NumPy can represent."""
     for d in shape:
         if d < 0:
             raise InvalidArgumentError(
                 f"{field}: shape {list(shape)} has a negative dimension", field=field
             )
+    if math.prod(d for d in shape if d) * itemsize > _MAX_ARRAY_BYTES:
+        raise InvalidArgumentError(f"{field}: shape {list(shape)} is too large", field=field)
     return math.prod(shape)
 
 
@@ -54,7 +62,7 @@ def decode(msg: tensor_pb2.Tensor, *, field: str = "tensor") -> np.ndarray:
     except dtypes.UnsupportedDTypeError as e:
         raise InvalidArgumentError(f"{field}: {e}", field=field) from None
     shape = tuple(msg.shape)
-    count = element_count(shape, field=field)
+    count = element_count(shape, field=field, itemsize=dtype.itemsize)
     content = msg.content
     expected = count * dtype.itemsize
     if len(content) != expected:

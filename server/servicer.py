@@ -101,7 +101,7 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
             raise InvalidArgumentError("PutTensor: the stream carried no chunk")
         dtype = dtype_of(first.dtype, "dtype")
         shape = tuple(first.shape)
-        nbytes = codec.element_count(shape, field="shape") * dtype.itemsize
+        nbytes = codec.element_count(shape, field="shape", itemsize=dtype.itemsize) * dtype.itemsize
         session.check_tensor_bytes(nbytes)
         with session.budget.reservation(nbytes) as keep:
             array = self._fill(np.empty(nbytes, np.uint8), _chain(first, chunks), call)

@@ -337,7 +337,7 @@ class TensorArray:
                         "Currently only static shapes are supported when packing zero-size "
                         "TensorArrays."
                     )
-                return np.zeros((0, *element_shape), self.dtype)
+                return self._zeros((0, *element_shape))
             values = self._read_many(indices, check)
             first = values[0].shape
             if not shapes.is_compatible(element_shape, first):
@@ -373,7 +373,7 @@ class TensorArray:
                         "Currently only static shapes are supported when concatenating "
                         "zero-size TensorArrays."
                     )
-                return np.zeros((0, *element_shape_except0), self.dtype), np.zeros(0, np.int64)
+                return self._zeros((0, *element_shape_except0)), np.zeros(0, np.int64)
             values = self._read_many(range(n), check)
             except0 = None
             for i, v in enumerate(values):
@@ -440,7 +440,7 @@ class TensorArray:
         value = slot.value
         if value is None or value.size == 0:
             self._check_output_bytes(slot.shape, spent)
-            value = np.zeros(slot.shape, self.dtype)
+            value = self._zeros(slot.shape)
             self._set_value(slot, value)
         if self.clear_after_read:
             self._set_value(slot, None)
@@ -462,6 +462,17 @@ class TensorArray:
                 "incurring this error."
             )
         return tuple(self._element_shape)  # type: ignore[arg-type]
+
+    def _zeros(self, shape: tuple[int, ...]) -> np.ndarray:
+        """Zeros of ``shape``; a shape NumPy cannot represent (even with no elements,
+        e.g. [0, 2**40, 2**40]) is the caller's error, not the server's."""
+        try:
+            return np.zeros(shape, self.dtype)
+        except (ValueError, MemoryError) as e:
+            raise InvalidArgumentError(
+                f"TensorArray {self.name}: cannot make a tensor of shape "
+                f"{shapes.debug_string(shape)}: {e}"
+            ) from None
 
     def _check_output_bytes(self, shape: Sequence[int], spent: int = 0) -> None:
         """Refuse (before allocating) a result over the byte limit, counting

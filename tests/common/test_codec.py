@@ -57,7 +57,11 @@ def test_non_contiguous_input():
         (tensor_pb2.Tensor(dtype=tensor_pb2.DT_FLOAT32, shape=[-1], content=b""), "negative"),
         (
             tensor_pb2.Tensor(dtype=tensor_pb2.DT_FLOAT32, shape=[2**40, 2**40], content=b""),
-            "needs",
+            "too large",
+        ),
+        (  # found by the fuzzer: no elements, yet NumPy cannot represent the shape
+            tensor_pb2.Tensor(dtype=tensor_pb2.DT_FLOAT32, shape=[0, 2**40, 2**40], content=b""),
+            "too large",
         ),
     ],
 )

@@ -243,3 +243,12 @@ def test_gather_checks_between_reads_and_leaves_array_unchanged():
     assert len(calls) == 3
     assert ta.nbytes() == 0  # the zeros read so far were rolled back
     np.testing.assert_array_equal(ta.read(0), [0.0])  # index 0 was not cleared
+
+
+def test_unrepresentable_empty_shape_is_invalid_argument():
+    """Found by the fuzzer: NumPy refuses [0, 2**40, 2**40] although it holds nothing."""
+    ta = make(size=0)
+    with pytest.raises(InvalidArgumentError, match="cannot make a tensor of shape"):
+        ta.gather([], (2**40, 2**40))
+    with pytest.raises(InvalidArgumentError, match="cannot make a tensor of shape"):
+        ta.concat((2**40, 2**40))
