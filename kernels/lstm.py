@@ -190,10 +190,11 @@ def block_lstm_backward(
             )  # fmt: skip
             xp.matmul(dgates[t], w_h_t, out=dh)
         flat = dgates.reshape(length * batch, 4 * units)
-        x_grad[:length] = xp.matmul(flat, w_x.T).reshape(length, batch, inputs)
-        w_grad[:inputs] = xp.matmul(x[:length].reshape(length * batch, inputs).T, flat)
+        # GEMMs write straight into (contiguous views of) the outputs: no temporaries.
+        xp.matmul(flat, w_x.T, out=x_grad[:length].reshape(length * batch, inputs))
+        xp.matmul(x[:length].reshape(length * batch, inputs).T, flat, out=w_grad[:inputs])
         h_seq = _shifted(xp, h_prev, h, length)
-        w_grad[inputs:] = xp.matmul(h_seq.reshape(length * batch, units).T, flat)
+        xp.matmul(h_seq.reshape(length * batch, units).T, flat, out=w_grad[inputs:])
         b_grad = flat.sum(axis=0)
         if use_peephole:
             off_i, off_f, _, off_o = offsets
