@@ -10,8 +10,10 @@ INLINE_LIMIT_METADATA_KEY = "x-gradserve-inline-limit"
 #: Default ceiling of one unary message, each direction.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
-#: Size of one PutTensor/GetTensor chunk.
-DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
+#: Size of one PutTensor/GetTensor chunk. Measured on loopback (2-core machine):
+#: 1 MiB chunks moved 256 MiB there and back in ~360 ms, 4-8 MiB chunks in ~650 ms
+#: (each copy of a chunk stays in cache). Both ends can set another size.
+DEFAULT_CHUNK_BYTES = 1024 * 1024
 
 #: Tensors at least this large travel by stream rather than inline.
 DEFAULT_STREAM_THRESHOLD_BYTES = 32 * 1024 * 1024
