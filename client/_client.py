@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -18,11 +19,11 @@ from gradserve import codec, dtypes, protocol
 from gradserve.client._errors import from_rpc_error
 from gradserve.client._types import TensorRef
 from gradserve.errors import (
+    DataLossError,
     GradserveError,
     InvalidArgumentError,
     NotFoundError,
     UnavailableError,
-    error_class_for,
 )
 from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_pb2
 
@@ -255,20 +256,8 @@ class Client:
     def put(self, array: ArrayLike) -> TensorRef:
         """Keep ``array`` in the session (streamed in chunks); returns its reference."""
         array = np.asarray(array)
-        dtype = dtypes.normalize(array.dtype)
-        little = np.ascontiguousarray(array.astype(dtype.newbyteorder("<"), copy=False))
-        raw = memoryview(little.reshape(-1).view(np.uint8)) if little.size else memoryview(b"")
-        step = self.chunk_bytes
-
-        def chunks() -> Iterator[tensor_pb2.TensorChunk]:
-            yield tensor_pb2.TensorChunk(
-                dtype=dtypes.to_enum(dtype), shape=array.shape, data=bytes(raw[:step])
-            )
-            for start in range(step, len(raw), step):
-                yield tensor_pb2.TensorChunk(data=bytes(raw[start : start + step]))
-
-        reply = self._call("PutTensor", chunks())
-        return TensorRef(self, reply.id, dtype, tuple(reply.shape))
+        reply = self._call("PutTensor", codec.encode_chunks(array, self.chunk_bytes))
+        return TensorRef(self, reply.id, dtypes.normalize(array.dtype), tuple(reply.shape))
 
     def get(self, ref: TensorRef | str) -> np.ndarray:
         """Fetch a resident tensor (streamed in chunks)."""
@@ -295,23 +284,11 @@ class Client:
             safe=not delete_after,
         )
         try:
-            first = next(stream)
-            dtype = dtypes.from_enum(first.dtype)
-            shape = tuple(first.shape)
-            nbytes = codec.element_count(shape) * dtype.itemsize
-            buffer = np.empty(nbytes, np.uint8)
-            filled = 0
-            for chunk in _chain(first, stream):
-                data = chunk.data
-                buffer[filled : filled + len(data)] = np.frombuffer(data, np.uint8)
-                filled += len(data)
+            return codec.decode_chunks(stream, field="GetTensor")
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
-        if filled != nbytes:
-            raise error_class_for(grpc.StatusCode.DATA_LOSS)(
-                f"GetTensor: received {filled} of {nbytes} bytes"
-            )
-        return buffer.view(dtype.newbyteorder("<")).reshape(shape)
+        except InvalidArgumentError as e:  # the server sent a broken stream
+            raise DataLossError(str(e)) from None
 
     # ---------------------------------------------------------------- Pythonic layer
     def tensor_array(self, dtype: dtypes.DTypeLike, size: int = 0, **kwargs):
@@ -353,7 +330,7 @@ def _request_id() -> tuple[str, str]:
 def _peek(stream):
     """Wait for a stream's first message (so a failure to connect raises here)."""
     first = next(stream)
-    return _chain(first, stream)
+    return itertools.chain((first,), stream)
 
 
 def _as_integer_input(array: np.ndarray, target: np.dtype) -> np.ndarray:
@@ -371,11 +348,6 @@ def _as_integer_input(array: np.ndarray, target: np.dtype) -> np.ndarray:
     ):
         raise InvalidArgumentError(f"{array.tolist()!r} does not fit in {target}")
     return converted
-
-
-def _chain(first, rest):
-    yield first
-    yield from rest
 
 
 __all__ = ["Client", "GradserveError"]

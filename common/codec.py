@@ -9,9 +9,9 @@ length that does not match the shape — is an ``InvalidArgumentError``.
 
 from __future__ import annotations
 
-import math
+import itertools
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -21,25 +21,20 @@ from gradserve.v1 import tensor_pb2
 
 _BIG_ENDIAN_HOST = sys.byteorder == "big"
 
-__all__ = ["encode", "decode", "element_count", "encode_shape", "decode_shape"]
-
-
-#: NumPy refuses a shape whose non-zero dims multiply past this many bytes, even
-#: when another dim is 0 and the array would hold nothing.
-_MAX_ARRAY_BYTES = np.iinfo(np.intp).max
+__all__ = [
+    "encode",
+    "decode",
+    "encode_chunks",
+    "decode_chunks",
+    "element_count",
+    "encode_shape",
+    "decode_shape",
+]
 
 
 def element_count(shape: Sequence[int], *, field: str = "tensor", itemsize: int = 1) -> int:
-    """Number of elements of a wire shape; every dim non-negative and the shape one
-    NumPy can represent."""
-    for d in shape:
-        if d < 0:
-            raise InvalidArgumentError(
-                f"{field}: shape {list(shape)} has a negative dimension", field=field
-            )
-    if math.prod(d for d in shape if d) * itemsize > _MAX_ARRAY_BYTES:
-        raise InvalidArgumentError(f"{field}: shape {list(shape)} is too large", field=field)
-    return math.prod(shape)
+    """Number of elements of a wire shape (see ``shapes.num_elements``)."""
+    return shapes.num_elements(shape, itemsize, what=field)
 
 
 def encode(array: np.ndarray, out: tensor_pb2.Tensor | None = None) -> tensor_pb2.Tensor:
@@ -72,6 +67,69 @@ def decode(msg: tensor_pb2.Tensor, *, field: str = "tensor") -> np.ndarray:
             field=field,
         )
     return np.frombuffer(content, dtype=dtype.newbyteorder("<"), count=count).reshape(shape)
+
+
+def encode_chunks(array: np.ndarray, chunk_bytes: int) -> Iterator[tensor_pb2.TensorChunk]:
+    """``array`` as a stream of chunks of ``chunk_bytes``; the first carries dtype and shape.
+
+    One copy per chunk (the ``bytes`` of a slice of the little-endian array).
+    """
+    array = np.asarray(array)
+    dtype = dtypes.normalize(array.dtype)
+    little = np.ascontiguousarray(array.astype(dtype.newbyteorder("<"), copy=False))
+    raw = memoryview(little.reshape(-1).view(np.uint8)) if little.size else memoryview(b"")
+    step = max(1, chunk_bytes)
+    yield tensor_pb2.TensorChunk(
+        dtype=dtypes.to_enum(dtype), shape=array.shape, data=bytes(raw[:step])
+    )
+    for start in range(step, len(raw), step):
+        yield tensor_pb2.TensorChunk(data=bytes(raw[start : start + step]))
+
+
+def decode_chunks(
+    chunks: Iterable[tensor_pb2.TensorChunk],
+    *,
+    before_allocating: Callable[[int], None] = lambda nbytes: None,
+    on_data: Callable[[int], None] = lambda nbytes: None,
+    field: str = "stream",
+) -> np.ndarray:
+    """The read-only array a chunk stream carries; every malformed stream (no chunk,
+    bad dtype or shape, too little or too much data) is an InvalidArgumentError.
+
+    ``before_allocating(nbytes)`` runs once the size is known and before the buffer
+    exists (a memory budget can refuse it there); ``on_data`` sees each chunk's size.
+    """
+    chunks = iter(chunks)
+    first = next(chunks, None)
+    if first is None:
+        raise InvalidArgumentError(f"{field}: the stream carried no chunk", field=field)
+    try:
+        dtype = dtypes.from_enum(first.dtype)
+    except dtypes.UnsupportedDTypeError as e:
+        raise InvalidArgumentError(f"{field}: {e}", field=field) from None
+    shape = tuple(first.shape)
+    nbytes = element_count(shape, field=field, itemsize=dtype.itemsize) * dtype.itemsize
+    before_allocating(nbytes)
+    buffer = np.empty(nbytes, np.uint8)
+    filled = 0
+    for chunk in itertools.chain((first,), chunks):
+        data = chunk.data
+        end = filled + len(data)
+        if end > nbytes:
+            raise InvalidArgumentError(
+                f"{field}: more data than shape {list(shape)} of {dtype} holds ({nbytes} bytes)",
+                field=field,
+            )
+        buffer[filled:end] = np.frombuffer(data, np.uint8)
+        filled = end
+        on_data(len(data))
+    if filled != nbytes:
+        raise InvalidArgumentError(
+            f"{field}: the stream ended after {filled} of {nbytes} bytes", field=field
+        )
+    array = buffer.view(dtype.newbyteorder("<")).reshape(shape)
+    array.flags.writeable = False
+    return array
 
 
 def encode_shape(shape: shapes.PartialShape, out=None) -> tensor_pb2.PartialShape:

@@ -7,7 +7,10 @@ The functions reproduce TensorFlow's merge and compatibility rules and its
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+
+import numpy as np
 
 from gradserve.errors import InvalidArgumentError
 
@@ -61,6 +64,23 @@ def merge(a: PartialShape, b: PartialShape) -> PartialShape:
             )
         out.append(x if x is not None else y)
     return tuple(out)
+
+
+#: NumPy refuses a shape whose non-zero dims multiply past this many bytes, even when
+#: another dim is 0 and the array would hold nothing.
+_MAX_ARRAY_BYTES = int(np.iinfo(np.intp).max)
+
+
+def num_elements(shape: Sequence[int], itemsize: int = 1, *, what: str = "tensor") -> int:
+    """Elements of a shape that is to become an array: every dim non-negative, and a
+    shape NumPy can represent; otherwise InvalidArgumentError naming ``what``."""
+    if any(d < 0 for d in shape):
+        raise InvalidArgumentError(
+            f"{what}: shape {list(shape)} has a negative dimension", field=what
+        )
+    if math.prod(d for d in shape if d) * itemsize > _MAX_ARRAY_BYTES:
+        raise InvalidArgumentError(f"{what}: shape {list(shape)} is too large", field=what)
+    return math.prod(shape)
 
 
 def debug_string(shape: PartialShape | Sequence[int]) -> str:

@@ -67,22 +67,6 @@ class MemoryBudget:
         else:
             self.release(-delta)
 
-    @contextlib.contextmanager
-    def reservation(self, nbytes: int) -> Iterator[Callable[[], None]]:
-        """Reserve now; released again unless the body calls the yielded ``keep()``."""
-        self.reserve(nbytes)
-        kept = False
-
-        def keep() -> None:
-            nonlocal kept
-            kept = True
-
-        try:
-            yield keep
-        finally:
-            if not kept:
-                self.release(nbytes)
-
 
 class ComputeGate:
     """At most ``slots`` heavy ops at once and ``max_waiting`` queued behind them."""

@@ -6,8 +6,6 @@ translates, and delegates; errors leave through ``boundary``.
 
 from __future__ import annotations
 
-import numpy as np
-
 from gradserve import codec, dtypes, protocol
 from gradserve.errors import (
     CancelledError,
@@ -20,7 +18,7 @@ from gradserve.server.limits import ComputeGate
 from gradserve.server.observability import Observer
 from gradserve.server.op_handlers import OPS, OPS_BY_BATCH_FIELD, Op
 from gradserve.server.sessions import Session, SessionStore
-from gradserve.server.wire import CallIO, dtype_of
+from gradserve.server.wire import CallIO
 from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_pb2
 
 
@@ -94,41 +92,32 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
             except Exception as exc:  # noqa: BLE001 - the boundary
                 boundary.fail(call, exc, context)
 
-    def _receive(self, session: Session, chunks, call) -> tensor_pb2.ResidentTensor:
-        """Stream chunks into one buffer, reserved in the session's budget first."""
-        first = next(chunks, None)
-        if first is None:
-            raise InvalidArgumentError("PutTensor: the stream carried no chunk")
-        dtype = dtype_of(first.dtype, "dtype")
-        shape = tuple(first.shape)
-        nbytes = codec.element_count(shape, field="shape", itemsize=dtype.itemsize) * dtype.itemsize
-        session.check_tensor_bytes(nbytes)
-        with session.budget.reservation(nbytes) as keep:
-            array = self._fill(np.empty(nbytes, np.uint8), _chain(first, chunks), call)
-            array = array.view(dtype.newbyteorder("<")).reshape(shape)
-            array.flags.writeable = False
+    @staticmethod
+    def _receive(session: Session, chunks, call) -> tensor_pb2.ResidentTensor:
+        """Stream chunks into one array, its bytes reserved in the session's budget
+        before the buffer is allocated (and released again if anything fails)."""
+        reserved = 0
+
+        def reserve(nbytes: int) -> None:
+            nonlocal reserved
+            session.check_tensor_bytes(nbytes)
+            session.budget.reserve(nbytes)
+            reserved = nbytes
+
+        def count(nbytes: int) -> None:
+            call.bytes_in += nbytes
+
+        try:
+            array = codec.decode_chunks(
+                chunks, before_allocating=reserve, on_data=count, field="PutTensor"
+            )
             tensor_id = session.put(array, reserved=True)
-            keep()
+        except BaseException:
+            session.budget.release(reserved)
+            raise
         return tensor_pb2.ResidentTensor(
             id=tensor_id, dtype=dtypes.to_enum(array.dtype), shape=array.shape
         )
-
-    @staticmethod
-    def _fill(buffer: np.ndarray, chunks, call) -> np.ndarray:
-        nbytes, filled = buffer.size, 0
-        for chunk in chunks:
-            data = chunk.data
-            end = filled + len(data)
-            if end > nbytes:
-                raise InvalidArgumentError(
-                    f"PutTensor: more data than the announced shape holds ({nbytes} bytes)"
-                )
-            buffer[filled:end] = np.frombuffer(data, np.uint8)
-            filled = end
-            call.bytes_in += len(data)
-        if filled != nbytes:
-            raise InvalidArgumentError(f"PutTensor: stream ended after {filled} of {nbytes} bytes")
-        return buffer
 
     @boundary.guarded_stream
     def GetTensor(self, request, context):
@@ -136,15 +125,9 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
         array = session.get(request.id)
         chunk = request.chunk_bytes if request.chunk_bytes > 0 else self.chunk_bytes
         chunk = min(chunk, self.max_message_bytes - 1024)
-        little = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<"), copy=False))
-        raw = memoryview(little.reshape(-1).view(np.uint8)) if little.size else memoryview(b"")
         if request.delete_after:
             session.delete([request.id])
-        yield tensor_pb2.TensorChunk(
-            dtype=dtypes.to_enum(array.dtype), shape=array.shape, data=bytes(raw[:chunk])
-        )
-        for start in range(chunk, len(raw), chunk):
-            yield tensor_pb2.TensorChunk(data=bytes(raw[start : start + chunk]))
+        yield from codec.encode_chunks(array, chunk)
 
     @boundary.guarded
     def DeleteTensor(self, request, context):
@@ -214,8 +197,3 @@ def _check_call_alive(context) -> None:
         raise DeadlineExceededError("deadline exceeded")
     if not context.is_active():
         raise CancelledError("the call was cancelled")
-
-
-def _chain(first, rest):
-    yield first
-    yield from rest

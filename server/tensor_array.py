@@ -464,15 +464,10 @@ class TensorArray:
         return tuple(self._element_shape)  # type: ignore[arg-type]
 
     def _zeros(self, shape: tuple[int, ...]) -> np.ndarray:
-        """Zeros of ``shape``; a shape NumPy cannot represent (even with no elements,
-        e.g. [0, 2**40, 2**40]) is the caller's error, not the server's."""
-        try:
-            return np.zeros(shape, self.dtype)
-        except (ValueError, MemoryError) as e:
-            raise InvalidArgumentError(
-                f"TensorArray {self.name}: cannot make a tensor of shape "
-                f"{shapes.debug_string(shape)}: {e}"
-            ) from None
+        """Zeros of ``shape``, once ``shapes.num_elements`` accepts it (a shape NumPy
+        cannot represent, even with no elements, is the caller's error)."""
+        shapes.num_elements(shape, self.dtype.itemsize, what=f"TensorArray {self.name}")
+        return np.zeros(shape, self.dtype)
 
     def _check_output_bytes(self, shape: Sequence[int], spent: int = 0) -> None:
         """Refuse (before allocating) a result over the byte limit, counting

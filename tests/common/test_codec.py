@@ -93,3 +93,55 @@ def test_tf_dtype_names():
     assert dtypes.tf_name(np.dtype(np.float32)) == "float"
     assert dtypes.normalize("float") == np.float32
     assert dtypes.normalize("half") == np.float16
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (5, 3)], ids=str)
+@pytest.mark.parametrize("chunk_bytes", [1, 7, 1 << 20])
+def test_chunk_stream_round_trip(shape, chunk_bytes):
+    x = sample(np.dtype(np.float64), shape)
+    chunks = [
+        tensor_pb2.TensorChunk.FromString(c.SerializeToString())
+        for c in codec.encode_chunks(x, chunk_bytes)
+    ]
+    assert all(len(c.data) <= chunk_bytes for c in chunks)
+    assert len(chunks) == max(1, -(-x.nbytes // chunk_bytes))
+    seen = []
+    y = codec.decode_chunks(chunks, on_data=seen.append)
+    assert y.tobytes() == x.tobytes() and y.shape == x.shape and not y.flags.writeable
+    assert sum(seen) == x.nbytes
+
+
+def test_chunk_stream_budget_refuses_before_allocating():
+    asked = []
+
+    def refuse(nbytes):
+        asked.append(nbytes)
+        raise InvalidArgumentError("no room")
+
+    huge = tensor_pb2.TensorChunk(dtype=tensor_pb2.DT_FLOAT64, shape=[1 << 40])
+    with pytest.raises(InvalidArgumentError, match="no room"):
+        codec.decode_chunks([huge], before_allocating=refuse)
+    assert asked == [8 << 40]  # a buffer of 8 TiB was never attempted
+
+
+@pytest.mark.parametrize(
+    "chunks, match",
+    [
+        ([], "no chunk"),
+        ([tensor_pb2.TensorChunk(dtype=99, shape=[1], data=b"\0")], "unknown or unset dtype"),
+        (
+            [tensor_pb2.TensorChunk(dtype=tensor_pb2.DT_INT8, shape=[2], data=b"\0")],
+            "ended after 1",
+        ),
+        (
+            [
+                tensor_pb2.TensorChunk(dtype=tensor_pb2.DT_INT8, shape=[1], data=b"\0"),
+                tensor_pb2.TensorChunk(data=b"\0"),
+            ],
+            "more data",
+        ),
+    ],
+)
+def test_malformed_chunk_streams(chunks, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        codec.decode_chunks(chunks)

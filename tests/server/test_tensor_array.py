@@ -248,7 +248,7 @@ def test_gather_checks_between_reads_and_leaves_array_unchanged():
 def test_unrepresentable_empty_shape_is_invalid_argument():
     """Found by the fuzzer: NumPy refuses [0, 2**40, 2**40] although it holds nothing."""
     ta = make(size=0)
-    with pytest.raises(InvalidArgumentError, match="cannot make a tensor of shape"):
+    with pytest.raises(InvalidArgumentError, match="is too large"):
         ta.gather([], (2**40, 2**40))
-    with pytest.raises(InvalidArgumentError, match="cannot make a tensor of shape"):
+    with pytest.raises(InvalidArgumentError, match="is too large"):
         ta.concat((2**40, 2**40))
