@@ -32,9 +32,6 @@ class TensorArrayGradV3Output(NamedTuple):
     flow_out: float
 
 
-TensorArrayGradWithShapeOutput = TensorArrayGradV3Output
-
-
 class BlockLSTMOutput(NamedTuple):
     i: Any
     cs: Any
@@ -55,9 +52,6 @@ class BlockLSTMGradOutput(NamedTuple):
     wco_grad: Any
     b_grad: Any
 
-
-BlockLSTMV2Output = BlockLSTMOutput
-BlockLSTMGradV2Output = BlockLSTMGradOutput
 
 _LSTM_INPUTS = ("x", "cs_prev", "h_prev", "w", "wci", "wcf", "wco", "b")
 _LSTM_GRAD_INPUTS = _LSTM_INPUTS + ("i", "cs", "f", "o", "ci", "co", "h", "cs_grad", "h_grad")

@@ -34,8 +34,15 @@ def _module(device_id: int) -> cupy.RawModule:
     return module
 
 
+@functools.cache
+def _kernel_on(device_id: int, name: str) -> cupy.RawKernel:
+    return _module(device_id).get_function(name)
+
+
 def _kernel(kernel: str, dtype: np.dtype) -> cupy.RawKernel:
-    return _module(cupy.cuda.Device().id).get_function(cuda_source.kernel_name(kernel, dtype))
+    """The compiled kernel for this dtype on the current device (looked up once, not
+    on every time step)."""
+    return _kernel_on(cupy.cuda.Device().id, cuda_source.kernel_name(kernel, dtype))
 
 
 def _launch(kernel: str, dtype, cells: int, args: tuple) -> None:

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import grpc
 from google.protobuf import any_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from gradserve.errors import GradserveError, InternalError
@@ -121,6 +121,3 @@ def fail(call, exc: Exception, context: grpc.ServicerContext):
 def _is_abort(exc: Exception, context: grpc.ServicerContext) -> bool:
     # context.abort raises a bare Exception after setting the code.
     return type(exc) is Exception and context.code() not in (None, grpc.StatusCode.OK)
-
-
-assert code_pb2.OK == 0  # google.rpc.Code and grpc.StatusCode share numbers

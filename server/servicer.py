@@ -41,8 +41,9 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
         self.chunk_bytes = chunk_bytes
 
     # ---------------------------------------------------------------- helpers
-    def _session(self, context) -> Session:
-        session_id = _metadata(context, protocol.SESSION_METADATA_KEY)
+    def _session(self, context, metadata: dict[str, str] | None = None) -> Session:
+        metadata = _metadata(context) if metadata is None else metadata
+        session_id = metadata.get(protocol.SESSION_METADATA_KEY)
         if not session_id:
             raise InvalidArgumentError(
                 f"no session: pass the id CreateSession returned in "
@@ -54,7 +55,8 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
     def _io(self, context) -> CallIO:
         # Room for the rest of the response next to the largest inline tensor.
         ceiling = self.max_message_bytes - 64 * 1024
-        raw = _metadata(context, protocol.INLINE_LIMIT_METADATA_KEY)
+        metadata = _metadata(context)
+        raw = metadata.get(protocol.INLINE_LIMIT_METADATA_KEY)
         try:
             limit = min(int(raw), ceiling) if raw else ceiling
         except ValueError:
@@ -62,7 +64,10 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
                 f"'{protocol.INLINE_LIMIT_METADATA_KEY}' must be an integer, got {raw!r}"
             ) from None
         return CallIO(
-            self._session(context), limit, self.backend, lambda: _check_call_alive(context)
+            self._session(context, metadata),
+            limit,
+            self.backend,
+            lambda: _check_call_alive(context),
         )
 
     # ---------------------------------------------------------------- sessions
@@ -183,11 +188,9 @@ def _op_name(step) -> str:
     return OPS_BY_BATCH_FIELD[which].rpc if which else "no op"
 
 
-def _metadata(context, key: str) -> str | None:
-    for k, v in context.invocation_metadata() or ():
-        if k == key:
-            return v
-    return None
+def _metadata(context) -> dict[str, str]:
+    """The call's text metadata, read once."""
+    return {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
 
 
 def _check_call_alive(context) -> None:

@@ -154,12 +154,12 @@ class Session:
     def put(self, array: np.ndarray, *, reserved: bool = False) -> str:
         """Keep ``array`` (never mutated afterwards) in the session; returns its id.
 
-        Its bytes are charged to the session's budget, unless the caller
-        already ``reserved`` them (to check the limit before allocating).
+        Its size is checked and its bytes charged to the session's budget, unless
+        the caller ``reserved`` them already (to check before allocating).
         """
-        self.check_tensor_bytes(array.nbytes)
         tensor_id = new_token()
-        if not reserved:
+        if not reserved:  # a reserving caller has checked the size already
+            self.check_tensor_bytes(array.nbytes)
             self.budget.reserve(array.nbytes)
         try:
             with self._lock:

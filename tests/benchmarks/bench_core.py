@@ -34,7 +34,7 @@ ECHO_METHOD = "/bench.Echo/Echo"
 BIG = 256 * 1024 * 1024
 
 
-def serve(echo_port_file: str) -> None:
+def serve() -> None:
     """Child process: gradserve on a free port plus a bare echo server."""
     from gradserve.server import ServerConfig, start
 
@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     if args.serve:
-        serve("")
+        serve()
         return
 
     child = subprocess.Popen(

@@ -86,20 +86,18 @@ def baseline_backward(x, cs_prev, h_prev, w, acts, cs_grad, h_grad):
     return x_grad, dcs, dh, w_grad, b_grad
 
 
-def median_seconds(fn, repeat=3) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+def seconds(fn) -> float:
+    """Wall time of one call of ``fn``."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def interleaved(fns: dict, rounds: int) -> dict[str, float]:
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            samples[name].append(median_seconds(fn, 1))
+            samples[name].append(seconds(fn))
     return {k: statistics.median(v) for k, v in samples.items()}
 
 

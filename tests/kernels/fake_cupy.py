@@ -22,6 +22,7 @@ def make_fake_cupy(shim_lib: ctypes.CDLL) -> types.ModuleType:
         setattr(cupy, name, getattr(np, name))
     cupy.asnumpy = np.asarray
     compiled: list[dict] = []
+    lookups: list[str] = []
 
     class RawKernel:
         def __init__(self, expression: str) -> None:
@@ -60,6 +61,7 @@ def make_fake_cupy(shim_lib: ctypes.CDLL) -> types.ModuleType:
 
         def get_function(self, name):
             assert name in self.names, name
+            lookups.append(name)
             return RawKernel(name)
 
     class Device:
@@ -68,4 +70,5 @@ def make_fake_cupy(shim_lib: ctypes.CDLL) -> types.ModuleType:
     cupy.RawModule = RawModule
     cupy.cuda = types.SimpleNamespace(Device=Device)
     cupy.compiled = compiled
+    cupy.lookups = lookups
     return cupy

@@ -93,6 +93,8 @@ def test_float64_both_layouts(backend_cuda, layout):
 def test_module_compiled_once_with_every_instantiation(backend_cuda):
     from gradserve.kernels import cuda_source
 
-    compiled = sys.modules["cupy"].compiled
-    assert len(compiled) == 1  # cached per device
-    assert compiled[0]["names"] == cuda_source.name_expressions()
+    fake = sys.modules["cupy"]
+    assert len(fake.compiled) == 1  # compiled once per device
+    assert fake.compiled[0]["names"] == cuda_source.name_expressions()
+    # Each kernel is looked up once, not on every time step of every call above.
+    assert sorted(fake.lookups) == sorted(set(fake.lookups))

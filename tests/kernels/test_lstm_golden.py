@@ -67,13 +67,3 @@ def test_matches_tensorflow(backend, name):
     for k in GRADS:
         assert grads[k].dtype == d[k].dtype and grads[k].shape == d[k].shape
         assert scaled_error(grads[k], d[k]) < tol, k
-
-
-def test_golden_cases_cover_what_the_issue_names():
-    kinds = {
-        (c["use_peephole"], c["cell_clip"] > 0, c["seq_len_max"] < c["T"], c["dtype"])
-        for c in INDEX
-    }
-    assert any(k[0] for k in kinds) and any(not k[0] for k in kinds)
-    assert any(k[1] for k in kinds) and any(k[2] for k in kinds)
-    assert {"float16", "float32"} <= {k[3] for k in kinds}

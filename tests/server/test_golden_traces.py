@@ -76,7 +76,3 @@ def test_trace(client, name):
         if outs:
             results = result if isinstance(result, tuple) else (result,)
             env.update(zip(outs, results))
-
-
-def test_every_trace_is_replayed():
-    assert len(TRACES) == 21
