@@ -66,12 +66,12 @@ def to_host(a) -> np.ndarray:
     return cupy.asnumpy(a)
 
 
-def fwd_step(gates_x, gates_h, cs_prev, wci, wcf, wco, i, cs, f, o, ci, co, h,
+def fwd_step(gates_h, b, cs_prev, wci, wcf, wco, i, cs, f, o, ci, co, h,
              offsets, forget_bias, cell_clip, use_peephole) -> None:  # fmt: skip
     batch, units = cs_prev.shape
-    scalar = gates_x.dtype.type
-    _launch("lstm_fwd_step", gates_x.dtype, batch * units, (
-        gates_x, gates_h, cs_prev, wci, wcf, wco, i, cs, f, o, ci, co, h,
+    scalar = gates_h.dtype.type
+    _launch("lstm_fwd_step", gates_h.dtype, batch * units, (
+        gates_h, b, cs_prev, wci, wcf, wco, i, cs, f, o, ci, co, h,
         np.int32(batch), np.int32(units), *(np.int32(v) for v in offsets),
         scalar(forget_bias), scalar(cell_clip), np.int32(bool(use_peephole)),
     ))  # fmt: skip

@@ -38,33 +38,34 @@ def _sigmoid(x: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
-def fwd_step(gates_x, gates_h, cs_prev, wci, wcf, wco, i, cs, f, o, ci, co, h,
+def fwd_step(gates_h, b, cs_prev, wci, wcf, wco, i, cs, f, o, ci, co, h,
              offsets, forget_bias, cell_clip, use_peephole) -> None:  # fmt: skip
-    """One forward step; ``gates_h`` (this step's scratch) is overwritten."""
+    """One forward step, in place: ``i``, ``f``, ``ci``, ``o`` hold this step's input
+    projection ``x[t] @ W_x`` of their gate on entry and the activations on return;
+    ``gates_h`` (``h[t-1] @ W_h``, this step's scratch) is overwritten."""
     units = cs_prev.shape[1]
     off_i, off_f, off_c, off_o = offsets
-    gates = gates_h
-    gates += gates_x
-    pre_i = gates[:, off_i : off_i + units]
-    pre_f = gates[:, off_f : off_f + units]
-    pre_c = gates[:, off_c : off_c + units]
-    pre_o = gates[:, off_o : off_o + units]
+    gates_h += b
+    i += gates_h[:, off_i : off_i + units]
+    f += gates_h[:, off_f : off_f + units]
+    ci += gates_h[:, off_c : off_c + units]
+    o += gates_h[:, off_o : off_o + units]
     if forget_bias:
-        pre_f += forget_bias
+        f += forget_bias
     if use_peephole:
-        pre_i += cs_prev * wci
-        pre_f += cs_prev * wcf
-    _sigmoid(pre_i, i)
-    _sigmoid(pre_f, f)
-    np.tanh(pre_c, out=ci)
+        i += cs_prev * wci
+        f += cs_prev * wcf
+    _sigmoid(i, i)
+    _sigmoid(f, f)
+    np.tanh(ci, out=ci)
     np.multiply(i, ci, out=cs)
     cs += f * cs_prev
     if cell_clip > 0:
         np.clip(cs, -cell_clip, cell_clip, out=cs)
     np.tanh(cs, out=co)
     if use_peephole:
-        pre_o += cs * wco
-    _sigmoid(pre_o, o)
+        o += cs * wco
+    _sigmoid(o, o)
     np.multiply(o, co, out=h)
 
 

@@ -28,10 +28,12 @@ __device__ __forceinline__ T lstm_clip(T x, T limit) {
   return x < -limit ? -limit : (x > limit ? limit : x);
 }
 
-// Forward step t. gates_x = x[t] @ W_x + b (precomputed for all steps),
-// gates_h = h_prev @ W_h (this step's GEMM). Writes the seven outputs.
+// Forward step t, in place. On entry i_out, f_out, ci_out, o_out hold this
+// step's input projection x[t] @ W_x of their gate (one GEMM for all steps);
+// gates_h = h_prev @ W_h (this step's GEMM), b the [4*units] bias. Each thread
+// reads its cell's projections before writing the activations over them.
 template <typename T>
-__global__ void lstm_fwd_step(const T* __restrict__ gates_x, const T* __restrict__ gates_h,
+__global__ void lstm_fwd_step(const T* __restrict__ gates_h, const T* __restrict__ b,
                               const T* __restrict__ cs_prev, const T* __restrict__ wci,
                               const T* __restrict__ wcf, const T* __restrict__ wco,
                               T* __restrict__ i_out, T* __restrict__ cs_out,
@@ -48,10 +50,11 @@ __global__ void lstm_fwd_step(const T* __restrict__ gates_x, const T* __restrict
     const long long row = (idx / units) * 4LL * units;
     const int j = (int)(idx % units);
     const T c_prev = cs_prev[idx];
-    T pre_i = gates_x[row + off_i + j] + gates_h[row + off_i + j];
-    T pre_f = gates_x[row + off_f + j] + gates_h[row + off_f + j] + forget_bias;
-    const T pre_c = gates_x[row + off_c + j] + gates_h[row + off_c + j];
-    T pre_o = gates_x[row + off_o + j] + gates_h[row + off_o + j];
+    // Summed in the NumPy backend's order: x-part + (h-part + bias).
+    T pre_i = i_out[idx] + (gates_h[row + off_i + j] + b[off_i + j]);
+    T pre_f = f_out[idx] + (gates_h[row + off_f + j] + b[off_f + j]) + forget_bias;
+    const T pre_c = ci_out[idx] + (gates_h[row + off_c + j] + b[off_c + j]);
+    T pre_o = o_out[idx] + (gates_h[row + off_o + j] + b[off_o + j]);
     if (use_peephole) {
       pre_i += c_prev * wci[j];
       pre_f += c_prev * wcf[j];

@@ -28,12 +28,12 @@ static void run_grid(Launch launch) {
 }
 
 #define SHIM(T)                                                                               \
-  extern "C" void fwd_step_##T(const T* gx, const T* gh, const T* cs_prev, const T* wci,      \
+  extern "C" void fwd_step_##T(const T* gh, const T* b, const T* cs_prev, const T* wci,       \
                                const T* wcf, const T* wco, T* i, T* cs, T* f, T* o, T* ci,   \
                                T* co, T* h, int batch, int units, int oi, int of, int oc,     \
                                int oo, T forget_bias, T cell_clip, int use_peephole) {        \
     run_grid([&] {                                                                            \
-      lstm_fwd_step<T>(gx, gh, cs_prev, wci, wcf, wco, i, cs, f, o, ci, co, h, batch, units, \
+      lstm_fwd_step<T>(gh, b, cs_prev, wci, wcf, wco, i, cs, f, o, ci, co, h, batch, units, \
                        oi, of, oc, oo, forget_bias, cell_clip, use_peephole);                 \
     });                                                                                       \
   }                                                                                           \

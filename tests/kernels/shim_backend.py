@@ -56,8 +56,8 @@ def _ptr(a: np.ndarray) -> ctypes.c_void_p:
 
 def make_backend(lib: ctypes.CDLL) -> types.SimpleNamespace:
     def fwd_step(
-        gates_x,
         gates_h,
+        b,
         cs_prev,
         wci,
         wcf,
@@ -74,10 +74,10 @@ def make_backend(lib: ctypes.CDLL) -> types.SimpleNamespace:
         cell_clip,
         use_peephole,
     ):
-        name, scalar = CTYPES[gates_x.dtype]
+        name, scalar = CTYPES[gates_h.dtype]
         batch, units = cs_prev.shape
         getattr(lib, f"fwd_step_{name}")(
-            *map(_ptr, (gates_x, gates_h, cs_prev, wci, wcf, wco, i, cs, f, o, ci, co, h)),
+            *map(_ptr, (gates_h, b, cs_prev, wci, wcf, wco, i, cs, f, o, ci, co, h)),
             batch,
             units,
             *offsets,

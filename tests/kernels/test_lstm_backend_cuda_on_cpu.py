@@ -73,7 +73,10 @@ def test_golden_cases_match_numpy(backend_cuda, name):
     length, peep = int(d["seq_len_max"]), bool(d["use_peephole"])
     got = run(backend_cuda, d, length, peep, clip=float(d["cell_clip"]))
     want = run(backend_numpy, d, length, peep, clip=float(d["cell_clip"]))
-    tol = 1e-5  # float32 rounding order differs over 20 steps; float64 below is exact
+    # Both compute in float32 but round differently (std::tanh vs NumPy's SIMD tanh)
+    # over 20 steps; a float16 result may then land one float16 ulp (2^-11
+    # relative) apart. float64 below is exact.
+    tol = 1e-3 if d["x"].dtype == np.float16 else 1e-5
     for k in OUTPUTS:
         assert scaled_error(getattr(got[0], k), getattr(want[0], k)) < tol, k
         assert getattr(got[0], k).dtype == d["x"].dtype
