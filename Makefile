@@ -7,7 +7,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 50051
 RESULTS ?= results/gpu-check
 
-.PHONY: run test bench proto lint docker gpu-check demo clean
+.PHONY: run test bench proto lint docker gpu-check gpu-kit demo clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -41,9 +41,13 @@ docker:  ## CPU and CUDA images
 	docker build -f docker/Dockerfile -t gradserve:cpu .
 	docker build -f docker/Dockerfile.cuda -t gradserve:cuda .
 
-gpu-check: $(STAMP)  ## on a CUDA machine: GPU tests + GPU benchmark into $(RESULTS)/
-	$(PY) -m pip install -q -e '.[dev,cuda]'
-	bash tests/gpu_check.sh $(RESULTS)
+gpu-check:  ## on a CUDA machine: GPU tests + GPU benchmark into $(RESULTS)/
+	@if [ -d .whl ]; then bash tests/gpu_check.sh $(RESULTS); else \
+		$(MAKE) $(STAMP) && $(PY) -m pip install -q -e '.[dev,cuda]' && \
+		PYTHON=$(PY) bash tests/gpu_check.sh $(RESULTS); fi
+
+gpu-kit: $(STAMP)  ## wheels in .whl/ for an offline gpu-check (KIT_PYTHON=3.12 by default)
+	bash tests/gpu_kit.sh
 
 demo: $(STAMP)  ## start a local server, train the example LSTM worker against it
 	$(VENV)/bin/gradserve serve --port 50071 --device auto > /tmp/gradserve-demo.log 2>&1 & \
@@ -52,4 +56,4 @@ demo: $(STAMP)  ## start a local server, train the example LSTM worker against i
 	$(PY) examples/train_lstm_worker.py --target 127.0.0.1:50071
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache results
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache results .whl
