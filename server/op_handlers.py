@@ -153,7 +153,8 @@ def _attr(req: Message, field: str):
 
 
 def _lstm_inputs(io: CallIO, req: Message, names: tuple[str, ...]) -> dict:
-    return {name: io.input(getattr(req, name), name) for name in names}
+    """The float inputs, resident ones as kept (on the GPU of a CUDA server)."""
+    return {name: io.input(getattr(req, name), name, on_device=True) for name in names}
 
 
 def _lstm_forward(variant: lstm_ops.LSTMVariant):

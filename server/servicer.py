@@ -18,7 +18,7 @@ from gradserve.server.limits import ComputeGate
 from gradserve.server.observability import Observer
 from gradserve.server.op_handlers import OPS, OPS_BY_BATCH_FIELD, Op
 from gradserve.server.sessions import Session, SessionStore
-from gradserve.server.wire import CallIO
+from gradserve.server.wire import CallIO, host_array
 from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_pb2
 
 
@@ -127,7 +127,7 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
     @boundary.guarded_stream
     def GetTensor(self, request, context):
         session = self._session(context)
-        array = session.get(request.id)
+        array = host_array(self.backend, session.get(request.id))
         chunk = request.chunk_bytes if request.chunk_bytes > 0 else self.chunk_bytes
         chunk = min(chunk, self.max_message_bytes - 1024)
         if request.delete_after:

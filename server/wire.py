@@ -3,6 +3,12 @@
 ``CallIO`` resolves a ``TensorInput`` (inline value or resident id) to an
 array and fills a ``TensorOutput`` (inline, or kept in the session when the
 request asked to keep outputs or the value is over the caller's inline limit).
+
+Resident tensors stay where the op made them: on a CUDA server the LSTM ops'
+outputs are kept as GPU arrays, so a backward that names them by id reads them
+without a host round trip. Only what crosses the wire, or feeds an op that
+computes on the host (TensorArray, StopGradient), is copied to host memory,
+through ``host_array``.
 """
 
 from __future__ import annotations
@@ -43,7 +49,9 @@ class CallIO:
         self.backend = backend
         self.check_alive = check_alive
 
-    def input(self, msg: tensor_pb2.TensorInput, field: str) -> np.ndarray:
+    def input(self, msg: tensor_pb2.TensorInput, field: str, *, on_device: bool = False):
+        """The input as a host array; with ``on_device``, a resident tensor comes as it
+        is kept (a GPU array on a CUDA server), for ops that compute on the backend."""
         which = msg.WhichOneof("source")
         if which == "value":
             started = time.perf_counter()
@@ -51,11 +59,14 @@ class CallIO:
             observability.add_decode_time(time.perf_counter() - started)
             return array
         if which == "ref":
-            return self.session.get(msg.ref)
+            array = self.session.get(msg.ref)
+            return array if on_device else host_array(self.backend, array)
         raise InvalidArgumentError(f"input '{field}' is required", field=field)
 
-    def output(self, array: np.ndarray, out: tensor_pb2.TensorOutput, keep: bool) -> None:
-        array = np.asarray(array)
+    def output(self, array, out: tensor_pb2.TensorOutput, keep: bool) -> None:
+        """Kept (as it is, host or device array) or encoded inline (from host memory)."""
+        if not hasattr(array, "__cuda_array_interface__"):  # scalars, lists: as NumPy
+            array = np.asarray(array)
         transient = not keep and array.nbytes > self.inline_limit
         if keep or transient:
             tensor_id = self.session.put(array)
@@ -65,9 +76,15 @@ class CallIO:
             ref.shape[:] = array.shape
             ref.transient = transient
         else:
+            array = host_array(self.backend, array)
             started = time.perf_counter()
             codec.encode(array, out.value)
             observability.add_encode_time(time.perf_counter() - started)
+
+
+def host_array(backend, array) -> np.ndarray:
+    """``array`` in host memory (a copy only if it is a device array)."""
+    return np.asarray(array) if backend is None else backend.to_host(array)
 
 
 def handle_id(msg: tensor_array_pb2.TensorArrayHandle, field: str = "handle") -> str:

@@ -47,8 +47,10 @@ def _require(cond: bool, message: str, field: str) -> None:
         raise _invalid(message, field)
 
 
-def validate(op: str, inputs: dict[str, np.ndarray], seq_len_max: np.ndarray) -> int:
-    """Check every input of the forward (and, if present, the backward); returns seq_len_max."""
+def validate(op: str, inputs: dict, seq_len_max: np.ndarray) -> int:
+    """Check every input of the forward (and, if present, the backward); returns seq_len_max.
+
+    Inputs are host or device arrays: only their dtype and shape are read."""
     x = inputs["x"]
     _require(
         x.dtype in FLOAT_DTYPES,
@@ -130,7 +132,7 @@ def validate(op: str, inputs: dict[str, np.ndarray], seq_len_max: np.ndarray) ->
 def forward(
     backend,
     variant: LSTMVariant,
-    inputs: dict[str, np.ndarray],
+    inputs: dict,
     seq_len_max: np.ndarray,
     *,
     use_peephole: bool,
@@ -139,7 +141,8 @@ def forward(
     check: Callable[[], None] | None = None,
     check_bytes: Callable[[int], None] = lambda nbytes: None,
 ) -> lstm.LSTMOutputs:
-    """BlockLSTMV2 / BlockLSTM: the seven outputs as NumPy arrays.
+    """BlockLSTMV2 / BlockLSTM: the seven outputs as backend arrays (GPU arrays on
+    CUDA: the caller keeps them there or copies them to the host for the wire).
 
     ``check_bytes`` is asked about the size of one output before anything is
     allocated (the server's max tensor size).
@@ -156,20 +159,20 @@ def forward(
         layout=variant.layout,
         check=check,
     )
-    return lstm.LSTMOutputs(*(backend.to_host(a) for a in out))
+    return out
 
 
 def backward(
     backend,
     variant: LSTMVariant,
-    inputs: dict[str, np.ndarray],
+    inputs: dict,
     seq_len_max: np.ndarray,
     *,
     use_peephole: bool,
     check: Callable[[], None] | None = None,
     check_bytes: Callable[[int], None] = lambda nbytes: None,
 ) -> lstm.LSTMGrads:
-    """BlockLSTMGradV2 / BlockLSTMGrad: the eight gradients as NumPy arrays."""
+    """BlockLSTMGradV2 / BlockLSTMGrad: the eight gradients as backend arrays."""
     length = validate(variant.op + "Grad", inputs, seq_len_max)
     x = inputs["x"]
     check_bytes(x.itemsize * x.shape[0] * x.shape[1] * inputs["w"].shape[1])  # the gate buffer
@@ -181,4 +184,4 @@ def backward(
         layout=variant.layout,
         check=check,
     )
-    return lstm.LSTMGrads(*(backend.to_host(a) for a in grads))
+    return grads

@@ -1,10 +1,20 @@
 """GPU LSTM benchmark (part of ``make gpu-check``): our CUDA path vs cuDNN.
 
-float32, (T, B, I=H) = (50, 32, 256) and (100, 64, 512), no peepholes.
-Ours: ``kernels.lstm`` on the CuPy backend (RawKernel steps + cuBLAS GEMMs).
-Reference: ``torch.nn.LSTM`` (cuDNN) forward and backward, if torch is
-installed. Timed with CUDA events after warm-up, interleaved, medians.
-Goal: within 2x of cuDNN. Writes a JSON of every figure with ``--json``.
+float32, (T, B, I=H) = (50, 32, 256) and (100, 64, 512), no peepholes, random
+data (zeros can run faster than real data).
+
+* ours: ``kernels.lstm`` on the CuPy backend (RawKernel steps + cuBLAS GEMMs),
+  timed with CUDA events after warm-up; also the host time to *enqueue* one
+  call (when it is close to the event time, the loop is launch-bound);
+* cuDNN: ``torch.nn.LSTM`` forward and backward, if torch sees the GPU, in
+  full float32 (TF32 off: ours is exact float32, as the goldens require) and,
+  for reference, with torch's default TF32 setting;
+* served: the same backward through the RPC of a ``--device cuda`` server with
+  every input resident (kept forward outputs stay on the GPU), against the
+  in-process call, in wall-clock time.
+
+Goal: ours within 2x of cuDNN float32. Medians; interleaved where compared.
+``--json`` writes every figure; a section that fails is recorded, not fatal.
 """
 
 from __future__ import annotations
@@ -12,14 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
+import traceback
 
 import numpy as np
 
 SIZES = [(50, 32, 256), (100, 64, 512)]
 
 
-def cuda_time(fn, cupy, repeat=10) -> float:
-    """Median milliseconds of ``fn`` measured with CUDA events."""
+def cuda_time(fn, cupy, repeat=20) -> float:
+    """Median milliseconds of ``fn`` measured with CUDA events (after 3 warm-ups)."""
     for _ in range(3):
         fn()
     cupy.cuda.Device().synchronize()
@@ -34,69 +46,175 @@ def cuda_time(fn, cupy, repeat=10) -> float:
     return statistics.median(times)
 
 
-def bench_one(steps, batch, units, cupy, torch):
-    """Figures for one size: ours, and cuDNN when ``torch`` is given."""
-    from gradserve.kernels import backend_cuda, lstm
+def enqueue_time(fn, cupy, repeat=20) -> float:
+    """Median host milliseconds to issue ``fn`` (the device drained before each)."""
+    times = []
+    for _ in range(repeat):
+        cupy.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    cupy.cuda.Device().synchronize()
+    return statistics.median(times)
 
+
+def wall_time(fns: dict, cupy, rounds=10) -> dict[str, float]:
+    """Interleaved median wall milliseconds, device synchronised after each call."""
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            cupy.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            fn()
+            cupy.cuda.Device().synchronize()
+            samples[name].append((time.perf_counter() - t0) * 1e3)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def make_inputs(steps, batch, units):
     rng = np.random.default_rng(0)
     f32 = np.float32
-    x = cupy.asarray(rng.standard_normal((steps, batch, units)), f32)
-    cs0 = cupy.zeros((batch, units), f32)
-    w = cupy.asarray(rng.standard_normal((2 * units, 4 * units)) / np.sqrt(2 * units), f32)
-    b = cupy.zeros(4 * units, f32)
-    p = cupy.zeros(units, f32)
-    g = cupy.asarray(rng.standard_normal((steps, batch, units)), f32)
-    weights = (x, cs0, cs0, w, p, p, p, b)
+
+    def r(*shape, scale=1.0):
+        return (rng.standard_normal(shape) * scale).astype(f32)
+
+    weights = (
+        r(steps, batch, units),
+        r(batch, units, scale=0.1),
+        r(batch, units, scale=0.1),
+        r(2 * units, 4 * units, scale=1 / np.sqrt(2 * units)),
+        r(units, scale=0.1),
+        r(units, scale=0.1),
+        r(units, scale=0.1),
+        r(4 * units, scale=0.1),
+    )
+    return weights, r(steps, batch, units), r(steps, batch, units)
+
+
+def bench_ours(steps, batch, units, cupy) -> dict:
+    from gradserve.kernels import backend_cuda, lstm
+
+    host_weights, cs_grad, h_grad = make_inputs(steps, batch, units)
+    weights = [cupy.asarray(a) for a in host_weights]
+    grads = cupy.asarray(cs_grad), cupy.asarray(h_grad)
     acts = lstm.block_lstm_forward(backend_cuda, *weights, seq_len_max=steps)
-    ours_fwd = cuda_time(
-        lambda: lstm.block_lstm_forward(backend_cuda, *weights, seq_len_max=steps), cupy
-    )
-    ours_bwd = cuda_time(
-        lambda: lstm.block_lstm_backward(backend_cuda, *weights, *acts, g, g, seq_len_max=steps),
-        cupy,
-    )
+
+    def fwd():
+        lstm.block_lstm_forward(backend_cuda, *weights, seq_len_max=steps)
+
+    def bwd():
+        lstm.block_lstm_backward(backend_cuda, *weights, *acts, *grads, seq_len_max=steps)
+
     flops = 2.0 * steps * batch * 2 * units * 4 * units
-    row = {
-        "T": steps,
-        "B": batch,
-        "H": units,
-        "ours_fwd_ms": ours_fwd,
-        "ours_bwd_ms": ours_bwd,
-        "ours_fwd_gflops": flops / ours_fwd / 1e6,
-        "ours_bwd_gflops": 2 * flops / ours_bwd / 1e6,
+    row = {"ours_fwd_ms": cuda_time(fwd, cupy), "ours_bwd_ms": cuda_time(bwd, cupy)}
+    row |= {"ours_fwd_enqueue_ms": enqueue_time(fwd, cupy)}
+    row |= {"ours_bwd_enqueue_ms": enqueue_time(bwd, cupy)}
+    row["ours_fwd_gflops"] = flops / row["ours_fwd_ms"] / 1e6
+    row["ours_bwd_gflops"] = 2 * flops / row["ours_bwd_ms"] / 1e6
+    return row
+
+
+def bench_cudnn(steps, batch, units, cupy, torch, tf32: bool) -> dict:
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.manual_seed(0)
+    model = torch.nn.LSTM(units, units).cuda()
+    tx = torch.randn(steps, batch, units, device="cuda", requires_grad=True)
+    tg = torch.randn(steps, batch, units, device="cuda")
+
+    def fwd():
+        with torch.no_grad():
+            model(tx)
+
+    out, _ = model(tx)
+
+    def bwd():
+        torch.autograd.grad(out, [tx, *model.parameters()], tg, retain_graph=True)
+
+    tag = "tf32" if tf32 else "fp32"
+    return {
+        f"cudnn_{tag}_fwd_ms": cuda_time(fwd, cupy),
+        f"cudnn_{tag}_bwd_ms": cuda_time(bwd, cupy),
     }
-    line = (
-        f"(T, B, I=H) = ({steps}, {batch}, {units}): ours fwd {ours_fwd:.2f} ms, "
-        f"bwd {ours_bwd:.2f} ms"
-    )
-    if torch is not None:
-        torch.backends.cudnn.benchmark = True
-        model = torch.nn.LSTM(units, units).cuda()
-        tx = torch.randn(steps, batch, units, device="cuda", requires_grad=True)
-        tg = torch.randn(steps, batch, units, device="cuda")
 
-        def torch_fwd():
-            with torch.no_grad():
-                model(tx)
 
-        out, _ = model(tx)
+def bench_served(steps, batch, units, cupy) -> dict:
+    """Backward through the RPC (all inputs resident) vs in process, wall-clock."""
+    import gradserve
+    from gradserve.kernels import backend_cuda, lstm
+    from gradserve.server import run_server
 
-        def torch_bwd():
-            torch.autograd.grad(out, [tx, *model.parameters()], tg, retain_graph=True)
+    host_weights, cs_grad, h_grad = make_inputs(steps, batch, units)
+    weights = [cupy.asarray(a) for a in host_weights]
+    dev_grads = cupy.asarray(cs_grad), cupy.asarray(h_grad)
+    acts = lstm.block_lstm_forward(backend_cuda, *weights, seq_len_max=steps)
+    with (
+        run_server(device="cuda", max_message_bytes=1 << 30) as server,
+        gradserve.Client(f"127.0.0.1:{server.port}") as client,
+    ):
+        raw = client.raw_ops
+        length = np.int64(steps)
+        weight_refs = [client.put(a) for a in host_weights]
+        grad_refs = [client.put(cs_grad), client.put(h_grad)]
+        kept = raw.BlockLSTMV2(length, *weight_refs, keep=True)
 
-        cudnn_fwd = cuda_time(torch_fwd, cupy)
-        cudnn_bwd = cuda_time(torch_bwd, cupy)
-        row |= {
-            "cudnn_fwd_ms": cudnn_fwd,
-            "cudnn_bwd_ms": cudnn_bwd,
-            "fwd_ratio": ours_fwd / cudnn_fwd,
-            "bwd_ratio": ours_bwd / cudnn_bwd,
-        }
-        line += (
-            f" | cuDNN fwd {cudnn_fwd:.2f} ms, bwd {cudnn_bwd:.2f} ms | ours/cuDNN: "
-            f"fwd {ours_fwd / cudnn_fwd:.2f}x, bwd {ours_bwd / cudnn_bwd:.2f}x (goal <= 2x)"
+        t = wall_time(
+            {
+                "served_fwd_kept": lambda: client.delete(
+                    *raw.BlockLSTMV2(length, *weight_refs, keep=True)
+                ),
+                "served_bwd": lambda: raw.BlockLSTMGradV2(
+                    length, *weight_refs, *kept, *grad_refs, use_peephole=False
+                ),
+                "inproc_bwd": lambda: backend_cuda.to_host(
+                    lstm.block_lstm_backward(
+                        backend_cuda, *weights, *acts, *dev_grads, seq_len_max=steps
+                    ).w_grad
+                ),
+            },
+            cupy,
         )
-    return row, line
+    return {f"{k}_ms": v for k, v in t.items()}
+
+
+def section(row: dict, name: str, fn, *args) -> None:
+    """``row |= fn(*args)``; a failure is recorded in ``row`` and printed."""
+    try:
+        row |= fn(*args)
+    except Exception:  # noqa: BLE001 - a benchmark section that fails is reported, not fatal
+        row[f"{name}_error"] = traceback.format_exc(limit=3)
+        print(f"  {name} failed:\n{row[f'{name}_error']}")
+
+
+def describe(row: dict) -> str:
+    g = row.get
+    lines = [f"(T, B, I=H) = ({row['T']}, {row['B']}, {row['H']})"]
+    if "ours_fwd_ms" in row:
+        lines.append(
+            f"  ours  fwd {g('ours_fwd_ms'):8.3f} ms ({g('ours_fwd_gflops'):7.0f} GF/s, enqueue "
+            f"{g('ours_fwd_enqueue_ms'):.3f} ms) | bwd {g('ours_bwd_ms'):8.3f} ms "
+            f"({g('ours_bwd_gflops'):7.0f} GF/s, enqueue {g('ours_bwd_enqueue_ms'):.3f} ms)"
+        )
+    for tag in ("fp32", "tf32"):
+        if f"cudnn_{tag}_fwd_ms" in row and "ours_fwd_ms" in row:
+            fwd, bwd = row[f"cudnn_{tag}_fwd_ms"], row[f"cudnn_{tag}_bwd_ms"]
+            row[f"fwd_ratio_{tag}"] = row["ours_fwd_ms"] / fwd
+            row[f"bwd_ratio_{tag}"] = row["ours_bwd_ms"] / bwd
+            goal = " (goal <= 2x)" if tag == "fp32" else " (reference only)"
+            lines.append(
+                f"  cuDNN {tag} fwd {fwd:8.3f} ms | bwd {bwd:8.3f} ms | ours/cuDNN fwd "
+                f"{row[f'fwd_ratio_{tag}']:.2f}x, bwd {row[f'bwd_ratio_{tag}']:.2f}x{goal}"
+            )
+    if "served_bwd_ms" in row:
+        lines.append(
+            f"  served (resident inputs, wall): fwd kept (+ delete) {g('served_fwd_kept_ms'):.3f} ms, "
+            f"bwd {g('served_bwd_ms'):.3f} ms vs in-process bwd {g('inproc_bwd_ms'):.3f} ms "
+            f"({g('served_bwd_ms') / g('inproc_bwd_ms') - 1:+.0%})"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -112,14 +230,22 @@ def main() -> None:
     except ImportError:
         torch, have_torch = None, False
     props = cupy.cuda.runtime.getDeviceProperties(0)
+    device = props["name"].decode()
     print(
-        f"# gradserve LSTM GPU benchmark: {props['name'].decode()}, float32; "
-        f"cuDNN reference: {'torch ' + torch.__version__ if have_torch else 'torch not installed'}"
+        f"# gradserve LSTM GPU benchmark: {device}, float32, cupy {cupy.__version__}; cuDNN "
+        f"reference: {'torch ' + torch.__version__ if have_torch else 'torch not available'}"
     )
-    report = {"device": props["name"].decode(), "sizes": []}
+    report = {"device": device, "cupy": cupy.__version__, "sizes": []}
     for steps, batch, units in SIZES:
-        row, line = bench_one(steps, batch, units, cupy, torch if have_torch else None)
-        print(line)
+        row: dict = {"T": steps, "B": batch, "H": units}
+        size = (steps, batch, units)
+        section(row, "ours", bench_ours, *size, cupy)
+        if have_torch:
+            for tf32 in (False, True):
+                tag = "tf32" if tf32 else "fp32"
+                section(row, f"cudnn_{tag}", bench_cudnn, *size, cupy, torch, tf32)
+        section(row, "served", bench_served, *size, cupy)
+        print(describe(row), flush=True)
         report["sizes"].append(row)
     if args.json:
         with open(args.json, "w") as fh:

@@ -1,26 +1,71 @@
-"""A stand-in ``cupy`` module: NumPy arrays, and a ``RawModule`` whose kernels are the
-host-shim build of ``kernels/lstm.cu``.
+"""A stand-in ``cupy`` module: "device" arrays in host memory, and a ``RawModule`` whose
+kernels are the host-shim build of ``kernels/lstm.cu``.
 
 Importing ``gradserve.kernels.backend_cuda`` against it runs that module's real
 Python code — RawModule set-up, name expressions, argument order and scalar
 types of every launch — on the CPU, so a marshalling mistake fails in CI rather
 than on the first GPU run.
+
+Device arrays are a NumPy subclass carrying ``__cuda_array_interface__`` (the
+attribute the server uses to tell device from host arrays), and every
+host-to-device and device-to-host copy is counted in ``cupy.transfers``, so tests
+can show which tensors a served op moved between host and GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import importlib
 import re
+import sys
+import time
 import types
+from collections.abc import Iterator
 
 import numpy as np
 
 
+class DeviceArray(np.ndarray):
+    """An array "on the GPU": NumPy memory, marked as device memory."""
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"shape": self.shape, "typestr": self.dtype.str, "data": (0, False), "version": 3}
+
+
+def _device(a: np.ndarray) -> DeviceArray:
+    return a.view(DeviceArray)
+
+
 def make_fake_cupy(shim_lib: ctypes.CDLL) -> types.ModuleType:
     cupy = types.ModuleType("cupy")
-    for name in ("asarray", "ascontiguousarray", "zeros", "empty", "matmul", "ndarray"):
-        setattr(cupy, name, getattr(np, name))
-    cupy.asnumpy = np.asarray
+    cupy.ndarray = DeviceArray
+    transfers = {"to_device": [], "to_host": []}  # (shape, nbytes) of each copy
+
+    def asarray(a, dtype=None):
+        if isinstance(a, DeviceArray):
+            return a if dtype is None else a.astype(dtype, copy=False)
+        host = np.asarray(a, dtype=dtype)
+        transfers["to_device"].append((host.shape, host.nbytes))
+        return _device(np.array(host, copy=True))
+
+    def asnumpy(a):
+        if isinstance(a, DeviceArray):
+            transfers["to_host"].append((a.shape, a.nbytes))
+            return np.array(a.view(np.ndarray), copy=True)
+        return np.asarray(a)
+
+    def ascontiguousarray(a):
+        assert isinstance(a, DeviceArray), "cupy.ascontiguousarray of a host array"
+        return _device(np.ascontiguousarray(a))
+
+    cupy.asarray = asarray
+    cupy.asnumpy = asnumpy
+    cupy.ascontiguousarray = ascontiguousarray
+    cupy.zeros = lambda *a, **k: _device(np.zeros(*a, **k))
+    cupy.empty = lambda *a, **k: _device(np.empty(*a, **k))
+    cupy.matmul = np.matmul
     compiled: list[dict] = []
     lookups: list[str] = []
 
@@ -37,6 +82,7 @@ def make_fake_cupy(shim_lib: ctypes.CDLL) -> types.ModuleType:
             converted = []
             for a in args:
                 if isinstance(a, np.ndarray):
+                    assert isinstance(a, DeviceArray), "a host array passed to a kernel"
                     assert a.flags.c_contiguous
                     converted.append(ctypes.c_void_p(a.ctypes.data))
                 elif isinstance(a, np.int32):
@@ -67,8 +113,60 @@ def make_fake_cupy(shim_lib: ctypes.CDLL) -> types.ModuleType:
     class Device:
         id = 0
 
+        def synchronize(self) -> None:
+            return None
+
+    class Event:
+        """Host-clock events: everything here runs synchronously."""
+
+        def record(self) -> None:
+            self.at = time.perf_counter()
+
+        def synchronize(self) -> None:
+            return None
+
+    cupy.__version__ = "0.0-fake"
     cupy.RawModule = RawModule
-    cupy.cuda = types.SimpleNamespace(Device=Device)
+    cupy.cuda = types.SimpleNamespace(
+        Device=Device,
+        Event=Event,
+        get_elapsed_time=lambda start, end: (end.at - start.at) * 1e3,
+        runtime=types.SimpleNamespace(
+            getDeviceCount=lambda: 1,
+            getDeviceProperties=lambda device: {"name": b"fake GPU (host shim)"},
+        ),
+    )
     cupy.compiled = compiled
     cupy.lookups = lookups
+    cupy.transfers = transfers
     return cupy
+
+
+@contextlib.contextmanager
+def installed(shim_lib: ctypes.CDLL) -> Iterator[types.ModuleType]:
+    """``cupy`` is the fake (and ``backend_cuda`` freshly imported against it) inside.
+
+    Afterwards both the module table and the ``gradserve.kernels.backend_cuda``
+    attribute are as before, so a later real-GPU test never gets the fake.
+    """
+    import gradserve.kernels as package
+
+    names = ("cupy", "gradserve.kernels.backend_cuda")
+    saved = {k: sys.modules.get(k) for k in names}
+    saved_attr = package.__dict__.get("backend_cuda")
+    sys.modules["cupy"] = fake = make_fake_cupy(shim_lib)
+    sys.modules.pop("gradserve.kernels.backend_cuda", None)
+    package.__dict__.pop("backend_cuda", None)
+    try:
+        importlib.import_module("gradserve.kernels.backend_cuda")
+        yield fake
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+        if saved_attr is None:
+            package.__dict__.pop("backend_cuda", None)
+        else:
+            package.backend_cuda = saved_attr

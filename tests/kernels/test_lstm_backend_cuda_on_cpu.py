@@ -7,15 +7,13 @@ order and scalar types that a GPU run would otherwise be the first to see.
 
 from __future__ import annotations
 
-import importlib
 import sys
 
 import numpy as np
 import pytest
 
 from gradserve.kernels import backend_numpy, lstm
-from tests.kernels import shim_backend
-from tests.kernels.fake_cupy import make_fake_cupy
+from tests.kernels import fake_cupy, shim_backend
 from tests.kernels.lstm_cases import (
     GRADS,
     INDEX,
@@ -30,17 +28,8 @@ from tests.kernels.lstm_cases import (
 @pytest.fixture(scope="module")
 def backend_cuda(tmp_path_factory):
     lib = shim_backend.build(tmp_path_factory.mktemp("shim"))
-    saved = {k: sys.modules.get(k) for k in ("cupy", "gradserve.kernels.backend_cuda")}
-    sys.modules["cupy"] = make_fake_cupy(lib)
-    sys.modules.pop("gradserve.kernels.backend_cuda", None)
-    try:
-        yield importlib.import_module("gradserve.kernels.backend_cuda")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
+    with fake_cupy.installed(lib):
+        yield sys.modules["gradserve.kernels.backend_cuda"]
 
 
 def run(backend, case, length, peep, layout=lstm.GateLayout.IFCO, clip=0.0, bias=0.0):

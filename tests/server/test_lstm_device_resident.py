@@ -1,0 +1,128 @@
+"""A CUDA server keeps LSTM outputs on the GPU: what crosses between host and device.
+
+Runs the real server on ``--device cuda`` against the stand-in cupy (device
+arrays in host memory, kernels from the host shim, every host<->device copy
+counted), so CI shows that a forward kept in the session and a backward that
+names its activations by id copy only the inputs sent inline to the GPU and only
+the results sent inline back.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+import gradserve
+from gradserve.kernels import backend_numpy, lstm
+from gradserve.server import run_server
+from tests.kernels import fake_cupy, shim_backend
+from tests.kernels.lstm_cases import GRADS, INPUTS, OUTPUTS, random_case
+
+
+@pytest.fixture(scope="module")
+def cuda_server(tmp_path_factory):
+    lib = shim_backend.build(tmp_path_factory.mktemp("shim"))
+    with fake_cupy.installed(lib) as fake, run_server(device="cuda") as server:
+        assert server.device == "cuda"
+        yield server, fake
+
+
+@pytest.fixture
+def cuda_client(cuda_server):
+    server, fake = cuda_server
+    with gradserve.Client(f"127.0.0.1:{server.port}", timeout=60) as c:
+        for copies in fake.transfers.values():
+            copies.clear()
+        yield c, server, fake
+
+
+CASE = random_case(
+    np.random.default_rng(11), steps=5, batch=3, inputs=4, units=6, dtype=np.float32, scale=0.5
+)
+ARGS = [CASE["seq_len_max"], *(CASE[k] for k in INPUTS)]
+
+
+def shapes(copies) -> list[tuple[int, ...]]:
+    return sorted(shape for shape, _ in copies)
+
+
+def test_forward_kept_and_backward_by_id_copy_only_wire_tensors(cuda_client):
+    client, server, fake = cuda_client
+    want_out = lstm.block_lstm_forward(
+        backend_numpy, *(CASE[k] for k in INPUTS), seq_len_max=5, use_peephole=True
+    )
+    want_grads = lstm.block_lstm_backward(
+        backend_numpy,
+        *(CASE[k] for k in INPUTS),
+        *want_out,
+        CASE["cs_grad"],
+        CASE["h_grad"],
+        seq_len_max=5,
+        use_peephole=True,
+    )
+
+    kept = client.raw_ops.BlockLSTMV2(*ARGS, use_peephole=True, keep=True)
+    session = server.store.get(client.session_id)
+    assert all(isinstance(session.get(ref.id), fake_cupy.DeviceArray) for ref in kept)
+    assert shapes(fake.transfers["to_device"]) == shapes((CASE[k].shape, 0) for k in INPUTS)
+    assert fake.transfers["to_host"] == []  # the seven activations stayed on the GPU
+
+    fake.transfers["to_device"].clear()
+    grads = client.raw_ops.BlockLSTMGradV2(
+        *ARGS, *kept, CASE["cs_grad"], CASE["h_grad"], use_peephole=True
+    )
+    inline = [CASE[k] for k in (*INPUTS, "cs_grad", "h_grad")]
+    assert shapes(fake.transfers["to_device"]) == shapes((a.shape, 0) for a in inline)
+    assert shapes(fake.transfers["to_host"]) == shapes((g.shape, 0) for g in want_grads)
+    for k in GRADS:
+        np.testing.assert_allclose(getattr(grads, k), getattr(want_grads, k), atol=1e-5)
+
+    fake.transfers["to_host"].clear()
+    np.testing.assert_allclose(kept.h.numpy(), want_out.h, atol=1e-6)  # GetTensor
+    assert shapes(fake.transfers["to_host"]) == [want_out.h.shape]
+
+
+def test_device_resident_tensor_feeds_host_ops(cuda_client):
+    client, _, _ = cuda_client
+    kept = client.raw_ops.BlockLSTMV2(*ARGS, keep=True)
+    h = kept.h.numpy()
+    ta = client.tensor_array(np.float32, size=1)
+    ta.write(0, kept.h)  # a TensorArray element from a GPU-resident tensor
+    np.testing.assert_array_equal(ta.read(0), h)
+    same = client.raw_ops.StopGradient(input=kept.cs)
+    np.testing.assert_array_equal(same, kept.cs.numpy())
+
+
+def test_kept_outputs_are_charged_and_freed(cuda_client):
+    client, server, _ = cuda_client
+    kept = client.raw_ops.BlockLSTMV2(*ARGS, keep=True)
+    session = server.store.get(client.session_id)
+    nbytes = sum(ref.nbytes for ref in kept)
+    assert session.stats()["bytes"] == nbytes == 7 * CASE["h_grad"].nbytes
+    for ref in kept:
+        ref.delete()
+    assert session.stats()["bytes"] == 0
+    assert session.budget.used == 0
+
+
+def test_fake_cupy_is_gone_after_use(tmp_path):
+    import gradserve.kernels as package
+
+    before = sys.modules.get("cupy"), package.__dict__.get("backend_cuda")
+    with fake_cupy.installed(shim_backend.build(tmp_path)) as fake:
+        inside = sys.modules["gradserve.kernels.backend_cuda"]
+        assert inside.cupy is fake
+    assert (sys.modules.get("cupy"), package.__dict__.get("backend_cuda")) == before
+    assert sys.modules.get("gradserve.kernels.backend_cuda") is not inside
+
+
+def test_outputs_match_numpy_for_every_output(cuda_client):
+    client, _, _ = cuda_client
+    got = client.raw_ops.BlockLSTMV2(*ARGS, cell_clip=0.4)
+    want = lstm.block_lstm_forward(
+        backend_numpy, *(CASE[k] for k in INPUTS), seq_len_max=5, cell_clip=0.4
+    )
+    for k in OUTPUTS:
+        np.testing.assert_allclose(getattr(got, k), getattr(want, k), atol=1e-6)
