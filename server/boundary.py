@@ -19,7 +19,7 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from gradserve.errors import GradserveError, InternalError
+from gradserve.errors import GradserveError, InternalError, ResourceExhaustedError
 from gradserve.server.observability import REQUEST_ID_KEY
 
 log = logging.getLogger(__name__)
@@ -30,9 +30,16 @@ H = TypeVar("H", bound=Callable)
 
 
 def as_gradserve_error(exc: BaseException) -> GradserveError:
-    """``exc`` itself if typed; otherwise an INTERNAL error that says what broke."""
+    """``exc`` itself if typed; running out of host or GPU memory (NumPy's and CuPy's
+    allocation failures are MemoryErrors) as RESOURCE_EXHAUSTED, a load condition the
+    caller can retry later; anything else an INTERNAL error that says what broke."""
     if isinstance(exc, GradserveError):
         return exc
+    if isinstance(exc, MemoryError):
+        log.warning("out of memory in handler: %s", exc)
+        return ResourceExhaustedError(
+            f"out of memory: {type(exc).__name__}: {exc}", reason="OUT_OF_MEMORY"
+        )
     log.exception("unexpected error in handler")
     return InternalError(f"internal error: {type(exc).__name__}: {exc}", reason="INTERNAL")
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import gradserve
-from gradserve.errors import DeadlineExceededError, InvalidArgumentError
+from gradserve.errors import DeadlineExceededError, InvalidArgumentError, ResourceExhaustedError
 from gradserve.kernels import backend_numpy, lstm
 from gradserve.server.ops import lstm_ops
 from tests.kernels.lstm_cases import (
@@ -196,3 +196,21 @@ def test_lstm_in_a_batch(client):
     (out, sg) = batch.run()
     want = lstm.block_lstm_forward(backend_numpy, *(case[k] for k in INPUTS), seq_len_max=3)
     np.testing.assert_array_equal(out.h, want.h)
+
+
+def test_out_of_memory_is_resource_exhausted_and_server_survives(client, server, monkeypatch):
+    """A failed allocation (NumPy's MemoryError; CuPy's OutOfMemoryError is one too)
+    is RESOURCE_EXHAUSTED, with nothing kept, and the next call is served."""
+    case = random_case(np.random.default_rng(3), dtype=np.float32)
+    args = [case["seq_len_max"], *(case[k] for k in INPUTS)]
+
+    def out_of_memory(*a, **k):
+        raise MemoryError("Out of memory allocating 52,428,800 bytes")
+
+    monkeypatch.setattr(lstm, "block_lstm_forward", out_of_memory)
+    with pytest.raises(ResourceExhaustedError, match="out of memory") as info:
+        client.raw_ops.BlockLSTMV2(*args, keep=True)
+    assert info.value.reason == "OUT_OF_MEMORY"
+    assert server.store.get(client.session_id).stats()["bytes"] == 0
+    monkeypatch.undo()
+    assert client.raw_ops.BlockLSTMV2(*args).h.shape == case["h_grad"].shape
