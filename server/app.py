@@ -76,9 +76,9 @@ def _store(config: ServerConfig) -> SessionStore:
     )
 
 
-def _interceptors(config: ServerConfig) -> list[grpc.ServerInterceptor]:
+def _interceptors(config: ServerConfig, observer: Observer) -> list[grpc.ServerInterceptor]:
     if config.token_file:
-        return [AuthInterceptor(TokenTable.from_file(config.token_file))]
+        return [AuthInterceptor(TokenTable.from_file(config.token_file), observer)]
     if not is_loopback(config.host):
         raise ConfigError(
             f"refusing to serve {config.host} without authentication: pass --token-file "
@@ -104,11 +104,12 @@ def _credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
 
 def start(config: ServerConfig) -> Server:
     """Build, bind and start a server for ``config``; raises if it cannot."""
-    interceptors = _interceptors(config)
     credentials = _credentials(config)
     device = select_device(config.device)
     store = _store(config)
     metrics = Metrics(store, device) if config.metrics_port is not None else None
+    observer = Observer(metrics)
+    interceptors = _interceptors(config, observer)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="gradserve"),
         interceptors=interceptors,
@@ -118,7 +119,7 @@ def start(config: ServerConfig) -> Server:
     servicer = GradServeServicer(
         store,
         backend=get_backend(device),
-        observer=Observer(metrics),
+        observer=observer,
         compute_gate=ComputeGate(config.compute_slots, config.max_queued_compute),
         max_message_bytes=config.max_message_bytes,
     )

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import grpc
 
+from gradserve.server.observability import Observer
 from gradserve.server.sessions import ANONYMOUS
 
 #: The authenticated principal of the call being served.
@@ -83,8 +84,9 @@ def is_loopback(host: str) -> bool:
 class AuthInterceptor(grpc.ServerInterceptor):
     """Checks every call's bearer token; sets ``current_principal`` for the handler."""
 
-    def __init__(self, tokens: TokenTable) -> None:
+    def __init__(self, tokens: TokenTable, observer: Observer | None = None) -> None:
         self._tokens = tokens
+        self._observer = observer
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -92,7 +94,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
             return handler
         principal = self._authenticate(handler_call_details.invocation_metadata or ())
         if principal is None:
-            return _refusal(handler)
+            return _refusal(handler, handler_call_details.method.rpartition("/")[2], self._observer)
         return _with_principal(handler, principal)
 
     def _authenticate(self, metadata) -> str | None:
@@ -121,13 +123,15 @@ def _handler_like(handler, wrap: Callable[[Callable], Callable]):
     return handler
 
 
-def _refusal(handler):
+REFUSAL = "missing or invalid bearer token: send 'authorization: Bearer <token>' metadata"
+
+
+def _refusal(handler, method: str, observer: Observer | None):
     def wrap(_behaviour):
         def refuse(request, context):
-            context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "missing or invalid bearer token: send 'authorization: Bearer <token>' metadata",
-            )
+            if observer is not None:
+                observer.refused(method, grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
 
         return refuse
 

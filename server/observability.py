@@ -112,6 +112,13 @@ class Observer:
             current_call.reset(token)
             self._finish(record, context)
 
+    def refused(self, method: str, code: grpc.StatusCode, message: str) -> None:
+        """Count and log a call refused before it reached a handler (e.g. by the
+        authentication interceptor), so refusals show in the same metrics."""
+        if self.metrics is not None:
+            self.metrics.rpcs.labels(method, code.name).inc()
+        log.info("rpc refused: %s", message, extra={"fields": {"method": method, "code": code.name}})
+
     @property
     def counts_bytes(self) -> bool:
         """Whether anyone (metrics, DEBUG logs) reads the byte counts: they cost a pass."""

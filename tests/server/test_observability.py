@@ -71,3 +71,20 @@ def test_request_id_is_logged_and_returned(metered, caplog):
     assert line["request_id"] == info.value.request_id and "Size should be >= 0" in line["message"]
     ok = [r for r in caplog.records if r.levelno == logging.DEBUG and r.name == "gradserve.rpc"]
     assert any(r.fields["method"] == "StopGradient" for r in ok)
+
+
+def test_unauthenticated_refusals_are_counted(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice:s3cret-token\n")
+    with run_server(device="cpu", metrics_port=0, token_file=str(tokens)) as server:
+        target = f"127.0.0.1:{server.port}"
+        for token in (None, "wrong"):
+            with pytest.raises(gradserve.errors.UnauthenticatedError):
+                gradserve.Client(target, token=token)
+        with gradserve.Client(target, token="s3cret-token") as client:
+            client.stop_gradient(np.ones(3))
+        text = scrape(server)
+        assert (
+            value(text, 'gradserve_rpcs_total{code="UNAUTHENTICATED",method="CreateSession"}') == 2
+        )
+        assert value(text, 'gradserve_rpcs_total{code="OK",method="StopGradient"}') == 1
