@@ -117,7 +117,9 @@ class Observer:
         authentication interceptor), so refusals show in the same metrics."""
         if self.metrics is not None:
             self.metrics.rpcs.labels(method, code.name).inc()
-        log.info("rpc refused: %s", message, extra={"fields": {"method": method, "code": code.name}})
+        log.info(
+            "rpc refused: %s", message, extra={"fields": {"method": method, "code": code.name}}
+        )
 
     @property
     def counts_bytes(self) -> bool:
