@@ -9,6 +9,8 @@ data (zeros can run faster than real data).
 * cuDNN: ``torch.nn.LSTM`` forward and backward, if torch sees the GPU, in
   full float32 (TF32 off: ours is exact float32, as the goldens require) and,
   for reference, with torch's default TF32 setting;
+* graph (an experiment): ours captured once as a CUDA graph and replayed, to
+  show how much of our time is per-step launch overhead;
 * served: the same backward through the RPC of a ``--device cuda`` server with
   every input resident (kept forward outputs stay on the GPU), against the
   in-process call, in wall-clock time.
@@ -30,17 +32,18 @@ import numpy as np
 SIZES = [(50, 32, 256), (100, 64, 512)]
 
 
-def cuda_time(fn, cupy, repeat=20) -> float:
-    """Median milliseconds of ``fn`` measured with CUDA events (after 3 warm-ups)."""
+def cuda_time(fn, cupy, repeat=20, stream=None) -> float:
+    """Median milliseconds of ``fn`` measured with CUDA events on ``stream`` (default:
+    the current one), after 3 warm-ups."""
     for _ in range(3):
         fn()
     cupy.cuda.Device().synchronize()
     times = []
     for _ in range(repeat):
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
+        start.record(stream)
         fn()
-        end.record()
+        end.record(stream)
         end.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, end))
     return statistics.median(times)
@@ -113,6 +116,35 @@ def bench_ours(steps, batch, units, cupy) -> dict:
     row |= {"ours_bwd_enqueue_ms": enqueue_time(bwd, cupy)}
     row["ours_fwd_gflops"] = flops / row["ours_fwd_ms"] / 1e6
     row["ours_bwd_gflops"] = 2 * flops / row["ours_bwd_ms"] / 1e6
+    return row
+
+
+def bench_graph(steps, batch, units, cupy) -> dict:
+    """An experiment, not a product path: one forward and one backward captured as CUDA
+    graphs and replayed, which removes the per-step launch cost from the host. Its time
+    next to ``ours_*_ms`` says how much of ours is launch overhead."""
+    from gradserve.kernels import backend_cuda, lstm
+
+    host_weights, cs_grad, h_grad = make_inputs(steps, batch, units)
+    weights = [cupy.asarray(a) for a in host_weights]
+    grads = cupy.asarray(cs_grad), cupy.asarray(h_grad)
+    acts = lstm.block_lstm_forward(backend_cuda, *weights, seq_len_max=steps)
+    calls = {
+        "fwd": lambda: lstm.block_lstm_forward(backend_cuda, *weights, seq_len_max=steps),
+        "bwd": lambda: lstm.block_lstm_backward(
+            backend_cuda, *weights, *acts, *grads, seq_len_max=steps
+        ),
+    }
+    stream = cupy.cuda.Stream(non_blocking=True)
+    row = {}
+    for name, call in calls.items():
+        with stream:
+            call()  # the memory pool now holds blocks of every size the capture asks for
+            stream.synchronize()
+            stream.begin_capture()
+            call()
+            graph = stream.end_capture()
+        row[f"graph_{name}_ms"] = cuda_time(lambda g=graph: g.launch(stream), cupy, stream=stream)
     return row
 
 
@@ -198,6 +230,11 @@ def describe(row: dict) -> str:
             f"{g('ours_fwd_enqueue_ms'):.3f} ms) | bwd {g('ours_bwd_ms'):8.3f} ms "
             f"({g('ours_bwd_gflops'):7.0f} GF/s, enqueue {g('ours_bwd_enqueue_ms'):.3f} ms)"
         )
+    if "graph_fwd_ms" in row:
+        lines.append(
+            f"  ours as a replayed CUDA graph (experiment): fwd {g('graph_fwd_ms'):8.3f} ms | "
+            f"bwd {g('graph_bwd_ms'):8.3f} ms"
+        )
     for tag in ("fp32", "tf32"):
         if f"cudnn_{tag}_fwd_ms" in row and "ours_fwd_ms" in row:
             fwd, bwd = row[f"cudnn_{tag}_fwd_ms"], row[f"cudnn_{tag}_bwd_ms"]
@@ -240,6 +277,7 @@ def main() -> None:
         row: dict = {"T": steps, "B": batch, "H": units}
         size = (steps, batch, units)
         section(row, "ours", bench_ours, *size, cupy)
+        section(row, "graph", bench_graph, *size, cupy)
         if have_torch:
             for tf32 in (False, True):
                 tag = "tf32" if tf32 else "fp32"

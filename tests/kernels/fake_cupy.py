@@ -119,17 +119,45 @@ def make_fake_cupy(shim_lib: ctypes.CDLL) -> types.ModuleType:
     class Event:
         """Host-clock events: everything here runs synchronously."""
 
-        def record(self) -> None:
+        def record(self, stream=None) -> None:
             self.at = time.perf_counter()
 
         def synchronize(self) -> None:
             return None
+
+    class Graph:
+        def launch(self, stream=None) -> None:
+            return None  # nothing was recorded: the work ran when it was "captured"
+
+    class Stream:
+        """Work runs at once; a capture yields an empty graph."""
+
+        def __init__(self, non_blocking: bool = False) -> None:
+            self.capturing = False
+
+        def __enter__(self) -> Stream:
+            return self
+
+        def __exit__(self, *exc) -> None:
+            return None
+
+        def synchronize(self) -> None:
+            return None
+
+        def begin_capture(self) -> None:
+            self.capturing = True
+
+        def end_capture(self) -> Graph:
+            assert self.capturing, "end_capture without begin_capture"
+            self.capturing = False
+            return Graph()
 
     cupy.__version__ = "0.0-fake"
     cupy.RawModule = RawModule
     cupy.cuda = types.SimpleNamespace(
         Device=Device,
         Event=Event,
+        Stream=Stream,
         get_elapsed_time=lambda start, end: (end.at - start.at) * 1e3,
         runtime=types.SimpleNamespace(
             getDeviceCount=lambda: 1,

@@ -26,7 +26,13 @@ def test_every_section_runs_and_is_reported(tmp_path, monkeypatch, capsys):
     assert [(r["T"], r["B"], r["H"]) for r in rows] == [(4, 3, 5), (3, 2, 4)]
     for row in rows:
         assert not [k for k in row if k.endswith("_error")], row
-        for key in ("ours_fwd_ms", "ours_bwd_enqueue_ms", "served_bwd_ms", "inproc_bwd_ms"):
+        for key in (
+            "ours_fwd_ms",
+            "ours_bwd_enqueue_ms",
+            "graph_bwd_ms",
+            "served_bwd_ms",
+            "inproc_bwd_ms",
+        ):
             assert row[key] > 0, key
     printed = capsys.readouterr().out
     assert "served (resident inputs, wall)" in printed and "ours  fwd" in printed
