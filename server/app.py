@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gradserve.kernels import select_device
-from gradserve.kernels.backends import get_backend
+from gradserve.kernels.compute import compute_for
 from gradserve.server.auth import AuthInterceptor, TokenTable, is_loopback
 from gradserve.server.config import ServerConfig
 from gradserve.server.limits import ComputeGate
@@ -76,6 +76,16 @@ def _store(config: ServerConfig) -> SessionStore:
     )
 
 
+def _compute(config: ServerConfig, device: str):
+    if config.cuda_graphs and device != "cuda":
+        log.warning("--cuda-graphs on has no effect on device %s: the LSTM runs eagerly", device)
+    return compute_for(
+        device,
+        cuda_graphs=config.cuda_graphs and device == "cuda",
+        graph_cache_bytes=config.cuda_graph_cache_bytes,
+    )
+
+
 def _interceptors(config: ServerConfig, observer: Observer) -> list[grpc.ServerInterceptor]:
     if config.token_file:
         return [AuthInterceptor(TokenTable.from_file(config.token_file), observer)]
@@ -118,7 +128,7 @@ def start(config: ServerConfig) -> Server:
     )
     servicer = GradServeServicer(
         store,
-        backend=get_backend(device),
+        compute=_compute(config, device),
         observer=observer,
         compute_gate=ComputeGate(config.compute_slots, config.max_queued_compute),
         max_message_bytes=config.max_message_bytes,

@@ -20,6 +20,18 @@ def _optional(kind):
     return parse
 
 
+def _on_off(text: str) -> bool:
+    """ "on"/"off" (also true/false, yes/no, 1/0)."""
+    value = text.lower()
+    if value in ("on", "true", "yes", "1"):
+        return True
+    if value in ("off", "false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+
+
+_on_off.__name__ = "on|off"
+
 # (config field, value type, help). Flags are the field names with dashes.
 SERVE_FLAGS = [
     ("host", str, "address to bind; a non-loopback address needs --token-file"),
@@ -29,6 +41,12 @@ SERVE_FLAGS = [
         str,
         "auto | cpu | cuda: where the LSTM math runs (auto: CUDA when CuPy sees a GPU)",
     ),
+    (
+        "cuda_graphs",
+        _on_off,
+        "on | off: replay whole LSTM calls as CUDA graphs (--device cuda; off: the eager loop)",
+    ),
+    ("cuda_graph_cache_bytes", int, "GPU bytes the captured CUDA-graph plans may hold"),
     ("workers", int, "RPC threads"),
     ("token_file", str, "bearer tokens, one 'principal:token' per line"),
     ("tls_cert", str, "PEM certificate chain: serve TLS"),

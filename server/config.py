@@ -25,6 +25,10 @@ class ServerConfig:
     port: int = 50051
     #: Where the array math runs: "auto" (CUDA when usable), "cpu" or "cuda".
     device: str = "auto"
+    #: Replay whole LSTM calls as CUDA graphs (``--device cuda`` only), keeping at
+    #: most this many GPU bytes in captured plans.
+    cuda_graphs: bool = False
+    cuda_graph_cache_bytes: int = 1 << 30
     #: Threads serving RPCs.
     workers: int = 16
 

@@ -160,7 +160,7 @@ def _lstm_inputs(io: CallIO, req: Message, names: tuple[str, ...]) -> dict:
 def _lstm_forward(variant: lstm_ops.LSTMVariant):
     def handler(io: CallIO, req) -> lstm_pb2.BlockLSTMResponse:
         out = lstm_ops.forward(
-            io.backend,
+            io.compute,
             variant,
             _lstm_inputs(io, req, lstm_ops.WEIGHTS),
             io.input(req.seq_len_max, "seq_len_max"),
@@ -183,7 +183,7 @@ def _lstm_backward(variant: lstm_ops.LSTMVariant):
     def handler(io: CallIO, req: lstm_pb2.BlockLSTMGradRequest) -> lstm_pb2.BlockLSTMGradResponse:
         names = lstm_ops.WEIGHTS + lstm_ops.ACTIVATIONS + lstm_ops.OUTPUT_GRADS
         grads = lstm_ops.backward(
-            io.backend,
+            io.compute,
             variant,
             _lstm_inputs(io, req, names),
             io.input(req.seq_len_max, "seq_len_max"),

@@ -27,14 +27,14 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
         self,
         store: SessionStore,
         *,
-        backend=None,
+        compute=None,
         observer: Observer | None = None,
         compute_gate: ComputeGate | None = None,
         max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
         chunk_bytes: int = protocol.DEFAULT_CHUNK_BYTES,
     ) -> None:
         self.store = store
-        self.backend = backend
+        self.compute = compute
         self.observer = observer or Observer()
         self.compute_gate = compute_gate or ComputeGate(slots=2, max_waiting=64)
         self.max_message_bytes = max_message_bytes
@@ -66,7 +66,7 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
         return CallIO(
             self._session(context, metadata),
             limit,
-            self.backend,
+            self.compute,
             lambda: _check_call_alive(context),
         )
 
@@ -127,7 +127,7 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
     @boundary.guarded_stream
     def GetTensor(self, request, context):
         session = self._session(context)
-        array = host_array(self.backend, session.get(request.id))
+        array = host_array(self.compute, session.get(request.id))
         chunk = request.chunk_bytes if request.chunk_bytes > 0 else self.chunk_bytes
         chunk = min(chunk, self.max_message_bytes - 1024)
         if request.delete_after:

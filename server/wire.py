@@ -32,7 +32,7 @@ def _never_stop() -> None:
 class CallIO:
     """Inputs and outputs of one op call in ``session``.
 
-    ``backend`` is the array backend ops compute on; ``check_alive`` raises
+    ``compute`` is what ops compute with (``kernels.compute.Compute``); ``check_alive`` raises
     once the call is cancelled or past its deadline (long ops call it between
     steps).
     """
@@ -41,12 +41,12 @@ class CallIO:
         self,
         session: Session,
         inline_limit: int,
-        backend=None,
+        compute=None,
         check_alive: Callable[[], None] = _never_stop,
     ) -> None:
         self.session = session
         self.inline_limit = inline_limit
-        self.backend = backend
+        self.compute = compute
         self.check_alive = check_alive
 
     def input(self, msg: tensor_pb2.TensorInput, field: str, *, on_device: bool = False):
@@ -60,7 +60,7 @@ class CallIO:
             return array
         if which == "ref":
             array = self.session.get(msg.ref)
-            return array if on_device else host_array(self.backend, array)
+            return array if on_device else host_array(self.compute, array)
         raise InvalidArgumentError(f"input '{field}' is required", field=field)
 
     def output(self, array, out: tensor_pb2.TensorOutput, keep: bool) -> None:
@@ -76,15 +76,16 @@ class CallIO:
             ref.shape[:] = array.shape
             ref.transient = transient
         else:
-            array = host_array(self.backend, array)
+            array = host_array(self.compute, array)
             started = time.perf_counter()
             codec.encode(array, out.value)
             observability.add_encode_time(time.perf_counter() - started)
 
 
-def host_array(backend, array) -> np.ndarray:
-    """``array`` in host memory (a copy only if it is a device array)."""
-    return np.asarray(array) if backend is None else backend.to_host(array)
+def host_array(compute, array) -> np.ndarray:
+    """``array`` in host memory (a copy only if it is a device array); ``compute`` is
+    anything with ``to_host`` (a ``Compute`` or a backend module), or None."""
+    return np.asarray(array) if compute is None else compute.to_host(array)
 
 
 def handle_id(msg: tensor_array_pb2.TensorArrayHandle, field: str = "handle") -> str:

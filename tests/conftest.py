@@ -16,12 +16,20 @@ GOLDEN = pathlib.Path(__file__).parent / "golden"
 
 #: The device the test server computes on; `make gpu-check` sets it to "cuda".
 DEVICE = os.environ.get("GRADSERVE_TEST_DEVICE", "cpu")
+#: `make gpu-check` also runs the served LSTM tests with CUDA graphs on ("1").
+CUDA_GRAPHS = os.environ.get("GRADSERVE_TEST_CUDA_GRAPHS", "0") == "1"
 
 
 @pytest.fixture(scope="session")
 def server():
     """One in-process server on a free loopback port for the whole test run."""
-    with run_server(host="127.0.0.1", port=0, device=DEVICE, max_tensor_bytes=1 << 30) as s:
+    with run_server(
+        host="127.0.0.1",
+        port=0,
+        device=DEVICE,
+        cuda_graphs=CUDA_GRAPHS,
+        max_tensor_bytes=1 << 30,
+    ) as s:
         assert s.device == DEVICE
         yield s
 

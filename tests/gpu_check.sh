@@ -2,7 +2,8 @@
 # `make gpu-check`: on a CUDA machine, run the GPU tests and the GPU benchmark and
 # write everything to one folder (default results/gpu-check).
 #   device.txt             GPU, driver, CuPy, and where gradserve was imported from
-#   tests.log / junit.xml  every LSTM test with the CUDA twins, and the server on --device cuda
+#   tests.log / junit.xml  every LSTM test with the CUDA twins (eager and CUDA graphs), and the
+#                          server on --device cuda, with --cuda-graphs off and on
 #   bench.log / bench.json our CUDA LSTM vs cuDNN (torch.nn.LSTM, if torch is installed)
 #
 # Offline: with a .whl/ folder (made by `make gpu-kit` where there is a package index)
@@ -34,6 +35,10 @@ status=0
 cat "$out/device.txt"
 "$py" -m pytest -q tests/kernels tests/server/test_lstm_rpc.py \
   tests/examples --junitxml "$out/junit.xml" 2>&1 | tee "$out/tests.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# The served LSTM again, with the server replaying CUDA graphs (--cuda-graphs on).
+GRADSERVE_TEST_CUDA_GRAPHS=1 "$py" -m pytest -q tests/server/test_lstm_rpc.py tests/examples \
+  2>&1 | tee -a "$out/tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 if [ "$GRADSERVE_TEST_DEVICE" = cuda ]; then
   "$py" tests/benchmarks/bench_lstm_gpu.py --json "$out/bench.json" 2>&1 | tee "$out/bench.log"

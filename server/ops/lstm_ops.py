@@ -16,6 +16,7 @@ import numpy as np
 from gradserve import dtypes, shapes
 from gradserve.errors import InvalidArgumentError
 from gradserve.kernels import lstm
+from gradserve.kernels.compute import Compute
 from gradserve.server.ops import args
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
@@ -130,7 +131,7 @@ def validate(op: str, inputs: dict, seq_len_max: np.ndarray) -> int:
 
 
 def forward(
-    backend,
+    compute: Compute,
     variant: LSTMVariant,
     inputs: dict,
     seq_len_max: np.ndarray,
@@ -149,8 +150,7 @@ def forward(
     """
     length = validate(variant.op, inputs, seq_len_max)
     check_bytes(inputs["h_prev"].itemsize * inputs["x"].shape[0] * inputs["h_prev"].size)
-    out = lstm.block_lstm_forward(
-        backend,
+    return compute.lstm_forward(
         *(inputs[k] for k in WEIGHTS),
         seq_len_max=length,
         forget_bias=variant.forget_bias if forget_bias is None else forget_bias,
@@ -159,11 +159,10 @@ def forward(
         layout=variant.layout,
         check=check,
     )
-    return out
 
 
 def backward(
-    backend,
+    compute: Compute,
     variant: LSTMVariant,
     inputs: dict,
     seq_len_max: np.ndarray,
@@ -176,12 +175,10 @@ def backward(
     length = validate(variant.op + "Grad", inputs, seq_len_max)
     x = inputs["x"]
     check_bytes(x.itemsize * x.shape[0] * x.shape[1] * inputs["w"].shape[1])  # the gate buffer
-    grads = lstm.block_lstm_backward(
-        backend,
+    return compute.lstm_backward(
         *(inputs[k] for k in WEIGHTS + ACTIVATIONS + OUTPUT_GRADS),
         seq_len_max=length,
         use_peephole=use_peephole,
         layout=variant.layout,
         check=check,
     )
-    return grads

@@ -9,8 +9,9 @@ data (zeros can run faster than real data).
 * cuDNN: ``torch.nn.LSTM`` forward and backward, if torch sees the GPU, in
   full float32 (TF32 off: ours is exact float32, as the goldens require) and,
   for reference, with torch's default TF32 setting;
-* graph (an experiment): ours captured once as a CUDA graph and replayed, to
-  show how much of our time is per-step launch overhead;
+* ours with ``--cuda-graphs on``: each call copies its inputs into a captured
+  plan, replays its CUDA graph (every step in one launch) and copies the
+  outputs out;
 * served: the same backward through the RPC of a ``--device cuda`` server with
   every input resident (kept forward outputs stay on the GPU), against the
   in-process call, in wall-clock time.
@@ -119,32 +120,29 @@ def bench_ours(steps, batch, units, cupy) -> dict:
     return row
 
 
-def bench_graph(steps, batch, units, cupy) -> dict:
-    """An experiment, not a product path: one forward and one backward captured as CUDA
-    graphs and replayed, which removes the per-step launch cost from the host. Its time
-    next to ``ours_*_ms`` says how much of ours is launch overhead."""
-    from gradserve.kernels import backend_cuda, lstm
+def bench_graphs(steps, batch, units, cupy) -> dict:
+    """Ours with ``--cuda-graphs on``: each call copies its inputs into the plan's
+    buffers, replays the captured graph and copies the outputs out."""
+    from gradserve.kernels import lstm
+    from gradserve.kernels.compute import compute_for
 
+    compute = compute_for("cuda", cuda_graphs=True)
     host_weights, cs_grad, h_grad = make_inputs(steps, batch, units)
     weights = [cupy.asarray(a) for a in host_weights]
     grads = cupy.asarray(cs_grad), cupy.asarray(h_grad)
-    acts = lstm.block_lstm_forward(backend_cuda, *weights, seq_len_max=steps)
-    calls = {
-        "fwd": lambda: lstm.block_lstm_forward(backend_cuda, *weights, seq_len_max=steps),
-        "bwd": lambda: lstm.block_lstm_backward(
-            backend_cuda, *weights, *acts, *grads, seq_len_max=steps
-        ),
-    }
-    stream = cupy.cuda.Stream(non_blocking=True)
-    row = {}
-    for name, call in calls.items():
-        with stream:
-            call()  # the memory pool now holds blocks of every size the capture asks for
-            stream.synchronize()
-            stream.begin_capture()
-            call()
-            graph = stream.end_capture()
-        row[f"graph_{name}_ms"] = cuda_time(lambda g=graph: g.launch(stream), cupy, stream=stream)
+    acts = lstm.block_lstm_forward(compute.backend, *weights, seq_len_max=steps)
+
+    def fwd():
+        compute.lstm_forward(*weights, seq_len_max=steps)
+
+    def bwd():
+        compute.lstm_backward(*weights, *acts, *grads, seq_len_max=steps)
+
+    row = {"graphs_fwd_ms": cuda_time(fwd, cupy), "graphs_bwd_ms": cuda_time(bwd, cupy)}
+    row["graphs_fwd_enqueue_ms"] = enqueue_time(fwd, cupy)
+    row["graphs_bwd_enqueue_ms"] = enqueue_time(bwd, cupy)
+    row["graphs_replays"] = compute.graphs.replays
+    row["graphs_plan_bytes"] = compute.graphs.nbytes
     return row
 
 
@@ -173,8 +171,9 @@ def bench_cudnn(steps, batch, units, cupy, torch, tf32: bool) -> dict:
     }
 
 
-def bench_served(steps, batch, units, cupy) -> dict:
-    """Backward through the RPC (all inputs resident) vs in process, wall-clock."""
+def bench_served(steps, batch, units, cupy, cuda_graphs: bool) -> dict:
+    """Backward through the RPC (all inputs resident) vs in process, wall-clock, on a
+    server with ``--cuda-graphs`` off or on (keys ``served_*`` / ``served_graphs_*``)."""
     import gradserve
     from gradserve.kernels import backend_cuda, lstm
     from gradserve.server import run_server
@@ -184,7 +183,7 @@ def bench_served(steps, batch, units, cupy) -> dict:
     dev_grads = cupy.asarray(cs_grad), cupy.asarray(h_grad)
     acts = lstm.block_lstm_forward(backend_cuda, *weights, seq_len_max=steps)
     with (
-        run_server(device="cuda", max_message_bytes=1 << 30) as server,
+        run_server(device="cuda", cuda_graphs=cuda_graphs, max_message_bytes=1 << 30) as server,
         gradserve.Client(f"127.0.0.1:{server.port}") as client,
     ):
         raw = client.raw_ops
@@ -209,7 +208,8 @@ def bench_served(steps, batch, units, cupy) -> dict:
             },
             cupy,
         )
-    return {f"{k}_ms": v for k, v in t.items()}
+    prefix = "served_graphs" if cuda_graphs else "served"
+    return {f"{k.replace('served', prefix)}_ms": v for k, v in t.items()}
 
 
 def section(row: dict, name: str, fn, *args) -> None:
@@ -230,27 +230,35 @@ def describe(row: dict) -> str:
             f"{g('ours_fwd_enqueue_ms'):.3f} ms) | bwd {g('ours_bwd_ms'):8.3f} ms "
             f"({g('ours_bwd_gflops'):7.0f} GF/s, enqueue {g('ours_bwd_enqueue_ms'):.3f} ms)"
         )
-    if "graph_fwd_ms" in row:
+    if "graphs_fwd_ms" in row:
         lines.append(
-            f"  ours as a replayed CUDA graph (experiment): fwd {g('graph_fwd_ms'):8.3f} ms | "
-            f"bwd {g('graph_bwd_ms'):8.3f} ms"
+            f"  ours, --cuda-graphs on: fwd {g('graphs_fwd_ms'):8.3f} ms (enqueue "
+            f"{g('graphs_fwd_enqueue_ms'):.3f} ms) | bwd {g('graphs_bwd_ms'):8.3f} ms (enqueue "
+            f"{g('graphs_bwd_enqueue_ms'):.3f} ms) | {g('graphs_replays')} replays, plans "
+            f"{g('graphs_plan_bytes') / 2**20:.0f} MiB"
         )
     for tag in ("fp32", "tf32"):
         if f"cudnn_{tag}_fwd_ms" in row and "ours_fwd_ms" in row:
             fwd, bwd = row[f"cudnn_{tag}_fwd_ms"], row[f"cudnn_{tag}_bwd_ms"]
-            row[f"fwd_ratio_{tag}"] = row["ours_fwd_ms"] / fwd
-            row[f"bwd_ratio_{tag}"] = row["ours_bwd_ms"] / bwd
             goal = " (goal <= 2x)" if tag == "fp32" else " (reference only)"
+            line = f"  cuDNN {tag} fwd {fwd:8.3f} ms | bwd {bwd:8.3f} ms | ours/cuDNN"
+            for mode in ("ours", "graphs"):
+                if f"{mode}_fwd_ms" in row:
+                    row[f"{mode}_fwd_ratio_{tag}"] = row[f"{mode}_fwd_ms"] / fwd
+                    row[f"{mode}_bwd_ratio_{tag}"] = row[f"{mode}_bwd_ms"] / bwd
+                    line += (
+                        f" {'eager' if mode == 'ours' else 'graphs'}: fwd "
+                        f"{row[f'{mode}_fwd_ratio_{tag}']:.2f}x, bwd "
+                        f"{row[f'{mode}_bwd_ratio_{tag}']:.2f}x;"
+                    )
+            lines.append(line.rstrip(";") + goal)
+    for prefix, label in (("served", "eager"), ("served_graphs", "--cuda-graphs on")):
+        if f"{prefix}_bwd_ms" in row:
             lines.append(
-                f"  cuDNN {tag} fwd {fwd:8.3f} ms | bwd {bwd:8.3f} ms | ours/cuDNN fwd "
-                f"{row[f'fwd_ratio_{tag}']:.2f}x, bwd {row[f'bwd_ratio_{tag}']:.2f}x{goal}"
+                f"  served, {label} (resident inputs, wall): fwd kept (+ delete) "
+                f"{g(f'{prefix}_fwd_kept_ms'):.3f} ms, bwd {g(f'{prefix}_bwd_ms'):.3f} ms vs "
+                f"in-process eager bwd {g('inproc_bwd_ms'):.3f} ms"
             )
-    if "served_bwd_ms" in row:
-        lines.append(
-            f"  served (resident inputs, wall): fwd kept (+ delete) {g('served_fwd_kept_ms'):.3f} ms, "
-            f"bwd {g('served_bwd_ms'):.3f} ms vs in-process bwd {g('inproc_bwd_ms'):.3f} ms "
-            f"({g('served_bwd_ms') / g('inproc_bwd_ms') - 1:+.0%})"
-        )
     return "\n".join(lines)
 
 
@@ -277,12 +285,13 @@ def main() -> None:
         row: dict = {"T": steps, "B": batch, "H": units}
         size = (steps, batch, units)
         section(row, "ours", bench_ours, *size, cupy)
-        section(row, "graph", bench_graph, *size, cupy)
+        section(row, "graphs", bench_graphs, *size, cupy)
         if have_torch:
             for tf32 in (False, True):
                 tag = "tf32" if tf32 else "fp32"
                 section(row, f"cudnn_{tag}", bench_cudnn, *size, cupy, torch, tf32)
-        section(row, "served", bench_served, *size, cupy)
+        section(row, "served", bench_served, *size, cupy, False)
+        section(row, "served_graphs", bench_served, *size, cupy, True)
         print(describe(row), flush=True)
         report["sizes"].append(row)
     if args.json:

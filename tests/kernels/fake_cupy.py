@@ -29,9 +29,19 @@ import numpy as np
 class DeviceArray(np.ndarray):
     """An array "on the GPU": NumPy memory, marked as device memory."""
 
+    #: Where ``set`` records its host-to-device copies (the installing fake's log).
+    transfers: dict | None = None
+
     @property
     def __cuda_array_interface__(self) -> dict:
         return {"shape": self.shape, "typestr": self.dtype.str, "data": (0, False), "version": 3}
+
+    def set(self, host: np.ndarray) -> None:
+        """cupy.ndarray.set: copy a host array of the same shape in."""
+        assert not isinstance(host, DeviceArray) and host.shape == self.shape
+        if DeviceArray.transfers is not None:
+            DeviceArray.transfers["to_device"].append((host.shape, host.nbytes))
+        self.view(np.ndarray)[...] = host
 
 
 def _device(a: np.ndarray) -> DeviceArray:
@@ -60,6 +70,11 @@ def make_fake_cupy(shim_lib: ctypes.CDLL) -> types.ModuleType:
         assert isinstance(a, DeviceArray), "cupy.ascontiguousarray of a host array"
         return _device(np.ascontiguousarray(a))
 
+    def copyto(dst, src):
+        assert isinstance(dst, DeviceArray) and isinstance(src, DeviceArray)
+        np.copyto(dst, src)
+
+    cupy.copyto = copyto
     cupy.asarray = asarray
     cupy.asnumpy = asnumpy
     cupy.ascontiguousarray = ascontiguousarray
@@ -152,12 +167,31 @@ def make_fake_cupy(shim_lib: ctypes.CDLL) -> types.ModuleType:
             self.capturing = False
             return Graph()
 
+    class MemoryPool:
+        """Allocations are NumPy's; the pool only counts who asked."""
+
+        def __init__(self) -> None:
+            self.mallocs = 0
+
+        def malloc(self, nbytes):
+            self.mallocs += 1
+
+        def total_bytes(self) -> int:
+            return 0
+
+    @contextlib.contextmanager
+    def using_allocator(malloc=None):
+        yield
+
     cupy.__version__ = "0.0-fake"
     cupy.RawModule = RawModule
     cupy.cuda = types.SimpleNamespace(
         Device=Device,
         Event=Event,
         Stream=Stream,
+        MemoryPool=MemoryPool,
+        using_allocator=using_allocator,
+        get_current_stream=lambda: None,
         get_elapsed_time=lambda start, end: (end.at - start.at) * 1e3,
         runtime=types.SimpleNamespace(
             getDeviceCount=lambda: 1,
@@ -183,12 +217,14 @@ def installed(shim_lib: ctypes.CDLL) -> Iterator[types.ModuleType]:
     saved = {k: sys.modules.get(k) for k in names}
     saved_attr = package.__dict__.get("backend_cuda")
     sys.modules["cupy"] = fake = make_fake_cupy(shim_lib)
+    DeviceArray.transfers = fake.transfers
     sys.modules.pop("gradserve.kernels.backend_cuda", None)
     package.__dict__.pop("backend_cuda", None)
     try:
         importlib.import_module("gradserve.kernels.backend_cuda")
         yield fake
     finally:
+        DeviceArray.transfers = None
         for k, v in saved.items():
             if v is None:
                 sys.modules.pop(k, None)

@@ -29,10 +29,12 @@ def test_every_section_runs_and_is_reported(tmp_path, monkeypatch, capsys):
         for key in (
             "ours_fwd_ms",
             "ours_bwd_enqueue_ms",
-            "graph_bwd_ms",
+            "graphs_bwd_ms",
             "served_bwd_ms",
+            "served_graphs_bwd_ms",
             "inproc_bwd_ms",
         ):
             assert row[key] > 0, key
     printed = capsys.readouterr().out
-    assert "served (resident inputs, wall)" in printed and "ours  fwd" in printed
+    assert "ours  fwd" in printed and "ours, --cuda-graphs on" in printed
+    assert "served, eager (resident" in printed and "served, --cuda-graphs on (resident" in printed

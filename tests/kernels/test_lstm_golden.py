@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradserve.kernels import lstm
-from gradserve.kernels.backends import get_backend
+from gradserve.kernels.compute import compute_for
 from gradserve.kernels.device import cuda_available
 from tests.kernels.lstm_cases import (
     GRADS,
@@ -22,29 +21,37 @@ from tests.kernels.lstm_cases import (
 CASES = [c["name"] for c in INDEX]
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def backend(request):
-    if request.param == "cuda" and not cuda_available():
+@pytest.fixture(
+    params=[
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.gpu),
+        pytest.param("cuda-graphs", marks=pytest.mark.gpu),
+    ]
+)
+def compute(request):
+    if request.param.startswith("cuda") and not cuda_available():
         pytest.skip("no CUDA device")
-    return get_backend(request.param)
+    return compute_for(request.param.removesuffix("-graphs"), cuda_graphs="graphs" in request.param)
 
 
-def run_case(backend, d):
+def run_case(compute, d):
+    """Forward and backward; with CUDA graphs each runs twice, the second a replay."""
     length = int(d["seq_len_max"])
-    out = lstm.block_lstm_forward(
-        backend,
-        *(d[k] for k in INPUTS),
-        seq_len_max=length,
-        cell_clip=float(d["cell_clip"]),
-        use_peephole=bool(d["use_peephole"]),
-    )
-    grads = lstm.block_lstm_backward(
-        backend,
-        *(d[k] for k in INPUTS + OUTPUTS + ("cs_grad", "h_grad")),
-        seq_len_max=length,
-        use_peephole=bool(d["use_peephole"]),
-    )
-    host = lambda a: np.asarray(backend.to_host(a))  # noqa: E731
+    for _ in range(2 if compute.graphs is not None else 1):
+        out = compute.lstm_forward(
+            *(d[k] for k in INPUTS),
+            seq_len_max=length,
+            cell_clip=float(d["cell_clip"]),
+            use_peephole=bool(d["use_peephole"]),
+        )
+        grads = compute.lstm_backward(
+            *(d[k] for k in INPUTS + OUTPUTS + ("cs_grad", "h_grad")),
+            seq_len_max=length,
+            use_peephole=bool(d["use_peephole"]),
+        )
+    if compute.graphs is not None:
+        assert compute.graphs.replays >= 2, "the second forward and backward were replays"
+    host = lambda a: np.asarray(compute.to_host(a))  # noqa: E731
     return (
         {k: host(v) for k, v in out._asdict().items()},
         {k: host(v) for k, v in grads._asdict().items()},
@@ -52,11 +59,11 @@ def run_case(backend, d):
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_matches_tensorflow(backend, name):
+def test_matches_tensorflow(compute, name):
     d = golden(name)
     tol = TOLERANCE[str(d["x"].dtype)]
     length = int(d["seq_len_max"])
-    out, grads = run_case(backend, d)
+    out, grads = run_case(compute, d)
     for k in OUTPUTS:
         assert out[k].dtype == d[k].dtype and out[k].shape == d[k].shape
         if k in UNINITIALISED_PAST_END:

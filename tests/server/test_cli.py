@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import subprocess
 import sys
@@ -13,6 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import gradserve
+from gradserve.server import run_server
+from gradserve.server.cli import build_parser
 from tests.server_process import ServerProcess
 
 
@@ -78,3 +81,30 @@ def test_cuda_without_gpu_fails_fast():
         timeout=60,
     )
     assert proc.returncode != 0 and "--device cuda" in proc.stderr
+
+
+def test_cuda_graphs_flag_is_on_or_off():
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).cuda_graphs is False
+    assert parser.parse_args(["serve", "--cuda-graphs", "on"]).cuda_graphs is True
+    assert parser.parse_args(["serve", "--cuda-graphs", "off"]).cuda_graphs is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--cuda-graphs", "maybe"])
+
+
+def test_cuda_graphs_on_a_cpu_server_warn_and_run_eagerly(caplog):
+    with caplog.at_level(logging.WARNING), run_server(device="cpu", cuda_graphs=True) as server:
+        with gradserve.Client(f"127.0.0.1:{server.port}") as client:
+            x = np.ones((2, 1, 1), np.float32)
+            s = np.zeros((1, 1), np.float32)
+            out = client.raw_ops.BlockLSTMV2(
+                np.int64(2),
+                x,
+                s,
+                s,
+                np.ones((2, 4), np.float32),
+                *[np.zeros(1, np.float32)] * 3,
+                np.zeros(4, np.float32),
+            )
+            assert out.h.shape == (2, 1, 1)
+    assert "--cuda-graphs on has no effect on device cpu" in caplog.text

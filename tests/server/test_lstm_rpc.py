@@ -11,6 +11,7 @@ import pytest
 import gradserve
 from gradserve.errors import DeadlineExceededError, InvalidArgumentError, ResourceExhaustedError
 from gradserve.kernels import backend_numpy, lstm
+from gradserve.kernels.compute import Compute
 from gradserve.server.ops import lstm_ops
 from tests.kernels.lstm_cases import (
     GRADS,
@@ -165,7 +166,7 @@ def test_check_between_steps_stops_the_op_and_keeps_nothing():
 
     with pytest.raises(DeadlineExceededError):
         lstm_ops.forward(
-            backend_numpy,
+            Compute(backend_numpy),
             lstm_ops.V2,
             {k: case[k] for k in INPUTS},
             case["seq_len_max"],

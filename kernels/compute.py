@@ -1,0 +1,54 @@
+"""What a server computes with: the array backend of its device, and how a whole
+LSTM call runs on it (the eager per-step loop, or replayed CUDA graphs)."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from gradserve.kernels import lstm
+from gradserve.kernels.backends import get_backend
+
+
+class Compute:
+    """The device's backend (``xp``, ``to_host``, the fused steps) plus the LSTM runner."""
+
+    def __init__(self, backend: ModuleType, graphs=None) -> None:
+        self.backend = backend
+        #: A ``cuda_graphs.GraphCache``, or None for the eager loop.
+        self.graphs = graphs
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+    def to_host(self, array):
+        """``array`` as a NumPy array (a device-to-host copy for GPU arrays)."""
+        return self.backend.to_host(array)
+
+    def lstm_forward(self, *arrays, **attrs) -> lstm.LSTMOutputs:
+        if self.graphs is not None:
+            return self.graphs.forward(*arrays, **attrs)
+        return lstm.block_lstm_forward(self.backend, *arrays, **attrs)
+
+    def lstm_backward(self, *arrays, **attrs) -> lstm.LSTMGrads:
+        if self.graphs is not None:
+            return self.graphs.backward(*arrays, **attrs)
+        return lstm.block_lstm_backward(self.backend, *arrays, **attrs)
+
+
+def compute_for(device: str, *, cuda_graphs: bool = False, graph_cache_bytes: int | None = None):
+    """The ``Compute`` of a resolved device name ("cpu" or "cuda").
+
+    ``cuda_graphs`` (CUDA only) replays whole LSTM calls as graphs, keeping at most
+    ``graph_cache_bytes`` of GPU memory in captured plans.
+    """
+    backend = get_backend(device)
+    if not cuda_graphs:
+        return Compute(backend)
+    if device != "cuda":
+        raise ValueError("CUDA graphs need --device cuda")
+    from gradserve.kernels import cuda_graphs as graphs
+
+    cache_bytes = graphs.DEFAULT_CACHE_BYTES if graph_cache_bytes is None else graph_cache_bytes
+    capture = graphs.StreamCapture(backend.xp)
+    return Compute(backend, graphs.GraphCache(backend, capture, cache_bytes))

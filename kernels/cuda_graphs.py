@@ -1,0 +1,197 @@
+"""Whole LSTM calls replayed as CUDA graphs (``--cuda-graphs on``).
+
+Why: on a GPU the eager loop of ``kernels.lstm`` is bound by the host. Every
+time step is a cuBLAS call and a kernel launch issued from Python (tens of
+microseconds) while the GPU work of one step at (B, H) = (64, 512) takes a few.
+A graph captured once per shape issues all steps of a call in one launch.
+
+How: one *plan* per (direction, input shapes and dtypes, attributes). Building
+a plan allocates static input buffers, runs the algorithm on them once eagerly
+(that run answers the call that built the plan, and loads kernels and cuBLAS
+handles outside the capture), then captures a second run. Everything the plan
+allocates comes from a memory pool private to it, so no other allocation can
+take an address the graph has baked in. A later call copies its inputs into
+the static buffers, launches the graph on the caller's stream and returns
+copies of the outputs. Plans live in an LRU bounded by their bytes; a plan
+serves one call at a time; a shape whose capture fails runs eagerly from then
+on (logged once), so graphs never fail a call that the eager path would serve.
+
+``GraphCache`` needs only ``capture(fn) -> (replay, outputs)``, where
+``replay()`` recomputes ``fn`` into the ``outputs`` the capture returned:
+``StreamCapture`` is the CUDA one; CI drives the plan logic with a capture that
+replays by calling ``fn`` again and copying its results into those outputs.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from gradserve.kernels import lstm
+
+log = logging.getLogger(__name__)
+
+#: GPU bytes all plans together may hold unless configured otherwise.
+DEFAULT_CACHE_BYTES = 1 << 30
+
+Capture = Callable[[Callable[[], Any]], tuple[Callable[[], None], Any]]
+
+
+class StreamCapture:
+    """CUDA stream capture of ``fn`` on a side stream. The outputs are the arrays ``fn``
+    returned while captured (allocated, not computed); the replay launches the graph,
+    which computes into them, on whatever stream is current when it is called."""
+
+    def __init__(self, cupy) -> None:
+        self.cupy = cupy
+
+    def __call__(self, fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
+        cuda = self.cupy.cuda
+        stream = cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            try:
+                outputs = fn()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    stream.end_capture()
+                raise
+            graph = stream.end_capture()
+        return (lambda: graph.launch(stream=cuda.get_current_stream())), outputs
+
+
+@dataclasses.dataclass
+class _Plan:
+    inputs: list[Any]  # static input buffers, in the algorithm's argument order
+    outputs: tuple  # LSTMOutputs / LSTMGrads: the graph's result buffers
+    replay: Callable[[], None]
+    nbytes: int
+    pool: Any  # keeps the private memory alive as long as the plan
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+class GraphCache:
+    """``forward`` / ``backward`` with ``kernels.lstm``'s signatures (minus the backend),
+    served from captured graphs."""
+
+    def __init__(self, backend, capture: Capture, max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        self.backend = backend
+        self.xp = backend.xp
+        self.capture = capture
+        self.max_bytes = max_bytes
+        self._plans: collections.OrderedDict[tuple, _Plan] = collections.OrderedDict()
+        self._eager: set[tuple] = set()  # too big to cache, or capture failed
+        self._lock = threading.Lock()  # the tables above
+        self._build_lock = threading.Lock()  # one capture at a time
+        self.captures = 0
+        self.replays = 0
+
+    # ------------------------------------------------------------------ API
+    def forward(
+        self, *arrays, check: Callable[[], None] | None = None, **attrs
+    ) -> lstm.LSTMOutputs:
+        return self._call(lstm.block_lstm_forward, arrays, attrs, check)
+
+    def backward(self, *arrays, check: Callable[[], None] | None = None, **attrs) -> lstm.LSTMGrads:
+        return self._call(lstm.block_lstm_backward, arrays, attrs, check)
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(p.nbytes for p in self._plans.values())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._plans)
+
+    # ------------------------------------------------------------------ internals
+    def _call(self, algorithm, arrays, attrs, check):
+        key = (
+            algorithm.__name__,
+            tuple((tuple(a.shape), np.dtype(a.dtype).str) for a in arrays),
+            tuple(sorted(attrs.items())),
+        )
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is not None:
+                self._plans.move_to_end(key)
+            eager = key in self._eager
+        if eager:
+            return algorithm(self.backend, *arrays, check=check, **attrs)
+        if plan is None:
+            return self._build(key, algorithm, arrays, attrs, check)
+        # A replay runs every step in one launch: the deadline is checked once, before.
+        if check is not None:
+            check()
+        with plan.lock:
+            self._copy_in(plan.inputs, arrays)
+            plan.replay()
+            self.replays += 1
+            return type(plan.outputs)(*(out.copy() for out in plan.outputs))
+
+    def _build(self, key, algorithm, arrays, attrs, check):
+        """Build and keep the plan for ``key``; returns this call's result (its eager run)."""
+        xp = self.xp
+        with self._build_lock:
+            with self._lock:
+                built_meanwhile = key in self._plans or key in self._eager
+            if built_meanwhile:  # by a concurrent call of the same shape
+                return self._call(algorithm, arrays, attrs, check)
+            pool = xp.cuda.MemoryPool()
+            with xp.cuda.using_allocator(pool.malloc):
+                inputs = [xp.empty(a.shape, a.dtype) for a in arrays]
+                self._copy_in(inputs, arrays)
+                first = algorithm(self.backend, *inputs, check=check, **attrs)
+            result = type(first)(*(out.copy() for out in first))  # from the shared pool
+            del first
+            try:
+                with xp.cuda.using_allocator(pool.malloc):
+                    replay, outputs = self.capture(
+                        lambda: algorithm(self.backend, *inputs, **attrs)
+                    )
+            except Exception as exc:  # noqa: BLE001 - the eager path serves this shape
+                log.warning("LSTM call not capturable as a CUDA graph, runs eagerly: %s", exc)
+                with self._lock:
+                    self._eager.add(key)
+                return result
+            nbytes = max(
+                _pool_bytes(pool),
+                sum(a.nbytes for a in inputs) + sum(a.nbytes for a in outputs),
+            )
+            self.captures += 1
+            with self._lock:
+                if nbytes > self.max_bytes:
+                    log.info("LSTM graph of %d bytes is over the cache: runs eagerly", nbytes)
+                    self._eager.add(key)
+                else:
+                    self._plans[key] = _Plan(inputs, outputs, replay, nbytes, pool)
+                    self._evict()
+        return result
+
+    def _evict(self) -> None:
+        """Drop least recently used plans until the rest fit (caller holds ``_lock``)."""
+        total = sum(p.nbytes for p in self._plans.values())
+        while total > self.max_bytes and self._plans:
+            _, plan = self._plans.popitem(last=False)
+            total -= plan.nbytes
+
+    def _copy_in(self, statics, arrays) -> None:
+        for dst, src in zip(statics, arrays):
+            if hasattr(src, "__cuda_array_interface__"):
+                self.xp.copyto(dst, src)
+            else:
+                dst.set(np.ascontiguousarray(src))
+
+
+def _pool_bytes(pool) -> int:
+    try:
+        return int(pool.total_bytes())
+    except (AttributeError, TypeError):
+        return 0

@@ -1,0 +1,198 @@
+"""``kernels.cuda_graphs``: the plan cache behind ``--cuda-graphs on``, on the stand-in cupy.
+
+CUDA's own stream capture runs only on a GPU (``make gpu-check`` runs the LSTM
+tests through it); here a capture that replays by recomputing ``fn`` into the
+outputs it first returned stands in for it, so everything around the graph is
+checked: static inputs refreshed on every call, results that are copies (a later
+call never changes an earlier result), one plan per shape and attributes, the
+LRU bound, the eager fallback, deadline checks.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from gradserve.kernels import backend_numpy, cuda_graphs, lstm
+from tests.kernels import fake_cupy, shim_backend
+from tests.kernels.lstm_cases import INPUTS, random_case
+
+
+class RecomputeCapture:
+    """``capture(fn)``: run ``fn`` once for its outputs; ``replay()`` recomputes into them."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.fail = False
+
+    def __call__(self, fn):
+        self.calls += 1
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        outputs = fn()
+
+        def replay():
+            for dst, src in zip(outputs, fn()):
+                dst[...] = src
+
+        return replay, outputs
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory):
+    lib = shim_backend.build(tmp_path_factory.mktemp("shim"))
+    with fake_cupy.installed(lib):
+        yield sys.modules["gradserve.kernels.backend_cuda"]
+
+
+@pytest.fixture
+def capture():
+    return RecomputeCapture()
+
+
+def case(seed, **kw):
+    c = random_case(np.random.default_rng(seed), steps=4, batch=3, inputs=2, units=5, **kw)
+    return [c[k] for k in INPUTS], c
+
+
+def forward_numpy(arrays, **attrs):
+    return lstm.block_lstm_forward(backend_numpy, *arrays, **attrs)
+
+
+def host(result):
+    return [np.asarray(a.view(np.ndarray)) for a in result]
+
+
+def test_replays_follow_new_inputs_and_return_copies(backend, capture):
+    cache = cuda_graphs.GraphCache(backend, capture)
+    attrs = dict(seq_len_max=3, use_peephole=True, cell_clip=0.5)
+    results = []
+    for seed in (1, 2, 3):
+        arrays, _ = case(seed)
+        results.append((cache.forward(*arrays, **attrs), forward_numpy(arrays, **attrs)))
+    assert (capture.calls, cache.captures, cache.replays, len(cache)) == (1, 1, 2, 1)
+    for got, want in results:  # the first result was not overwritten by the replays
+        for g, w in zip(host(got), want):
+            np.testing.assert_allclose(g, w, rtol=0, atol=1e-12)
+
+
+def test_backward_through_a_plan(backend, capture):
+    cache = cuda_graphs.GraphCache(backend, capture)
+    for seed in (4, 5):
+        arrays, c = case(seed)
+        acts = forward_numpy(arrays, seq_len_max=4)
+        rest = [*arrays, *acts, c["cs_grad"], c["h_grad"]]
+        got = cache.backward(*rest, seq_len_max=4)
+        want = lstm.block_lstm_backward(backend_numpy, *rest, seq_len_max=4)
+        for g, w in zip(host(got), want):
+            np.testing.assert_allclose(g, w, rtol=0, atol=1e-12)
+    assert (cache.captures, cache.replays) == (1, 1)
+
+
+def test_one_plan_per_shape_dtype_and_attributes(backend, capture):
+    cache = cuda_graphs.GraphCache(backend, capture)
+    arrays, _ = case(6)
+    cache.forward(*arrays, seq_len_max=4)
+    cache.forward(*arrays, seq_len_max=3)  # another length: another graph
+    cache.forward(*arrays, seq_len_max=4, use_peephole=True)
+    cache.forward(*case(6, dtype=np.float32)[0], seq_len_max=4)
+    cache.forward(*arrays, seq_len_max=4)
+    assert (cache.captures, cache.replays, len(cache)) == (4, 1, 4)
+
+
+def test_inputs_already_on_the_device_are_copied_on_the_device(backend, capture):
+    cupy = backend.cupy
+    cache = cuda_graphs.GraphCache(backend, capture)
+    arrays, _ = case(7)
+    cache.forward(*arrays, seq_len_max=4)
+    cupy.transfers["to_device"].clear()
+    on_device = [cupy.asarray(a) for a in arrays]
+    uploads = len(cupy.transfers["to_device"])
+    got = cache.forward(*on_device, seq_len_max=4)
+    assert len(cupy.transfers["to_device"]) == uploads  # no host round trip for the replay
+    assert all(isinstance(a, fake_cupy.DeviceArray) for a in got)
+    np.testing.assert_allclose(host(got)[6], forward_numpy(arrays, seq_len_max=4).h, atol=1e-12)
+
+
+def test_lru_keeps_the_cache_under_its_bytes(backend, capture):
+    arrays, _ = case(8)
+    cache = cuda_graphs.GraphCache(backend, capture, max_bytes=10**9)
+    cache.forward(*arrays, seq_len_max=4)
+    one_plan = cache.nbytes
+    cache = cuda_graphs.GraphCache(backend, capture, max_bytes=2 * one_plan)
+    for length in (4, 3, 2):
+        cache.forward(*arrays, seq_len_max=length)
+    assert len(cache) == 2 and cache.nbytes <= 2 * one_plan
+    cache.forward(*arrays, seq_len_max=4)  # evicted first: built again
+    assert cache.captures == 4
+
+
+def test_too_big_or_not_capturable_runs_eagerly_and_stays_right(backend, capture):
+    arrays, _ = case(9)
+    want = forward_numpy(arrays, seq_len_max=4)
+    tiny = cuda_graphs.GraphCache(backend, capture, max_bytes=1)
+    capture.fail = True
+    failing = cuda_graphs.GraphCache(backend, capture)
+    for cache in (tiny, failing):
+        for _ in range(2):
+            got = cache.forward(*arrays, seq_len_max=4)
+            for g, w in zip(host(got), want):
+                np.testing.assert_allclose(g, w, rtol=0, atol=1e-12)
+        assert len(cache) == 0 and cache.replays == 0
+    assert capture.calls == 2  # one capture attempt per cache; then eager without trying
+
+
+def test_deadline_checked_before_a_replay_and_per_step_otherwise(backend, capture):
+    cache = cuda_graphs.GraphCache(backend, capture)
+    arrays, _ = case(10)
+    checks = []
+    cache.forward(*arrays, seq_len_max=4, check=lambda: checks.append(1))
+    assert len(checks) == 4  # the eager first run: once per step
+    checks.clear()
+    cache.forward(*arrays, seq_len_max=4, check=lambda: checks.append(1))
+    assert len(checks) == 1
+
+    def expired():
+        raise TimeoutError("deadline")
+
+    with pytest.raises(TimeoutError):
+        cache.forward(*arrays, seq_len_max=4, check=expired)
+    assert cache.replays == 1  # the expired call never launched
+
+
+def test_compute_for_builds_the_graph_runner_only_for_cuda(backend):
+    from gradserve.kernels.compute import compute_for
+
+    eager = compute_for("cuda")
+    graphed = compute_for("cuda", cuda_graphs=True, graph_cache_bytes=123)
+    assert eager.graphs is None and eager.backend is backend
+    assert isinstance(graphed.graphs, cuda_graphs.GraphCache)
+    assert isinstance(graphed.graphs.capture, cuda_graphs.StreamCapture)
+    assert graphed.graphs.max_bytes == 123
+    with pytest.raises(ValueError, match="--device cuda"):
+        compute_for("cpu", cuda_graphs=True)
+
+
+def test_stream_capture_ends_a_failed_capture(backend, monkeypatch):
+    cuda = backend.cupy.cuda
+    streams = []
+
+    def recording_stream(**kw):
+        streams.append(cuda_stream(**kw))
+        return streams[-1]
+
+    cuda_stream = cuda.Stream
+    monkeypatch.setattr(cuda, "Stream", recording_stream)
+    capture = cuda_graphs.StreamCapture(backend.cupy)
+
+    def broken():
+        raise RuntimeError("not capturable")
+
+    with pytest.raises(RuntimeError, match="not capturable"):
+        capture(broken)
+    assert not streams[-1].capturing  # the stream is usable again
+    replay, outputs = capture(lambda: ("out",))
+    assert outputs == ("out",) and not streams[-1].capturing
+    replay()
