@@ -117,7 +117,8 @@ def start(config: ServerConfig) -> Server:
     credentials = _credentials(config)
     device = select_device(config.device)
     store = _store(config)
-    metrics = Metrics(store, device) if config.metrics_port is not None else None
+    compute = _compute(config, device)
+    metrics = Metrics(store, device, compute.graphs) if config.metrics_port is not None else None
     observer = Observer(metrics)
     interceptors = _interceptors(config, observer)
     server = grpc.server(
@@ -128,7 +129,7 @@ def start(config: ServerConfig) -> Server:
     )
     servicer = GradServeServicer(
         store,
-        compute=_compute(config, device),
+        compute=compute,
         observer=observer,
         compute_gate=ComputeGate(config.compute_slots, config.max_queued_compute),
         max_message_bytes=config.max_message_bytes,

@@ -3,7 +3,8 @@
 Prometheus metrics (prometheus-client, one registry per server so that many
 servers can live in one process): RPCs by method and status code, latency
 histograms split into decode, compute and encode time, bytes in and out,
-sessions open, bytes held, compute device, expired sessions.
+sessions open, bytes held, compute device, expired sessions, and with
+``--cuda-graphs on`` the captured plans (count, GPU bytes, captures, replays).
 
 Logs: one line per RPC at DEBUG and one per failed RPC at INFO, carrying a
 request id taken from ``x-request-id`` metadata (the SDK sends one per call)
@@ -53,7 +54,7 @@ class CallRecord:
 class Metrics:
     """The server's Prometheus metrics, in their own registry."""
 
-    def __init__(self, store, device: str) -> None:
+    def __init__(self, store, device: str, graphs=None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.rpcs = Counter(
@@ -81,6 +82,14 @@ class Metrics:
             "gradserve_device_info", "compute device of this server", ["device"], registry=r
         ).labels(device=device).set(1)
         r.register(_ExpiredSessions(store))
+        if graphs is not None:
+            Gauge("gradserve_cuda_graph_plans", "captured LSTM plans", registry=r).set_function(
+                lambda: len(graphs)
+            )
+            Gauge(
+                "gradserve_cuda_graph_bytes", "GPU bytes held by captured plans", registry=r
+            ).set_function(lambda: graphs.nbytes)
+            r.register(_GraphCounts(graphs))
 
 
 class _ExpiredSessions:
@@ -93,6 +102,20 @@ class _ExpiredSessions:
         )
         family.add_metric([], self._store.expired)
         yield family
+
+
+class _GraphCounts:
+    def __init__(self, graphs) -> None:
+        self._graphs = graphs
+
+    def collect(self):
+        for name, what, value in (
+            ("gradserve_cuda_graph_captures", "LSTM calls captured as CUDA graphs", "captures"),
+            ("gradserve_cuda_graph_replays", "LSTM calls served by a graph replay", "replays"),
+        ):
+            family = CounterMetricFamily(name, what)
+            family.add_metric([], getattr(self._graphs, value))
+            yield family
 
 
 class Observer:

@@ -196,3 +196,20 @@ def test_stream_capture_ends_a_failed_capture(backend, monkeypatch):
     replay, outputs = capture(lambda: ("out",))
     assert outputs == ("out",) and not streams[-1].capturing
     replay()
+
+
+def test_plans_show_in_the_metrics(backend, capture):
+    from prometheus_client import generate_latest
+
+    from gradserve.server.observability import Metrics
+    from gradserve.server.sessions import SessionStore
+
+    cache = cuda_graphs.GraphCache(backend, capture)
+    arrays, _ = case(11)
+    for _ in range(3):
+        cache.forward(*arrays, seq_len_max=4)
+    text = generate_latest(Metrics(SessionStore(), "cuda", cache).registry).decode()
+    assert "gradserve_cuda_graph_plans 1.0" in text
+    assert f"gradserve_cuda_graph_bytes {float(cache.nbytes)}" in text
+    assert "gradserve_cuda_graph_captures_total 1.0" in text
+    assert "gradserve_cuda_graph_replays_total 2.0" in text
