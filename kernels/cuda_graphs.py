@@ -156,6 +156,9 @@ class GraphCache:
                     replay, outputs = self.capture(
                         lambda: algorithm(self.backend, *inputs, **attrs)
                     )
+            except MemoryError as exc:  # no room for a plan now: try again on a later call
+                log.warning("no GPU memory to capture an LSTM graph: %s", exc)
+                return result
             except Exception as exc:  # noqa: BLE001 - the eager path serves this shape
                 log.warning("LSTM call not capturable as a CUDA graph, runs eagerly: %s", exc)
                 with self._lock:

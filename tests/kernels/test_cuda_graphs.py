@@ -25,12 +25,12 @@ class RecomputeCapture:
 
     def __init__(self) -> None:
         self.calls = 0
-        self.fail = False
+        self.fail: Exception | None = None
 
     def __call__(self, fn):
         self.calls += 1
-        if self.fail:
-            raise RuntimeError("operation not permitted when stream is capturing")
+        if self.fail is not None:
+            raise self.fail
         outputs = fn()
 
         def replay():
@@ -133,7 +133,7 @@ def test_too_big_or_not_capturable_runs_eagerly_and_stays_right(backend, capture
     arrays, _ = case(9)
     want = forward_numpy(arrays, seq_len_max=4)
     tiny = cuda_graphs.GraphCache(backend, capture, max_bytes=1)
-    capture.fail = True
+    capture.fail = RuntimeError("operation not permitted when stream is capturing")
     failing = cuda_graphs.GraphCache(backend, capture)
     for cache in (tiny, failing):
         for _ in range(2):
@@ -142,6 +142,18 @@ def test_too_big_or_not_capturable_runs_eagerly_and_stays_right(backend, capture
                 np.testing.assert_allclose(g, w, rtol=0, atol=1e-12)
         assert len(cache) == 0 and cache.replays == 0
     assert capture.calls == 2  # one capture attempt per cache; then eager without trying
+
+
+def test_out_of_memory_while_capturing_is_retried_later(backend, capture):
+    arrays, _ = case(12)
+    want = forward_numpy(arrays, seq_len_max=4)
+    cache = cuda_graphs.GraphCache(backend, capture)
+    capture.fail = MemoryError("out of memory allocating 52,428,800 bytes")
+    got = cache.forward(*arrays, seq_len_max=4)  # served by the eager run
+    np.testing.assert_allclose(host(got)[6], want.h, atol=1e-12)
+    capture.fail = None
+    cache.forward(*arrays, seq_len_max=4)  # memory again: captured now
+    assert (capture.calls, cache.captures, len(cache)) == (2, 1, 1)
 
 
 def test_deadline_checked_before_a_replay_and_per_step_otherwise(backend, capture):
