@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 
 #: GPU bytes all plans together may hold unless configured otherwise.
 DEFAULT_CACHE_BYTES = 1 << 30
+#: Most plans kept (each also holds driver resources its bytes do not show), and most
+#: shapes remembered as eager-only: both bounded, whatever shapes clients send.
+MAX_PLANS = 256
+MAX_EAGER_KEYS = 4096
 
 Capture = Callable[[Callable[[], Any]], tuple[Callable[[], None], Any]]
 
@@ -87,7 +91,8 @@ class GraphCache:
         self.capture = capture
         self.max_bytes = max_bytes
         self._plans: collections.OrderedDict[tuple, _Plan] = collections.OrderedDict()
-        self._eager: set[tuple] = set()  # too big to cache, or capture failed
+        # Shapes that run eagerly (too big to cache, or capture failed), least recent first.
+        self._eager: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self._lock = threading.Lock()  # the tables above
         self._build_lock = threading.Lock()  # one capture at a time
         self.captures = 0
@@ -123,6 +128,8 @@ class GraphCache:
             if plan is not None:
                 self._plans.move_to_end(key)
             eager = key in self._eager
+            if eager:
+                self._eager.move_to_end(key)
         if eager:
             return algorithm(self.backend, *arrays, check=check, **attrs)
         if plan is None:
@@ -133,7 +140,8 @@ class GraphCache:
         with plan.lock:
             self._copy_in(plan.inputs, arrays)
             plan.replay()
-            self.replays += 1
+            with self._lock:
+                self.replays += 1
             return type(plan.outputs)(*(out.copy() for out in plan.outputs))
 
     def _build(self, key, algorithm, arrays, attrs, check):
@@ -162,17 +170,17 @@ class GraphCache:
             except Exception as exc:  # noqa: BLE001 - the eager path serves this shape
                 log.warning("LSTM call not capturable as a CUDA graph, runs eagerly: %s", exc)
                 with self._lock:
-                    self._eager.add(key)
+                    self._remember_eager(key)
                 return result
             nbytes = max(
                 _pool_bytes(pool),
                 sum(a.nbytes for a in inputs) + sum(a.nbytes for a in outputs),
             )
-            self.captures += 1
             with self._lock:
+                self.captures += 1
                 if nbytes > self.max_bytes:
                     log.info("LSTM graph of %d bytes is over the cache: runs eagerly", nbytes)
-                    self._eager.add(key)
+                    self._remember_eager(key)
                 else:
                     self._plans[key] = _Plan(inputs, outputs, replay, nbytes, pool)
                     self._evict()
@@ -181,9 +189,15 @@ class GraphCache:
     def _evict(self) -> None:
         """Drop least recently used plans until the rest fit (caller holds ``_lock``)."""
         total = sum(p.nbytes for p in self._plans.values())
-        while total > self.max_bytes and self._plans:
+        while self._plans and (total > self.max_bytes or len(self._plans) > MAX_PLANS):
             _, plan = self._plans.popitem(last=False)
             total -= plan.nbytes
+
+    def _remember_eager(self, key) -> None:
+        """(caller holds ``_lock``)"""
+        self._eager[key] = None
+        while len(self._eager) > MAX_EAGER_KEYS:
+            self._eager.popitem(last=False)
 
     def _copy_in(self, statics, arrays) -> None:
         for dst, src in zip(statics, arrays):

@@ -129,6 +129,21 @@ def test_lru_keeps_the_cache_under_its_bytes(backend, capture):
     assert cache.captures == 4
 
 
+def test_plan_count_and_eager_memory_are_bounded(backend, capture, monkeypatch):
+    monkeypatch.setattr(cuda_graphs, "MAX_PLANS", 2)
+    monkeypatch.setattr(cuda_graphs, "MAX_EAGER_KEYS", 2)
+    arrays, _ = case(13)
+    cache = cuda_graphs.GraphCache(backend, capture)
+    for length in (4, 3, 2):
+        cache.forward(*arrays, seq_len_max=length)
+    assert len(cache) == 2
+    capture.fail = RuntimeError("not capturable")
+    for length in (1, 0, 4, 3, 2):
+        cache = cuda_graphs.GraphCache(backend, capture) if length == 1 else cache
+        cache.forward(*arrays, seq_len_max=length)
+    assert len(cache._eager) == 2
+
+
 def test_too_big_or_not_capturable_runs_eagerly_and_stays_right(backend, capture):
     arrays, _ = case(9)
     want = forward_numpy(arrays, seq_len_max=4)
