@@ -36,7 +36,9 @@ class Compute:
         return lstm.block_lstm_backward(self.backend, *arrays, **attrs)
 
 
-def compute_for(device: str, *, cuda_graphs: bool = False, graph_cache_bytes: int | None = None):
+def compute_for(
+    device: str, *, cuda_graphs: bool = False, graph_cache_bytes: int | None = None
+) -> Compute:
     """The ``Compute`` of a resolved device name ("cpu" or "cuda").
 
     ``cuda_graphs`` (CUDA only) replays whole LSTM calls as graphs, keeping at most
