@@ -172,10 +172,7 @@ class GraphCache:
                 with self._lock:
                     self._remember_eager(key)
                 return result
-            nbytes = max(
-                _pool_bytes(pool),
-                sum(a.nbytes for a in inputs) + sum(a.nbytes for a in outputs),
-            )
+            nbytes = pool.total_bytes()  # inputs, outputs and every temporary of the graph
             with self._lock:
                 self.captures += 1
                 if nbytes > self.max_bytes:
@@ -205,10 +202,3 @@ class GraphCache:
                 self.xp.copyto(dst, src)
             else:
                 dst.set(np.ascontiguousarray(src))
-
-
-def _pool_bytes(pool) -> int:
-    try:
-        return int(pool.total_bytes())
-    except (AttributeError, TypeError):
-        return 0

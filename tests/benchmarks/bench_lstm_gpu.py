@@ -97,36 +97,13 @@ def make_inputs(steps, batch, units):
     return weights, r(steps, batch, units), r(steps, batch, units)
 
 
-def bench_ours(steps, batch, units, cupy) -> dict:
-    from gradserve.kernels import backend_cuda, lstm
-
-    host_weights, cs_grad, h_grad = make_inputs(steps, batch, units)
-    weights = [cupy.asarray(a) for a in host_weights]
-    grads = cupy.asarray(cs_grad), cupy.asarray(h_grad)
-    acts = lstm.block_lstm_forward(backend_cuda, *weights, seq_len_max=steps)
-
-    def fwd():
-        lstm.block_lstm_forward(backend_cuda, *weights, seq_len_max=steps)
-
-    def bwd():
-        lstm.block_lstm_backward(backend_cuda, *weights, *acts, *grads, seq_len_max=steps)
-
-    flops = 2.0 * steps * batch * 2 * units * 4 * units
-    row = {"ours_fwd_ms": cuda_time(fwd, cupy), "ours_bwd_ms": cuda_time(bwd, cupy)}
-    row |= {"ours_fwd_enqueue_ms": enqueue_time(fwd, cupy)}
-    row |= {"ours_bwd_enqueue_ms": enqueue_time(bwd, cupy)}
-    row["ours_fwd_gflops"] = flops / row["ours_fwd_ms"] / 1e6
-    row["ours_bwd_gflops"] = 2 * flops / row["ours_bwd_ms"] / 1e6
-    return row
-
-
-def bench_graphs(steps, batch, units, cupy) -> dict:
-    """Ours with ``--cuda-graphs on``: each call copies its inputs into the plan's
-    buffers, replays the captured graph and copies the outputs out."""
+def bench_ours(steps, batch, units, cupy, cuda_graphs: bool) -> dict:
+    """Ours in process, eager (keys ``ours_*``) or with ``--cuda-graphs on`` (``graphs_*``:
+    each call copies its inputs into a plan, replays its graph, copies the outputs out)."""
     from gradserve.kernels import lstm
     from gradserve.kernels.compute import compute_for
 
-    compute = compute_for("cuda", cuda_graphs=True)
+    compute = compute_for("cuda", cuda_graphs=cuda_graphs)
     host_weights, cs_grad, h_grad = make_inputs(steps, batch, units)
     weights = [cupy.asarray(a) for a in host_weights]
     grads = cupy.asarray(cs_grad), cupy.asarray(h_grad)
@@ -138,11 +115,16 @@ def bench_graphs(steps, batch, units, cupy) -> dict:
     def bwd():
         compute.lstm_backward(*weights, *acts, *grads, seq_len_max=steps)
 
-    row = {"graphs_fwd_ms": cuda_time(fwd, cupy), "graphs_bwd_ms": cuda_time(bwd, cupy)}
-    row["graphs_fwd_enqueue_ms"] = enqueue_time(fwd, cupy)
-    row["graphs_bwd_enqueue_ms"] = enqueue_time(bwd, cupy)
-    row["graphs_replays"] = compute.graphs.replays
-    row["graphs_plan_bytes"] = compute.graphs.nbytes
+    flops = 2.0 * steps * batch * 2 * units * 4 * units
+    mode = "graphs" if cuda_graphs else "ours"
+    row = {f"{mode}_fwd_ms": cuda_time(fwd, cupy), f"{mode}_bwd_ms": cuda_time(bwd, cupy)}
+    row[f"{mode}_fwd_enqueue_ms"] = enqueue_time(fwd, cupy)
+    row[f"{mode}_bwd_enqueue_ms"] = enqueue_time(bwd, cupy)
+    row[f"{mode}_fwd_gflops"] = flops / row[f"{mode}_fwd_ms"] / 1e6
+    row[f"{mode}_bwd_gflops"] = 2 * flops / row[f"{mode}_bwd_ms"] / 1e6
+    if cuda_graphs:
+        row["graphs_replays"] = compute.graphs.replays
+        row["graphs_plan_bytes"] = compute.graphs.nbytes
     return row
 
 
@@ -284,8 +266,8 @@ def main() -> None:
     for steps, batch, units in SIZES:
         row: dict = {"T": steps, "B": batch, "H": units}
         size = (steps, batch, units)
-        section(row, "ours", bench_ours, *size, cupy)
-        section(row, "graphs", bench_graphs, *size, cupy)
+        section(row, "ours", bench_ours, *size, cupy, False)
+        section(row, "graphs", bench_ours, *size, cupy, True)
         if have_torch:
             for tf32 in (False, True):
                 tag = "tf32" if tf32 else "fp32"

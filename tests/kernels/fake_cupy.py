@@ -19,6 +19,7 @@ import ctypes
 import importlib
 import re
 import sys
+import threading
 import time
 import types
 from collections.abc import Iterator
@@ -78,8 +79,16 @@ def make_fake_cupy(shim_lib: ctypes.CDLL) -> types.ModuleType:
     cupy.asarray = asarray
     cupy.asnumpy = asnumpy
     cupy.ascontiguousarray = ascontiguousarray
-    cupy.zeros = lambda *a, **k: _device(np.zeros(*a, **k))
-    cupy.empty = lambda *a, **k: _device(np.empty(*a, **k))
+    allocator = threading.local()  # the malloc of ``using_allocator``, per thread
+
+    def allocated(a: np.ndarray) -> DeviceArray:
+        malloc = getattr(allocator, "malloc", None)
+        if malloc is not None:
+            malloc(a.nbytes)
+        return _device(a)
+
+    cupy.zeros = lambda *a, **k: allocated(np.zeros(*a, **k))
+    cupy.empty = lambda *a, **k: allocated(np.empty(*a, **k))
     cupy.matmul = np.matmul
     compiled: list[dict] = []
     lookups: list[str] = []
@@ -168,20 +177,27 @@ def make_fake_cupy(shim_lib: ctypes.CDLL) -> types.ModuleType:
             return Graph()
 
     class MemoryPool:
-        """Allocations are NumPy's; the pool only counts who asked."""
+        """Memory is NumPy's; the pool counts the bytes of the ``cupy.zeros`` and
+        ``cupy.empty`` made while it is the allocator (results of array operations
+        are not counted)."""
 
         def __init__(self) -> None:
-            self.mallocs = 0
+            self.allocated = 0
 
-        def malloc(self, nbytes):
-            self.mallocs += 1
+        def malloc(self, nbytes: int) -> None:
+            self.allocated += nbytes
 
         def total_bytes(self) -> int:
-            return 0
+            return self.allocated
 
     @contextlib.contextmanager
     def using_allocator(malloc=None):
-        yield
+        previous = getattr(allocator, "malloc", None)
+        allocator.malloc = malloc
+        try:
+            yield
+        finally:
+            allocator.malloc = previous
 
     cupy.__version__ = "0.0-fake"
     cupy.RawModule = RawModule

@@ -121,6 +121,7 @@ def test_lru_keeps_the_cache_under_its_bytes(backend, capture):
     cache = cuda_graphs.GraphCache(backend, capture, max_bytes=10**9)
     cache.forward(*arrays, seq_len_max=4)
     one_plan = cache.nbytes
+    assert one_plan >= sum(a.nbytes for a in arrays)  # at least its static inputs
     cache = cuda_graphs.GraphCache(backend, capture, max_bytes=2 * one_plan)
     for length in (4, 3, 2):
         cache.forward(*arrays, seq_len_max=length)
