@@ -55,81 +55,22 @@ def _ptr(a: np.ndarray) -> ctypes.c_void_p:
 
 
 def make_backend(lib: ctypes.CDLL) -> types.SimpleNamespace:
-    def fwd_step(
-        gates_h,
-        b,
-        cs_prev,
-        wci,
-        wcf,
-        wco,
-        i,
-        cs,
-        f,
-        o,
-        ci,
-        co,
-        h,
-        offsets,
-        forget_bias,
-        cell_clip,
-        use_peephole,
-    ):
-        name, scalar = CTYPES[gates_h.dtype]
-        batch, units = cs_prev.shape
+    # Arrays first, then the options: the CUDA kernels' argument order (lstm.cu).
+    def fwd_step(*args):
+        *arrays, offsets, forget_bias, cell_clip, use_peephole = args
+        name, scalar = CTYPES[arrays[0].dtype]
+        batch, units = arrays[2].shape  # cs_prev
         getattr(lib, f"fwd_step_{name}")(
-            *map(_ptr, (gates_h, b, cs_prev, wci, wcf, wco, i, cs, f, o, ci, co, h)),
-            batch,
-            units,
-            *offsets,
-            scalar(forget_bias),
-            scalar(cell_clip),
-            int(use_peephole),
-        )
+            *map(_ptr, arrays), batch, units, *offsets,
+            scalar(forget_bias), scalar(cell_clip), int(use_peephole),
+        )  # fmt: skip
 
-    def bwd_step(
-        cs_prev,
-        i,
-        f,
-        o,
-        ci,
-        co,
-        cs_grad,
-        h_grad,
-        dh_carry,
-        dcs_carry,
-        wci,
-        wcf,
-        wco,
-        dgates,
-        offsets,
-        use_peephole,
-    ):
-        name, _ = CTYPES[i.dtype]
-        batch, units = i.shape
+    def bwd_step(*args):
+        *arrays, offsets, use_peephole = args
+        name, _ = CTYPES[arrays[0].dtype]
+        batch, units = arrays[0].shape  # cs_prev
         getattr(lib, f"bwd_step_{name}")(
-            *map(
-                _ptr,
-                (
-                    cs_prev,
-                    i,
-                    f,
-                    o,
-                    ci,
-                    co,
-                    cs_grad,
-                    h_grad,
-                    dh_carry,
-                    dcs_carry,
-                    wci,
-                    wcf,
-                    wco,
-                    dgates,
-                ),
-            ),
-            batch,
-            units,
-            *offsets,
-            int(use_peephole),
+            *map(_ptr, arrays), batch, units, *offsets, int(use_peephole)
         )
 
     backend = types.SimpleNamespace(
