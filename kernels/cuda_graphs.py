@@ -1,9 +1,10 @@
 """Whole LSTM calls replayed as CUDA graphs (``--cuda-graphs on``).
 
-Why: on a GPU the eager loop of ``kernels.lstm`` is bound by the host. Every
-time step is a cuBLAS call and a kernel launch issued from Python (tens of
-microseconds) while the GPU work of one step at (B, H) = (64, 512) takes a few.
-A graph captured once per shape issues all steps of a call in one launch.
+Why: every time step of the eager loop of ``kernels.lstm`` is a cuBLAS call and
+a kernel launch issued from Python, and at (B, H) = (64, 512) the GPU work of a
+step is small, so the loop is expected to be bound by the host (not yet
+measured: ``make gpu-check`` times both, with the host's enqueue time). A graph
+captured once per shape issues all steps of a call in one launch.
 
 How: one *plan* per (direction, input shapes and dtypes, attributes). Building
 a plan allocates static input buffers, runs the algorithm on them once eagerly
@@ -14,7 +15,8 @@ take an address the graph has baked in. A later call copies its inputs into
 the static buffers, launches the graph on the caller's stream and returns
 copies of the outputs. Plans live in an LRU bounded by their bytes; a plan
 serves one call at a time; a shape whose capture fails runs eagerly from then
-on (logged once), so graphs never fail a call that the eager path would serve.
+on (a capture that runs out of memory is retried on a later call), so graphs
+never fail a call that the eager path would serve.
 
 ``GraphCache`` needs only ``capture(fn) -> (replay, outputs)``, where
 ``replay()`` recomputes ``fn`` into the ``outputs`` the capture returned:
@@ -50,8 +52,8 @@ Capture = Callable[[Callable[[], Any]], tuple[Callable[[], None], Any]]
 
 class StreamCapture:
     """CUDA stream capture of ``fn`` on a side stream. The outputs are the arrays ``fn``
-    returned while captured (allocated, not computed); the replay launches the graph,
-    which computes into them, on whatever stream is current when it is called."""
+    returned while captured (allocated, not computed); the replay is the graph's
+    ``launch``, which computes into them on the stream current when it is called."""
 
     def __init__(self, cupy) -> None:
         self.cupy = cupy
@@ -68,7 +70,7 @@ class StreamCapture:
                     stream.end_capture()
                 raise
             graph = stream.end_capture()
-        return (lambda: graph.launch(stream=cuda.get_current_stream())), outputs
+        return graph.launch, outputs  # launch() uses the stream current at the call
 
 
 @dataclasses.dataclass

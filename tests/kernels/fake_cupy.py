@@ -207,7 +207,6 @@ def make_fake_cupy(shim_lib: ctypes.CDLL) -> types.ModuleType:
         Stream=Stream,
         MemoryPool=MemoryPool,
         using_allocator=using_allocator,
-        get_current_stream=lambda: None,
         get_elapsed_time=lambda start, end: (end.at - start.at) * 1e3,
         runtime=types.SimpleNamespace(
             getDeviceCount=lambda: 1,
