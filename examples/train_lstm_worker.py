@@ -2,8 +2,10 @@
 
 Per training step:
 
-1. ``BlockLSTMV2`` forward in the service, its seven outputs kept there
-   (``keep=True``): the activations never cross the wire.
+1. The step's inputs (batch, initial state, weights) are put in the session
+   once, and both LSTM calls name them by id. ``BlockLSTMV2`` runs the forward
+   in the service and keeps its seven outputs there (``keep=True``), so the
+   activations never cross the wire.
 2. The per-step hidden states go into a TensorArray on the server (unstacked
    from the resident ``h``), and the worker stacks them once to run its dense
    head and the loss.
@@ -51,19 +53,12 @@ def init_params(rng: np.random.Generator) -> dict[str, np.ndarray]:
 def train_step(client: gradserve.Client, params: dict, x: np.ndarray, y: np.ndarray) -> tuple:
     """One forward/backward through the service; returns (loss, grads)."""
     raw = client.raw_ops
-    zeros_state = np.zeros((BATCH, UNITS), np.float32)
-    peep = np.zeros(UNITS, np.float32)
-    lstm_args = [
-        np.int64(STEPS),
-        x,
-        zeros_state,
-        zeros_state,
-        params["w"],
-        peep,
-        peep,
-        peep,
-        params["b"],
-    ]
+    # Sent once, read by the forward and the backward (on a GPU server they move
+    # to GPU memory at the first read, and stay there).
+    zeros = client.put(np.zeros((BATCH, UNITS), np.float32))
+    peep = client.put(np.zeros(UNITS, np.float32))
+    x_ref, w, b = client.put(x), client.put(params["w"]), client.put(params["b"])
+    lstm_args = [np.int64(STEPS), x_ref, zeros, zeros, w, peep, peep, peep, b]
     acts = raw.BlockLSTMV2(*lstm_args, keep=True)  # seven TensorRefs
 
     # Hidden states into a TensorArray, server-side; the head reads them once.
@@ -94,7 +89,7 @@ def train_step(client: gradserve.Client, params: dict, x: np.ndarray, y: np.ndar
     grads["w"], grads["b"] = lstm_grads.w_grad, lstm_grads.b_grad
 
     # Free this step's server-side state.
-    client.delete(*acts, h_grad)
+    client.delete(*acts, h_grad, zeros, peep, x_ref, w, b)
     ta.close()
     grad_ta.close()
     return loss, grads

@@ -66,6 +66,11 @@ def to_host(a) -> np.ndarray:
     return cupy.asnumpy(a)
 
 
+def to_device(a) -> cupy.ndarray:
+    """``a`` in GPU memory, same dtype and shape (no copy if it is there already)."""
+    return cupy.asarray(a)
+
+
 def fwd_step(gates_h, b, cs_prev, wci, wcf, wco, i, cs, f, o, ci, co, h,
              offsets, forget_bias, cell_clip, use_peephole) -> None:  # fmt: skip
     batch, units = cs_prev.shape

@@ -25,6 +25,11 @@ class Compute:
         """``array`` as a NumPy array (a device-to-host copy for GPU arrays)."""
         return self.backend.to_host(array)
 
+    def to_device(self, array):
+        """``array`` where this device computes (a host-to-device copy for host arrays
+        on CUDA; the array itself on the CPU)."""
+        return self.backend.to_device(array)
+
     def lstm_forward(self, *arrays, **attrs) -> lstm.LSTMOutputs:
         if self.graphs is not None:
             return self.graphs.forward(*arrays, **attrs)

@@ -17,7 +17,8 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -180,6 +181,23 @@ class Session:
                 field="ref",
             )
         return array
+
+    def get_placed(self, tensor_id: str, place: Callable[[Any], Any]) -> Any:
+        """The tensor as ``place`` puts it (on the GPU, for a CUDA server's ops), and
+        kept there for later calls.
+
+        A tensor is immutable, so the placed copy replaces the stored one rather than
+        sitting beside it: its bytes stay charged once, and a weight put once is
+        copied to the GPU once however many calls read it. Host consumers copy it
+        back, as they do with the GPU outputs of ops.
+        """
+        array = self.get(tensor_id)
+        placed = place(array)
+        if placed is not array:
+            with self._lock:
+                if self._resident.get(tensor_id) is array:  # not deleted or placed meanwhile
+                    self._resident[tensor_id] = placed
+        return placed
 
     def delete(self, tensor_ids: Iterable[str]) -> int:
         with self._lock:

@@ -4,11 +4,12 @@
 array and fills a ``TensorOutput`` (inline, or kept in the session when the
 request asked to keep outputs or the value is over the caller's inline limit).
 
-Resident tensors stay where the op made them: on a CUDA server the LSTM ops'
-outputs are kept as GPU arrays, so a backward that names them by id reads them
-without a host round trip. Only what crosses the wire, or feeds an op that
-computes on the host (TensorArray, StopGradient), is copied to host memory,
-through ``host_array``.
+Resident tensors live where the ops that use them compute: on a CUDA server the
+LSTM ops' outputs are kept as GPU arrays, and a tensor uploaded with PutTensor
+moves to the GPU the first time an LSTM op reads it, so a backward that names
+activations or weights by id reads them without a host round trip. Only what
+crosses the wire, or feeds an op that computes on the host (TensorArray,
+StopGradient), is copied to host memory, through ``host_array``.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ class CallIO:
         self.check_alive = check_alive
 
     def input(self, msg: tensor_pb2.TensorInput, field: str, *, on_device: bool = False):
-        """The input as a host array; with ``on_device``, a resident tensor comes as it
-        is kept (a GPU array on a CUDA server), for ops that compute on the backend."""
+        """The input as a host array; with ``on_device``, for ops that compute on the
+        backend, a resident tensor comes on the device (a GPU array on a CUDA server)
+        and stays there, so a tensor put once is copied to the GPU once."""
         which = msg.WhichOneof("source")
         if which == "value":
             started = time.perf_counter()
@@ -59,8 +61,9 @@ class CallIO:
             observability.add_decode_time(time.perf_counter() - started)
             return array
         if which == "ref":
-            array = self.session.get(msg.ref)
-            return array if on_device else host_array(self.compute, array)
+            if on_device and self.compute is not None:
+                return self.session.get_placed(msg.ref, self.compute.to_device)
+            return host_array(self.compute, self.session.get(msg.ref))
         raise InvalidArgumentError(f"input '{field}' is required", field=field)
 
     def output(self, array, out: tensor_pb2.TensorOutput, keep: bool) -> None:

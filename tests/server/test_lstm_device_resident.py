@@ -84,6 +84,44 @@ def test_forward_kept_and_backward_by_id_copy_only_wire_tensors(cuda_client):
     assert shapes(fake.transfers["to_host"]) == [want_out.h.shape]
 
 
+def test_weights_put_once_are_copied_to_the_gpu_once(cuda_client):
+    client, server, fake = cuda_client
+    weights = {k: client.put(CASE[k]) for k in INPUTS if k != "x"}
+    session = server.store.get(client.session_id)
+    held = session.stats()["bytes"]
+    assert fake.transfers["to_device"] == []  # PutTensor itself keeps host memory
+    args = [CASE["seq_len_max"], CASE["x"], *(weights[k] for k in INPUTS if k != "x")]
+
+    kept = client.raw_ops.BlockLSTMV2(*args, use_peephole=True, keep=True)
+    grads = client.raw_ops.BlockLSTMGradV2(
+        *args, *kept, CASE["cs_grad"], CASE["h_grad"], use_peephole=True
+    )
+    copied = shapes(fake.transfers["to_device"])
+    # Each weight once (at the forward); x and the output gradients each time they are sent.
+    want = [CASE[k].shape for k in weights] + [CASE["x"].shape] * 2
+    assert copied == sorted(want + [CASE["h_grad"].shape] * 2)
+    assert all(isinstance(session.get(ref.id), fake_cupy.DeviceArray) for ref in weights.values())
+    assert session.stats()["bytes"] == held + sum(ref.nbytes for ref in kept)  # charged once
+
+    want_grads = lstm.block_lstm_backward(
+        backend_numpy,
+        *(CASE[k] for k in INPUTS),
+        *lstm.block_lstm_forward(
+            backend_numpy, *(CASE[k] for k in INPUTS), seq_len_max=5, use_peephole=True
+        ),
+        CASE["cs_grad"],
+        CASE["h_grad"],
+        seq_len_max=5,
+        use_peephole=True,
+    )
+    for k in GRADS:
+        np.testing.assert_allclose(getattr(grads, k), getattr(want_grads, k), atol=1e-5)
+    np.testing.assert_array_equal(weights["w"].numpy(), CASE["w"])  # read back from the GPU
+    for ref in (*weights.values(), *kept):
+        ref.delete()
+    assert session.budget.used == 0
+
+
 def test_device_resident_tensor_feeds_host_ops(cuda_client):
     client, _, _ = cuda_client
     kept = client.raw_ops.BlockLSTMV2(*ARGS, keep=True)
