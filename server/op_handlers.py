@@ -7,6 +7,7 @@ table drives both the typed RPCs and ``Batch``, so an op is defined once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 from google.protobuf.message import Message
@@ -152,18 +153,23 @@ def _attr(req: Message, field: str):
     return getattr(req, field)
 
 
-def _lstm_inputs(io: CallIO, req: Message, names: tuple[str, ...]) -> dict:
-    """The float inputs, resident ones as kept (on the GPU of a CUDA server)."""
-    return {name: io.input(getattr(req, name), name, on_device=True) for name in names}
+def _lstm_inputs(io: CallIO, req: Message, names: tuple[str, ...]) -> tuple[dict, Callable]:
+    """The float inputs, resident ones as kept (on the GPU of a CUDA server), and the
+    function that moves the resident ones to the device once the op has validated them."""
+    msgs = {name: getattr(req, name) for name in names}
+    inputs = {name: io.input(msg, name, as_kept=True) for name, msg in msgs.items()}
+    return inputs, functools.partial(io.place, msgs)
 
 
 def _lstm_forward(variant: lstm_ops.LSTMVariant):
     def handler(io: CallIO, req) -> lstm_pb2.BlockLSTMResponse:
+        inputs, place = _lstm_inputs(io, req, lstm_ops.WEIGHTS)
         out = lstm_ops.forward(
             io.compute,
             variant,
-            _lstm_inputs(io, req, lstm_ops.WEIGHTS),
+            inputs,
             io.input(req.seq_len_max, "seq_len_max"),
+            place=place,
             use_peephole=req.use_peephole,
             cell_clip=_attr(req, "cell_clip"),
             forget_bias=_attr(req, "forget_bias"),
@@ -182,11 +188,13 @@ def _lstm_forward(variant: lstm_ops.LSTMVariant):
 def _lstm_backward(variant: lstm_ops.LSTMVariant):
     def handler(io: CallIO, req: lstm_pb2.BlockLSTMGradRequest) -> lstm_pb2.BlockLSTMGradResponse:
         names = lstm_ops.WEIGHTS + lstm_ops.ACTIVATIONS + lstm_ops.OUTPUT_GRADS
+        inputs, place = _lstm_inputs(io, req, names)
         grads = lstm_ops.backward(
             io.compute,
             variant,
-            _lstm_inputs(io, req, names),
+            inputs,
             io.input(req.seq_len_max, "seq_len_max"),
+            place=place,
             use_peephole=req.use_peephole,
             check=io.check_alive,
             check_bytes=io.session.check_tensor_bytes,

@@ -50,10 +50,9 @@ class CallIO:
         self.compute = compute
         self.check_alive = check_alive
 
-    def input(self, msg: tensor_pb2.TensorInput, field: str, *, on_device: bool = False):
-        """The input as a host array; with ``on_device``, for ops that compute on the
-        backend, a resident tensor comes on the device (a GPU array on a CUDA server)
-        and stays there, so a tensor put once is copied to the GPU once."""
+    def input(self, msg: tensor_pb2.TensorInput, field: str, *, as_kept: bool = False):
+        """The input as a host array; with ``as_kept``, for ops that compute on the
+        backend, a resident tensor comes as the session keeps it (host or GPU array)."""
         which = msg.WhichOneof("source")
         if which == "value":
             started = time.perf_counter()
@@ -61,10 +60,22 @@ class CallIO:
             observability.add_decode_time(time.perf_counter() - started)
             return array
         if which == "ref":
-            if on_device and self.compute is not None:
-                return self.session.get_placed(msg.ref, self.compute.to_device)
-            return host_array(self.compute, self.session.get(msg.ref))
+            array = self.session.get(msg.ref)
+            return array if as_kept else host_array(self.compute, array)
         raise InvalidArgumentError(f"input '{field}' is required", field=field)
+
+    def place(self, msgs: dict[str, tensor_pb2.TensorInput], inputs: dict) -> dict:
+        """``inputs`` with the resident ones moved to the compute device and kept there,
+        so a tensor put once is copied to the GPU once (``Session.get_placed``).
+
+        Ops call this after validating, so an input they refuse is not moved."""
+        if self.compute is None:
+            return inputs
+        placed = dict(inputs)
+        for name, msg in msgs.items():
+            if msg.WhichOneof("source") == "ref":
+                placed[name] = self.session.get_placed(msg.ref, self.compute.to_device)
+        return placed
 
     def output(self, array, out: tensor_pb2.TensorOutput, keep: bool) -> None:
         """Kept (as it is, host or device array) or encoded inline (from host memory)."""

@@ -141,15 +141,18 @@ def forward(
     forget_bias: float | None = None,
     check: Callable[[], None] | None = None,
     check_bytes: Callable[[int], None] = lambda nbytes: None,
+    place: Callable[[dict], dict] = lambda inputs: inputs,
 ) -> lstm.LSTMOutputs:
     """BlockLSTMV2 / BlockLSTM: the seven outputs as backend arrays (GPU arrays on
     CUDA: the caller keeps them there or copies them to the host for the wire).
 
     ``check_bytes`` is asked about the size of one output before anything is
-    allocated (the server's max tensor size).
+    allocated (the server's max tensor size); ``place`` gets the inputs once they
+    are valid (the server moves its resident ones to the device there).
     """
     length = validate(variant.op, inputs, seq_len_max)
     check_bytes(inputs["h_prev"].itemsize * inputs["x"].shape[0] * inputs["h_prev"].size)
+    inputs = place(inputs)
     return compute.lstm_forward(
         *(inputs[k] for k in WEIGHTS),
         seq_len_max=length,
@@ -170,11 +173,14 @@ def backward(
     use_peephole: bool,
     check: Callable[[], None] | None = None,
     check_bytes: Callable[[int], None] = lambda nbytes: None,
+    place: Callable[[dict], dict] = lambda inputs: inputs,
 ) -> lstm.LSTMGrads:
-    """BlockLSTMGradV2 / BlockLSTMGrad: the eight gradients as backend arrays."""
+    """BlockLSTMGradV2 / BlockLSTMGrad: the eight gradients as backend arrays
+    (``check_bytes`` and ``place`` as for ``forward``)."""
     length = validate(variant.op + "Grad", inputs, seq_len_max)
     x = inputs["x"]
     check_bytes(x.itemsize * x.shape[0] * x.shape[1] * inputs["w"].shape[1])  # the gate buffer
+    inputs = place(inputs)
     return compute.lstm_backward(
         *(inputs[k] for k in WEIGHTS + ACTIVATIONS + OUTPUT_GRADS),
         seq_len_max=length,

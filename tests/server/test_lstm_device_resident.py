@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import gradserve
+from gradserve.errors import InvalidArgumentError
 from gradserve.kernels import backend_numpy, lstm
 from gradserve.server import run_server
 from tests.kernels import fake_cupy, shim_backend
@@ -120,6 +121,18 @@ def test_weights_put_once_are_copied_to_the_gpu_once(cuda_client):
     for ref in (*weights.values(), *kept):
         ref.delete()
     assert session.budget.used == 0
+
+
+def test_a_refused_input_by_id_stays_in_host_memory(cuda_client):
+    client, server, fake = cuda_client
+    wrong_w = client.put(CASE["w"][:-1])  # one row short
+    args = [CASE["seq_len_max"], *(CASE[k] for k in INPUTS)]
+    args[INPUTS.index("w") + 1] = wrong_w
+    with pytest.raises(InvalidArgumentError, match="w.dim_size"):
+        client.raw_ops.BlockLSTMV2(*args)
+    session = server.store.get(client.session_id)
+    assert not isinstance(session.get(wrong_w.id), fake_cupy.DeviceArray)
+    assert fake.transfers["to_device"] == []  # validated before anything moved
 
 
 def test_device_resident_tensor_feeds_host_ops(cuda_client):
