@@ -34,10 +34,11 @@ status=0
 } > "$out/device.txt" 2>&1 || status=1
 cat "$out/device.txt"
 "$py" -m pytest -q tests/kernels tests/server/test_lstm_rpc.py \
-  tests/examples --junitxml "$out/junit.xml" 2>&1 | tee "$out/tests.log"
+  tests/server/test_lstm_inputs_property.py tests/examples --junitxml "$out/junit.xml" 2>&1 | tee "$out/tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 # The served LSTM again, with the server replaying CUDA graphs (--cuda-graphs on).
-GRADSERVE_TEST_CUDA_GRAPHS=1 "$py" -m pytest -q tests/server/test_lstm_rpc.py tests/examples \
+GRADSERVE_TEST_CUDA_GRAPHS=1 "$py" -m pytest -q tests/server/test_lstm_rpc.py \
+  tests/server/test_lstm_inputs_property.py tests/examples \
   2>&1 | tee -a "$out/tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 if [ "$GRADSERVE_TEST_DEVICE" = cuda ]; then
