@@ -15,8 +15,14 @@ DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 #: (each copy of a chunk stays in cache). Both ends can set another size.
 DEFAULT_CHUNK_BYTES = 1024 * 1024
 
-#: Tensors at least this large travel by stream rather than inline.
-DEFAULT_STREAM_THRESHOLD_BYTES = 32 * 1024 * 1024
+#: Tensors at least this large travel by stream rather than inline (the SDK puts
+#: such inputs first and asks for such outputs by id). One large unary message is
+#: slow in gRPC Python: on loopback (2-core machine, `make bench` section (d)) a
+#: 16 MiB result came back in 80-100 ms inline and ~18 ms streamed. Below that the
+#: answer depends on how warm the allocator is: at 4 MiB the stream was 3.2x faster
+#: in a fresh server process and even (1.06x) once warm; at 1-2 MiB it won fresh (1.4-1.8x)
+#: and lost warm (0.6-0.8x), as its extra RPCs cost more than the message saves.
+DEFAULT_STREAM_THRESHOLD_BYTES = 4 * 1024 * 1024
 
 
 #: Channel options for unary messages up to ``limit`` bytes.

@@ -9,7 +9,9 @@ same conditions; this process is the client. Every comparison is interleaved
     same bytes (per RPC, and write+read in one Batch vs one echo);
 (b) a 256 MiB tensor put+get through the SDK (chunked streams) vs a bare
     single-message echo of it vs memcpy of the same bytes;
-(c) 100 writes, one per RPC vs one Batch.
+(c) 100 writes, one per RPC vs one Batch;
+(d) one op's tensor inline vs streamed, by size (where the SDK's default
+    stream threshold comes from).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from gradserve.v1 import tensor_array_pb2 as pb
 
 ECHO_METHOD = "/bench.Echo/Echo"
 BIG = 256 * 1024 * 1024
+SIZES_KIB = (256, 1024, 2048, 4096, 16384)
 
 
 def serve() -> None:
@@ -240,8 +243,44 @@ def run(target: str, echo_target: str, rounds: int) -> None:
         f"    Batch speed-up:          {c['100 unary writes'] / c['1 Batch of 100']:.1f}x "
         "(goal >= 10x)"
     )
+    stream_threshold_section(target, limit, rounds)
     client.close()
     echo_channel.close()
+
+
+def stream_threshold_section(target: str, limit: int, rounds: int) -> None:
+    """(d) where streaming starts to pay: one op's tensor inline vs by stream, by size."""
+    inline = gradserve.Client(target, max_message_bytes=limit, stream_threshold=limit)
+    streamed = gradserve.Client(target, max_message_bytes=limit, stream_threshold=1)
+    clients = {"inline": inline, "streamed": streamed}
+    print(
+        "\n(d) StopGradient, one tensor inline in the op's messages vs by PutTensor/GetTensor "
+        f"streams (default threshold: {protocol.DEFAULT_STREAM_THRESHOLD_BYTES >> 10} KiB)"
+    )
+    for kib in SIZES_KIB:
+        array = np.ones(kib * 256, np.float32)
+        refs = {name: c.put(array) for name, c in clients.items()}
+        out = interleaved(
+            {
+                n: (lambda c=c, r=refs[n]: c.raw_ops.StopGradient(input=r))
+                for n, c in clients.items()
+            },
+            rounds,
+            5,
+        )
+        both = interleaved(
+            {n: (lambda c=c, a=array: c.raw_ops.StopGradient(input=a)) for n, c in clients.items()},
+            rounds,
+            5,
+        )
+        print(
+            f"    {kib:6d} KiB  result only: inline {out['inline'] * 1e3:7.2f} ms, streamed "
+            f"{out['streamed'] * 1e3:7.2f} ms ({out['inline'] / out['streamed']:.2f}x) | both "
+            f"ways: inline {both['inline'] * 1e3:7.2f} ms, streamed {both['streamed'] * 1e3:7.2f} "
+            f"ms ({both['inline'] / both['streamed']:.2f}x)"
+        )
+    inline.close()
+    streamed.close()
 
 
 if __name__ == "__main__":
