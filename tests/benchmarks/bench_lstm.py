@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from gradserve import protocol
 from gradserve.kernels import backend_numpy, lstm
 
 SIZES = [(50, 32, 256), (100, 64, 512)]
@@ -200,7 +201,8 @@ def bench_size(steps, batch, units, rounds, rpc_target):
         print(
             f"  backward through RPC, all inputs resident: {t['rpc'] * 1e3:.1f} ms vs "
             f"{t['inproc'] * 1e3:.1f} ms in process ({t['rpc'] / t['inproc'] - 1:+.1%} overhead,"
-            " results sent back inline)"
+            f" results sent back inline below {protocol.DEFAULT_STREAM_THRESHOLD_BYTES >> 20} MiB,"
+            " streamed above)"
         )
 
 
