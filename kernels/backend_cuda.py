@@ -66,6 +66,13 @@ def to_host(a) -> np.ndarray:
     return cupy.asnumpy(a)
 
 
+def pool_bytes() -> dict[str, int]:
+    """CuPy's default memory pool: bytes "used" by live GPU arrays, and "held" from
+    the driver (used plus free blocks the pool keeps for reuse)."""
+    pool = cupy.get_default_memory_pool()
+    return {"used": pool.used_bytes(), "held": pool.total_bytes()}
+
+
 def to_device(a) -> cupy.ndarray:
     """``a`` in GPU memory, same dtype and shape (no copy if it is there already)."""
     return cupy.asarray(a)

@@ -30,6 +30,12 @@ class Compute:
         on CUDA; the array itself on the CPU)."""
         return self.backend.to_device(array)
 
+    def pool_bytes(self) -> dict[str, int] | None:
+        """The device memory pool's "used" and "held" bytes; None where there is no
+        pool (the CPU: NumPy allocates from the process heap)."""
+        pool_bytes = getattr(self.backend, "pool_bytes", None)
+        return None if pool_bytes is None else pool_bytes()
+
     def lstm_forward(self, *arrays, **attrs) -> lstm.LSTMOutputs:
         if self.graphs is not None:
             return self.graphs.forward(*arrays, **attrs)

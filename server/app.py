@@ -118,7 +118,7 @@ def start(config: ServerConfig) -> Server:
     device = select_device(config.device)
     store = _store(config)
     compute = _compute(config, device)
-    metrics = Metrics(store, device, compute.graphs) if config.metrics_port is not None else None
+    metrics = Metrics(store, compute) if config.metrics_port is not None else None
     observer = Observer(metrics)
     interceptors = _interceptors(config, observer)
     server = grpc.server(

@@ -3,8 +3,9 @@
 Prometheus metrics (prometheus-client, one registry per server so that many
 servers can live in one process): RPCs by method and status code, latency
 histograms split into decode, compute and encode time, bytes in and out,
-sessions open, bytes held, compute device, expired sessions, and with
-``--cuda-graphs on`` the captured plans (count, GPU bytes, captures, replays).
+sessions open, bytes held, compute device, expired sessions, on CUDA the GPU
+memory pool (used and held bytes), and with ``--cuda-graphs on`` the captured
+plans (count, GPU bytes, captures, replays).
 
 Logs: one line per RPC at DEBUG and one per failed RPC at INFO, carrying a
 request id taken from ``x-request-id`` metadata (the SDK sends one per call)
@@ -54,7 +55,9 @@ class CallRecord:
 class Metrics:
     """The server's Prometheus metrics, in their own registry."""
 
-    def __init__(self, store, device: str, graphs=None) -> None:
+    def __init__(self, store, compute) -> None:
+        """``compute``: the server's ``kernels.compute.Compute`` (device, GPU pool, graphs)."""
+        device, graphs = compute.name, compute.graphs
         self.registry = CollectorRegistry()
         r = self.registry
         self.rpcs = Counter(
@@ -82,6 +85,15 @@ class Metrics:
             "gradserve_device_info", "compute device of this server", ["device"], registry=r
         ).labels(device=device).set(1)
         r.register(_ExpiredSessions(store))
+        if compute.pool_bytes() is not None:
+            pool = Gauge(
+                "gradserve_gpu_pool_bytes",
+                "GPU memory of CuPy's pool: used by live arrays, held from the driver",
+                ["state"],
+                registry=r,
+            )
+            for state in ("used", "held"):
+                pool.labels(state=state).set_function(lambda s=state: compute.pool_bytes()[s])
         if graphs is not None:
             Gauge("gradserve_cuda_graph_plans", "captured LSTM plans", registry=r).set_function(
                 lambda: len(graphs)

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import types
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
@@ -59,7 +60,7 @@ def make_fake_cupy(shim_lib: ctypes.CDLL) -> types.ModuleType:
             return a if dtype is None else a.astype(dtype, copy=False)
         host = np.asarray(a, dtype=dtype)
         transfers["to_device"].append((host.shape, host.nbytes))
-        return _device(np.array(host, copy=True))
+        return default_pool.track(_device(np.array(host, copy=True)))
 
     def asnumpy(a):
         if isinstance(a, DeviceArray):
@@ -81,10 +82,39 @@ def make_fake_cupy(shim_lib: ctypes.CDLL) -> types.ModuleType:
     cupy.ascontiguousarray = ascontiguousarray
     allocator = threading.local()  # the malloc of ``using_allocator``, per thread
 
+    class DefaultPool:
+        """cupy.get_default_memory_pool(): "used" counts the live arrays made by
+        ``zeros``, ``empty`` and host-to-device ``asarray`` outside a private
+        allocator; "held" is the most ever used (a pool keeps freed blocks)."""
+
+        def __init__(self) -> None:
+            self._lock = threading.Lock()
+            self.used = self.peak = 0
+
+        def track(self, a: DeviceArray) -> DeviceArray:
+            self._add(a.nbytes)
+            weakref.finalize(a, self._add, -a.nbytes)
+            return a
+
+        def _add(self, nbytes: int) -> None:
+            with self._lock:
+                self.used += nbytes
+                self.peak = max(self.peak, self.used)
+
+        def used_bytes(self) -> int:
+            return self.used
+
+        def total_bytes(self) -> int:
+            return self.peak
+
+    default_pool = DefaultPool()
+    cupy.get_default_memory_pool = lambda: default_pool
+
     def allocated(a: np.ndarray) -> DeviceArray:
         malloc = getattr(allocator, "malloc", None)
-        if malloc is not None:
-            malloc(a.nbytes)
+        if malloc is None:
+            return default_pool.track(_device(a))
+        malloc(a.nbytes)
         return _device(a)
 
     cupy.zeros = lambda *a, **k: allocated(np.zeros(*a, **k))

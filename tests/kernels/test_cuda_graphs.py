@@ -229,6 +229,7 @@ def test_stream_capture_ends_a_failed_capture(backend, monkeypatch):
 def test_plans_show_in_the_metrics(backend, capture):
     from prometheus_client import generate_latest
 
+    from gradserve.kernels.compute import Compute
     from gradserve.server.observability import Metrics
     from gradserve.server.sessions import SessionStore
 
@@ -236,7 +237,8 @@ def test_plans_show_in_the_metrics(backend, capture):
     arrays, _ = case(11)
     for _ in range(3):
         cache.forward(*arrays, seq_len_max=4)
-    text = generate_latest(Metrics(SessionStore(), "cuda", cache).registry).decode()
+    compute = Compute(backend, cache)
+    text = generate_latest(Metrics(SessionStore(), compute).registry).decode()
     assert "gradserve_cuda_graph_plans 1.0" in text
     assert f"gradserve_cuda_graph_bytes {float(cache.nbytes)}" in text
     assert "gradserve_cuda_graph_captures_total 1.0" in text

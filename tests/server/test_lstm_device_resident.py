@@ -177,3 +177,30 @@ def test_outputs_match_numpy_for_every_output(cuda_client):
     )
     for k in OUTPUTS:
         np.testing.assert_allclose(getattr(got, k), getattr(want, k), atol=1e-6)
+
+
+def test_gpu_pool_metric_shows_kept_outputs_and_their_release(tmp_path):
+    import gc
+    import re
+    import urllib.request
+
+    def used(server) -> float:
+        url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:  # noqa: S310 - loopback
+            text = r.read().decode()
+        return float(re.search(r'^gradserve_gpu_pool_bytes\{state="used"\} (\S+)$', text, re.M)[1])
+
+    lib = shim_backend.build(tmp_path)
+    with (
+        fake_cupy.installed(lib),
+        run_server(device="cuda", metrics_port=0) as server,
+        gradserve.Client(f"127.0.0.1:{server.port}", timeout=60) as client,
+    ):
+        before = used(server)
+        kept = client.raw_ops.BlockLSTMV2(*ARGS, keep=True)
+        outputs = sum(ref.nbytes for ref in kept)
+        gc.collect()
+        assert used(server) - before >= outputs  # the seven outputs live in GPU memory
+        client.delete(*kept)
+        gc.collect()
+        assert used(server) - before < outputs  # and are freed with their refs
