@@ -153,59 +153,64 @@ def _attr(req: Message, field: str):
     return getattr(req, field)
 
 
-def _lstm_inputs(io: CallIO, req: Message, names: tuple[str, ...]) -> tuple[dict, Callable]:
-    """The float inputs, resident ones as kept (on the GPU of a CUDA server), and the
-    function that moves the resident ones to the device once the op has validated them."""
-    msgs = {name: getattr(req, name) for name in names}
-    inputs = {name: io.input(msg, name, as_kept=True) for name, msg in msgs.items()}
-    return inputs, functools.partial(io.place, msgs)
+def _lstm_op(
+    variant: lstm_ops.LSTMVariant,
+    name: str,
+    names: tuple[str, ...],
+    run: Callable,
+    response: type,
+    attrs: Callable[[Message], dict],
+):
+    """The handler of one LSTM op: its float ``names`` read as kept (on the GPU of a
+    CUDA server) and moved to the device only once ``run`` (``lstm_ops.forward`` or
+    ``backward``) has validated them; ``attrs(req)`` adds the op's own attributes;
+    every result becomes a field of ``response``."""
+
+    def handler(io: CallIO, req: Message) -> Message:
+        msgs = {field: getattr(req, field) for field in names}
+        result = run(
+            io.compute,
+            variant,
+            {field: io.input(msg, field, as_kept=True) for field, msg in msgs.items()},
+            io.input(req.seq_len_max, "seq_len_max"),
+            place=functools.partial(io.place, msgs),
+            use_peephole=req.use_peephole,
+            check=io.check_alive,
+            check_bytes=io.session.check_tensor_bytes,
+            **attrs(req),
+        )
+        resp = response()
+        for field, value in result._asdict().items():
+            io.output(value, getattr(resp, field), req.keep_outputs)
+        return resp
+
+    handler.__name__ = name
+    return handler
 
 
 def _lstm_forward(variant: lstm_ops.LSTMVariant):
-    def handler(io: CallIO, req) -> lstm_pb2.BlockLSTMResponse:
-        inputs, place = _lstm_inputs(io, req, lstm_ops.WEIGHTS)
-        out = lstm_ops.forward(
-            io.compute,
-            variant,
-            inputs,
-            io.input(req.seq_len_max, "seq_len_max"),
-            place=place,
-            use_peephole=req.use_peephole,
-            cell_clip=_attr(req, "cell_clip"),
-            forget_bias=_attr(req, "forget_bias"),
-            check=io.check_alive,
-            check_bytes=io.session.check_tensor_bytes,
-        )
-        resp = lstm_pb2.BlockLSTMResponse()
-        for name, value in out._asdict().items():
-            io.output(value, getattr(resp, name), req.keep_outputs)
-        return resp
-
-    handler.__name__ = variant.op
-    return handler
+    return _lstm_op(
+        variant,
+        variant.op,
+        lstm_ops.WEIGHTS,
+        lstm_ops.forward,
+        lstm_pb2.BlockLSTMResponse,
+        lambda req: {
+            "cell_clip": _attr(req, "cell_clip"),
+            "forget_bias": _attr(req, "forget_bias"),
+        },
+    )
 
 
 def _lstm_backward(variant: lstm_ops.LSTMVariant):
-    def handler(io: CallIO, req: lstm_pb2.BlockLSTMGradRequest) -> lstm_pb2.BlockLSTMGradResponse:
-        names = lstm_ops.WEIGHTS + lstm_ops.ACTIVATIONS + lstm_ops.OUTPUT_GRADS
-        inputs, place = _lstm_inputs(io, req, names)
-        grads = lstm_ops.backward(
-            io.compute,
-            variant,
-            inputs,
-            io.input(req.seq_len_max, "seq_len_max"),
-            place=place,
-            use_peephole=req.use_peephole,
-            check=io.check_alive,
-            check_bytes=io.session.check_tensor_bytes,
-        )
-        resp = lstm_pb2.BlockLSTMGradResponse()
-        for name, value in grads._asdict().items():
-            io.output(value, getattr(resp, name), req.keep_outputs)
-        return resp
-
-    handler.__name__ = variant.op + "Grad"
-    return handler
+    return _lstm_op(
+        variant,
+        variant.op + "Grad",
+        lstm_ops.WEIGHTS + lstm_ops.ACTIVATIONS + lstm_ops.OUTPUT_GRADS,
+        lstm_ops.backward,
+        lstm_pb2.BlockLSTMGradResponse,
+        lambda req: {},
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,7 @@ GOLDEN = pathlib.Path(__file__).parents[1] / "golden" / "lstm"
 INDEX = json.loads((GOLDEN / "lstm_index.json").read_text())
 INPUTS = ("x", "cs_prev", "h_prev", "w", "wci", "wcf", "wco", "b")
 OUTPUTS = ("i", "cs", "f", "o", "ci", "co", "h")
+OUTPUT_GRADS = ("cs_grad", "h_grad")  # the backward's inputs after the activations
 GRADS = (
     "x_grad",
     "cs_prev_grad",

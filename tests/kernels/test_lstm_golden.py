@@ -11,6 +11,7 @@ from tests.kernels.lstm_cases import (
     GRADS,
     INDEX,
     INPUTS,
+    OUTPUT_GRADS,
     OUTPUTS,
     TOLERANCE,
     UNINITIALISED_PAST_END,
@@ -45,7 +46,7 @@ def run_case(compute, d):
             use_peephole=bool(d["use_peephole"]),
         )
         grads = compute.lstm_backward(
-            *(d[k] for k in INPUTS + OUTPUTS + ("cs_grad", "h_grad")),
+            *(d[k] for k in INPUTS + OUTPUTS + OUTPUT_GRADS),
             seq_len_max=length,
             use_peephole=bool(d["use_peephole"]),
         )

@@ -19,7 +19,7 @@ from gradserve.errors import InvalidArgumentError
 from gradserve.kernels import backend_numpy, lstm
 from gradserve.server import run_server
 from tests.kernels import fake_cupy, shim_backend
-from tests.kernels.lstm_cases import GRADS, INPUTS, OUTPUTS, random_case
+from tests.kernels.lstm_cases import GRADS, INPUTS, OUTPUT_GRADS, OUTPUTS, random_case
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_forward_kept_and_backward_by_id_copy_only_wire_tensors(cuda_client):
     grads = client.raw_ops.BlockLSTMGradV2(
         *ARGS, *kept, CASE["cs_grad"], CASE["h_grad"], use_peephole=True
     )
-    inline = [CASE[k] for k in (*INPUTS, "cs_grad", "h_grad")]
+    inline = [CASE[k] for k in (*INPUTS, *OUTPUT_GRADS)]
     assert shapes(fake.transfers["to_device"]) == shapes((a.shape, 0) for a in inline)
     assert shapes(fake.transfers["to_host"]) == shapes((g.shape, 0) for g in want_grads)
     for k in GRADS:

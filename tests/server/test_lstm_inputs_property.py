@@ -21,12 +21,10 @@ from gradserve.kernels import backend_numpy, lstm
 from gradserve.server import run_server
 from tests.conftest import DEVICE
 from tests.kernels import fake_cupy, shim_backend
-from tests.kernels.lstm_cases import GRADS, INPUTS, OUTPUTS, scaled_error
+from tests.kernels.lstm_cases import GRADS, INPUTS, OUTPUT_GRADS, OUTPUTS, scaled_error
 
 FLOATS = (np.float16, np.float32, np.float64)
 TOLERANCE = {np.float16: 1e-2, np.float32: 1e-5, np.float64: 1e-12}
-ACTIVATIONS = OUTPUTS
-OUTPUT_GRADS = ("cs_grad", "h_grad")
 
 
 @pytest.fixture(scope="module", params=["test-server", "cuda-stand-in"])
@@ -60,7 +58,7 @@ def calls(draw):
         "b": (4 * units,),
     }
     if backward:
-        shapes.update({k: (steps, batch, units) for k in ACTIVATIONS + OUTPUT_GRADS})
+        shapes.update({k: (steps, batch, units) for k in OUTPUTS + OUTPUT_GRADS})
     dtypes = dict.fromkeys(shapes, dtype)
     wrong = None
     fault = draw(st.sampled_from(["none"] * 6 + ["dtype", "shape", "length"]))
@@ -96,7 +94,7 @@ def calls(draw):
 def reference(backward, length, inputs, attrs):
     host = [inputs[k] for k in INPUTS]
     if backward:
-        extra = [inputs[k] for k in ACTIVATIONS + OUTPUT_GRADS]
+        extra = [inputs[k] for k in OUTPUTS + OUTPUT_GRADS]
         return lstm.block_lstm_backward(
             backend_numpy, *host, *extra, seq_len_max=int(length), **attrs
         )
@@ -115,7 +113,7 @@ def test_valid_calls_match_numpy_and_invalid_ones_are_refused(served, call):
         refs = {k: client.put(v) for k, v in inputs.items() if by_id[k]}
         args = {k: refs.get(k, v) for k, v in inputs.items()}
         op = client.raw_ops.BlockLSTMGradV2 if backward else client.raw_ops.BlockLSTMV2
-        names = INPUTS + (ACTIVATIONS + OUTPUT_GRADS if backward else ())
+        names = INPUTS + (OUTPUTS + OUTPUT_GRADS if backward else ())
         session = served.store.get(client.session_id)
         if wrong is not None:
             with pytest.raises(InvalidArgumentError):

@@ -17,6 +17,7 @@ from tests.kernels.lstm_cases import (
     GRADS,
     INDEX,
     INPUTS,
+    OUTPUT_GRADS,
     OUTPUTS,
     TOLERANCE,
     UNINITIALISED_PAST_END,
@@ -107,7 +108,7 @@ def test_round_trip_moves_no_activations(target):
     nbytes = lambda names: sum(case[k].nbytes for k in names)  # noqa: E731
     payload = (
         2 * nbytes(INPUTS)  # x, states and weights, in both calls
-        + nbytes(("cs_grad", "h_grad"))  # output gradients
+        + nbytes(OUTPUT_GRADS)  # output gradients
         + sum(g.nbytes for g in grads)
     )  # results
     activations = 7 * steps * batch * units * 4
