@@ -1,4 +1,10 @@
-"""LSTM test inputs: the TensorFlow golden cases and random cases, and how to compare."""
+"""LSTM test inputs: the TensorFlow golden cases and random cases, and how to compare.
+
+Golden cases come from two folders: ``golden/lstm`` (the shared BlockLSTMV2 recordings)
+and ``golden/lstm_v1`` (BlockLSTM / BlockLSTMGrad, recorded by
+``golden/record_lstm_v1.py``). Each index entry names its ``op``; ``forward_attrs`` and
+``backward_attrs`` turn a case into the keyword arguments of ``kernels.lstm``.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +13,17 @@ import pathlib
 
 import numpy as np
 
-GOLDEN = pathlib.Path(__file__).parents[1] / "golden" / "lstm"
-INDEX = json.loads((GOLDEN / "lstm_index.json").read_text())
+from gradserve.kernels import lstm
+
+GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
+_V2_INDEX = json.loads((GOLDEN / "lstm" / "lstm_index.json").read_text())
+_V1_INDEX = json.loads((GOLDEN / "lstm_v1" / "lstm_v1_index.json").read_text())["cases"]
+#: Every golden case: name, op, sizes, attributes, dtype.
+INDEX = [{"op": "BlockLSTMV2", "forget_bias": 0.0, **c} for c in _V2_INDEX] + _V1_INDEX
+_FOLDER = {"BlockLSTMV2": GOLDEN / "lstm", "BlockLSTM": GOLDEN / "lstm_v1"}
+_OPS = {c["name"]: c["op"] for c in INDEX}
+LAYOUT = {"BlockLSTMV2": lstm.GateLayout.IFCO, "BlockLSTM": lstm.GateLayout.ICFO}
+GRAD_OP = {"BlockLSTMV2": "BlockLSTMGradV2", "BlockLSTM": "BlockLSTMGrad"}
 INPUTS = ("x", "cs_prev", "h_prev", "w", "wci", "wcf", "wco", "b")
 OUTPUTS = ("i", "cs", "f", "o", "ci", "co", "h")
 OUTPUT_GRADS = ("cs_grad", "h_grad")  # the backward's inputs after the activations
@@ -27,9 +42,32 @@ UNINITIALISED_PAST_END = ("i", "f", "o", "ci", "co")
 TOLERANCE = {"float16": 2e-2, "float32": 5e-5, "float64": 1e-12}
 
 
-def golden(name: str) -> dict[str, np.ndarray]:
-    with np.load(GOLDEN / f"{name}.npz") as data:
-        return {k: data[k] for k in data.files}
+def golden(name: str) -> dict:
+    """A case's arrays and attributes, plus its ``op`` (and ``forget_bias`` 0 for V2)."""
+    op = _OPS[name]
+    with np.load(_FOLDER[op] / f"{name}.npz") as data:
+        case = {k: data[k] for k in data.files}
+    case.setdefault("forget_bias", np.float32(0.0))
+    case["op"] = op
+    return case
+
+
+def backward_attrs(case: dict) -> dict:
+    """The keyword arguments of ``lstm.block_lstm_backward`` for a golden case."""
+    return {
+        "seq_len_max": int(case["seq_len_max"]),
+        "use_peephole": bool(case["use_peephole"]),
+        "layout": LAYOUT[case["op"]],
+    }
+
+
+def forward_attrs(case: dict) -> dict:
+    """The keyword arguments of ``lstm.block_lstm_forward`` for a golden case."""
+    return {
+        **backward_attrs(case),
+        "cell_clip": float(case["cell_clip"]),
+        "forget_bias": float(case["forget_bias"]),
+    }
 
 
 def scaled_error(got: np.ndarray, want: np.ndarray) -> float:

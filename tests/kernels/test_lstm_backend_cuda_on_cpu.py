@@ -19,6 +19,7 @@ from tests.kernels.lstm_cases import (
     INDEX,
     INPUTS,
     OUTPUTS,
+    forward_attrs,
     golden,
     random_case,
     scaled_error,
@@ -59,9 +60,11 @@ def run(backend, case, length, peep, layout=lstm.GateLayout.IFCO, clip=0.0, bias
 @pytest.mark.parametrize("name", [c["name"] for c in INDEX])
 def test_golden_cases_match_numpy(backend_cuda, name):
     d = golden(name)
-    length, peep = int(d["seq_len_max"]), bool(d["use_peephole"])
-    got = run(backend_cuda, d, length, peep, clip=float(d["cell_clip"]))
-    want = run(backend_numpy, d, length, peep, clip=float(d["cell_clip"]))
+    attrs = forward_attrs(d)
+    args = (attrs["seq_len_max"], attrs["use_peephole"], attrs["layout"])
+    clip, bias = attrs["cell_clip"], attrs["forget_bias"]
+    got = run(backend_cuda, d, *args, clip=clip, bias=bias)
+    want = run(backend_numpy, d, *args, clip=clip, bias=bias)
     # Both compute in float32 but round differently (std::tanh vs NumPy's SIMD tanh)
     # over 20 steps; a float16 result may then land one float16 ulp (2^-11
     # relative) apart. float64 below is exact.
@@ -90,3 +93,16 @@ def test_module_compiled_once_with_every_instantiation(backend_cuda):
     assert fake.compiled[0]["names"] == cuda_source.name_expressions()
     # Each kernel is looked up once, not on every time step of every call above.
     assert sorted(fake.lookups) == sorted(set(fake.lookups))
+
+
+@pytest.mark.parametrize("sizes", [(0, 2, 3, 4), (3, 0, 3, 4), (3, 2, 0, 4), (3, 2, 3, 0)])
+def test_zero_size_dimensions_match_numpy(backend_cuda, sizes):
+    steps, batch, inputs, units = sizes
+    case = random_case(
+        np.random.default_rng(2), steps=steps, batch=batch, inputs=inputs, units=units
+    )
+    got = run(backend_cuda, case, steps, True)
+    want = run(backend_numpy, case, steps, True)
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-13)

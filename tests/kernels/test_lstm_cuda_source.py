@@ -12,7 +12,10 @@ from tests.kernels.lstm_cases import (
     GRADS,
     INDEX,
     INPUTS,
+    OUTPUT_GRADS,
     OUTPUTS,
+    backward_attrs,
+    forward_attrs,
     golden,
     random_case,
     scaled_error,
@@ -48,25 +51,13 @@ def both(fn, *backends):
 @pytest.mark.parametrize("name", [c["name"] for c in INDEX if c["dtype"] != "float16"])
 def test_host_shim_matches_numpy_on_golden_cases(shim, name):
     d = golden(name)
-    length, peep = int(d["seq_len_max"]), bool(d["use_peephole"])
 
     def fwd(b):
-        return lstm.block_lstm_forward(
-            b,
-            *(d[k] for k in INPUTS),
-            seq_len_max=length,
-            cell_clip=float(d["cell_clip"]),
-            use_peephole=peep,
-        )
+        return lstm.block_lstm_forward(b, *(d[k] for k in INPUTS), **forward_attrs(d))
 
     def bwd(b):
         return lstm.block_lstm_backward(
-            b,
-            *(d[k] for k in INPUTS + OUTPUTS),
-            d["cs_grad"],
-            d["h_grad"],
-            seq_len_max=length,
-            use_peephole=peep,
+            b, *(d[k] for k in INPUTS + OUTPUTS + OUTPUT_GRADS), **backward_attrs(d)
         )
 
     (got, want), (ggot, gwant) = both(fwd, shim, backend_numpy), both(bwd, shim, backend_numpy)

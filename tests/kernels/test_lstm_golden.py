@@ -1,4 +1,5 @@
-"""Every TensorFlow 2.21 golden case, on the NumPy path and on the CUDA path (gpu twin)."""
+"""Every TensorFlow 2.21 golden case (BlockLSTMV2 and BlockLSTM), on the NumPy path and on
+the CUDA path (gpu twin)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from tests.kernels.lstm_cases import (
     OUTPUTS,
     TOLERANCE,
     UNINITIALISED_PAST_END,
+    backward_attrs,
+    forward_attrs,
     golden,
     scaled_error,
 )
@@ -37,18 +40,10 @@ def compute(request):
 
 def run_case(compute, d):
     """Forward and backward; with CUDA graphs each runs twice, the second a replay."""
-    length = int(d["seq_len_max"])
     for _ in range(2 if compute.graphs is not None else 1):
-        out = compute.lstm_forward(
-            *(d[k] for k in INPUTS),
-            seq_len_max=length,
-            cell_clip=float(d["cell_clip"]),
-            use_peephole=bool(d["use_peephole"]),
-        )
+        out = compute.lstm_forward(*(d[k] for k in INPUTS), **forward_attrs(d))
         grads = compute.lstm_backward(
-            *(d[k] for k in INPUTS + OUTPUTS + OUTPUT_GRADS),
-            seq_len_max=length,
-            use_peephole=bool(d["use_peephole"]),
+            *(d[k] for k in INPUTS + OUTPUTS + OUTPUT_GRADS), **backward_attrs(d)
         )
     if compute.graphs is not None:
         assert compute.graphs.replays >= 2, "the second forward and backward were replays"

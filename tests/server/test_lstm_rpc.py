@@ -14,6 +14,7 @@ from gradserve.kernels import backend_numpy, lstm
 from gradserve.kernels.compute import Compute
 from gradserve.server.ops import lstm_ops
 from tests.kernels.lstm_cases import (
+    GRAD_OP,
     GRADS,
     INDEX,
     INPUTS,
@@ -32,46 +33,25 @@ def test_golden_over_rpc_with_resident_activations(client, name):
     d = golden(name)
     tol, length = TOLERANCE[str(d["x"].dtype)], int(d["seq_len_max"])
     args = [d["seq_len_max"], *(d[k] for k in INPUTS)]
-    kept = client.raw_ops.BlockLSTMV2(
-        *args, cell_clip=float(d["cell_clip"]), use_peephole=bool(d["use_peephole"]), keep=True
+    # Attributes at the op's default are left out, so the SDK's defaults meet TF's too.
+    defaults = (
+        {"cell_clip": 3.0, "forget_bias": 1.0} if d["op"] == "BlockLSTM" else {"cell_clip": 0.0}
+    )
+    attrs = {k: float(d[k]) for k in defaults if float(d[k]) != defaults[k]}
+    kept = getattr(client.raw_ops, d["op"])(
+        *args, **attrs, use_peephole=bool(d["use_peephole"]), keep=True
     )
     assert all(isinstance(v, gradserve.TensorRef) for v in kept)
     for k in OUTPUTS:
         got = getattr(kept, k).numpy()
         end = length if k in UNINITIALISED_PAST_END else None
         assert scaled_error(got[:end], d[k][:end]) < tol, k
-    grads = client.raw_ops.BlockLSTMGradV2(
+    grads = getattr(client.raw_ops, GRAD_OP[d["op"]])(
         *args, *kept, d["cs_grad"], d["h_grad"], use_peephole=bool(d["use_peephole"])
     )
     for k in GRADS:
         assert getattr(grads, k).dtype == d[k].dtype
         assert scaled_error(getattr(grads, k), d[k]) < tol, k
-
-
-def test_v1_ops_are_the_icfo_layout_with_forget_bias(client):
-    case = random_case(
-        np.random.default_rng(5), steps=3, batch=2, inputs=3, units=4, dtype=np.float32
-    )
-    args = [case["seq_len_max"], *(case[k] for k in INPUTS)]
-    out = client.raw_ops.BlockLSTM(*args, use_peephole=True)  # forget_bias 1, cell_clip 3
-    want = lstm.block_lstm_forward(
-        backend_numpy,
-        *(case[k] for k in INPUTS),
-        seq_len_max=3,
-        forget_bias=1.0,
-        cell_clip=3.0,
-        use_peephole=True,
-        layout=lstm.GateLayout.ICFO,
-    )
-    for k in OUTPUTS:
-        np.testing.assert_array_equal(getattr(out, k), getattr(want, k))
-    grads = client.raw_ops.BlockLSTMGrad(
-        *args, *out, case["cs_grad"], case["h_grad"], use_peephole=True
-    )
-    v2 = client.raw_ops.BlockLSTMGradV2(
-        *args, *out, case["cs_grad"], case["h_grad"], use_peephole=True
-    )
-    assert not np.allclose(grads.w_grad, v2.w_grad)  # the layout really differs
 
 
 class ByteCounter(grpc.UnaryUnaryClientInterceptor):
@@ -216,3 +196,42 @@ def test_out_of_memory_is_resource_exhausted_and_server_survives(client, server,
     assert server.store.get(client.session_id).stats()["bytes"] == 0
     monkeypatch.undo()
     assert client.raw_ops.BlockLSTMV2(*args).h.shape == case["h_grad"].shape
+
+
+@pytest.mark.parametrize("empty", ["T", "B", "I", "H"])
+def test_zero_size_dimensions(client, empty):
+    """An empty T, B, I or H is a valid call with exact results. TensorFlow 2.21 returns
+    uninitialised memory for w_grad when B = 0 and for x_grad when H = 0 (seen by hand);
+    ours are the true gradients: sums over nothing, zero."""
+    sizes = {"T": 3, "B": 2, "I": 3, "H": 4, empty: 0}
+    case = random_case(
+        np.random.default_rng(4), steps=sizes["T"], batch=sizes["B"], inputs=sizes["I"],
+        units=sizes["H"], dtype=np.float32,
+    )  # fmt: skip
+    args = [case["seq_len_max"], *(case[k] for k in INPUTS)]
+    out = client.raw_ops.BlockLSTMV2(*args, use_peephole=True)
+    grads = client.raw_ops.BlockLSTMGradV2(
+        *args, *out, case["cs_grad"], case["h_grad"], use_peephole=True
+    )
+    if empty == "I":
+        # x then adds nothing to the gates: the same as one input column of zeros.
+        padded = dict(case, x=np.zeros((3, 2, 1), np.float32))
+        padded["w"] = np.concatenate([np.ones((1, 16), np.float32), case["w"]])
+        want_out = lstm.block_lstm_forward(
+            backend_numpy, *(padded[k] for k in INPUTS), seq_len_max=3, use_peephole=True
+        )
+        want = lstm.block_lstm_backward(
+            backend_numpy, *(padded[k] for k in INPUTS), *want_out, case["cs_grad"],
+            case["h_grad"], seq_len_max=3, use_peephole=True,
+        )._replace(x_grad=np.zeros((3, 2, 0), np.float32))  # fmt: skip
+        want = want._replace(w_grad=want.w_grad[1:])
+        for k in OUTPUTS:
+            np.testing.assert_allclose(getattr(out, k), getattr(want_out, k), rtol=1e-6)
+        assert np.abs(want.w_grad).max() > 0  # the comparison below is not of zeros
+    else:
+        want = lstm.LSTMGrads(*(np.zeros_like(case[k]) for k in INPUTS))
+        for k in OUTPUTS:
+            assert getattr(out, k).shape == (sizes["T"], sizes["B"], sizes["H"])
+    for k, got in grads._asdict().items():
+        assert got.dtype == np.float32 and got.shape == getattr(want, k).shape, k
+        np.testing.assert_allclose(got, getattr(want, k), rtol=1e-6, atol=1e-7, err_msg=k)
