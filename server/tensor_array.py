@@ -227,8 +227,18 @@ class TensorArray:
             for i, index in enumerate(indices):
                 self._write_locked(int(index), value[i])
 
-    def split(self, lengths: Sequence[int], value: np.ndarray) -> None:
-        """TensorArraySplitV3: consecutive row blocks of ``value`` to indices 0..n-1."""
+    def split(
+        self,
+        lengths: Sequence[int],
+        value: np.ndarray,
+        before_write: Callable[[], None] | None = None,
+    ) -> None:
+        """TensorArraySplitV3: consecutive row blocks of ``value`` to indices 0..n-1.
+
+        ``before_write`` (the op's dtype check) runs after the size check, where
+        TensorFlow's split op checks the dtype, so a call wrong in both ways gets
+        TensorFlow's error.
+        """
         with self._atomic():
             self._check_open()
             n = len(lengths)
@@ -240,6 +250,8 @@ class TensorArray:
                     f"TensorArray's size is not equal to the size of lengths ({size} vs. "
                     f"{n}), and the TensorArray is not marked as dynamically resizeable"
                 )
+            if before_write is not None:
+                before_write()
             if not self.is_grad:
                 self._marked_size = n
             start = 0
@@ -327,7 +339,8 @@ class TensorArray:
         it raises, the array is left as it was.
         """
         with self._atomic():
-            self._check_open()
+            # As TensorFlow: a gather of no indices reads nothing, so it succeeds (or
+            # fails on the shape) even on a closed array.
             self._element_shape = shapes.merge(self._element_shape, element_shape)
             if len(indices) == 0:
                 if not shapes.is_fully_defined(element_shape):
@@ -338,6 +351,7 @@ class TensorArray:
                         "TensorArrays."
                     )
                 return self._zeros((0, *element_shape))
+            self._check_open()
             values = self._read_many(indices, check)
             first = values[0].shape
             if not shapes.is_compatible(element_shape, first):

@@ -138,8 +138,7 @@ def split(session: Session, handle: str, value: np.ndarray, lengths: np.ndarray)
             f"{sum(n)} and value's shape is: {shapes.debug_string(value.shape)}",
             field="lengths",
         )
-    _check_write_dtype(ta, value)
-    ta.split(n, value)
+    ta.split(n, value, before_write=lambda: _check_write_dtype(ta, value))
 
 
 def size(session: Session, handle: str) -> np.ndarray:

@@ -1,8 +1,12 @@
 """Every TensorArray trace recorded from TensorFlow 2.21, replayed through a real server.
 
+The 21 shared traces (``tensor_array_traces.json``) and 400 random ones
+(``tensor_array_traces_random.json``, recorded by ``record_tensor_array_traces.py``).
 Each step's value must match exactly (dtype, shape, bytes) and each error must
 be the same TensorFlow error class with the same message (array names and
-TensorFlow's op-location wrapping normalised away).
+TensorFlow's op-location wrapping normalised away). Where TensorFlow killed its own
+process (``tf_crashed``), ours must answer, with a result or a typed error, and the
+session must go on serving.
 """
 
 from __future__ import annotations
@@ -16,9 +20,12 @@ import pytest
 
 from gradserve import errors
 
-TRACES = json.loads(
-    (pathlib.Path(__file__).parents[1] / "golden" / "tensor_array_traces.json").read_text()
-)["traces"]
+GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
+TRACES = {
+    name: steps
+    for file in ("tensor_array_traces.json", "tensor_array_traces_random.json")
+    for name, steps in json.loads((GOLDEN / file).read_text())["traces"].items()
+}
 
 
 def tensor_arg(spec: dict) -> np.ndarray:
@@ -59,6 +66,13 @@ def test_trace(client, name):
         op = getattr(client.raw_ops, step["op"])
         expect = step["expect"]
         kwargs = resolve(step["args"], env)
+        if "tf_crashed" in expect:
+            try:
+                op(**kwargs)
+            except errors.GradserveError:
+                pass
+            assert client.raw_ops.StopGradient(input=np.float32(2.5)) == 2.5  # still serving
+            return
         if "error" in expect:
             error_class = getattr(errors, expect["error"])
             with pytest.raises(error_class) as info:

@@ -189,6 +189,29 @@ def test_grad_soft_copy_reads_zeros_of_forward_shape():
         grad.read(1)  # never written forward: shape unknown
 
 
+def test_grad_concat_of_unwritten_elements_is_zeros():
+    """TensorFlow 2.21 kills its process here (SIGSEGV, seen by hand and in
+    record_tensor_array_traces.py); a grad array's unwritten elements of a known shape
+    are zeros for Concat as for Read and Gather."""
+    fwd = make(size=2, element_shape=(1, 2))
+    grad = fwd.make_grad(name="g")
+    grad.write(1, np.array([[3, 4]], F32))
+    value, lengths = grad.concat(None)
+    np.testing.assert_array_equal(value, [[0, 0], [3, 4]])
+    assert value.dtype == F32 and lengths.tolist() == [1, 1]
+
+
+def test_gather_of_no_indices_ignores_close():
+    """As TensorFlow: a gather of nothing reads nothing, so a closed array answers."""
+    ta = make(size=0)
+    ta.close()
+    assert ta.gather([], (2,)).shape == (0, 2)
+    with pytest.raises(UnimplementedError):
+        ta.gather([], None)
+    with pytest.raises(InvalidArgumentError, match="already been closed"):
+        ta.gather([0], (2,))
+
+
 def test_grad_with_shape_prepends():
     fwd = make(size=1, element_shape=(3,))
     fwd.write(0, v(1, 2, 3))

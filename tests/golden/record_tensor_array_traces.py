@@ -1,0 +1,288 @@
+"""Record random TensorArray traces from TensorFlow into ``tensor_array_traces_random.json``.
+
+The shared ``tensor_array_traces.json`` holds 21 hand-written traces. This script adds
+a few of its own (``CURATED``) and a few hundred random ones (seeded, so a re-recording
+reproduces them): op sequences
+over a forward array and its grad arrays that are mostly valid, with an occasional
+wrong index, dtype or shape, in the same format, so that ``test_golden_traces``
+replays them all. TensorFlow is never a dependency of gradserve: install it by hand to
+re-record, e.g.
+
+    python3 -m venv /tmp/tf && /tmp/tf/bin/pip install "tensorflow-cpu==2.21.*" numpy
+    /tmp/tf/bin/python tests/golden/record_tensor_array_traces.py
+
+TensorFlow 2.21 kills its own process (SIGSEGV) on some sequences, e.g. a Concat of a
+grad array with unwritten elements. Each trace therefore runs in a worker process that
+reports every step before it runs it; where the worker dies, the trace ends with that
+step, marked ``{"tf_crashed": true}`` in place of an expectation.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+
+OUT = pathlib.Path(__file__).parent / "tensor_array_traces_random.json"
+SEED = 2026
+TRACES = 400
+DTYPES = ["float32", "float32", "int32", "float64"]
+ELEMENT_SHAPES = [None, [2], [None], [2, None], [], [0], [1, 2]]
+
+
+def _tensor(a: np.ndarray) -> dict:
+    return {"array": a.tolist(), "dtype": a.dtype.name, "shape": list(a.shape)}
+
+
+class _TraceMaker:
+    """One random trace: a forward array, then ops on it and on its grad arrays."""
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self.rng = rng
+        self.dtype = str(rng.choice(DTYPES))
+        self.size = int(rng.integers(0, 4))
+        self.element_shape = ELEMENT_SHAPES[rng.integers(len(ELEMENT_SHAPES))]
+        # The element shape most writes use: the declared one, unknown dims as 3.
+        declared = self.element_shape
+        self.value_shape = (
+            (2,) if declared is None else tuple(3 if d is None else d for d in declared)
+        )
+        self.arrays = [("ta", "f")]
+        self.grads = 0
+        # A rough model, so that most steps are valid and traces get long: the
+        # forward's written indices (a second write fails there; grads sum).
+        self.written: set[int] = set()
+
+    def odd(self, p: float = 0.04) -> bool:
+        return bool(self.rng.random() < p)
+
+    def value(self, rows: tuple = (), shape: tuple | None = None) -> np.ndarray:
+        shape = self.value_shape if shape is None else shape
+        if self.odd():
+            shape = [(3,), (), (2, 2), (0,)][self.rng.integers(4)]
+        dtype = "int64" if self.odd() else self.dtype
+        return self.rng.integers(-5, 6, size=rows + tuple(shape)).astype(dtype)
+
+    def index(self, handle: str = "", fresh: bool = False) -> int:
+        """An index in range; for a write to the forward, one not written yet."""
+        if self.odd():
+            return int(self.rng.choice([-1, self.size, self.size + 2]))
+        choices = range(max(self.size, 1))
+        if fresh and handle == "ta":
+            choices = [i for i in choices if i not in self.written] or [self.size]
+        index = int(self.rng.choice(list(choices)))
+        if fresh and handle == "ta":
+            self.written.add(index)
+        return index
+
+    def shape_arg(self, base) -> list | None:
+        if self.odd(0.1):
+            return [[3], [None], None, [1, 2]][self.rng.integers(4)]
+        return None if base is None else list(base)
+
+    def steps(self) -> list[dict]:
+        rng = self.rng
+        steps = [{
+            "op": "TensorArrayV3",
+            "args": {
+                "size": self.size, "dtype": self.dtype, "element_shape": self.element_shape,
+                "dynamic_size": bool(rng.integers(2)), "clear_after_read": bool(rng.integers(2)),
+                "identical_element_shapes": bool(rng.integers(2)), "tensor_array_name": "ta",
+            },
+            "out": ["ta", "f"],
+        }]  # fmt: skip
+        ops = [self.write, self.read, self.gather, self.scatter, self.concat, self.split,
+               self.size_op, self.grad, self.close]  # fmt: skip
+        weights = np.array([30, 18, 10, 6, 6, 3, 5, 12, 2], float)
+        for _ in range(int(rng.integers(2, 16))):
+            handle, flow = self.arrays[rng.integers(len(self.arrays))]
+            steps.append(ops[rng.choice(len(ops), p=weights / weights.sum())](handle, flow))
+        return steps
+
+    def read_dtype(self) -> str:
+        return "int64" if self.odd() else self.dtype
+
+    def write(self, h: str, f: str) -> dict:
+        args = {"handle": f"${h}", "index": self.index(h, fresh=True),
+                "value": _tensor(self.value()), "flow_in": f"${f}"}  # fmt: skip
+        return {"op": "TensorArrayWriteV3", "args": args, "out": [f]}
+
+    def read(self, h: str, f: str) -> dict:
+        args = {"handle": f"${h}", "index": self.index(), "flow_in": f"${f}",
+                "dtype": self.read_dtype()}  # fmt: skip
+        return {"op": "TensorArrayReadV3", "args": args}
+
+    def gather(self, h: str, f: str) -> dict:
+        indices = np.array([self.index() for _ in range(self.rng.integers(0, 4))], np.int32)
+        args = {"handle": f"${h}", "indices": _tensor(indices), "flow_in": f"${f}",
+                "dtype": self.read_dtype(), "element_shape": self.shape_arg(self.value_shape)}  # fmt: skip
+        return {"op": "TensorArrayGatherV3", "args": args}
+
+    def scatter(self, h: str, f: str) -> dict:
+        count = self.rng.integers(0, 4)
+        indices = np.array([self.index(h, fresh=True) for _ in range(count)], np.int32)
+        rows = len(indices) + (1 if self.odd() else 0)
+        args = {"handle": f"${h}", "indices": _tensor(indices),
+                "value": _tensor(self.value((rows,))), "flow_in": f"${f}"}  # fmt: skip
+        return {"op": "TensorArrayScatterV3", "args": args, "out": [f]}
+
+    def concat(self, h: str, f: str) -> dict:
+        args = {"handle": f"${h}", "flow_in": f"${f}", "dtype": self.read_dtype(),
+                "element_shape_except0": self.shape_arg(self.value_shape[1:])}  # fmt: skip
+        return {"op": "TensorArrayConcatV3", "args": args}
+
+    def split(self, h: str, f: str) -> dict:
+        n = self.size if not self.odd(0.1) else int(self.rng.integers(0, 4))
+        if h == "ta":
+            self.written.update(range(n))
+        lengths = self.rng.integers(0, 3, size=n).astype(np.int64)
+        rows = int(lengths.sum()) + (1 if self.odd() else 0)
+        # Each element is a block of rows: value_shape with its first dim replaced.
+        value = self.value((rows,), self.value_shape[1:])
+        args = {"handle": f"${h}", "value": _tensor(value), "lengths": _tensor(lengths),
+                "flow_in": f"${f}"}  # fmt: skip
+        return {"op": "TensorArraySplitV3", "args": args, "out": [f]}
+
+    def size_op(self, h: str, f: str) -> dict:
+        return {"op": "TensorArraySizeV3", "args": {"handle": f"${h}", "flow_in": f"${f}"}}
+
+    def close(self, h: str, f: str) -> dict:
+        return {"op": "TensorArrayCloseV3", "args": {"handle": f"${h}"}}
+
+    def grad(self, h: str, f: str) -> dict:
+        grad = f"g{self.grads}"
+        self.grads += 1
+        self.arrays.append((grad, grad + "f"))
+        source = ["gradients", "other"][self.rng.integers(2)]
+        args = {"handle": "$ta", "flow_in": "$f", "source": source}
+        return {"op": "TensorArrayGradV3", "args": args, "out": [grad, grad + "f"]}
+
+
+def _create(size: int, element_shape) -> dict:
+    args = {"size": size, "dtype": "float32", "element_shape": element_shape,
+            "dynamic_size": False, "clear_after_read": True,
+            "identical_element_shapes": False, "tensor_array_name": "ta"}  # fmt: skip
+    return {"op": "TensorArrayV3", "args": args, "out": ["ta", "f"]}
+
+
+#: Hand-made traces for differences the random ones found (ours once differed there).
+CURATED = {
+    # Split checks the size against len(lengths) before the dtype.
+    "split_size_checked_before_dtype": [
+        _create(2, None),
+        {"op": "TensorArraySplitV3", "args": {
+            "handle": "$ta", "value": _tensor(np.arange(3, dtype=np.int64)),
+            "lengths": _tensor(np.array([3], np.int64)), "flow_in": "$f"}},
+    ],
+    # A gather of no indices reads nothing: a closed array answers it.
+    "gather_nothing_from_closed": [
+        _create(0, [2]),
+        {"op": "TensorArrayCloseV3", "args": {"handle": "$ta"}},
+        {"op": "TensorArrayGatherV3", "args": {
+            "handle": "$ta", "indices": _tensor(np.zeros(0, np.int32)), "flow_in": "$f",
+            "dtype": "float32", "element_shape": [2]}},
+        {"op": "TensorArrayGatherV3", "args": {
+            "handle": "$ta", "indices": _tensor(np.zeros(0, np.int32)), "flow_in": "$f",
+            "dtype": "float32", "element_shape": None}},
+    ],
+}  # fmt: skip
+
+
+def make_traces(seed: int, count: int) -> dict[str, list[dict]]:
+    rng = np.random.default_rng(seed)
+    traces = dict(CURATED)
+    for k in range(count):
+        traces[f"random_{k:03d}"] = _TraceMaker(rng).steps()
+    return traces
+
+
+def run_step(tf, step: dict, env: dict) -> dict:
+    """One step in TensorFlow eagerly; its expectation in the golden format."""
+    args = {}
+    for key, value in step["args"].items():
+        if isinstance(value, str) and value.startswith("$"):
+            args[key] = env[value[1:]]
+        elif isinstance(value, dict):
+            args[key] = tf.constant(
+                np.asarray(value["array"], dtype=value["dtype"]).reshape(value["shape"])
+            )
+        elif key == "dtype":
+            args[key] = tf.as_dtype(value)
+        elif key in ("element_shape", "element_shape_except0"):
+            args[key] = tf.TensorShape(value)
+        else:
+            args[key] = value
+    try:
+        result = getattr(tf.raw_ops, step["op"])(**args)
+    except tf.errors.OpError as e:
+        return {"error": type(e).__name__, "message": e.message}
+    outs = step.get("out", [])
+    results = list(result) if isinstance(result, (list, tuple)) else [result]
+    env.update(zip(outs, results))
+    if step["op"] == "TensorArrayConcatV3":
+        value, lengths = result
+        return {"value": value.numpy().tolist(), "dtype": value.dtype.name,
+                "shape": list(value.shape), "lengths": lengths.numpy().tolist()}  # fmt: skip
+    if step["op"] in ("TensorArrayReadV3", "TensorArrayGatherV3", "TensorArraySizeV3"):
+        return {"value": result.numpy().tolist(), "dtype": result.dtype.name,
+                "shape": list(result.shape)}  # fmt: skip
+    return {"ok": True}
+
+
+def worker() -> None:
+    """Reads traces (one JSON list per line) on stdin; prints each step's expectation
+    as it completes, so the parent knows how far a trace got if this process dies."""
+    import tensorflow as tf
+
+    for line in sys.stdin:
+        env: dict = {}
+        for step in json.loads(line):
+            expect = run_step(tf, step, env)
+            print(json.dumps(expect), flush=True)
+            if "error" in expect:
+                break
+        print("END", flush=True)
+
+
+def record(traces: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    recorded: dict[str, list[dict]] = {}
+    proc = None
+    for name, steps in traces.items():
+        if proc is None:
+            proc = subprocess.Popen(
+                [sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            )  # fmt: skip
+        proc.stdin.write(json.dumps(steps) + "\n")
+        proc.stdin.flush()
+        done = []
+        for line in proc.stdout:
+            if line.strip() == "END":
+                break
+            done.append({**steps[len(done)], "expect": json.loads(line)})
+        else:  # the worker died inside this trace, at step len(done)
+            done.append({**steps[len(done)], "expect": {"tf_crashed": True}})
+            proc.wait()
+            proc = None
+        recorded[name] = done
+    if proc is not None:
+        proc.stdin.close()
+        proc.wait()
+    return recorded
+
+
+def main() -> None:
+    import tensorflow as tf
+
+    recorded = record(make_traces(SEED, TRACES))
+    crashed = sum("tf_crashed" in t[-1]["expect"] for t in recorded.values())
+    meta = {"recorded_with": f"tensorflow {tf.__version__}", "seed": SEED, "traces": recorded}
+    OUT.write_text(json.dumps(meta, separators=(",", ":")) + "\n")
+    print(f"{len(recorded)} traces ({crashed} crashed TensorFlow) written to {OUT}")
+
+
+if __name__ == "__main__":
+    worker() if sys.argv[1:] == ["--worker"] else main()
