@@ -205,7 +205,7 @@ def _lstm_forward(variant: lstm_ops.LSTMVariant):
 def _lstm_backward(variant: lstm_ops.LSTMVariant):
     return _lstm_op(
         variant,
-        variant.op + "Grad",
+        variant.grad_op,
         lstm_ops.WEIGHTS + lstm_ops.ACTIVATIONS + lstm_ops.OUTPUT_GRADS,
         lstm_ops.backward,
         lstm_pb2.BlockLSTMGradResponse,

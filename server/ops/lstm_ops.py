@@ -30,13 +30,16 @@ class LSTMVariant:
     """What differs between BlockLSTM (V1) and BlockLSTMV2: layout and attribute defaults."""
 
     op: str
+    grad_op: str
     layout: lstm.GateLayout
     forget_bias: float
     cell_clip: float
 
 
-V2 = LSTMVariant("BlockLSTMV2", lstm.GateLayout.IFCO, forget_bias=0.0, cell_clip=0.0)
-V1 = LSTMVariant("BlockLSTM", lstm.GateLayout.ICFO, forget_bias=1.0, cell_clip=3.0)
+V2 = LSTMVariant(
+    "BlockLSTMV2", "BlockLSTMGradV2", lstm.GateLayout.IFCO, forget_bias=0.0, cell_clip=0.0
+)
+V1 = LSTMVariant("BlockLSTM", "BlockLSTMGrad", lstm.GateLayout.ICFO, forget_bias=1.0, cell_clip=3.0)
 
 
 def _invalid(message: str, field: str = "") -> InvalidArgumentError:
@@ -48,10 +51,8 @@ def _require(cond: bool, message: str, field: str) -> None:
         raise _invalid(message, field)
 
 
-def validate(op: str, inputs: dict, seq_len_max: np.ndarray) -> int:
-    """Check every input of the forward (and, if present, the backward); returns seq_len_max.
-
-    Inputs are host or device arrays: only their dtype and shape are read."""
+def _check_dtypes(op: str, inputs: dict) -> None:
+    """One float dtype for every input (TensorFlow's type attribute ``T``)."""
     x = inputs["x"]
     _require(
         x.dtype in FLOAT_DTYPES,
@@ -65,27 +66,48 @@ def validate(op: str, inputs: dict, seq_len_max: np.ndarray) -> int:
             f"{dtypes.tf_name(x.dtype)}; all float inputs must share one dtype",
             name,
         )
+
+
+def _check_grad_op(inputs: dict) -> None:
+    """BlockLSTMGradOp's own checks, in its order and words (rnn/lstm_ops.cc). It takes
+    the cell size from ``w``'s columns; the forward takes it from ``cs_prev``."""
+    for name, rank in (("x", 3), ("cs_prev", 2), ("h_prev", 2), ("w", 2)):
+        got = inputs[name].ndim
+        _require(got == rank, f"{name} must be rank {rank} but is rank {got}", name)
+    w = inputs["w"]
+    _require(
+        w.shape[1] % 4 == 0, f"w matrix columns must be a multiple of 4, but got {w.shape[1]}", "w"
+    )
+    rows = inputs["x"].shape[2] + w.shape[1] // 4
+    _require(rows == w.shape[0], f"w matrix rows don't match: {rows} vs. {w.shape[0]}", "w")
+    for name in ("wci", "wcf", "wco", "b"):
+        got = inputs[name].ndim
+        _require(got == 1, f"{name} must be rank 1 but is rank {got}", name)
+    b = inputs["b"]
+    _require(
+        b.shape[0] == w.shape[1],
+        f"w and b cell_size don't match: {w.shape[1] // 4} vs. {b.shape[0]}",
+        "b",
+    )
+    for name in ACTIVATIONS:
+        got = inputs[name].ndim
+        _require(got == 3, f"{name} must be rank 3. Received: {got}", name)
+
+
+def _check_forward_op(inputs: dict, units: int) -> None:
+    """BlockLSTMOp's checks, in its order and words (rnn/lstm_ops.cc); the backward runs
+    them too, after its own, for what TensorFlow's backward leaves unchecked."""
+    x, cs_prev, h_prev, w, b = (inputs[k] for k in ("x", "cs_prev", "h_prev", "w", "b"))
     _require(x.ndim == 3, "x must be 3D", "x")
     steps, batch, input_size = x.shape
-    cs_prev, h_prev, w, b = inputs["cs_prev"], inputs["h_prev"], inputs["w"], inputs["b"]
-    _require(cs_prev.ndim == 2, "cs_prev must be 2D", "cs_prev")
-    _require(
-        cs_prev.shape[0] == batch,
-        f"cs_prev.dims(0) != batch_size: {cs_prev.shape[0]} vs. {batch}",
-        "cs_prev",
-    )
-    units = cs_prev.shape[1]
-    _require(h_prev.ndim == 2, "h_prev must be 2D", "h_prev")
-    _require(
-        h_prev.shape[0] == batch,
-        f"h_prev.dims(0) != batch_size: {h_prev.shape[0]} vs. {batch}",
-        "h_prev",
-    )
-    _require(
-        h_prev.shape[1] == units,
-        f"h_prev.dims(1) != cell_size: {h_prev.shape[1]} vs. {units}",
-        "h_prev",
-    )
+    for name, v in (("cs_prev", cs_prev), ("h_prev", h_prev)):
+        _require(v.ndim == 2, f"{name} must be 2D", name)
+        _require(
+            v.shape[0] == batch, f"{name}.dims(0) != batch_size: {v.shape[0]} vs. {batch}", name
+        )
+        _require(
+            v.shape[1] == units, f"{name}.dims(1) != cell_size: {v.shape[1]} vs. {units}", name
+        )
     _require(w.ndim == 2, "w must be 2D", "w")
     _require(
         w.shape[0] == input_size + units,
@@ -118,13 +140,35 @@ def validate(op: str, inputs: dict, seq_len_max: np.ndarray) -> int:
                 f"got {shapes.debug_string(v.shape)}",
                 name,
             )
-    length = args.int32_scalar(
-        seq_len_max, "seq_len_max", "seq_len_max must be a scalar, but had shape: "
+
+
+def validate(op: str, inputs: dict, seq_len_max: np.ndarray) -> int:
+    """Check every input of the forward (and, if activations are given, the backward);
+    returns seq_len_max. Inputs are host or device arrays: only dtype and shape are read.
+
+    TensorFlow's messages throughout; the checks it lacks (it aborts the process, or
+    reads out of bounds) come after its own.
+    """
+    grad = "i" in inputs
+    _check_dtypes(op, inputs)
+    _require(
+        np.ndim(seq_len_max) == 0,
+        f"`seq_len_max_tensor` must be rank 0 but is rank {np.ndim(seq_len_max)}",
+        "seq_len_max",
     )
+    if grad:
+        _check_grad_op(inputs)
+    cs_prev = inputs["cs_prev"]
+    # Where the cell size comes from, as in TensorFlow (a cs_prev of the wrong rank
+    # fails the checks before this number is used).
+    units = inputs["w"].shape[1] // 4 if grad else (cs_prev.shape[1] if cs_prev.ndim == 2 else 0)
+    _check_forward_op(inputs, units)
+    steps = inputs["x"].shape[0]
+    length = args.int32_scalar(seq_len_max, "seq_len_max", "")
     _require(
         0 <= length <= steps,
-        f"seq_len_max must be in [0, T] = [0, {steps}], got {length} (TensorFlow reads "
-        "past the end of x here)",
+        f"seq_len_max must be between 0 and {steps} but is {length} (TensorFlow 2.21 "
+        "aborts the process here)",
         "seq_len_max",
     )
     return length
@@ -177,7 +221,7 @@ def backward(
 ) -> lstm.LSTMGrads:
     """BlockLSTMGradV2 / BlockLSTMGrad: the eight gradients as backend arrays
     (``check_bytes`` and ``place`` as for ``forward``)."""
-    length = validate(variant.op + "Grad", inputs, seq_len_max)
+    length = validate(variant.grad_op, inputs, seq_len_max)
     x = inputs["x"]
     check_bytes(x.itemsize * x.shape[0] * x.shape[1] * inputs["w"].shape[1])  # the gate buffer
     inputs = place(inputs)

@@ -12,29 +12,24 @@ re-record, e.g.
     /tmp/tf/bin/python tests/golden/record_tensor_array_traces.py
 
 TensorFlow 2.21 kills its own process (SIGSEGV) on some sequences, e.g. a Concat of a
-grad array with unwritten elements. Each trace therefore runs in a worker process that
-reports every step before it runs it; where the worker dies, the trace ends with that
-step, marked ``{"tf_crashed": true}`` in place of an expectation.
+grad array with unwritten elements: ``tf_record`` runs the traces in a worker process
+and ends a trace that killed it with that step, marked ``{"tf_crashed": true}``.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
 import sys
 
 import numpy as np
+from tf_record import record, tensor, worker
 
 OUT = pathlib.Path(__file__).parent / "tensor_array_traces_random.json"
 SEED = 2026
 TRACES = 400
 DTYPES = ["float32", "float32", "int32", "float64"]
 ELEMENT_SHAPES = [None, [2], [None], [2, None], [], [0], [1, 2]]
-
-
-def _tensor(a: np.ndarray) -> dict:
-    return {"array": a.tolist(), "dtype": a.dtype.name, "shape": list(a.shape)}
 
 
 class _TraceMaker:
@@ -107,7 +102,7 @@ class _TraceMaker:
 
     def write(self, h: str, f: str) -> dict:
         args = {"handle": f"${h}", "index": self.index(h, fresh=True),
-                "value": _tensor(self.value()), "flow_in": f"${f}"}  # fmt: skip
+                "value": tensor(self.value()), "flow_in": f"${f}"}  # fmt: skip
         return {"op": "TensorArrayWriteV3", "args": args, "out": [f]}
 
     def read(self, h: str, f: str) -> dict:
@@ -117,7 +112,7 @@ class _TraceMaker:
 
     def gather(self, h: str, f: str) -> dict:
         indices = np.array([self.index() for _ in range(self.rng.integers(0, 4))], np.int32)
-        args = {"handle": f"${h}", "indices": _tensor(indices), "flow_in": f"${f}",
+        args = {"handle": f"${h}", "indices": tensor(indices), "flow_in": f"${f}",
                 "dtype": self.read_dtype(), "element_shape": self.shape_arg(self.value_shape)}  # fmt: skip
         return {"op": "TensorArrayGatherV3", "args": args}
 
@@ -125,8 +120,8 @@ class _TraceMaker:
         count = self.rng.integers(0, 4)
         indices = np.array([self.index(h, fresh=True) for _ in range(count)], np.int32)
         rows = len(indices) + (1 if self.odd() else 0)
-        args = {"handle": f"${h}", "indices": _tensor(indices),
-                "value": _tensor(self.value((rows,))), "flow_in": f"${f}"}  # fmt: skip
+        args = {"handle": f"${h}", "indices": tensor(indices),
+                "value": tensor(self.value((rows,))), "flow_in": f"${f}"}  # fmt: skip
         return {"op": "TensorArrayScatterV3", "args": args, "out": [f]}
 
     def concat(self, h: str, f: str) -> dict:
@@ -142,7 +137,7 @@ class _TraceMaker:
         rows = int(lengths.sum()) + (1 if self.odd() else 0)
         # Each element is a block of rows: value_shape with its first dim replaced.
         value = self.value((rows,), self.value_shape[1:])
-        args = {"handle": f"${h}", "value": _tensor(value), "lengths": _tensor(lengths),
+        args = {"handle": f"${h}", "value": tensor(value), "lengths": tensor(lengths),
                 "flow_in": f"${f}"}  # fmt: skip
         return {"op": "TensorArraySplitV3", "args": args, "out": [f]}
 
@@ -174,18 +169,18 @@ CURATED = {
     "split_size_checked_before_dtype": [
         _create(2, None),
         {"op": "TensorArraySplitV3", "args": {
-            "handle": "$ta", "value": _tensor(np.arange(3, dtype=np.int64)),
-            "lengths": _tensor(np.array([3], np.int64)), "flow_in": "$f"}},
+            "handle": "$ta", "value": tensor(np.arange(3, dtype=np.int64)),
+            "lengths": tensor(np.array([3], np.int64)), "flow_in": "$f"}},
     ],
     # A gather of no indices reads nothing: a closed array answers it.
     "gather_nothing_from_closed": [
         _create(0, [2]),
         {"op": "TensorArrayCloseV3", "args": {"handle": "$ta"}},
         {"op": "TensorArrayGatherV3", "args": {
-            "handle": "$ta", "indices": _tensor(np.zeros(0, np.int32)), "flow_in": "$f",
+            "handle": "$ta", "indices": tensor(np.zeros(0, np.int32)), "flow_in": "$f",
             "dtype": "float32", "element_shape": [2]}},
         {"op": "TensorArrayGatherV3", "args": {
-            "handle": "$ta", "indices": _tensor(np.zeros(0, np.int32)), "flow_in": "$f",
+            "handle": "$ta", "indices": tensor(np.zeros(0, np.int32)), "flow_in": "$f",
             "dtype": "float32", "element_shape": None}},
     ],
 }  # fmt: skip
@@ -197,81 +192,6 @@ def make_traces(seed: int, count: int) -> dict[str, list[dict]]:
     for k in range(count):
         traces[f"random_{k:03d}"] = _TraceMaker(rng).steps()
     return traces
-
-
-def run_step(tf, step: dict, env: dict) -> dict:
-    """One step in TensorFlow eagerly; its expectation in the golden format."""
-    args = {}
-    for key, value in step["args"].items():
-        if isinstance(value, str) and value.startswith("$"):
-            args[key] = env[value[1:]]
-        elif isinstance(value, dict):
-            args[key] = tf.constant(
-                np.asarray(value["array"], dtype=value["dtype"]).reshape(value["shape"])
-            )
-        elif key == "dtype":
-            args[key] = tf.as_dtype(value)
-        elif key in ("element_shape", "element_shape_except0"):
-            args[key] = tf.TensorShape(value)
-        else:
-            args[key] = value
-    try:
-        result = getattr(tf.raw_ops, step["op"])(**args)
-    except tf.errors.OpError as e:
-        return {"error": type(e).__name__, "message": e.message}
-    outs = step.get("out", [])
-    results = list(result) if isinstance(result, (list, tuple)) else [result]
-    env.update(zip(outs, results))
-    if step["op"] == "TensorArrayConcatV3":
-        value, lengths = result
-        return {"value": value.numpy().tolist(), "dtype": value.dtype.name,
-                "shape": list(value.shape), "lengths": lengths.numpy().tolist()}  # fmt: skip
-    if step["op"] in ("TensorArrayReadV3", "TensorArrayGatherV3", "TensorArraySizeV3"):
-        return {"value": result.numpy().tolist(), "dtype": result.dtype.name,
-                "shape": list(result.shape)}  # fmt: skip
-    return {"ok": True}
-
-
-def worker() -> None:
-    """Reads traces (one JSON list per line) on stdin; prints each step's expectation
-    as it completes, so the parent knows how far a trace got if this process dies."""
-    import tensorflow as tf
-
-    for line in sys.stdin:
-        env: dict = {}
-        for step in json.loads(line):
-            expect = run_step(tf, step, env)
-            print(json.dumps(expect), flush=True)
-            if "error" in expect:
-                break
-        print("END", flush=True)
-
-
-def record(traces: dict[str, list[dict]]) -> dict[str, list[dict]]:
-    recorded: dict[str, list[dict]] = {}
-    proc = None
-    for name, steps in traces.items():
-        if proc is None:
-            proc = subprocess.Popen(
-                [sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-            )  # fmt: skip
-        proc.stdin.write(json.dumps(steps) + "\n")
-        proc.stdin.flush()
-        done = []
-        for line in proc.stdout:
-            if line.strip() == "END":
-                break
-            done.append({**steps[len(done)], "expect": json.loads(line)})
-        else:  # the worker died inside this trace, at step len(done)
-            done.append({**steps[len(done)], "expect": {"tf_crashed": True}})
-            proc.wait()
-            proc = None
-        recorded[name] = done
-    if proc is not None:
-        proc.stdin.close()
-        proc.wait()
-    return recorded
 
 
 def main() -> None:

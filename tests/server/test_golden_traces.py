@@ -29,6 +29,8 @@ TRACES = {
 
 
 def tensor_arg(spec: dict) -> np.ndarray:
+    if "fill" in spec:  # a tensor of one repeated value
+        return np.full(spec["shape"], spec["fill"], dtype=spec["dtype"])
     return np.asarray(spec["array"], dtype=spec["dtype"]).reshape(spec["shape"])
 
 
@@ -37,7 +39,7 @@ def resolve(args: dict, env: dict) -> dict:
     for key, value in args.items():
         if isinstance(value, str) and value.startswith("$"):
             out[key] = env[value[1:]]
-        elif isinstance(value, dict) and "array" in value:
+        elif isinstance(value, dict) and "dtype" in value:
             out[key] = tensor_arg(value)
         else:
             out[key] = value

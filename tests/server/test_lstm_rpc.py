@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import pathlib
 import time
 
 import grpc
@@ -9,6 +11,7 @@ import numpy as np
 import pytest
 
 import gradserve
+from gradserve import errors
 from gradserve.errors import DeadlineExceededError, InvalidArgumentError, ResourceExhaustedError
 from gradserve.kernels import backend_numpy, lstm
 from gradserve.kernels.compute import Compute
@@ -26,6 +29,7 @@ from tests.kernels.lstm_cases import (
     random_case,
     scaled_error,
 )
+from tests.server.test_golden_traces import normalise, resolve
 
 
 @pytest.mark.parametrize("name", [c["name"] for c in INDEX])
@@ -101,8 +105,9 @@ def test_round_trip_moves_no_activations(target):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"seq_len_max": np.int64(6)}, "seq_len_max must be in \\[0, T\\] = \\[0, 5\\], got 6"),
-        ({"seq_len_max": np.int64(-1)}, "seq_len_max must be in"),
+        ({"seq_len_max": np.int64(6)}, "seq_len_max must be between 0 and 5 but is 6"),
+        ({"seq_len_max": np.int64(-1)}, "seq_len_max must be between 0 and 5 but is -1"),
+        ({"seq_len_max": np.array([5])}, "`seq_len_max_tensor` must be rank 0 but is rank 1"),
         ({"x": np.zeros((5, 2), np.float32)}, "x must be 3D"),
         ({"cs_prev": np.zeros((3, 4), np.float32)}, "cs_prev.dims\\(0\\) != batch_size: 3 vs. 2"),
         ({"h_prev": np.zeros((2, 5), np.float32)}, "h_prev.dims\\(1\\) != cell_size: 5 vs. 4"),
@@ -121,6 +126,33 @@ def test_bad_inputs_are_invalid_argument_and_server_survives(client, change, mes
     case.update(change)
     with pytest.raises(InvalidArgumentError, match=message):
         client.raw_ops.BlockLSTMV2(case["seq_len_max"], *(case[k] for k in INPUTS))
+    assert client.stop_gradient(np.ones(2)).sum() == 2  # still serving
+
+
+BAD_INPUTS = json.loads(
+    (pathlib.Path(__file__).parents[1] / "golden" / "lstm_bad_inputs.json").read_text()
+)["traces"]
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+def test_malformed_inputs_as_tensorflow_reports_them(client, name):
+    """Every rank and dimension of every input of the four LSTM ops one off, and
+    seq_len_max out of range, recorded from TensorFlow 2.21 (golden/record_lstm_errors.py).
+    Where TensorFlow rejects a call, ours gives its error class and words; where it does
+    not (it reads out of bounds, and runs on or dies), ours is INVALID_ARGUMENT."""
+    (step,) = BAD_INPUTS[name]
+    op = getattr(client.raw_ops, step["op"])
+    kwargs = resolve(step["args"], {})
+    expect = step["expect"]
+    if "ok" in expect:
+        assert len(op(**kwargs)) in (7, 8)
+    elif "tf_unchecked" in expect:
+        with pytest.raises(InvalidArgumentError):
+            op(**kwargs)
+    else:
+        with pytest.raises(getattr(errors, expect["error"])) as info:
+            op(**kwargs)
+        assert normalise(expect["message"]) in normalise(str(info.value))
     assert client.stop_gradient(np.ones(2)).sum() == 2  # still serving
 
 

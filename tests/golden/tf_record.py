@@ -1,0 +1,112 @@
+"""Running op traces in TensorFlow for the ``record_*.py`` scripts, surviving its crashes.
+
+A trace is a list of steps ``{op, args, out?}`` (the golden trace format, see README):
+``op`` a ``tf.raw_ops`` name; in ``args`` ``"$name"`` is an earlier output and
+``{"array", "dtype", "shape"}`` a tensor (``{"fill", "dtype", "shape"}``: every element
+``fill``, which keeps files of malformed-shape cases small). ``record`` runs traces in a worker process
+(the calling script, started with ``--worker``) that reports each step's expectation
+as it completes; where TensorFlow kills the worker (it does, on some inputs), the trace
+ends with the step that killed it, marked ``{"tf_crashed": true}``, and a fresh worker
+takes the next trace.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+
+def tensor(a: np.ndarray) -> dict:
+    """A tensor argument in the trace format."""
+    a = np.asarray(a)
+    return {"array": a.tolist(), "dtype": a.dtype.name, "shape": list(a.shape)}
+
+
+def filled(shape: tuple, dtype: str, fill: float) -> dict:
+    """A tensor argument of one repeated value."""
+    return {"fill": fill, "dtype": dtype, "shape": list(shape)}
+
+
+def tensor_value(spec: dict) -> np.ndarray:
+    """The array a tensor argument stands for."""
+    if "fill" in spec:
+        return np.full(spec["shape"], spec["fill"], dtype=spec["dtype"])
+    return np.asarray(spec["array"], dtype=spec["dtype"]).reshape(spec["shape"])
+
+
+def run_step(tf, step: dict, env: dict) -> dict:
+    """One step in TensorFlow eagerly; its expectation in the golden format."""
+    args = {}
+    for key, value in step["args"].items():
+        if isinstance(value, str) and value.startswith("$"):
+            args[key] = env[value[1:]]
+        elif isinstance(value, dict):
+            args[key] = tf.constant(tensor_value(value))
+        elif key == "dtype":
+            args[key] = tf.as_dtype(value)
+        elif key in ("element_shape", "element_shape_except0"):
+            args[key] = tf.TensorShape(value)
+        else:
+            args[key] = value
+    try:
+        result = getattr(tf.raw_ops, step["op"])(**args)
+    except tf.errors.OpError as e:
+        return {"error": type(e).__name__, "message": e.message}
+    outs = step.get("out", [])
+    results = list(result) if isinstance(result, (list, tuple)) else [result]
+    env.update(zip(outs, results))
+    if step["op"] == "TensorArrayConcatV3":
+        value, lengths = result
+        return {"value": value.numpy().tolist(), "dtype": value.dtype.name,
+                "shape": list(value.shape), "lengths": lengths.numpy().tolist()}  # fmt: skip
+    if step["op"] in ("TensorArrayReadV3", "TensorArrayGatherV3", "TensorArraySizeV3"):
+        return {"value": result.numpy().tolist(), "dtype": result.dtype.name,
+                "shape": list(result.shape)}  # fmt: skip
+    return {"ok": True}
+
+
+def worker() -> None:
+    """Reads traces (one JSON list per line) on stdin; prints each step's expectation
+    as it completes, so the parent knows how far a trace got if this process dies.
+    A script that calls ``record`` must call this when run with ``--worker``."""
+    import tensorflow as tf
+
+    for line in sys.stdin:
+        env: dict = {}
+        for step in json.loads(line):
+            expect = run_step(tf, step, env)
+            print(json.dumps(expect), flush=True)
+            if "error" in expect:
+                break
+        print("END", flush=True)
+
+
+def record(traces: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """Each trace with every step's expectation, run in workers of the calling script."""
+    recorded: dict[str, list[dict]] = {}
+    proc = None
+    for name, steps in traces.items():
+        if proc is None:
+            proc = subprocess.Popen(
+                [sys.executable, sys.argv[0], "--worker"], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            )  # fmt: skip
+        proc.stdin.write(json.dumps(steps) + "\n")
+        proc.stdin.flush()
+        done = []
+        for line in proc.stdout:
+            if line.strip() == "END":
+                break
+            done.append({**steps[len(done)], "expect": json.loads(line)})
+        else:  # the worker died inside this trace, at step len(done)
+            done.append({**steps[len(done)], "expect": {"tf_crashed": True}})
+            proc.wait()
+            proc = None
+        recorded[name] = done
+    if proc is not None:
+        proc.stdin.close()
+        proc.wait()
+    return recorded
