@@ -58,6 +58,11 @@ class _Slot:
     #: Read with clear_after_read: the value is gone; reading again fails.
     cleared: bool = False
 
+    @property
+    def holds_values(self) -> bool:
+        """A write to this written slot adds to it (else it stands for zeros: replaced)."""
+        return self.value is not None and self.value.size > 0
+
 
 class TensorArray:
     """One TensorArray or gradient TensorArray.
@@ -298,6 +303,12 @@ class TensorArray:
                 f"because the existing shape is {shapes.debug_string(existing.shape)} but "
                 f"the new input shape is {shapes.debug_string(value.shape)}."
             )
+        adds = existing is not None and existing.written and existing.holds_values
+        if adds and value.dtype.kind == "b":
+            # TensorFlow sums repeated gradient writes of number types only.
+            raise InvalidArgumentError(
+                f"tensor_array::AddToTensor type not supported: {dtypes.tf_name(value.dtype)}"
+            )
         # Every check passed: mutate.
         if self.identical_element_shapes and not shapes.is_fully_defined(self._element_shape):
             self._element_shape = tuple(value.shape)
@@ -307,7 +318,7 @@ class TensorArray:
         if not slot.written:
             self._set_value(slot, value)
             slot.shape, slot.written = tuple(value.shape), True
-        elif slot.value is None or slot.value.size == 0:
+        elif not adds:
             self._set_value(slot, value)  # the stored "value" was only a shape: zeros
         else:
             self._set_value(slot, slot.value + value)  # never in place: see module docstring

@@ -156,8 +156,8 @@ class _TraceMaker:
         return {"op": "TensorArrayGradV3", "args": args, "out": [grad, grad + "f"]}
 
 
-def _create(size: int, element_shape) -> dict:
-    args = {"size": size, "dtype": "float32", "element_shape": element_shape,
+def _create(size: int, element_shape, dtype: str = "float32") -> dict:
+    args = {"size": size, "dtype": dtype, "element_shape": element_shape,
             "dynamic_size": False, "clear_after_read": True,
             "identical_element_shapes": False, "tensor_array_name": "ta"}  # fmt: skip
     return {"op": "TensorArrayV3", "args": args, "out": ["ta", "f"]}
@@ -184,6 +184,32 @@ CURATED = {
             "dtype": "float32", "element_shape": None}},
     ],
 }  # fmt: skip
+
+
+def _grad_sum(dtype: str) -> list[dict]:
+    """Two writes to one index of a grad array, then reads of it and of an unwritten one."""
+    values = [np.array([1, 0, 2]) + k for k in range(3)]
+    values = [(v % 2 == 0) if dtype == "bool" else v.astype(dtype) for v in values]
+
+    def write(handle: str, value: np.ndarray) -> dict:
+        args = {"handle": f"${handle}", "index": 0, "value": tensor(value),
+                "flow_in": f"${handle}f"}  # fmt: skip
+        return {"op": "TensorArrayWriteV3", "args": args, "out": [f"{handle}f"]}
+
+    def read(index: int) -> dict:
+        args = {"handle": "$g", "index": index, "flow_in": "$gf", "dtype": dtype}
+        return {"op": "TensorArrayReadV3", "args": args}
+
+    create = _create(2, None, dtype)
+    create["out"] = ["ta", "taf"]
+    grad = {"op": "TensorArrayGradV3", "args": {"handle": "$ta", "flow_in": "$taf",
+            "source": "s"}, "out": ["g", "gf"]}  # fmt: skip
+    return [create, write("ta", values[0]), grad, write("g", values[1]), write("g", values[2]),
+            read(0), read(1)]  # fmt: skip
+
+
+# Repeated writes to a grad array sum, for number types only (bool is refused).
+CURATED |= {f"grad_sum_{dt}": _grad_sum(dt) for dt in ("bool", "int8", "uint64", "float16")}
 
 
 def make_traces(seed: int, count: int) -> dict[str, list[dict]]:
