@@ -155,15 +155,15 @@ def grad(
     """TensorArrayGradV3 (``shape_to_prepend`` None) or TensorArrayGradWithShape."""
     prepend: tuple[int, ...] = ()
     if shape_to_prepend is not None:
+        # TensorFlow's TensorShapeUtils::MakeShape, and its words.
         dims = args.int_vector(
             shape_to_prepend,
             "shape_to_prepend",
-            "shape_to_prepend must be a vector, but received shape: ",
+            "shape must be a vector of {int32,int64}, got shape ",
             bits=64,
         )
-        if any(d < 0 for d in dims):
-            raise InvalidArgumentError(
-                f"shape_to_prepend {dims} has a negative dimension", field="shape_to_prepend"
-            )
+        for d in dims:
+            if d < 0:
+                raise InvalidArgumentError(f"Dimension {d} must be >= 0", field="shape_to_prepend")
         prepend = tuple(dims)
     return session.grad_array(handle, source, prepend)

@@ -153,6 +153,10 @@ class _TraceMaker:
         self.arrays.append((grad, grad + "f"))
         source = ["gradients", "other"][self.rng.integers(2)]
         args = {"handle": "$ta", "flow_in": "$f", "source": source}
+        if self.odd(0.2):
+            prepend = np.array([[], [1], [2, 1]][self.rng.integers(3)], np.int32)
+            args["shape_to_prepend"] = tensor(prepend)
+            return {"op": "TensorArrayGradWithShape", "args": args, "out": [grad, grad + "f"]}
         return {"op": "TensorArrayGradV3", "args": args, "out": [grad, grad + "f"]}
 
 
@@ -208,6 +212,42 @@ def _grad_sum(dtype: str) -> list[dict]:
             read(0), read(1)]  # fmt: skip
 
 
+def _grad_cases() -> dict[str, list[dict]]:
+    """Grad of a grad array, and TensorArrayGradWithShape with good and bad shapes."""
+    create = _create(2, [2])
+    write = {"op": "TensorArrayWriteV3", "args": {"handle": "$ta", "index": 0,
+             "value": tensor(np.ones(2, np.float32)), "flow_in": "$f"}, "out": ["f"]}  # fmt: skip
+
+    def grad(handle: str, out: str, source: str = "s", prepend=None) -> dict:
+        args = {"handle": f"${handle}", "flow_in": f"${handle}f" if handle != "ta" else "$f",
+                "source": source}  # fmt: skip
+        if prepend is None:
+            return {"op": "TensorArrayGradV3", "args": args, "out": [out, out + "f"]}
+        args["shape_to_prepend"] = tensor(np.array(prepend, np.int32))
+        return {"op": "TensorArrayGradWithShape", "args": args, "out": [out, out + "f"]}
+
+    def read(handle: str, index: int) -> dict:
+        args = {"handle": f"${handle}", "index": index, "flow_in": f"${handle}f",
+                "dtype": "float32"}  # fmt: skip
+        return {"op": "TensorArrayReadV3", "args": args}
+
+    return {
+        "grad_of_a_grad_array": [create, write, grad("ta", "g"), grad("g", "gg")],
+        # The same source again returns the first array: its prepended shape stays.
+        "grad_with_shape": [
+            create,
+            write,
+            grad("ta", "p", "p", [3]),
+            read("p", 0),
+            grad("ta", "q", "p", [5, 1]),
+            read("q", 1),
+        ],  # fmt: skip
+        "grad_with_negative_shape": [create, write, grad("ta", "p", "p", [-1])],
+        "grad_with_matrix_shape": [create, write, grad("ta", "p", "p", [[1]])],
+    }
+
+
+CURATED |= _grad_cases()
 # Repeated writes to a grad array sum, for number types only (bool is refused).
 CURATED |= {f"grad_sum_{dt}": _grad_sum(dt) for dt in ("bool", "int8", "uint64", "float16")}
 
