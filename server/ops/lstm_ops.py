@@ -168,7 +168,7 @@ def validate(op: str, inputs: dict, seq_len_max: np.ndarray) -> int:
     _require(
         0 <= length <= steps,
         f"seq_len_max must be between 0 and {steps} but is {length} (TensorFlow 2.21 "
-        "aborts the process here)",
+        "does not check this: it reads out of bounds, and may abort)",
         "seq_len_max",
     )
     return length
