@@ -7,7 +7,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 50051
 RESULTS ?= results/gpu-check
 
-.PHONY: run test bench proto lint docker gpu-check gpu-kit demo clean
+.PHONY: run test bench proto lint docker gpu-check gpu-kit demo golden clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,13 @@ demo: $(STAMP)  ## start a local server, train the example LSTM worker against i
 	pid=$$!; trap "kill $$pid" EXIT; \
 	for i in $$(seq 50); do $(VENV)/bin/gradserve health --port 50071 >/dev/null 2>&1 && break; sleep 0.2; done; \
 	$(PY) examples/train_lstm_worker.py --target 127.0.0.1:50071
+
+# TensorFlow is never a dependency: install it by hand into its own venv, then e.g.
+#   make golden TF_PYTHON=/tmp/tf/bin/python
+golden:  ## re-record our own TensorFlow vectors in tests/golden/ (V1 LSTM, traces, bad inputs)
+	@test -n "$(TF_PYTHON)" || { echo "set TF_PYTHON to a python with tensorflow-cpu"; exit 2; }
+	cd tests/golden && for s in record_lstm_v1.py record_tensor_array_traces.py \
+		record_lstm_errors.py; do TF_CPP_MIN_LOG_LEVEL=3 $(TF_PYTHON) $$s || exit 1; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache results .whl
