@@ -52,18 +52,20 @@ def _require(cond: bool, message: str, field: str) -> None:
 
 
 def _check_dtypes(op: str, inputs: dict) -> None:
-    """One float dtype for every input (TensorFlow's type attribute ``T``)."""
+    """One float dtype for every input: TensorFlow's type attribute ``T``, in its words
+    (TensorFlow allows half and float; gradserve adds double, for gradient checks)."""
     x = inputs["x"]
     _require(
         x.dtype in FLOAT_DTYPES,
-        f"{op}: T must be half, float or double, but x is {dtypes.tf_name(x.dtype)}",
+        f"Value for attr 'T' of {dtypes.tf_name(x.dtype)} is not in the list of allowed "
+        "values: half, float, double",
         "x",
     )
     for name, value in inputs.items():
         _require(
             value.dtype == x.dtype,
-            f"{op}: {name} is {dtypes.tf_name(value.dtype)} but x is "
-            f"{dtypes.tf_name(x.dtype)}; all float inputs must share one dtype",
+            f"Input '{name}' of '{op}' Op has type {value.dtype} that does not match type "
+            f"{x.dtype} of argument 'x'.",
             name,
         )
 

@@ -115,8 +115,14 @@ def test_round_trip_moves_no_activations(target):
         ({"w": np.zeros((7, 12), np.float32)}, "w.dim_size\\(1\\) != cell_size \\* 4: 12 vs. 16"),
         ({"wcf": np.zeros(3, np.float32)}, "wcf.dim_size\\(0\\) != cell_size: 3 vs. 4"),
         ({"b": np.zeros(15, np.float32)}, "b.dim_size\\(0\\) != cell_size \\* 4"),
-        ({"b": np.zeros(16, np.float64)}, "b is double but x is float"),
-        ({"x": np.zeros((5, 2, 3), np.int32)}, "T must be half, float or double"),
+        (
+            {"b": np.zeros(16, np.float64)},
+            "Input 'b' of 'BlockLSTMV2' Op has type float64 that does not match type float32",
+        ),
+        (
+            {"x": np.zeros((5, 2, 3), np.int32)},
+            "Value for attr 'T' of int32 is not in the list of allowed values: half, float",
+        ),
     ],
 )
 def test_bad_inputs_are_invalid_argument_and_server_survives(client, change, message):
