@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
-import pathlib
 
 import pytest
 
 import gradserve
 from gradserve.server import run_server
-
-GOLDEN = pathlib.Path(__file__).parent / "golden"
-
 
 #: The device the test server computes on; `make gpu-check` sets it to "cuda".
 DEVICE = os.environ.get("GRADSERVE_TEST_DEVICE", "cpu")
@@ -44,8 +39,3 @@ def client(target):
     """A client with its own fresh session, closed after the test."""
     with gradserve.Client(target, timeout=120) as c:
         yield c
-
-
-@pytest.fixture(scope="session")
-def traces() -> dict:
-    return json.loads((GOLDEN / "tensor_array_traces.json").read_text())["traces"]

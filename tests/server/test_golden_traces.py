@@ -1,7 +1,7 @@
 """Every TensorArray trace recorded from TensorFlow 2.21, replayed through a real server.
 
-The 21 shared traces (``tensor_array_traces.json``) and 400 random ones
-(``tensor_array_traces_random.json``, recorded by ``record_tensor_array_traces.py``).
+The 21 shared traces (``tensor_array_traces.json``) and our own: curated ones and 400
+random ones (``tensor_array_traces_random.json``, by ``record_tensor_array_traces.py``).
 Each step's value must match exactly (dtype, shape, bytes) and each error must
 be the same TensorFlow error class with the same message (array names and
 TensorFlow's op-location wrapping normalised away). Where TensorFlow killed its own
