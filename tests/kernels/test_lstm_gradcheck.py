@@ -4,8 +4,9 @@ The loss is ``sum(h * h_grad) + sum(cs * cs_grad)``, so the backward fed
 ``h_grad`` and ``cs_grad`` must return exactly its derivatives. Covers IFCO
 (BlockLSTMV2) and ICFO with forget bias (BlockLSTM), with and without
 peepholes, with seq_len_max < T. TensorFlow's registered gradient of
-BlockLSTMV2 runs the ICFO kernel; ``test_icfo_gradient_is_wrong_for_ifco``
-shows that disagrees with finite differences, which ours does not.
+BlockLSTMV2 runs the ICFO kernel: the last test shows, on TensorFlow's own recorded
+numbers, that this is what it computes and that it disagrees with finite
+differences, which ours does not.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from gradserve.kernels import backend_numpy, lstm
-from tests.kernels.lstm_cases import GRADS, INPUTS, random_case
+from tests.kernels.lstm_cases import GOLDEN, GRADS, INPUTS, random_case
 
 EPS = 1e-6
 
@@ -94,9 +95,19 @@ def test_gradients_match_finite_differences(layout, forget_bias, use_peephole, s
         assert not analytic["x_grad"][seq_len_max:].any()
 
 
-def test_icfo_gradient_is_wrong_for_ifco():
-    """What TensorFlow's registered BlockLSTMV2 gradient does: the check above would catch it."""
-    case = random_case(np.random.default_rng(7), steps=3, batch=2, inputs=2, units=3)
-    numeric = numeric_grads(case, lstm.GateLayout.IFCO, 0.0, True)
-    wrong = analytic_grads(case, lstm.GateLayout.IFCO, 0.0, True, grad_layout=lstm.GateLayout.ICFO)
-    assert max(max_scaled_diff(wrong, numeric).values()) > 1e-2
+def test_tensorflows_registered_gradient_is_the_icfo_kernel_and_wrong():
+    """TensorFlow 2.21's registered BlockLSTMV2 gradient, recorded through
+    tf.GradientTape (golden/record_tf_registered_gradient.py): it is the V1 (ICFO)
+    backward run on V2's (IFCO) activations, to float32 rounding, and it disagrees with
+    finite differences; ours (IFCO) agrees with them."""
+    with np.load(GOLDEN / "tf_registered_gradient.npz") as data:
+        recorded = {k: data[k] for k in data.files}
+    tf_grads = {k: recorded[f"tf_{k}"] for k in GRADS}
+    case = {k: v.astype(np.float64) for k, v in recorded.items() if not k.startswith("tf_")}
+    ifco, icfo = lstm.GateLayout.IFCO, lstm.GateLayout.ICFO
+    numeric = numeric_grads(case, ifco, 0.0, True)
+    as_icfo = analytic_grads(case, ifco, 0.0, True, grad_layout=icfo)
+    assert max(max_scaled_diff(tf_grads, as_icfo).values()) < 1e-5  # TF = ICFO kernel
+    assert max(max_scaled_diff(tf_grads, numeric).values()) > 1e-1  # ... which is wrong
+    ours = analytic_grads(case, ifco, 0.0, True)
+    assert max(max_scaled_diff(ours, numeric).values()) < 1e-6
