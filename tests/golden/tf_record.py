@@ -7,7 +7,8 @@ A trace is a list of steps ``{op, args, out?}`` (the golden trace format, see RE
 (the calling script, started with ``--worker``) that reports each step's expectation
 as it completes; where TensorFlow kills the worker (it does, on some inputs), the trace
 ends with the step that killed it, marked ``{"tf_crashed": true}``, and a fresh worker
-takes the next trace.
+takes the next trace. ``tensor_value`` reads a tensor argument back; the tests that
+replay the traces use it too, so the format is defined here once.
 """
 
 from __future__ import annotations

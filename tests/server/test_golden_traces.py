@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from gradserve import errors
+from tests.golden.tf_record import tensor_value
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
 TRACES = {
@@ -28,19 +29,13 @@ TRACES = {
 }
 
 
-def tensor_arg(spec: dict) -> np.ndarray:
-    if "fill" in spec:  # a tensor of one repeated value
-        return np.full(spec["shape"], spec["fill"], dtype=spec["dtype"])
-    return np.asarray(spec["array"], dtype=spec["dtype"]).reshape(spec["shape"])
-
-
 def resolve(args: dict, env: dict) -> dict:
     out = {}
     for key, value in args.items():
         if isinstance(value, str) and value.startswith("$"):
             out[key] = env[value[1:]]
         elif isinstance(value, dict) and "dtype" in value:
-            out[key] = tensor_arg(value)
+            out[key] = tensor_value(value)
         else:
             out[key] = value
     return out
