@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 
@@ -75,6 +76,7 @@ def worker() -> None:
     A script that calls ``record`` must call this when run with ``--worker``."""
     import tensorflow as tf
 
+    print("READY", flush=True)
     for line in sys.stdin:
         env: dict = {}
         for step in json.loads(line):
@@ -85,16 +87,28 @@ def worker() -> None:
         print("END", flush=True)
 
 
+def _start_worker() -> subprocess.Popen:
+    """The calling script again, as a worker; fails loudly if it cannot run TensorFlow
+    (else every trace would look as if it had crashed TensorFlow)."""
+    log = tempfile.TemporaryFile(mode="w+")  # TensorFlow's logs; a file never fills up
+    proc = subprocess.Popen(
+        [sys.executable, sys.argv[0], "--worker"], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=log, text=True,
+    )  # fmt: skip
+    if proc.stdout.readline().strip() != "READY":
+        proc.kill()
+        log.seek(0)
+        raise RuntimeError(f"the TensorFlow worker did not start:\n{log.read()[-2000:]}")
+    return proc
+
+
 def record(traces: dict[str, list[dict]]) -> dict[str, list[dict]]:
     """Each trace with every step's expectation, run in workers of the calling script."""
     recorded: dict[str, list[dict]] = {}
     proc = None
     for name, steps in traces.items():
         if proc is None:
-            proc = subprocess.Popen(
-                [sys.executable, sys.argv[0], "--worker"], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-            )  # fmt: skip
+            proc = _start_worker()
         proc.stdin.write(json.dumps(steps) + "\n")
         proc.stdin.flush()
         done = []
