@@ -25,6 +25,11 @@ else
 fi
 # The twin of every LSTM test runs on this device; "cpu" rehearses the script without a GPU.
 export GRADSERVE_TEST_DEVICE=${GRADSERVE_TEST_DEVICE:-cuda}
+# Each phase has its own time limit (seconds; SIGINT, so pytest still writes its summary),
+# so that one phase that hangs on the GPU leaves time for the others: the device tool
+# allows 540 s for the whole script.
+limit() { timeout --signal=INT --kill-after=10 "$@"; }
+TESTS_S=${TESTS_S:-240} GRAPHS_S=${GRAPHS_S:-100} BENCH_S=${BENCH_S:-150}
 status=0
 {
   date -u
@@ -33,16 +38,16 @@ status=0
   "$py" -c "import cupy; print('cupy', cupy.__version__, 'devices', cupy.cuda.runtime.getDeviceCount())"
 } > "$out/device.txt" 2>&1 || status=1
 cat "$out/device.txt"
-"$py" -m pytest -q tests/kernels tests/server/test_lstm_rpc.py \
+limit "$TESTS_S" "$py" -m pytest -q tests/kernels tests/server/test_lstm_rpc.py \
   tests/server/test_lstm_inputs_property.py tests/examples --junitxml "$out/junit.xml" 2>&1 | tee "$out/tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 # The served LSTM again, with the server replaying CUDA graphs (--cuda-graphs on).
-GRADSERVE_TEST_CUDA_GRAPHS=1 "$py" -m pytest -q tests/server/test_lstm_rpc.py \
+GRADSERVE_TEST_CUDA_GRAPHS=1 limit "$GRAPHS_S" "$py" -m pytest -q tests/server/test_lstm_rpc.py \
   tests/server/test_lstm_inputs_property.py tests/examples \
   2>&1 | tee -a "$out/tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 if [ "$GRADSERVE_TEST_DEVICE" = cuda ]; then
-  "$py" tests/benchmarks/bench_lstm_gpu.py --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
+  limit "$BENCH_S" "$py" tests/benchmarks/bench_lstm_gpu.py --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 else
   echo "GPU benchmark skipped: rehearsal on $GRADSERVE_TEST_DEVICE" | tee "$out/bench.log"
