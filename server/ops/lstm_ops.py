@@ -166,7 +166,7 @@ def validate(op: str, inputs: dict, seq_len_max: np.ndarray) -> int:
     units = inputs["w"].shape[1] // 4 if grad else (cs_prev.shape[1] if cs_prev.ndim == 2 else 0)
     _check_forward_op(inputs, units)
     steps = inputs["x"].shape[0]
-    length = args.int32_scalar(seq_len_max, "seq_len_max", "")
+    length = args.int32_scalar(seq_len_max, "seq_len_max", "")  # rank checked above
     _require(
         0 <= length <= steps,
         f"seq_len_max must be between 0 and {steps} but is {length} (TensorFlow 2.21 "

@@ -22,7 +22,8 @@ import pathlib
 import sys
 
 import numpy as np
-from tf_record import filled, record, tensor, worker
+from tf_record import record, worker
+from trace_format import filled, tensor
 
 OUT = pathlib.Path(__file__).parent / "lstm_bad_inputs.json"
 STEPS, BATCH, INPUTS, UNITS = 3, 2, 4, 5

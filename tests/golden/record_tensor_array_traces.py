@@ -23,7 +23,8 @@ import pathlib
 import sys
 
 import numpy as np
-from tf_record import record, tensor, worker
+from tf_record import record, worker
+from trace_format import tensor
 
 OUT = pathlib.Path(__file__).parent / "tensor_array_traces_random.json"
 SEED = 2026

@@ -1,14 +1,11 @@
 """Running op traces in TensorFlow for the ``record_*.py`` scripts, surviving its crashes.
 
-A trace is a list of steps ``{op, args, out?}`` (the golden trace format, see README):
-``op`` a ``tf.raw_ops`` name; in ``args`` ``"$name"`` is an earlier output and
-``{"array", "dtype", "shape"}`` a tensor (``{"fill", "dtype", "shape"}``: every element
-``fill``, which keeps files of malformed-shape cases small). ``record`` runs traces in a worker process
+A trace is a list of steps ``{op, args, out?}`` in the golden trace format
+(``trace_format``), ``op`` a ``tf.raw_ops`` name. ``record`` runs traces in a worker process
 (the calling script, started with ``--worker``) that reports each step's expectation
 as it completes; where TensorFlow kills the worker (it does, on some inputs), the trace
 ends with the step that killed it, marked ``{"tf_crashed": true}``, and a fresh worker
-takes the next trace. ``tensor_value`` reads a tensor argument back; the tests that
-replay the traces use it too, so the format is defined here once.
+takes the next trace.
 """
 
 from __future__ import annotations
@@ -18,25 +15,7 @@ import subprocess
 import sys
 import tempfile
 
-import numpy as np
-
-
-def tensor(a: np.ndarray) -> dict:
-    """A tensor argument in the trace format."""
-    a = np.asarray(a)
-    return {"array": a.tolist(), "dtype": a.dtype.name, "shape": list(a.shape)}
-
-
-def filled(shape: tuple, dtype: str, fill: float) -> dict:
-    """A tensor argument of one repeated value."""
-    return {"fill": fill, "dtype": dtype, "shape": list(shape)}
-
-
-def tensor_value(spec: dict) -> np.ndarray:
-    """The array a tensor argument stands for."""
-    if "fill" in spec:
-        return np.full(spec["shape"], spec["fill"], dtype=spec["dtype"])
-    return np.asarray(spec["array"], dtype=spec["dtype"]).reshape(spec["shape"])
+from trace_format import tensor_value
 
 
 def run_step(tf, step: dict, env: dict) -> dict:

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import pathlib
-import re
 
 import numpy as np
 import pytest
 
 from gradserve import errors
-from tests.golden.tf_record import tensor_value
+from tests.golden.trace_format import normalise, resolve
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
 TRACES = {
@@ -27,26 +26,6 @@ TRACES = {
     for file in ("tensor_array_traces.json", "tensor_array_traces_random.json")
     for name, steps in json.loads((GOLDEN / file).read_text())["traces"].items()
 }
-
-
-def resolve(args: dict, env: dict) -> dict:
-    out = {}
-    for key, value in args.items():
-        if isinstance(value, str) and value.startswith("$"):
-            out[key] = env[value[1:]]
-        elif isinstance(value, dict) and "dtype" in value:
-            out[key] = tensor_value(value)
-        else:
-            out[key] = value
-    return out
-
-
-def normalise(message: str) -> str:
-    """TF's message without its location wrapping, with array names made generic."""
-    message = re.sub(r"^[^}]*\}\}\s*", "", message)  # also a truncated prefix
-    message = re.sub(r"\s*\[Op:\w+\]( name: .*)?$", "", message)
-    # Also inside TF's grad container names: "_tensor_array_gradsta_0@s".
-    return re.sub(r"(ta|TensorArrayV3)_\d+", "ta_N", message)
 
 
 def check_value(got, expect: dict) -> None:

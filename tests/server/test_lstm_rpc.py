@@ -16,6 +16,7 @@ from gradserve.errors import DeadlineExceededError, InvalidArgumentError, Resour
 from gradserve.kernels import backend_numpy, lstm
 from gradserve.kernels.compute import Compute
 from gradserve.server.ops import lstm_ops
+from tests.golden.trace_format import normalise, resolve
 from tests.kernels.lstm_cases import (
     GRAD_OP,
     GRADS,
@@ -29,7 +30,6 @@ from tests.kernels.lstm_cases import (
     random_case,
     scaled_error,
 )
-from tests.server.test_golden_traces import normalise, resolve
 
 
 @pytest.mark.parametrize("name", [c["name"] for c in INDEX])
