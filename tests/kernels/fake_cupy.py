@@ -38,12 +38,12 @@ class DeviceArray(np.ndarray):
     def __cuda_array_interface__(self) -> dict:
         return {"shape": self.shape, "typestr": self.dtype.str, "data": (0, False), "version": 3}
 
-    def set(self, host: np.ndarray) -> None:
+    def set(self, arr: np.ndarray, stream=None) -> None:
         """cupy.ndarray.set: copy a host array of the same shape in."""
-        assert not isinstance(host, DeviceArray) and host.shape == self.shape
+        assert not isinstance(arr, DeviceArray) and arr.shape == self.shape
         if DeviceArray.transfers is not None:
-            DeviceArray.transfers["to_device"].append((host.shape, host.nbytes))
-        self.view(np.ndarray)[...] = host
+            DeviceArray.transfers["to_device"].append((arr.shape, arr.nbytes))
+        self.view(np.ndarray)[...] = arr
 
 
 def _device(a: np.ndarray) -> DeviceArray:
@@ -60,7 +60,7 @@ def make_fake_cupy(shim_lib: ctypes.CDLL) -> types.ModuleType:
             return a if dtype is None else a.astype(dtype, copy=False)
         host = np.asarray(a, dtype=dtype)
         transfers["to_device"].append((host.shape, host.nbytes))
-        return default_pool.track(_device(np.array(host, copy=True)))
+        return default_pool._track(_device(np.array(host, copy=True)))
 
     def asnumpy(a):
         if isinstance(a, DeviceArray):
@@ -80,7 +80,7 @@ def make_fake_cupy(shim_lib: ctypes.CDLL) -> types.ModuleType:
     cupy.asarray = asarray
     cupy.asnumpy = asnumpy
     cupy.ascontiguousarray = ascontiguousarray
-    allocator = threading.local()  # the malloc of ``using_allocator``, per thread
+    current = threading.local()  # the malloc of ``using_allocator``, per thread
 
     class DefaultPool:
         """cupy.get_default_memory_pool(): "used" counts the live arrays made by
@@ -91,7 +91,7 @@ def make_fake_cupy(shim_lib: ctypes.CDLL) -> types.ModuleType:
             self._lock = threading.Lock()
             self.used = self.peak = 0
 
-        def track(self, a: DeviceArray) -> DeviceArray:
+        def _track(self, a: DeviceArray) -> DeviceArray:
             self._add(a.nbytes)
             weakref.finalize(a, self._add, -a.nbytes)
             return a
@@ -111,15 +111,22 @@ def make_fake_cupy(shim_lib: ctypes.CDLL) -> types.ModuleType:
     cupy.get_default_memory_pool = lambda: default_pool
 
     def allocated(a: np.ndarray) -> DeviceArray:
-        malloc = getattr(allocator, "malloc", None)
+        malloc = getattr(current, "malloc", None)
         if malloc is None:
-            return default_pool.track(_device(a))
+            return default_pool._track(_device(a))
         malloc(a.nbytes)
         return _device(a)
 
-    cupy.zeros = lambda *a, **k: allocated(np.zeros(*a, **k))
-    cupy.empty = lambda *a, **k: allocated(np.empty(*a, **k))
-    cupy.matmul = np.matmul
+    def zeros(shape, dtype=float, order="C"):
+        return allocated(np.zeros(shape, dtype, order))
+
+    def empty(shape, dtype=float, order="C"):
+        return allocated(np.empty(shape, dtype, order))
+
+    def matmul(x1, x2, /, *, out=None):
+        return np.matmul(x1, x2, out=out)
+
+    cupy.zeros, cupy.empty, cupy.matmul = zeros, empty, matmul
     compiled: list[dict] = []
     lookups: list[str] = []
 
@@ -151,9 +158,9 @@ def make_fake_cupy(shim_lib: ctypes.CDLL) -> types.ModuleType:
             self.function(*converted)
 
     class RawModule:
-        def __init__(self, code, options=(), name_expressions=()):
+        def __init__(self, code=None, *, options=(), name_expressions=None):
             assert "lstm_fwd_step" in code
-            self.names = list(name_expressions)
+            self.names = list(name_expressions or ())
             compiled.append({"options": options, "names": self.names})
 
         def compile(self):
@@ -186,7 +193,7 @@ def make_fake_cupy(shim_lib: ctypes.CDLL) -> types.ModuleType:
     class Stream:
         """Work runs at once; a capture yields an empty graph."""
 
-        def __init__(self, non_blocking: bool = False) -> None:
+        def __init__(self, *, non_blocking: bool = False) -> None:
             self.capturing = False
 
         def __enter__(self) -> Stream:
@@ -214,20 +221,20 @@ def make_fake_cupy(shim_lib: ctypes.CDLL) -> types.ModuleType:
         def __init__(self) -> None:
             self.allocated = 0
 
-        def malloc(self, nbytes: int) -> None:
-            self.allocated += nbytes
+        def malloc(self, size: int) -> None:
+            self.allocated += size
 
         def total_bytes(self) -> int:
             return self.allocated
 
     @contextlib.contextmanager
-    def using_allocator(malloc=None):
-        previous = getattr(allocator, "malloc", None)
-        allocator.malloc = malloc
+    def using_allocator(allocator=None):
+        previous = getattr(current, "malloc", None)
+        current.malloc = allocator
         try:
             yield
         finally:
-            allocator.malloc = previous
+            current.malloc = previous
 
     cupy.__version__ = "0.0-fake"
     cupy.RawModule = RawModule
@@ -237,7 +244,7 @@ def make_fake_cupy(shim_lib: ctypes.CDLL) -> types.ModuleType:
         Stream=Stream,
         MemoryPool=MemoryPool,
         using_allocator=using_allocator,
-        get_elapsed_time=lambda start, end: (end.at - start.at) * 1e3,
+        get_elapsed_time=lambda start_event, end_event: (end_event.at - start_event.at) * 1e3,
         runtime=types.SimpleNamespace(
             getDeviceCount=lambda: 1,
             getDeviceProperties=lambda device: {"name": b"fake GPU (host shim)"},
@@ -246,6 +253,9 @@ def make_fake_cupy(shim_lib: ctypes.CDLL) -> types.ModuleType:
     cupy.compiled = compiled
     cupy.lookups = lookups
     cupy.transfers = transfers
+    # Stand-ins that code gets from calls, not by name, with the CuPy class each
+    # stands for (the conformance test checks them against it).
+    cupy.returned_stand_ins = [("RawKernel", RawKernel), ("cuda.MemoryPool", DefaultPool)]
     return cupy
 
 
