@@ -7,12 +7,27 @@ import os
 import pytest
 
 import gradserve
+from gradserve.errors import DeadlineExceededError
 from gradserve.server import run_server
 
 #: The device the test server computes on; `make gpu-check` sets it to "cuda".
 DEVICE = os.environ.get("GRADSERVE_TEST_DEVICE", "cpu")
 #: `make gpu-check` also runs the served LSTM tests with CUDA graphs on ("1").
 CUDA_GRAPHS = os.environ.get("GRADSERVE_TEST_CUDA_GRAPHS", "0") == "1"
+
+
+class DeadlineOnCall:
+    """A long op's ``check`` callback that counts its calls and raises
+    DeadlineExceededError on call ``n``, as a deadline passing mid-op would."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+        if self.calls == self.n:
+            raise DeadlineExceededError("deadline exceeded")
 
 
 @pytest.fixture(scope="session")

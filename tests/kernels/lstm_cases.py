@@ -78,6 +78,20 @@ def scaled_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(diff / max(1.0, float(np.abs(want.astype(np.float64)).max())))
 
 
+def input_shapes(steps: int, batch: int, inputs: int, units: int) -> dict[str, tuple]:
+    """The shapes of the eight array inputs (``INPUTS``) of a [T, B, I] -> [T, B, H] LSTM."""
+    return {
+        "x": (steps, batch, inputs),
+        "cs_prev": (batch, units),
+        "h_prev": (batch, units),
+        "w": (inputs + units, 4 * units),
+        "wci": (units,),
+        "wcf": (units,),
+        "wco": (units,),
+        "b": (4 * units,),
+    }
+
+
 def random_case(
     rng: np.random.Generator,
     steps=4,
@@ -88,20 +102,9 @@ def random_case(
     seq_len_max=None,
     scale=0.5,
 ) -> dict:
-    def r(*shape):
-        return (rng.standard_normal(shape) * scale).astype(dtype)
-
-    case = {
-        "seq_len_max": np.int64(steps if seq_len_max is None else seq_len_max),
-        "x": r(steps, batch, inputs),
-        "cs_prev": r(batch, units),
-        "h_prev": r(batch, units),
-        "w": r(inputs + units, 4 * units),
-        "wci": r(units),
-        "wcf": r(units),
-        "wco": r(units),
-        "b": r(4 * units),
-        "cs_grad": r(steps, batch, units),
-        "h_grad": r(steps, batch, units),
-    }
+    """Normal(0, scale) inputs and output gradients (``OUTPUT_GRADS``), as one dict."""
+    shapes = input_shapes(steps, batch, inputs, units)
+    shapes.update(dict.fromkeys(OUTPUT_GRADS, (steps, batch, units)))
+    case = {k: (rng.standard_normal(shape) * scale).astype(dtype) for k, shape in shapes.items()}
+    case["seq_len_max"] = np.int64(steps if seq_len_max is None else seq_len_max)
     return case

@@ -21,7 +21,14 @@ from gradserve.kernels import backend_numpy, lstm
 from gradserve.server import run_server
 from tests.conftest import DEVICE
 from tests.kernels import fake_cupy, shim_backend
-from tests.kernels.lstm_cases import GRADS, INPUTS, OUTPUT_GRADS, OUTPUTS, scaled_error
+from tests.kernels.lstm_cases import (
+    GRADS,
+    INPUTS,
+    OUTPUT_GRADS,
+    OUTPUTS,
+    input_shapes,
+    scaled_error,
+)
 
 FLOATS = (np.float16, np.float32, np.float64)
 TOLERANCE = {np.float16: 1e-2, np.float32: 1e-5, np.float64: 1e-12}
@@ -47,16 +54,7 @@ def calls(draw):
     dtype = draw(st.sampled_from(FLOATS))
     seed = draw(st.integers(0, 2**32 - 1))
     rng = np.random.default_rng(seed)
-    shapes = {
-        "x": (steps, batch, size),
-        "cs_prev": (batch, units),
-        "h_prev": (batch, units),
-        "w": (size + units, 4 * units),
-        "wci": (units,),
-        "wcf": (units,),
-        "wco": (units,),
-        "b": (4 * units,),
-    }
+    shapes = input_shapes(steps, batch, size, units)
     if backward:
         shapes.update({k: (steps, batch, units) for k in OUTPUTS + OUTPUT_GRADS})
     dtypes = dict.fromkeys(shapes, dtype)

@@ -16,6 +16,7 @@ from gradserve.errors import DeadlineExceededError, InvalidArgumentError, Resour
 from gradserve.kernels import backend_numpy, lstm
 from gradserve.kernels.compute import Compute
 from gradserve.server.ops import lstm_ops
+from tests.conftest import DeadlineOnCall
 from tests.golden.trace_format import normalise, resolve
 from tests.kernels.lstm_cases import (
     GRAD_OP,
@@ -176,13 +177,7 @@ def test_grad_shapes_are_checked(client):
 
 def test_check_between_steps_stops_the_op_and_keeps_nothing():
     case = random_case(np.random.default_rng(4), steps=6, dtype=np.float32)
-    calls = []
-
-    def check():
-        calls.append(1)
-        if len(calls) == 3:
-            raise DeadlineExceededError("deadline exceeded")
-
+    check = DeadlineOnCall(3)
     with pytest.raises(DeadlineExceededError):
         lstm_ops.forward(
             Compute(backend_numpy),
@@ -192,7 +187,7 @@ def test_check_between_steps_stops_the_op_and_keeps_nothing():
             use_peephole=False,
             check=check,
         )
-    assert len(calls) == 3
+    assert check.calls == 3
 
 
 def test_deadline_over_rpc_leaves_session_unchanged(server, target):

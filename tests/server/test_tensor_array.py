@@ -7,6 +7,7 @@ import pytest
 
 from gradserve.errors import InvalidArgumentError, ResourceExhaustedError, UnimplementedError
 from gradserve.server.tensor_array import TensorArray
+from tests.conftest import DeadlineOnCall
 
 F32 = np.float32
 
@@ -254,16 +255,10 @@ def test_gather_checks_between_reads_and_leaves_array_unchanged():
 
     n = 3 * CHECK_EVERY
     ta = make(size=n, element_shape=(1,))
-    calls = []
-
-    def check():
-        calls.append(1)
-        if len(calls) == 3:
-            raise DeadlineExceededError("deadline exceeded")
-
+    check = DeadlineOnCall(3)
     with pytest.raises(DeadlineExceededError):
         ta.gather(list(range(n)), None, check)
-    assert len(calls) == 3
+    assert check.calls == 3
     assert ta.nbytes() == 0  # the zeros read so far were rolled back
     np.testing.assert_array_equal(ta.read(0), [0.0])  # index 0 was not cleared
 
