@@ -8,7 +8,8 @@ data (zeros can run faster than real data).
   call (when it is close to the event time, the loop is launch-bound);
 * cuDNN: ``torch.nn.LSTM`` forward and backward, if torch sees the GPU, in
   full float32 (TF32 off: ours is exact float32, as the goldens require) and,
-  for reference, with torch's default TF32 setting;
+  for reference, with TF32 allowed (cuDNN's and torch's matmul switches on). The
+  same cell as ours: ``tests/kernels/test_lstm_vs_torch.py``;
 * ours with ``--cuda-graphs on``: each call copies its inputs into a captured
   plan, replays its CUDA graph (every step in one launch) and copies the
   outputs out;
@@ -16,38 +17,56 @@ data (zeros can run faster than real data).
   every input resident (kept forward outputs stay on the GPU), against the
   in-process call, in wall-clock time.
 
-Goal: ours within 2x of cuDNN float32. Medians; interleaved where compared.
+Goal: ours within 2x of cuDNN float32. Medians of 20 rounds; in process, every
+round times each contender's forward and backward once, in turn (interleaved).
 ``--json`` writes every figure; a section that fails is recorded, not fatal.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
 import traceback
+from collections.abc import Callable
 
 import numpy as np
 
 SIZES = [(50, 32, 256), (100, 64, 512)]
+#: Where torch runs the reference: "cuda" (cuDNN); the CPU test of this file sets "cpu".
+TORCH_DEVICE = "cuda"
 
 
-def cuda_time(fn, cupy, repeat=20, stream=None) -> float:
-    """Median milliseconds of ``fn`` measured with CUDA events on ``stream`` (default:
-    the current one), after 3 warm-ups."""
-    for _ in range(3):
-        fn()
+def event_times(fns: dict[str, Callable[[], object]], cupy, row: dict, rounds=20) -> dict:
+    """Median milliseconds of each call by CUDA events, after 3 warm-ups each; interleaved:
+    every round times each call once, in turn, so that clocks, temperature and other load
+    drift alike for all. A call that raises is dropped, its error recorded in ``row``."""
+    samples: dict[str, list[float]] = {}
+    for name, fn in fns.items():
+        try:
+            for _ in range(3):
+                fn()
+        except Exception:  # noqa: BLE001 - recorded, the others go on
+            record_failure(row, name)
+        else:
+            samples[name] = []
     cupy.cuda.Device().synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(stream)
-        fn()
-        end.record(stream)
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end))
-    return statistics.median(times)
+    for _ in range(rounds):
+        for name in list(samples):
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            try:
+                fns[name]()
+            except Exception:  # noqa: BLE001 - recorded, the others go on
+                record_failure(row, name)
+                del samples[name]
+                continue
+            end.record()
+            end.synchronize()
+            samples[name].append(cupy.cuda.get_elapsed_time(start, end))
+    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def enqueue_time(fn, cupy, repeat=20) -> float:
@@ -97,9 +116,19 @@ def make_inputs(steps, batch, units):
     return weights, r(steps, batch, units), r(steps, batch, units)
 
 
-def bench_ours(steps, batch, units, cupy, cuda_graphs: bool) -> dict:
-    """Ours in process, eager (keys ``ours_*``) or with ``--cuda-graphs on`` (``graphs_*``:
-    each call copies its inputs into a plan, replays its graph, copies the outputs out)."""
+@dataclasses.dataclass
+class Contender:
+    """One implementation's forward and backward call at one size, ready to time."""
+
+    fwd: Callable[[], object]
+    bwd: Callable[[], object]
+    #: Figures to read once timing is done (graph replays, plan bytes).
+    stats: Callable[[], dict] = dict
+
+
+def prepare_ours(steps, batch, units, cupy, cuda_graphs: bool) -> Contender:
+    """Ours in process, eager or with ``--cuda-graphs on`` (each call copies its inputs
+    into a plan, replays its graph, copies the outputs out)."""
     from gradserve.kernels import lstm
     from gradserve.kernels.compute import compute_for
 
@@ -109,48 +138,84 @@ def bench_ours(steps, batch, units, cupy, cuda_graphs: bool) -> dict:
     grads = cupy.asarray(cs_grad), cupy.asarray(h_grad)
     acts = lstm.block_lstm_forward(compute.backend, *weights, seq_len_max=steps)
 
-    def fwd():
-        compute.lstm_forward(*weights, seq_len_max=steps)
+    def stats() -> dict:
+        if not cuda_graphs:
+            return {}
+        return {
+            "graphs_replays": compute.graphs.replays,
+            "graphs_plan_bytes": compute.graphs.nbytes,
+        }
 
-    def bwd():
-        compute.lstm_backward(*weights, *acts, *grads, seq_len_max=steps)
-
-    flops = 2.0 * steps * batch * 2 * units * 4 * units
-    mode = "graphs" if cuda_graphs else "ours"
-    row = {f"{mode}_fwd_ms": cuda_time(fwd, cupy), f"{mode}_bwd_ms": cuda_time(bwd, cupy)}
-    row[f"{mode}_fwd_enqueue_ms"] = enqueue_time(fwd, cupy)
-    row[f"{mode}_bwd_enqueue_ms"] = enqueue_time(bwd, cupy)
-    row[f"{mode}_fwd_gflops"] = flops / row[f"{mode}_fwd_ms"] / 1e6
-    row[f"{mode}_bwd_gflops"] = 2 * flops / row[f"{mode}_bwd_ms"] / 1e6
-    if cuda_graphs:
-        row["graphs_replays"] = compute.graphs.replays
-        row["graphs_plan_bytes"] = compute.graphs.nbytes
-    return row
+    return Contender(
+        fwd=lambda: compute.lstm_forward(*weights, seq_len_max=steps),
+        bwd=lambda: compute.lstm_backward(*weights, *acts, *grads, seq_len_max=steps),
+        stats=stats,
+    )
 
 
-def bench_cudnn(steps, batch, units, cupy, torch, tf32: bool) -> dict:
+def prepare_cudnn(steps, batch, units, torch, tf32: bool) -> Contender:
+    """``torch.nn.LSTM`` (cuDNN on a GPU) forward, and backward to the input and the
+    weights. torch's TF32 switches are global, so each call sets its own first."""
     torch.backends.cudnn.benchmark = True
-    torch.backends.cudnn.allow_tf32 = tf32
-    torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.manual_seed(0)
-    model = torch.nn.LSTM(units, units).cuda()
-    tx = torch.randn(steps, batch, units, device="cuda", requires_grad=True)
-    tg = torch.randn(steps, batch, units, device="cuda")
+    model = torch.nn.LSTM(units, units).to(TORCH_DEVICE)
+    tx = torch.randn(steps, batch, units, device=TORCH_DEVICE, requires_grad=True)
+    tg = torch.randn(steps, batch, units, device=TORCH_DEVICE)
+    out, _ = model(tx)
+
+    def tf32_switches():
+        torch.backends.cudnn.allow_tf32 = tf32
+        torch.backends.cuda.matmul.allow_tf32 = tf32
 
     def fwd():
+        tf32_switches()
         with torch.no_grad():
             model(tx)
 
-    out, _ = model(tx)
-
     def bwd():
+        tf32_switches()
         torch.autograd.grad(out, [tx, *model.parameters()], tg, retain_graph=True)
 
-    tag = "tf32" if tf32 else "fp32"
-    return {
-        f"cudnn_{tag}_fwd_ms": cuda_time(fwd, cupy),
-        f"cudnn_{tag}_bwd_ms": cuda_time(bwd, cupy),
+    return Contender(fwd, bwd)
+
+
+def bench_in_process(steps, batch, units, cupy, torch) -> dict:
+    """Ours (eager and graphs) and cuDNN (fp32 and TF32, with torch), timed interleaved."""
+    size = (steps, batch, units)
+    row: dict = {}
+    makers = {
+        "ours": (prepare_ours, *size, cupy, False),
+        "graphs": (prepare_ours, *size, cupy, True),
     }
+    if torch is not None:
+        makers["cudnn_fp32"] = (prepare_cudnn, *size, torch, False)
+        makers["cudnn_tf32"] = (prepare_cudnn, *size, torch, True)
+    contenders = {}
+    for name, (make, *args) in makers.items():
+        contender = attempt(row, name, make, *args)
+        if contender is not None:
+            contenders[name] = contender
+    calls = {f"{n}_{d}": getattr(c, d) for n, c in contenders.items() for d in ("fwd", "bwd")}
+    row |= {f"{call}_ms": ms for call, ms in event_times(calls, cupy, row).items()}
+    flops = {"fwd": 2.0 * steps * batch * 2 * units * 4 * units}
+    flops["bwd"] = 2 * flops["fwd"]
+    for name in ("ours", "graphs"):
+        if name not in contenders:
+            continue
+        for d in ("fwd", "bwd"):
+            if f"{name}_{d}_ms" in row:
+                row[f"{name}_{d}_gflops"] = flops[d] / row[f"{name}_{d}_ms"] / 1e6
+                fn = getattr(contenders[name], d)
+                enqueue = attempt(row, f"{name}_{d}_enqueue", enqueue_time, fn, cupy)
+                if enqueue is not None:
+                    row[f"{name}_{d}_enqueue_ms"] = enqueue
+        row |= contenders[name].stats()
+        for tag in ("fp32", "tf32"):
+            for d in ("fwd", "bwd"):
+                ours, theirs = row.get(f"{name}_{d}_ms"), row.get(f"cudnn_{tag}_{d}_ms")
+                if ours is not None and theirs is not None:
+                    row[f"{name}_{d}_ratio_{tag}"] = ours / theirs
+    return row
 
 
 def bench_served(steps, batch, units, cupy, cuda_graphs: bool) -> dict:
@@ -194,54 +259,79 @@ def bench_served(steps, batch, units, cupy, cuda_graphs: bool) -> dict:
     return {f"{k.replace('served', prefix)}_ms": v for k, v in t.items()}
 
 
-def section(row: dict, name: str, fn, *args) -> None:
-    """``row |= fn(*args)``; a failure is recorded in ``row`` and printed."""
+def record_failure(row: dict, name: str) -> None:
+    """The exception being handled, into ``row[name + "_error"]`` and printed: a benchmark
+    section that fails is reported, not fatal."""
+    row[f"{name}_error"] = traceback.format_exc(limit=3)
+    print(f"  {name} failed:\n{row[f'{name}_error']}")
+
+
+def attempt(row: dict, name: str, fn, *args):
+    """``fn(*args)``, or None if it raised (recorded by ``record_failure``)."""
     try:
-        row |= fn(*args)
-    except Exception:  # noqa: BLE001 - a benchmark section that fails is reported, not fatal
-        row[f"{name}_error"] = traceback.format_exc(limit=3)
-        print(f"  {name} failed:\n{row[f'{name}_error']}")
+        return fn(*args)
+    except Exception:  # noqa: BLE001 - recorded, the benchmark goes on
+        record_failure(row, name)
+        return None
 
 
 def describe(row: dict) -> str:
-    g = row.get
+    """The row as the lines ``bench.log`` shows; a figure a failed section left out
+    prints as n/a."""
+
+    def f(key: str, spec: str = "8.3f") -> str:
+        value = row.get(key)
+        return "n/a" if value is None else format(value, spec)
+
     lines = [f"(T, B, I=H) = ({row['T']}, {row['B']}, {row['H']})"]
-    if "ours_fwd_ms" in row:
+    for mode, label in (("ours", "ours, eager"), ("graphs", "ours, --cuda-graphs on")):
+        if f"{mode}_fwd_ms" in row or f"{mode}_bwd_ms" in row:
+            lines.append(
+                f"  {label}: fwd {f(f'{mode}_fwd_ms')} ms ({f(f'{mode}_fwd_gflops', '.0f')} "
+                f"GF/s, enqueue {f(f'{mode}_fwd_enqueue_ms', '.3f')} ms) | bwd "
+                f"{f(f'{mode}_bwd_ms')} ms ({f(f'{mode}_bwd_gflops', '.0f')} GF/s, enqueue "
+                f"{f(f'{mode}_bwd_enqueue_ms', '.3f')} ms)"
+            )
+    if "graphs_replays" in row:
         lines.append(
-            f"  ours  fwd {g('ours_fwd_ms'):8.3f} ms ({g('ours_fwd_gflops'):7.0f} GF/s, enqueue "
-            f"{g('ours_fwd_enqueue_ms'):.3f} ms) | bwd {g('ours_bwd_ms'):8.3f} ms "
-            f"({g('ours_bwd_gflops'):7.0f} GF/s, enqueue {g('ours_bwd_enqueue_ms'):.3f} ms)"
-        )
-    if "graphs_fwd_ms" in row:
-        lines.append(
-            f"  ours, --cuda-graphs on: fwd {g('graphs_fwd_ms'):8.3f} ms (enqueue "
-            f"{g('graphs_fwd_enqueue_ms'):.3f} ms) | bwd {g('graphs_bwd_ms'):8.3f} ms (enqueue "
-            f"{g('graphs_bwd_enqueue_ms'):.3f} ms) | {g('graphs_replays')} replays, plans "
-            f"{g('graphs_plan_bytes') / 2**20:.0f} MiB"
+            f"    graphs: {row['graphs_replays']} replays, plans "
+            f"{row['graphs_plan_bytes'] / 2**20:.0f} MiB"
         )
     for tag in ("fp32", "tf32"):
-        if f"cudnn_{tag}_fwd_ms" in row and "ours_fwd_ms" in row:
-            fwd, bwd = row[f"cudnn_{tag}_fwd_ms"], row[f"cudnn_{tag}_bwd_ms"]
-            goal = " (goal <= 2x)" if tag == "fp32" else " (reference only)"
-            line = f"  cuDNN {tag} fwd {fwd:8.3f} ms | bwd {bwd:8.3f} ms | ours/cuDNN"
-            for mode in ("ours", "graphs"):
-                if f"{mode}_fwd_ms" in row:
-                    row[f"{mode}_fwd_ratio_{tag}"] = row[f"{mode}_fwd_ms"] / fwd
-                    row[f"{mode}_bwd_ratio_{tag}"] = row[f"{mode}_bwd_ms"] / bwd
-                    line += (
-                        f" {'eager' if mode == 'ours' else 'graphs'}: fwd "
-                        f"{row[f'{mode}_fwd_ratio_{tag}']:.2f}x, bwd "
-                        f"{row[f'{mode}_bwd_ratio_{tag}']:.2f}x;"
-                    )
-            lines.append(line.rstrip(";") + goal)
+        if f"cudnn_{tag}_fwd_ms" not in row and f"cudnn_{tag}_bwd_ms" not in row:
+            continue
+        goal = " (goal <= 2x)" if tag == "fp32" else " (reference only)"
+        line = (
+            f"  cuDNN {tag}: fwd {f(f'cudnn_{tag}_fwd_ms')} ms | bwd {f(f'cudnn_{tag}_bwd_ms')} ms"
+        )
+        ratios = []
+        for mode in ("ours", "graphs"):
+            if f"{mode}_fwd_ratio_{tag}" in row or f"{mode}_bwd_ratio_{tag}" in row:
+                ratios.append(
+                    f"{'eager' if mode == 'ours' else 'graphs'} fwd "
+                    f"{f(f'{mode}_fwd_ratio_{tag}', '.2f')}x, bwd "
+                    f"{f(f'{mode}_bwd_ratio_{tag}', '.2f')}x"
+                )
+        if ratios:
+            line += " | ours/cuDNN: " + "; ".join(ratios) + goal
+        lines.append(line)
     for prefix, label in (("served", "eager"), ("served_graphs", "--cuda-graphs on")):
         if f"{prefix}_bwd_ms" in row:
             lines.append(
                 f"  served, {label} (resident inputs, wall): fwd kept (+ delete) "
-                f"{g(f'{prefix}_fwd_kept_ms'):.3f} ms, bwd {g(f'{prefix}_bwd_ms'):.3f} ms vs "
-                f"in-process eager bwd {g('inproc_bwd_ms'):.3f} ms"
+                f"{f(f'{prefix}_fwd_kept_ms', '.3f')} ms, bwd {f(f'{prefix}_bwd_ms', '.3f')} ms "
+                f"vs in-process eager bwd {f('inproc_bwd_ms', '.3f')} ms"
             )
     return "\n".join(lines)
+
+
+def torch_for_reference():
+    """torch, where it can run the reference on ``TORCH_DEVICE``; else None."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if TORCH_DEVICE == "cpu" or torch.cuda.is_available() else None
 
 
 def main() -> None:
@@ -250,30 +340,21 @@ def main() -> None:
     args = parser.parse_args()
     import cupy
 
-    try:
-        import torch
-
-        have_torch = torch.cuda.is_available()
-    except ImportError:
-        torch, have_torch = None, False
+    torch = torch_for_reference()
     props = cupy.cuda.runtime.getDeviceProperties(0)
     device = props["name"].decode()
+    reference = f"torch {torch.__version__} on {TORCH_DEVICE}" if torch else "torch not available"
     print(
-        f"# gradserve LSTM GPU benchmark: {device}, float32, cupy {cupy.__version__}; cuDNN "
-        f"reference: {'torch ' + torch.__version__ if have_torch else 'torch not available'}"
+        f"# gradserve LSTM GPU benchmark: {device}, float32, cupy {cupy.__version__}; "
+        f"cuDNN reference: {reference}; medians of interleaved rounds"
     )
     report = {"device": device, "cupy": cupy.__version__, "sizes": []}
     for steps, batch, units in SIZES:
         row: dict = {"T": steps, "B": batch, "H": units}
         size = (steps, batch, units)
-        section(row, "ours", bench_ours, *size, cupy, False)
-        section(row, "graphs", bench_ours, *size, cupy, True)
-        if have_torch:
-            for tf32 in (False, True):
-                tag = "tf32" if tf32 else "fp32"
-                section(row, f"cudnn_{tag}", bench_cudnn, *size, cupy, torch, tf32)
-        section(row, "served", bench_served, *size, cupy, False)
-        section(row, "served_graphs", bench_served, *size, cupy, True)
+        row |= attempt(row, "in_process", bench_in_process, *size, cupy, torch) or {}
+        row |= attempt(row, "served", bench_served, *size, cupy, False) or {}
+        row |= attempt(row, "served_graphs", bench_served, *size, cupy, True) or {}
         print(describe(row), flush=True)
         report["sizes"].append(row)
     if args.json:
