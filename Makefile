@@ -7,7 +7,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 50051
 RESULTS ?= results/gpu-check
 
-.PHONY: run test bench proto lint docker gpu-check gpu-kit demo golden clean
+.PHONY: run test bench bench-tf proto lint docker gpu-check gpu-kit demo golden clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ bench: $(STAMP)  ## benchmarks (figures, not pass/fail)
 	$(PY) -m tests.benchmarks.bench_core
 	$(PY) -m tests.benchmarks.bench_lstm
 	$(PY) -m tests.benchmarks.bench_load
+
+# TensorFlow is never a dependency: install it by hand into its own venv, then e.g.
+#   make bench-tf TF_PYTHON=/tmp/tf/bin/python
+bench-tf: $(STAMP)  ## our CPU LSTM vs TensorFlow's own BlockLSTM kernels, same inputs
+	@test -n "$(TF_PYTHON)" || { echo "set TF_PYTHON to a python with tensorflow-cpu"; exit 2; }
+	$(PY) -m tests.benchmarks.bench_lstm_vs_tf --tf-python $(TF_PYTHON)
 
 proto: $(STAMP)  ## regenerate the committed stubs from protos/
 	cd protos && ../$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. \

@@ -1,0 +1,215 @@
+"""Our CPU LSTM against TensorFlow's own C++ kernels (``make bench-tf``, by hand: TensorFlow
+is never a dependency).
+
+What a team gives up or gains by calling gradserve's LSTM math instead of running
+``BlockLSTMV2`` / ``BlockLSTMGradV2`` in process: float32, no peepholes, the sizes of
+``make bench``, on the same inputs. TensorFlow runs in a worker process of a Python that
+has it (``--tf-python``), timing each call itself (no IPC in its figure); ours runs here
+on the NumPy backend. The two are interleaved call by call (ours fwd, TF fwd, ours bwd,
+TF bwd, ...) and reported as medians, with both limited to the same number of threads
+(TF's intra-op pool; our BLAS, by threadpoolctl). Before timing, the outputs of both are
+compared (max abs error over max(1, max abs value)), so the figures are of the same
+computation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+SIZES = [(50, 32, 256), (100, 64, 512)]
+INPUTS = ("x", "cs_prev", "h_prev", "w", "wci", "wcf", "wco", "b")
+OUTPUTS = ("i", "cs", "f", "o", "ci", "co", "h")
+GRADS = ("x_grad", "cs_prev_grad", "h_prev_grad", "w_grad", "wci_grad", "wcf_grad",
+         "wco_grad", "b_grad")  # fmt: skip
+
+
+def make_case(steps: int, batch: int, units: int) -> dict[str, np.ndarray]:
+    """float32 inputs (I = H) and output gradients, seeded."""
+    rng = np.random.default_rng(0)
+
+    def r(*shape, scale=1.0):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    return {
+        "x": r(steps, batch, units),
+        "cs_prev": r(batch, units, scale=0.1),
+        "h_prev": r(batch, units, scale=0.1),
+        "w": r(2 * units, 4 * units, scale=1 / np.sqrt(2 * units)),
+        "wci": np.zeros(units, np.float32),
+        "wcf": np.zeros(units, np.float32),
+        "wco": np.zeros(units, np.float32),
+        "b": r(4 * units, scale=0.1),
+        "cs_grad": r(steps, batch, units),
+        "h_grad": r(steps, batch, units),
+    }
+
+
+# ------------------------------------------------------------- the TensorFlow worker
+def worker(threads: int) -> None:
+    """Reads one JSON request per line: ``{"load": npz}`` (inputs; answers the outputs' npz),
+    ``{"time": "fwd" | "bwd"}`` (answers seconds of one call)."""
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    print(json.dumps({"ready": tf.__version__}), flush=True)
+    calls = {}
+    for line in sys.stdin:
+        request = json.loads(line)
+        if "load" in request:
+            with np.load(request["load"]) as data:
+                case = {k: tf.constant(data[k]) for k in data.files}
+            length = tf.constant(case["x"].shape[0], tf.int64)
+            args = [case[k] for k in INPUTS]
+            outs = tf.raw_ops.BlockLSTMV2(
+                seq_len_max=length, **dict(zip(INPUTS, args)), cell_clip=0.0, use_peephole=False
+            )
+
+            def fwd(args=args, length=length):
+                return tf.raw_ops.BlockLSTMV2(
+                    seq_len_max=length, **dict(zip(INPUTS, args)), cell_clip=0.0,
+                    use_peephole=False,
+                )  # fmt: skip
+
+            def bwd(args=args, length=length, outs=outs, case=case):
+                return tf.raw_ops.BlockLSTMGradV2(
+                    seq_len_max=length, **dict(zip(INPUTS, args)), **dict(zip(OUTPUTS, outs)),
+                    cs_grad=case["cs_grad"], h_grad=case["h_grad"], use_peephole=False,
+                )  # fmt: skip
+
+            calls = {"fwd": fwd, "bwd": bwd}
+            result = request["load"] + ".tf.npz"
+            grads = bwd()
+            np.savez(result, **{k: v.numpy() for k, v in zip(OUTPUTS, outs)},
+                     **{k: v.numpy() for k, v in zip(GRADS, grads)})  # fmt: skip
+            print(json.dumps({"outputs": result}), flush=True)
+        else:
+            fn = calls[request["time"]]
+            t0 = time.perf_counter()
+            fn()
+            print(json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
+
+
+class TensorFlowWorker:
+    """TensorFlow in its own Python, driven a request per line."""
+
+    def __init__(self, python: str, threads: int) -> None:
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(
+            [python, __file__, "--worker", "--threads", str(threads)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
+        )  # fmt: skip
+        self.version = self._answer()["ready"]
+
+    def _answer(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.log.seek(0)
+            raise RuntimeError(f"the TensorFlow worker stopped:\n{self.log.read()[-3000:]}")
+        return json.loads(line)
+
+    def ask(self, request: dict) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+# ------------------------------------------------------------------ the comparison
+def scaled_error(got: np.ndarray, want: np.ndarray) -> float:
+    """max |got - want| / max(1, max |want|), in float64."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / max(1.0, np.abs(want).max()))
+
+
+def compare(threads: int, tf_python: str, rounds: int) -> None:
+    """Every size at ``threads`` threads, against a fresh TensorFlow worker."""
+    tf = TensorFlowWorker(tf_python, threads)
+    try:
+        print(f"\n## {threads} thread(s): TensorFlow {tf.version} intra-op pool, our BLAS")
+        for size in SIZES:
+            compare_size(tf, threads, rounds, *size)
+    finally:
+        tf.close()
+
+
+def compare_size(tf: TensorFlowWorker, threads: int, rounds: int, steps, batch, units) -> None:
+    from gradserve.kernels import backend_numpy, lstm
+    from tests.benchmarks.bench_lstm import blas_threads
+
+    case = make_case(steps, batch, units)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "case.npz")
+        np.savez(path, **case)
+        with np.load(tf.ask({"load": path})["outputs"]) as data:
+            want = {k: data[k] for k in data.files}
+    args = [case[k] for k in INPUTS]
+    output_grads = case["cs_grad"], case["h_grad"]
+    with blas_threads(threads):
+        outs = lstm.block_lstm_forward(backend_numpy, *args, seq_len_max=steps)
+        ours = {
+            "fwd": lambda: lstm.block_lstm_forward(backend_numpy, *args, seq_len_max=steps),
+            "bwd": lambda: lstm.block_lstm_backward(
+                backend_numpy, *args, *outs, *output_grads, seq_len_max=steps
+            ),
+        }
+        grads = ours["bwd"]()
+        samples: dict[str, list[float]] = {
+            f"{who} {d}": [] for d in ("fwd", "bwd") for who in ("ours", "tf")
+        }
+        for _ in range(rounds + 1):  # the first round warms up, not counted
+            for direction, fn in ours.items():
+                t0 = time.perf_counter()
+                fn()
+                samples[f"ours {direction}"].append(time.perf_counter() - t0)
+                samples[f"tf {direction}"].append(tf.ask({"time": direction})["seconds"])
+    got = dict(zip(OUTPUTS, outs)) | dict(zip(GRADS, grads))
+    error = max(scaled_error(got[k], want[k]) for k in (*OUTPUTS, *GRADS))
+    t = {k: statistics.median(v[1:]) * 1e3 for k, v in samples.items()}
+    print(
+        f"(T, B, I=H) = ({steps}, {batch}, {units}): "
+        f"forward ours {t['ours fwd']:7.1f} ms, TF {t['tf fwd']:7.1f} ms "
+        f"({t['tf fwd'] / t['ours fwd']:.2f}x) | backward ours {t['ours bwd']:7.1f} ms, "
+        f"TF {t['tf bwd']:7.1f} ms ({t['tf bwd'] / t['ours bwd']:.2f}x) | "
+        f"outputs and gradients agree to {error:.1e}",
+        flush=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tf-python", help="a Python that has tensorflow-cpu")
+    parser.add_argument("--threads", type=int, action="append",
+                        help="threads for both (repeatable; default 1 and all)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.threads[0])
+        return
+    if not args.tf_python:
+        parser.error("--tf-python is required (a Python with tensorflow-cpu installed)")
+    print(
+        f"# ours (NumPy {np.__version__}) vs TensorFlow's BlockLSTMV2 / BlockLSTMGradV2 C++ "
+        f"kernels, CPU, float32, no peepholes; {os.cpu_count()} CPUs; medians of "
+        f"{args.rounds} interleaved rounds; 'Nx' = TF time / ours"
+    )
+    for threads in args.threads or [1, os.cpu_count()]:
+        compare(threads, args.tf_python, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
