@@ -33,6 +33,29 @@ from gradserve.kernels import backend_numpy, lstm
 SIZES = [(50, 32, 256), (100, 64, 512)]
 
 
+def make_inputs(steps, batch, units):
+    """The LSTM benchmarks' inputs, I = H, float32, seeded: the eight array inputs of
+    ``BlockLSTMV2`` (x, cs_prev, h_prev, w, wci, wcf, wco, b) and the output gradients
+    (cs_grad, h_grad)."""
+    rng = np.random.default_rng(0)
+    f32 = np.float32
+
+    def r(*shape, scale=1.0):
+        return (rng.standard_normal(shape) * scale).astype(f32)
+
+    weights = (
+        r(steps, batch, units),
+        r(batch, units, scale=0.1),
+        r(batch, units, scale=0.1),
+        r(2 * units, 4 * units, scale=1 / np.sqrt(2 * units)),
+        r(units, scale=0.1),
+        r(units, scale=0.1),
+        r(units, scale=0.1),
+        r(4 * units, scale=0.1),
+    )
+    return weights, r(steps, batch, units), r(steps, batch, units)
+
+
 def sigmoid(x):
     return 0.5 * np.tanh(0.5 * x) + 0.5
 
@@ -129,18 +152,11 @@ def blas_info() -> str:
 
 
 def bench_size(steps, batch, units, rounds, rpc_target):
-    rng = np.random.default_rng(0)
     inputs = units
+    weights, cs_grad, h_grad = make_inputs(steps, batch, units)
+    x, cs_prev, h_prev, w, *_, b = weights
+    rng = np.random.default_rng(1)
     f32 = np.float32
-    x = rng.standard_normal((steps, batch, inputs)).astype(f32)
-    cs_prev = rng.standard_normal((batch, units)).astype(f32) * 0.1
-    h_prev = rng.standard_normal((batch, units)).astype(f32) * 0.1
-    w = (rng.standard_normal((inputs + units, 4 * units)) / np.sqrt(inputs + units)).astype(f32)
-    b = np.zeros(4 * units, f32)
-    peep = np.zeros(units, f32)
-    cs_grad = rng.standard_normal((steps, batch, units)).astype(f32)
-    h_grad = rng.standard_normal((steps, batch, units)).astype(f32)
-    weights = (x, cs_prev, h_prev, w, peep, peep, peep, b)
     acts = lstm.block_lstm_forward(backend_numpy, *weights, seq_len_max=steps)
     base_acts = baseline_forward(x, cs_prev, h_prev, w, b)
 

@@ -96,26 +96,6 @@ def wall_time(fns: dict, cupy, rounds=10) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def make_inputs(steps, batch, units):
-    rng = np.random.default_rng(0)
-    f32 = np.float32
-
-    def r(*shape, scale=1.0):
-        return (rng.standard_normal(shape) * scale).astype(f32)
-
-    weights = (
-        r(steps, batch, units),
-        r(batch, units, scale=0.1),
-        r(batch, units, scale=0.1),
-        r(2 * units, 4 * units, scale=1 / np.sqrt(2 * units)),
-        r(units, scale=0.1),
-        r(units, scale=0.1),
-        r(units, scale=0.1),
-        r(4 * units, scale=0.1),
-    )
-    return weights, r(steps, batch, units), r(steps, batch, units)
-
-
 @dataclasses.dataclass
 class Contender:
     """One implementation's forward and backward call at one size, ready to time."""
@@ -131,6 +111,7 @@ def prepare_ours(steps, batch, units, cupy, cuda_graphs: bool) -> Contender:
     into a plan, replays its graph, copies the outputs out)."""
     from gradserve.kernels import lstm
     from gradserve.kernels.compute import compute_for
+    from tests.benchmarks.bench_lstm import make_inputs
 
     compute = compute_for("cuda", cuda_graphs=cuda_graphs)
     host_weights, cs_grad, h_grad = make_inputs(steps, batch, units)
@@ -225,6 +206,7 @@ def bench_served(steps, batch, units, cupy, cuda_graphs: bool) -> dict:
     import gradserve
     from gradserve.kernels import backend_cuda, lstm
     from gradserve.server import run_server
+    from tests.benchmarks.bench_lstm import make_inputs
 
     host_weights, cs_grad, h_grad = make_inputs(steps, batch, units)
     weights = [cupy.asarray(a) for a in host_weights]

@@ -32,27 +32,6 @@ GRADS = ("x_grad", "cs_prev_grad", "h_prev_grad", "w_grad", "wci_grad", "wcf_gra
          "wco_grad", "b_grad")  # fmt: skip
 
 
-def make_case(steps: int, batch: int, units: int) -> dict[str, np.ndarray]:
-    """float32 inputs (I = H) and output gradients, seeded."""
-    rng = np.random.default_rng(0)
-
-    def r(*shape, scale=1.0):
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-    return {
-        "x": r(steps, batch, units),
-        "cs_prev": r(batch, units, scale=0.1),
-        "h_prev": r(batch, units, scale=0.1),
-        "w": r(2 * units, 4 * units, scale=1 / np.sqrt(2 * units)),
-        "wci": np.zeros(units, np.float32),
-        "wcf": np.zeros(units, np.float32),
-        "wco": np.zeros(units, np.float32),
-        "b": r(4 * units, scale=0.1),
-        "cs_grad": r(steps, batch, units),
-        "h_grad": r(steps, batch, units),
-    }
-
-
 # ------------------------------------------------------------- the TensorFlow worker
 def worker(threads: int) -> None:
     """Reads one JSON request per line: ``{"load": npz}`` (inputs; answers the outputs' npz),
@@ -148,9 +127,10 @@ def compare(threads: int, tf_python: str, rounds: int) -> None:
 
 def compare_size(tf: TensorFlowWorker, threads: int, rounds: int, steps, batch, units) -> None:
     from gradserve.kernels import backend_numpy, lstm
-    from tests.benchmarks.bench_lstm import blas_threads
+    from tests.benchmarks.bench_lstm import blas_threads, make_inputs
 
-    case = make_case(steps, batch, units)
+    weights, cs_grad, h_grad = make_inputs(steps, batch, units)
+    case = dict(zip(INPUTS, weights), cs_grad=cs_grad, h_grad=h_grad)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "case.npz")
         np.savez(path, **case)
