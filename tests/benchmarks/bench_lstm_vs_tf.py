@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 SIZES = [(50, 32, 256), (100, 64, 512)]
+# Spelled out here: the worker runs in TensorFlow's Python, which has no gradserve.
 INPUTS = ("x", "cs_prev", "h_prev", "w", "wci", "wcf", "wco", "b")
 OUTPUTS = ("i", "cs", "f", "o", "ci", "co", "h")
 GRADS = ("x_grad", "cs_prev_grad", "h_prev_grad", "w_grad", "wci_grad", "wcf_grad",
@@ -33,9 +34,35 @@ GRADS = ("x_grad", "cs_prev_grad", "h_prev_grad", "w_grad", "wci_grad", "wcf_gra
 
 
 # ------------------------------------------------------------- the TensorFlow worker
+def tf_calls(tf, path: str) -> dict:
+    """TensorFlow's forward and backward on the inputs saved at ``path``; their outputs
+    and gradients are saved next to it, at ``path + ".tf.npz"``."""
+    with np.load(path) as data:
+        case = {k: tf.constant(data[k]) for k in data.files}
+    inputs = {k: case[k] for k in INPUTS}
+    length = tf.constant(case["x"].shape[0], tf.int64)
+
+    def fwd():
+        return tf.raw_ops.BlockLSTMV2(
+            seq_len_max=length, **inputs, cell_clip=0.0, use_peephole=False
+        )
+
+    outs = dict(zip(OUTPUTS, fwd()))
+
+    def bwd():
+        return tf.raw_ops.BlockLSTMGradV2(
+            seq_len_max=length, **inputs, **outs, cs_grad=case["cs_grad"],
+            h_grad=case["h_grad"], use_peephole=False,
+        )  # fmt: skip
+
+    results = outs | dict(zip(GRADS, bwd()))
+    np.savez(path + ".tf.npz", **{k: v.numpy() for k, v in results.items()})
+    return {"fwd": fwd, "bwd": bwd}
+
+
 def worker(threads: int) -> None:
-    """Reads one JSON request per line: ``{"load": npz}`` (inputs; answers the outputs' npz),
-    ``{"time": "fwd" | "bwd"}`` (answers seconds of one call)."""
+    """Reads one JSON request per line: ``{"load": npz}`` (inputs; answers the npz of
+    TensorFlow's results), ``{"time": "fwd" | "bwd"}`` (answers seconds of one call)."""
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(threads)
@@ -45,32 +72,8 @@ def worker(threads: int) -> None:
     for line in sys.stdin:
         request = json.loads(line)
         if "load" in request:
-            with np.load(request["load"]) as data:
-                case = {k: tf.constant(data[k]) for k in data.files}
-            length = tf.constant(case["x"].shape[0], tf.int64)
-            args = [case[k] for k in INPUTS]
-            outs = tf.raw_ops.BlockLSTMV2(
-                seq_len_max=length, **dict(zip(INPUTS, args)), cell_clip=0.0, use_peephole=False
-            )
-
-            def fwd(args=args, length=length):
-                return tf.raw_ops.BlockLSTMV2(
-                    seq_len_max=length, **dict(zip(INPUTS, args)), cell_clip=0.0,
-                    use_peephole=False,
-                )  # fmt: skip
-
-            def bwd(args=args, length=length, outs=outs, case=case):
-                return tf.raw_ops.BlockLSTMGradV2(
-                    seq_len_max=length, **dict(zip(INPUTS, args)), **dict(zip(OUTPUTS, outs)),
-                    cs_grad=case["cs_grad"], h_grad=case["h_grad"], use_peephole=False,
-                )  # fmt: skip
-
-            calls = {"fwd": fwd, "bwd": bwd}
-            result = request["load"] + ".tf.npz"
-            grads = bwd()
-            np.savez(result, **{k: v.numpy() for k, v in zip(OUTPUTS, outs)},
-                     **{k: v.numpy() for k, v in zip(GRADS, grads)})  # fmt: skip
-            print(json.dumps({"outputs": result}), flush=True)
+            calls = tf_calls(tf, request["load"])
+            print(json.dumps({"outputs": request["load"] + ".tf.npz"}), flush=True)
         else:
             fn = calls[request["time"]]
             t0 = time.perf_counter()
@@ -108,12 +111,6 @@ class TensorFlowWorker:
 
 
 # ------------------------------------------------------------------ the comparison
-def scaled_error(got: np.ndarray, want: np.ndarray) -> float:
-    """max |got - want| / max(1, max |want|), in float64."""
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.abs(got - want).max() / max(1.0, np.abs(want).max()))
-
-
 def compare(threads: int, tf_python: str, rounds: int) -> None:
     """Every size at ``threads`` threads, against a fresh TensorFlow worker."""
     tf = TensorFlowWorker(tf_python, threads)
@@ -128,6 +125,7 @@ def compare(threads: int, tf_python: str, rounds: int) -> None:
 def compare_size(tf: TensorFlowWorker, threads: int, rounds: int, steps, batch, units) -> None:
     from gradserve.kernels import backend_numpy, lstm
     from tests.benchmarks.bench_lstm import blas_threads, make_inputs
+    from tests.kernels.lstm_cases import scaled_error
 
     weights, cs_grad, h_grad = make_inputs(steps, batch, units)
     case = dict(zip(INPUTS, weights), cs_grad=cs_grad, h_grad=h_grad)
