@@ -134,14 +134,12 @@ def compare_size(tf: TensorFlowWorker, threads: int, rounds: int, steps, batch, 
         np.savez(path, **case)
         with np.load(tf.ask({"load": path})["outputs"]) as data:
             want = {k: data[k] for k in data.files}
-    args = [case[k] for k in INPUTS]
-    output_grads = case["cs_grad"], case["h_grad"]
     with blas_threads(threads):
-        outs = lstm.block_lstm_forward(backend_numpy, *args, seq_len_max=steps)
+        outs = lstm.block_lstm_forward(backend_numpy, *weights, seq_len_max=steps)
         ours = {
-            "fwd": lambda: lstm.block_lstm_forward(backend_numpy, *args, seq_len_max=steps),
+            "fwd": lambda: lstm.block_lstm_forward(backend_numpy, *weights, seq_len_max=steps),
             "bwd": lambda: lstm.block_lstm_backward(
-                backend_numpy, *args, *outs, *output_grads, seq_len_max=steps
+                backend_numpy, *weights, *outs, cs_grad, h_grad, seq_len_max=steps
             ),
         }
         grads = ours["bwd"]()
