@@ -1,5 +1,5 @@
-"""Array math of the ops, on NumPy (CPU) or CuPy (CUDA), and device selection."""
+"""Array math of the ops, on NumPy (CPU) or CuPy (CUDA), and device selection.
 
-from gradserve.kernels.device import select_device
-
-__all__ = ["select_device"]
+Domain layer: imports NumPy (CuPy only inside ``backend_cuda``) and the shared
+modules, never gRPC or protobuf.
+"""

@@ -1,7 +1,7 @@
 """The op table that server and SDK share matches the proto."""
 
 from gradserve.protocol import BATCH_FIELDS
-from gradserve.server.op_handlers import OPS
+from gradserve.server.transport.handlers import OPS
 from gradserve.v1 import service_pb2
 
 

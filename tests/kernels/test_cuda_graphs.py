@@ -230,8 +230,8 @@ def test_plans_show_in_the_metrics(backend, capture):
     from prometheus_client import generate_latest
 
     from gradserve.kernels.compute import Compute
-    from gradserve.server.observability import Metrics
-    from gradserve.server.sessions import SessionStore
+    from gradserve.server.transport.observability import Metrics
+    from gradserve.server.core.sessions import SessionStore
 
     cache = cuda_graphs.GraphCache(backend, capture)
     arrays, _ = case(11)

@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import gradserve
 from gradserve.server import run_server
-from gradserve.server.cli import build_parser
+from gradserve.server.transport.cli import build_parser
 from tests.server_process import ServerProcess
 
 

@@ -12,7 +12,8 @@ import pytest
 import gradserve
 from gradserve.errors import ResourceExhaustedError
 from gradserve.server import run_server
-from gradserve.server.limits import ComputeGate, MemoryBudget
+from gradserve.server.core.budget import MemoryBudget
+from gradserve.server.transport.admission import ComputeGate
 
 KIB = 1024
 

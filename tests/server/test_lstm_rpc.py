@@ -15,7 +15,7 @@ from gradserve import errors
 from gradserve.errors import DeadlineExceededError, InvalidArgumentError, ResourceExhaustedError
 from gradserve.kernels import backend_numpy, lstm
 from gradserve.kernels.compute import Compute
-from gradserve.server.ops import lstm_ops
+from gradserve.server.core.ops import lstm_ops
 from tests.conftest import DeadlineOnCall
 from tests.golden.trace_format import normalise, resolve
 from tests.kernels.lstm_cases import (

@@ -12,7 +12,7 @@ import pytest
 
 import gradserve
 from gradserve.server import run_server
-from gradserve.server.observability import JsonFormatter
+from gradserve.server.transport.observability import JsonFormatter
 
 
 @pytest.fixture(scope="module")

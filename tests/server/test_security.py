@@ -10,8 +10,8 @@ import pytest
 import gradserve
 from gradserve.errors import NotFoundError, UnauthenticatedError, UnavailableError
 from gradserve.server import ServerConfig, run_server, start
-from gradserve.server.app import ConfigError
-from gradserve.server.auth import TokenTable
+from gradserve.server.transport.app import ConfigError
+from gradserve.server.transport.auth import TokenTable
 from tests.server.certs import make_pki
 
 TOKENS = "# principal:token\nalice:tok-alice-1234\nbob:tok-bob-5678\n"

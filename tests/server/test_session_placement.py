@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from gradserve.errors import NotFoundError
-from gradserve.server.limits import MemoryBudget
-from gradserve.server.sessions import Session
+from gradserve.server.core.budget import MemoryBudget
+from gradserve.server.core.sessions import Session
 
 
 class Placed(np.ndarray):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gradserve.errors import InvalidArgumentError, ResourceExhaustedError, UnimplementedError
-from gradserve.server.tensor_array import TensorArray
+from gradserve.server.core.tensor_array import TensorArray
 from tests.conftest import DeadlineOnCall
 
 F32 = np.float32
@@ -251,7 +251,7 @@ def test_huge_size_costs_nothing_until_used():
 
 def test_gather_checks_between_reads_and_leaves_array_unchanged():
     from gradserve.errors import DeadlineExceededError
-    from gradserve.server.tensor_array import CHECK_EVERY
+    from gradserve.server.core.tensor_array import CHECK_EVERY
 
     n = 3 * CHECK_EVERY
     ta = make(size=n, element_shape=(1,))

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gradserve import errors
-from gradserve.server.tensor_array import TensorArray
+from gradserve.server.core.tensor_array import TensorArray
 
 
 class ModelError(Exception):

@@ -35,7 +35,7 @@ import numpy as np
 
 from gradserve import dtypes, shapes
 from gradserve.errors import InvalidArgumentError, ResourceExhaustedError, UnimplementedError
-from gradserve.server.limits import MemoryBudget
+from gradserve.server.core.budget import MemoryBudget
 
 INT32_MAX = 2**31 - 1
 #: Multi-index reads call their ``check`` (deadline, cancellation) this often.

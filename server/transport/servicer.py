@@ -12,13 +12,13 @@ from gradserve.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
 )
-from gradserve.server import boundary
-from gradserve.server.auth import current_principal
-from gradserve.server.limits import ComputeGate
-from gradserve.server.observability import Observer
-from gradserve.server.op_handlers import OPS, OPS_BY_BATCH_FIELD, Op
-from gradserve.server.sessions import Session, SessionStore
-from gradserve.server.wire import CallIO, host_array
+from gradserve.server.transport import boundary
+from gradserve.server.transport.auth import current_principal
+from gradserve.server.transport.admission import ComputeGate
+from gradserve.server.transport.observability import Observer
+from gradserve.server.transport.handlers import OPS, OPS_BY_BATCH_FIELD, Op
+from gradserve.server.core.sessions import Session, SessionStore
+from gradserve.server.transport.wire import CallIO, host_array
 from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_pb2
 
 

@@ -20,7 +20,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from gradserve.errors import GradserveError, InternalError, ResourceExhaustedError
-from gradserve.server.observability import REQUEST_ID_KEY
+from gradserve.server.transport.observability import REQUEST_ID_KEY
 
 log = logging.getLogger(__name__)
 

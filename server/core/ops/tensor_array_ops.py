@@ -12,9 +12,9 @@ import numpy as np
 
 from gradserve import dtypes, shapes
 from gradserve.errors import InvalidArgumentError
-from gradserve.server.ops import args
-from gradserve.server.sessions import Session
-from gradserve.server.tensor_array import TensorArray
+from gradserve.server.core.ops import args
+from gradserve.server.core.sessions import Session
+from gradserve.server.core.tensor_array import TensorArray
 
 
 def _check_write_dtype(ta: TensorArray, value: np.ndarray) -> None:

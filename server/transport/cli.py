@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import sys
 
-from gradserve.server.config import ServerConfig
+from gradserve.server.transport.config import ServerConfig
 
 
 def _optional(kind):
@@ -124,7 +124,7 @@ def check_health(host: str, port: int, timeout: float, tls_ca: str | None = None
 def configure_logging(level: str, fmt: str) -> None:
     handler = logging.StreamHandler()
     if fmt == "json":
-        from gradserve.server.observability import JsonFormatter
+        from gradserve.server.transport.observability import JsonFormatter
 
         handler.setFormatter(JsonFormatter())
     else:
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level, args.log_format)
     fields = {f.name for f in dataclasses.fields(ServerConfig)}
     config = ServerConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    from gradserve.server.app import ConfigError, serve
+    from gradserve.server.transport.app import ConfigError, serve
 
     try:
         return serve(config)

@@ -17,7 +17,7 @@ from gradserve import dtypes, shapes
 from gradserve.errors import InvalidArgumentError
 from gradserve.kernels import lstm
 from gradserve.kernels.compute import Compute
-from gradserve.server.ops import args
+from gradserve.server.core.ops import args
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 WEIGHTS = ("x", "cs_prev", "h_prev", "w", "wci", "wcf", "wco", "b")

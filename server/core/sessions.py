@@ -28,8 +28,8 @@ from gradserve.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
-from gradserve.server.limits import MemoryBudget
-from gradserve.server.tensor_array import TensorArray
+from gradserve.server.core.budget import MemoryBudget
+from gradserve.server.core.tensor_array import TensorArray
 
 #: The principal of every session when authentication is off.
 ANONYMOUS = "anonymous"

@@ -14,10 +14,10 @@ from google.protobuf.message import Message
 
 from gradserve import codec
 from gradserve.protocol import BATCH_FIELDS
-from gradserve.server.ops import lstm_ops
-from gradserve.server.ops import stop_gradient as sg_ops
-from gradserve.server.ops import tensor_array_ops as ta_ops
-from gradserve.server.wire import CallIO, dtype_of, handle_id
+from gradserve.server.core.ops import lstm_ops
+from gradserve.server.core.ops import stop_gradient as sg_ops
+from gradserve.server.core.ops import tensor_array_ops as ta_ops
+from gradserve.server.transport.wire import CallIO, dtype_of, handle_id
 from gradserve.v1 import lstm_pb2
 from gradserve.v1 import tensor_array_pb2 as pb
 

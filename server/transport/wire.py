@@ -21,8 +21,8 @@ import numpy as np
 
 from gradserve import codec, dtypes
 from gradserve.errors import InvalidArgumentError
-from gradserve.server import observability
-from gradserve.server.sessions import Session
+from gradserve.server.transport import observability
+from gradserve.server.core.sessions import Session
 from gradserve.v1 import tensor_array_pb2, tensor_pb2
 
 

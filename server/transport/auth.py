@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import grpc
 
-from gradserve.server.observability import Observer
-from gradserve.server.sessions import ANONYMOUS
+from gradserve.server.transport.observability import Observer
+from gradserve.server.core.sessions import ANONYMOUS
 
 #: The authenticated principal of the call being served.
 current_principal: contextvars.ContextVar[str] = contextvars.ContextVar(

@@ -1,0 +1,1 @@
+"""The server's domain core: sessions, TensorArrays, op semantics. No transport."""

@@ -1,0 +1,1 @@
+"""The gRPC transport: servicer, op handlers, error boundary, interceptors, app, CLI."""
