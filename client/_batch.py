@@ -52,8 +52,10 @@ class Batch:
             results.append(parse(getattr(result, result.WhichOneof("op"))))
         self._steps = []
         if reply.HasField("failed_step"):
-            err = error_class_for(reply.error.code)(reply.error.message, reason=reply.error.reason)
-            err.step = reply.failed_step
-            err.results = results
-            raise err
+            raise error_class_for(reply.error.code)(
+                reply.error.message,
+                reason=reply.error.reason,
+                step=reply.failed_step,
+                results=results,
+            )
         return results

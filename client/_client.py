@@ -251,7 +251,7 @@ class Client:
         ref = msg.ref
         if ref.transient:
             return self._fetch(ref.id, delete_after=True)
-        return TensorRef(self, ref.id, dtypes.from_enum(ref.dtype), tuple(ref.shape))
+        return TensorRef(self, ref.id, codec.dtype_from_enum(ref.dtype), tuple(ref.shape))
 
     def put(self, array: ArrayLike) -> TensorRef:
         """Keep ``array`` in the session (streamed in chunks); returns its reference."""
@@ -324,7 +324,7 @@ def _safe_to_repeat(rpc: str, request: Any) -> bool:
 
 
 def _request_id() -> tuple[str, str]:
-    return ("x-request-id", os.urandom(8).hex())
+    return (protocol.REQUEST_ID_KEY, os.urandom(8).hex())
 
 
 def _peek(stream):

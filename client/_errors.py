@@ -6,11 +6,12 @@ import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from gradserve.errors import GradserveError, error_class_for
+from gradserve.errors import Code, GradserveError, error_class_for
+from gradserve.protocol import REQUEST_ID_KEY
 
 
 def from_rpc_error(error: grpc.RpcError) -> GradserveError:
-    """The typed exception for a failed call, with reason and field from its details."""
+    """The typed exception for a failed call, with reason, field and request id."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     message = error.details() if hasattr(error, "details") else str(error)
     reason = field = ""
@@ -28,7 +29,10 @@ def from_rpc_error(error: grpc.RpcError) -> GradserveError:
             detail.Unpack(bad)
             if bad.field_violations:
                 field = bad.field_violations[0].field
-    err = error_class_for(code)(message or str(code), reason=reason, field=field)
     trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
-    err.request_id = next((v for k, v in trailing or () if k == "x-request-id"), "")
-    return err
+    return error_class_for(Code[code.name])(
+        message or str(code),
+        reason=reason,
+        field=field,
+        request_id=next((v for k, v in trailing or () if k == REQUEST_ID_KEY), ""),
+    )

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from google.protobuf.message import Message
 
-from gradserve import codec, dtypes, shapes
+from gradserve import codec, shapes
 from gradserve.client._types import TensorArrayHandle
 from gradserve.v1 import lstm_pb2
 from gradserve.v1 import tensor_array_pb2 as pb
@@ -107,7 +107,7 @@ class RawOps:
     ) -> TensorArrayV3Output:
         temps: list[str] = []
         req = pb.TensorArrayV3Request(
-            dtype=dtypes.to_enum(dtype),
+            dtype=codec.dtype_to_enum(dtype),
             dynamic_size=dynamic_size,
             clear_after_read=clear_after_read,
             identical_element_shapes=identical_element_shapes,
@@ -131,7 +131,7 @@ class RawOps:
         req = pb.TensorArrayReadV3Request(
             handle=_handle_msg(handle),
             flow_in=flow_in,
-            dtype=dtypes.to_enum(dtype),
+            dtype=codec.dtype_to_enum(dtype),
             keep_outputs=keep,
         )
         self._in(index, req.index, temps, np.int32)
@@ -144,7 +144,7 @@ class RawOps:
         req = pb.TensorArrayGatherV3Request(
             handle=_handle_msg(handle),
             flow_in=flow_in,
-            dtype=dtypes.to_enum(dtype),
+            dtype=codec.dtype_to_enum(dtype),
             keep_outputs=keep,
         )
         self._in(indices, req.indices, temps, np.int32)
@@ -164,7 +164,7 @@ class RawOps:
         req = pb.TensorArrayConcatV3Request(
             handle=_handle_msg(handle),
             flow_in=flow_in,
-            dtype=dtypes.to_enum(dtype),
+            dtype=codec.dtype_to_enum(dtype),
             keep_outputs=keep,
         )
         _set_shape(req, "element_shape_except0", element_shape_except0)

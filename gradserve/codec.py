@@ -22,6 +22,8 @@ from gradserve.v1 import tensor_pb2
 _BIG_ENDIAN_HOST = sys.byteorder == "big"
 
 __all__ = [
+    "dtype_to_enum",
+    "dtype_from_enum",
     "encode",
     "decode",
     "encode_chunks",
@@ -30,6 +32,29 @@ __all__ = [
     "encode_shape",
     "decode_shape",
 ]
+
+
+#: Wire enum <-> NumPy dtype, from the proto's names: DT_FLOAT32 is float32.
+_ENUM_BY_DTYPE: dict[np.dtype, int] = {
+    dt: tensor_pb2.DType.Value(f"DT_{str(dt).upper()}") for dt in dtypes.SUPPORTED
+}
+_DTYPE_BY_ENUM: dict[int, np.dtype] = {enum: dt for dt, enum in _ENUM_BY_DTYPE.items()}
+
+
+def dtype_to_enum(dtype: dtypes.DTypeLike) -> int:
+    """The wire enum of anything ``dtypes.normalize`` takes."""
+    return _ENUM_BY_DTYPE[dtypes.normalize(dtype)]
+
+
+def dtype_from_enum(enum: int, *, field: str = "dtype") -> np.dtype:
+    """The NumPy dtype of a wire enum; DT_INVALID or an unknown number is an
+    ``UnsupportedDTypeError`` (INVALID_ARGUMENT) naming ``field``."""
+    try:
+        return _DTYPE_BY_ENUM[enum]
+    except KeyError:
+        raise dtypes.UnsupportedDTypeError(
+            f"{field}: unknown or unset dtype enum value {enum}", field=field
+        ) from None
 
 
 def element_count(shape: Sequence[int], *, field: str = "tensor", itemsize: int = 1) -> int:
@@ -42,7 +67,7 @@ def encode(array: np.ndarray, out: tensor_pb2.Tensor | None = None) -> tensor_pb
     array = np.asarray(array)
     dtype = dtypes.normalize(array.dtype)
     msg = out if out is not None else tensor_pb2.Tensor()
-    msg.dtype = dtypes.to_enum(dtype)
+    msg.dtype = _ENUM_BY_DTYPE[dtype]
     msg.shape[:] = array.shape
     if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and _BIG_ENDIAN_HOST):
         array = array.astype(dtype.newbyteorder("<"))
@@ -52,10 +77,7 @@ def encode(array: np.ndarray, out: tensor_pb2.Tensor | None = None) -> tensor_pb
 
 def decode(msg: tensor_pb2.Tensor, *, field: str = "tensor") -> np.ndarray:
     """A read-only array viewing the message's bytes; validates dtype and size."""
-    try:
-        dtype = dtypes.from_enum(msg.dtype)
-    except dtypes.UnsupportedDTypeError as e:
-        raise InvalidArgumentError(f"{field}: {e}", field=field) from None
+    dtype = dtype_from_enum(msg.dtype, field=field)
     shape = tuple(msg.shape)
     count = element_count(shape, field=field, itemsize=dtype.itemsize)
     content = msg.content
@@ -80,7 +102,7 @@ def encode_chunks(array: np.ndarray, chunk_bytes: int) -> Iterator[tensor_pb2.Te
     raw = memoryview(little.reshape(-1).view(np.uint8)) if little.size else memoryview(b"")
     step = max(1, chunk_bytes)
     yield tensor_pb2.TensorChunk(
-        dtype=dtypes.to_enum(dtype), shape=array.shape, data=bytes(raw[:step])
+        dtype=_ENUM_BY_DTYPE[dtype], shape=array.shape, data=bytes(raw[:step])
     )
     for start in range(step, len(raw), step):
         yield tensor_pb2.TensorChunk(data=bytes(raw[start : start + step]))
@@ -103,10 +125,7 @@ def decode_chunks(
     first = next(chunks, None)
     if first is None:
         raise InvalidArgumentError(f"{field}: the stream carried no chunk", field=field)
-    try:
-        dtype = dtypes.from_enum(first.dtype)
-    except dtypes.UnsupportedDTypeError as e:
-        raise InvalidArgumentError(f"{field}: {e}", field=field) from None
+    dtype = dtype_from_enum(first.dtype, field=field)
     shape = tuple(first.shape)
     nbytes = element_count(shape, field=field, itemsize=dtype.itemsize) * dtype.itemsize
     before_allocating(nbytes)

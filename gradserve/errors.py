@@ -8,7 +8,8 @@ written against ``tf.errors`` reads the same against gradserve.
 
 from __future__ import annotations
 
-import grpc
+import enum
+from typing import Any
 
 __all__ = [
     "GradserveError",
@@ -28,8 +29,36 @@ __all__ = [
     "UnavailableError",
     "DataLossError",
     "UnauthenticatedError",
+    "UnsupportedDTypeError",
+    "Code",
     "error_class_for",
 ]
+
+
+class Code(enum.IntEnum):
+    """The canonical status codes (google.rpc.Code): the numbers and names gRPC uses.
+
+    Errors carry their code as this enum so that the domain, which raises them,
+    needs no gRPC; the transport maps it to ``grpc.StatusCode`` by name, once.
+    """
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
 
 
 class GradserveError(Exception):
@@ -38,7 +67,8 @@ class GradserveError(Exception):
     Attributes
     ----------
     code:
-        The ``grpc.StatusCode`` this error travels as.
+        The status code this error travels as (``Code``, an ``IntEnum`` with gRPC's
+        numbers and names: ``grpc.StatusCode[err.code.name]`` is gRPC's enum).
     message:
         What went wrong, written for a person (names, indices, expected vs got).
     reason:
@@ -46,91 +76,114 @@ class GradserveError(Exception):
         ``SESSION_NOT_FOUND``; empty when the code alone says enough.
     field:
         The request field at fault (``google.rpc.BadRequest``), or empty.
+    request_id:
+        The ``x-request-id`` of the call that failed (SDK side; the server logs it).
+    step:
+        For a failed ``Batch``: the index of the step that failed, else None.
+    results:
+        For a failed ``Batch``: the results of the steps before ``step``.
     """
 
-    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    code: Code = Code.UNKNOWN
 
-    def __init__(self, message: str, *, reason: str = "", field: str = "") -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str = "",
+        field: str = "",
+        request_id: str = "",
+        step: int | None = None,
+        results: list[Any] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.reason = reason
         self.field = field
+        self.request_id = request_id
+        self.step = step
+        self.results: list[Any] = [] if results is None else results
 
     def __str__(self) -> str:
         return self.message
 
 
 class CancelledError(GradserveError):
-    code = grpc.StatusCode.CANCELLED
+    code = Code.CANCELLED
 
 
 class UnknownError(GradserveError):
-    code = grpc.StatusCode.UNKNOWN
+    code = Code.UNKNOWN
 
 
 class InvalidArgumentError(GradserveError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    code = Code.INVALID_ARGUMENT
 
 
 class DeadlineExceededError(GradserveError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    code = Code.DEADLINE_EXCEEDED
 
 
 class NotFoundError(GradserveError):
-    code = grpc.StatusCode.NOT_FOUND
+    code = Code.NOT_FOUND
 
 
 class AlreadyExistsError(GradserveError):
-    code = grpc.StatusCode.ALREADY_EXISTS
+    code = Code.ALREADY_EXISTS
 
 
 class PermissionDeniedError(GradserveError):
-    code = grpc.StatusCode.PERMISSION_DENIED
+    code = Code.PERMISSION_DENIED
 
 
 class ResourceExhaustedError(GradserveError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    code = Code.RESOURCE_EXHAUSTED
 
 
 class FailedPreconditionError(GradserveError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code = Code.FAILED_PRECONDITION
 
 
 class AbortedError(GradserveError):
-    code = grpc.StatusCode.ABORTED
+    code = Code.ABORTED
 
 
 class OutOfRangeError(GradserveError):
-    code = grpc.StatusCode.OUT_OF_RANGE
+    code = Code.OUT_OF_RANGE
 
 
 class UnimplementedError(GradserveError):
-    code = grpc.StatusCode.UNIMPLEMENTED
+    code = Code.UNIMPLEMENTED
 
 
 class InternalError(GradserveError):
-    code = grpc.StatusCode.INTERNAL
+    code = Code.INTERNAL
 
 
 class UnavailableError(GradserveError):
-    code = grpc.StatusCode.UNAVAILABLE
+    code = Code.UNAVAILABLE
 
 
 class DataLossError(GradserveError):
-    code = grpc.StatusCode.DATA_LOSS
+    code = Code.DATA_LOSS
 
 
 class UnauthenticatedError(GradserveError):
-    code = grpc.StatusCode.UNAUTHENTICATED
+    code = Code.UNAUTHENTICATED
 
 
-_BY_CODE: dict[grpc.StatusCode, type[GradserveError]] = {
+class UnsupportedDTypeError(InvalidArgumentError, ValueError):
+    """A dtype (or wire dtype number) gradserve does not carry."""
+
+
+_BY_CODE: dict[Code, type[GradserveError]] = {
     cls.code: cls for cls in GradserveError.__subclasses__()
 }
 
 
-def error_class_for(code: grpc.StatusCode | int) -> type[GradserveError]:
-    """The error class for a status code (a ``grpc.StatusCode`` or its number)."""
-    if isinstance(code, int):
-        code = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
-    return _BY_CODE.get(code, UnknownError)
+def error_class_for(code: Code | int) -> type[GradserveError]:
+    """The error class for a status code number (a ``Code``, or any int)."""
+    try:
+        return _BY_CODE.get(Code(code), UnknownError)
+    except ValueError:
+        return UnknownError

@@ -3,6 +3,10 @@
 #: Request metadata naming the session; a routing proxy keys on it.
 SESSION_METADATA_KEY = "x-gradserve-session"
 
+#: Request metadata: the id of one call, logged by the server and returned in its
+#: trailing metadata (and on SDK errors as ``.request_id``).
+REQUEST_ID_KEY = "x-request-id"
+
 #: Request metadata: outputs larger than this many bytes are kept in the session
 #: (transient) and streamed back with GetTensor instead of sent inline.
 INLINE_LIMIT_METADATA_KEY = "x-gradserve-inline-limit"

@@ -4,6 +4,7 @@ LSTM call runs on it (the eager per-step loop, or replayed CUDA graphs)."""
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
 
 from gradserve.kernels import lstm
 from gradserve.kernels.backends import get_backend
@@ -36,15 +37,23 @@ class Compute:
         pool_bytes = getattr(self.backend, "pool_bytes", None)
         return None if pool_bytes is None else pool_bytes()
 
-    def lstm_forward(self, *arrays, **attrs) -> lstm.LSTMOutputs:
+    def lstm_forward(self, inputs: lstm.LSTMInputs[Any], **attrs: Any) -> lstm.LSTMActivations[Any]:
+        """``lstm.block_lstm_forward`` on this device (from a graph where one is kept)."""
         if self.graphs is not None:
-            return self.graphs.forward(*arrays, **attrs)
-        return lstm.block_lstm_forward(self.backend, *arrays, **attrs)
+            return self.graphs.forward(inputs, **attrs)
+        return lstm.block_lstm_forward(self.backend, inputs, **attrs)
 
-    def lstm_backward(self, *arrays, **attrs) -> lstm.LSTMGrads:
+    def lstm_backward(
+        self,
+        inputs: lstm.LSTMInputs[Any],
+        activations: lstm.LSTMActivations[Any],
+        output_grads: lstm.LSTMOutputGrads[Any],
+        **attrs: Any,
+    ) -> lstm.LSTMGrads[Any]:
+        """``lstm.block_lstm_backward`` on this device (from a graph where one is kept)."""
         if self.graphs is not None:
-            return self.graphs.backward(*arrays, **attrs)
-        return lstm.block_lstm_backward(self.backend, *arrays, **attrs)
+            return self.graphs.backward(inputs, activations, output_grads, **attrs)
+        return lstm.block_lstm_backward(self.backend, inputs, activations, output_grads, **attrs)
 
 
 def compute_for(

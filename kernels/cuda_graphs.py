@@ -41,7 +41,7 @@ from gradserve.kernels import lstm
 log = logging.getLogger(__name__)
 
 #: GPU bytes all plans together may hold unless configured otherwise.
-DEFAULT_CACHE_BYTES = 1 << 30
+DEFAULT_CACHE_BYTES = 1 << 30  # the --cuda-graph-cache-bytes default (server config)
 #: Most plans kept (each also holds driver resources its bytes do not show), and most
 #: shapes remembered as eager-only: both bounded, whatever shapes clients send.
 MAX_PLANS = 256
@@ -76,11 +76,28 @@ class StreamCapture:
 @dataclasses.dataclass
 class _Plan:
     inputs: list[Any]  # static input buffers, in the algorithm's argument order
-    outputs: tuple  # LSTMOutputs / LSTMGrads: the graph's result buffers
+    outputs: tuple  # LSTMActivations / LSTMGrads: the graph's result buffers
     replay: Callable[[], None]
     nbytes: int
     pool: Any  # keeps the private memory alive as long as the plan
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+def _forward(backend: lstm.Backend, *arrays: Any, **attrs: Any) -> lstm.LSTMActivations[Any]:
+    """``lstm.block_lstm_forward`` on the flat argument list a plan keeps."""
+    return lstm.block_lstm_forward(backend, lstm.LSTMInputs(*arrays), **attrs)
+
+
+def _backward(backend: lstm.Backend, *arrays: Any, **attrs: Any) -> lstm.LSTMGrads[Any]:
+    """``lstm.block_lstm_backward`` on the flat argument list a plan keeps."""
+    inputs, activations, grads = arrays[:8], arrays[8:15], arrays[15:]
+    return lstm.block_lstm_backward(
+        backend,
+        lstm.LSTMInputs(*inputs),
+        lstm.LSTMActivations(*activations),
+        lstm.LSTMOutputGrads(*grads),
+        **attrs,
+    )
 
 
 class GraphCache:
@@ -102,12 +119,27 @@ class GraphCache:
 
     # ------------------------------------------------------------------ API
     def forward(
-        self, *arrays, check: Callable[[], None] | None = None, **attrs
-    ) -> lstm.LSTMOutputs:
-        return self._call(lstm.block_lstm_forward, arrays, attrs, check)
+        self,
+        inputs: lstm.LSTMInputs[Any],
+        *,
+        check: Callable[[], None] | None = None,
+        **attrs: Any,
+    ) -> lstm.LSTMActivations[Any]:
+        result: lstm.LSTMActivations[Any] = self._call(_forward, tuple(inputs), attrs, check)
+        return result
 
-    def backward(self, *arrays, check: Callable[[], None] | None = None, **attrs) -> lstm.LSTMGrads:
-        return self._call(lstm.block_lstm_backward, arrays, attrs, check)
+    def backward(
+        self,
+        inputs: lstm.LSTMInputs[Any],
+        activations: lstm.LSTMActivations[Any],
+        output_grads: lstm.LSTMOutputGrads[Any],
+        *,
+        check: Callable[[], None] | None = None,
+        **attrs: Any,
+    ) -> lstm.LSTMGrads[Any]:
+        arrays = (*inputs, *activations, *output_grads)
+        result: lstm.LSTMGrads[Any] = self._call(_backward, arrays, attrs, check)
+        return result
 
     @property
     def nbytes(self) -> int:

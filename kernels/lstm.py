@@ -35,9 +35,45 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Protocol
+
+import numpy as np
+
+from gradserve.lstm_signature import LSTMActivations, LSTMGrads, LSTMInputs, LSTMOutputGrads
 
 Array = Any  # numpy.ndarray or cupy.ndarray
+
+__all__ = [
+    "Backend",
+    "GateLayout",
+    "LSTMActivations",
+    "LSTMGrads",
+    "LSTMInputs",
+    "LSTMOutputGrads",
+    "block_lstm_backward",
+    "block_lstm_forward",
+    "compute_dtype",
+]
+
+
+class Backend(Protocol):
+    """What the algorithm needs of a device: ``backend_numpy`` and ``backend_cuda``."""
+
+    name: str
+    xp: Any  # the array module: numpy or cupy
+
+    def asarray(self, a: Array, dtype: np.dtype) -> Array: ...
+    def cast(self, a: Array, dtype: np.dtype) -> Array: ...
+    def to_host(self, a: Array) -> np.ndarray: ...
+    def to_device(self, a: Array) -> Array: ...
+    def fwd_step(self, *args: Any) -> None: ...
+    def bwd_step(self, *args: Any) -> None: ...
+
+
+def compute_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype the math runs in: float16 in float32 (every GEMM accumulates in
+    float32 and the result is rounded once); float32 and float64 as they are."""
+    return np.dtype(np.float32) if np.dtype(dtype) == np.float16 else np.dtype(dtype)
 
 
 class GateLayout(enum.Enum):
@@ -53,37 +89,9 @@ class GateLayout(enum.Enum):
         return 0, 2 * units, units, 3 * units
 
 
-class LSTMOutputs(NamedTuple):
-    i: Array
-    cs: Array
-    f: Array
-    o: Array
-    ci: Array
-    co: Array
-    h: Array
-
-
-class LSTMGrads(NamedTuple):
-    x_grad: Array
-    cs_prev_grad: Array
-    h_prev_grad: Array
-    w_grad: Array
-    wci_grad: Array
-    wcf_grad: Array
-    wco_grad: Array
-    b_grad: Array
-
-
 def block_lstm_forward(
-    backend,
-    x: Array,
-    cs_prev: Array,
-    h_prev: Array,
-    w: Array,
-    wci: Array,
-    wcf: Array,
-    wco: Array,
-    b: Array,
+    backend: Backend,
+    inputs: LSTMInputs[Array],
     *,
     seq_len_max: int,
     forget_bias: float = 0.0,
@@ -91,26 +99,24 @@ def block_lstm_forward(
     use_peephole: bool = False,
     layout: GateLayout = GateLayout.IFCO,
     check: Callable[[], None] | None = None,
-) -> LSTMOutputs:
+) -> LSTMActivations[Array]:
     """The seven [T, B, H] outputs. Inputs must already be validated.
 
     ``check`` runs before every time step (deadline and cancellation): it may
     raise to abandon the call; nothing outside this function has changed then.
     """
     xp = backend.xp
-    out_dtype = x.dtype
-    ct = backend.compute_dtype(out_dtype)
-    x, cs_prev, h_prev, w, wci, wcf, wco, b = (
-        backend.asarray(a, ct) for a in (x, cs_prev, h_prev, w, wci, wcf, wco, b)
-    )
-    steps, batch, inputs = x.shape
+    out_dtype = inputs.x.dtype
+    ct = compute_dtype(out_dtype)
+    x, cs_prev, h_prev, w, wci, wcf, wco, b = (backend.asarray(a, ct) for a in inputs)
+    steps, batch, input_size = x.shape
     units = cs_prev.shape[1]
     length = seq_len_max
-    outs = LSTMOutputs(*(xp.zeros((steps, batch, units), ct) for _ in range(7)))
+    outs = LSTMActivations(*(xp.zeros((steps, batch, units), ct) for _ in range(7)))
     if length > 0:
-        w_x, w_h = w[:inputs], w[inputs:]
+        w_x, w_h = w[:input_size], w[input_size:]
         offsets = layout.offsets(units)
-        x_flat = x[:length].reshape(length * batch, inputs)
+        x_flat = x[:length].reshape(length * batch, input_size)
         # The input projection of all steps goes straight into the i, f, ci, o
         # outputs (one GEMM per gate block), which the step then overwrites with the
         # activations: no [T, B, 4H] scratch, whose first-touch page faults cost
@@ -131,57 +137,42 @@ def block_lstm_forward(
                 outs.i[t], outs.cs[t], outs.f[t], outs.o[t], outs.ci[t], outs.co[t], outs.h[t],
                 offsets, forget_bias, cell_clip, use_peephole,
             )  # fmt: skip
-    return LSTMOutputs(*(backend.cast(a, out_dtype) for a in outs))
+    return LSTMActivations(*(backend.cast(a, out_dtype) for a in outs))
 
 
 def block_lstm_backward(
-    backend,
-    x: Array,
-    cs_prev: Array,
-    h_prev: Array,
-    w: Array,
-    wci: Array,
-    wcf: Array,
-    wco: Array,
-    b: Array,
-    i: Array,
-    cs: Array,
-    f: Array,
-    o: Array,
-    ci: Array,
-    co: Array,
-    h: Array,
-    cs_grad: Array,
-    h_grad: Array,
+    backend: Backend,
+    inputs: LSTMInputs[Array],
+    activations: LSTMActivations[Array],
+    output_grads: LSTMOutputGrads[Array],
     *,
     seq_len_max: int,
     use_peephole: bool = False,
     layout: GateLayout = GateLayout.IFCO,
     check: Callable[[], None] | None = None,
-) -> LSTMGrads:
+) -> LSTMGrads[Array]:
     """Gradients of the whole sequence (TensorFlow's BlockLSTMGrad recursion).
 
-    ``h_grad[t]`` and ``cs_grad[t]`` add to the recurrent carries at step t;
-    the forward's cell clip is ignored, as TensorFlow ignores it.
+    ``output_grads.h_grad[t]`` and ``.cs_grad[t]`` add to the recurrent carries at
+    step t; the forward's cell clip is ignored, as TensorFlow ignores it.
     """
     xp = backend.xp
-    out_dtype = x.dtype
-    ct = backend.compute_dtype(out_dtype)
-    (x, cs_prev, h_prev, w, wci, wcf, wco, b, i, cs, f, o, ci, co, h, cs_grad, h_grad) = (
-        backend.asarray(a, ct)
-        for a in (x, cs_prev, h_prev, w, wci, wcf, wco, b, i, cs, f, o, ci, co, h, cs_grad, h_grad)
-    )
-    steps, batch, inputs = x.shape
+    out_dtype = inputs.x.dtype
+    ct = compute_dtype(out_dtype)
+    x, cs_prev, h_prev, w, wci, wcf, wco, _ = (backend.asarray(a, ct) for a in inputs)
+    i, cs, f, o, ci, co, h = (backend.asarray(a, ct) for a in activations)
+    cs_grad, h_grad = (backend.asarray(a, ct) for a in output_grads)
+    steps, batch, input_size = x.shape
     units = cs_prev.shape[1]
     length = seq_len_max
-    x_grad = xp.zeros((steps, batch, inputs), ct)
+    x_grad = xp.zeros((steps, batch, input_size), ct)
     w_grad = xp.zeros(w.shape, ct)
     peephole_grads = [xp.zeros(units, ct) for _ in range(3)]
     b_grad = xp.zeros(4 * units, ct)
     dcs = xp.zeros((batch, units), ct)  # carry: d loss / d cs[t-1]
     dh = xp.zeros((batch, units), ct)  # carry: d loss / d h[t-1] from step t
     if length > 0:
-        w_x, w_h = w[:inputs], w[inputs:]
+        w_x, w_h = w[:input_size], w[input_size:]
         # One contiguous copy of W_h^T: the per-step GEMM with a plain (not
         # transposed-view) operand ran 30% faster in OpenBLAS on small batches.
         w_h_t = xp.ascontiguousarray(w_h.T)
@@ -198,10 +189,10 @@ def block_lstm_backward(
             xp.matmul(dgates[t], w_h_t, out=dh)
         flat = dgates.reshape(length * batch, 4 * units)
         # GEMMs write straight into (contiguous views of) the outputs: no temporaries.
-        xp.matmul(flat, w_x.T, out=x_grad[:length].reshape(length * batch, inputs))
-        xp.matmul(x[:length].reshape(length * batch, inputs).T, flat, out=w_grad[:inputs])
+        xp.matmul(flat, w_x.T, out=x_grad[:length].reshape(length * batch, input_size))
+        xp.matmul(x[:length].reshape(length * batch, input_size).T, flat, out=w_grad[:input_size])
         h_seq = _shifted(xp, h_prev, h, length)
-        xp.matmul(h_seq.reshape(length * batch, units).T, flat, out=w_grad[inputs:])
+        xp.matmul(h_seq.reshape(length * batch, units).T, flat, out=w_grad[input_size:])
         b_grad = flat.sum(axis=0)
         if use_peephole:
             off_i, off_f, _, off_o = offsets
@@ -215,7 +206,7 @@ def block_lstm_backward(
     return LSTMGrads(*(backend.cast(a, out_dtype) for a in grads))
 
 
-def _shifted(xp, first: Array, seq: Array, length: int) -> Array:
+def _shifted(xp: Any, first: Array, seq: Array, length: int) -> Array:
     """[first, seq[0], ..., seq[length-2]]: each step's previous state."""
     out = xp.empty((length, *first.shape), first.dtype)
     out[0] = first

@@ -14,10 +14,12 @@ lock, so ops on different arrays (and sessions) run concurrently.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
+from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -33,6 +35,26 @@ from gradserve.server.core.tensor_array import TensorArray
 
 #: The principal of every session when authentication is off.
 ANONYMOUS = "anonymous"
+
+#: A tensor as the session keeps it: a NumPy array, or a device (CuPy) array once an
+#: op that computes on the GPU has read or produced it.
+Array = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Resident:
+    """An op argument named by the id of a tensor the session keeps.
+
+    The op resolves it (``Session.resolve``) only once it needs the value, so that it
+    can validate before moving a tensor to the device (``Session.place``) and return a
+    stored tensor itself where its semantics allow (StopGradient).
+    """
+
+    id: str
+
+
+#: An op's tensor argument: a value that came with the request, or a resident tensor.
+TensorArg = np.ndarray | Resident
 
 
 def new_token(nbytes: int = 16) -> str:
@@ -152,26 +174,40 @@ class Session:
                 reason="TENSOR_TOO_LARGE",
             )
 
-    def put(self, array: np.ndarray, *, reserved: bool = False) -> str:
+    def put(self, array: Array) -> str:
         """Keep ``array`` (never mutated afterwards) in the session; returns its id.
 
-        Its size is checked and its bytes charged to the session's budget, unless
-        the caller ``reserved`` them already (to check before allocating).
+        Its size is checked and its bytes charged to the session's budget.
         """
+        with self.reserve_tensor(array.nbytes) as reservation:
+            return reservation.keep(array)
+
+    def reserve_tensor(self, nbytes: int) -> TensorReservation:
+        """Hold ``nbytes`` of the budget for a tensor that is still to be made (a
+        stream still arriving), so that the budget refuses it before anything is
+        allocated. Use as a context manager: what is not kept is released on exit."""
+        self.check_tensor_bytes(nbytes)
+        self.budget.reserve(nbytes)
+        return TensorReservation(self, nbytes)
+
+    def _keep_reserved(self, array: Array) -> str:
         tensor_id = new_token()
-        if not reserved:  # a reserving caller has checked the size already
-            self.check_tensor_bytes(array.nbytes)
-            self.budget.reserve(array.nbytes)
-        try:
-            with self._lock:
-                self._check_open()
-                self._resident[tensor_id] = array
-        except BaseException:
-            self.budget.release(array.nbytes)
-            raise
+        with self._lock:
+            self._check_open()
+            self._resident[tensor_id] = array
         return tensor_id
 
-    def get(self, tensor_id: str) -> np.ndarray:
+    def resolve(self, arg: TensorArg) -> Array:
+        """The value of an op argument: the array itself, or the resident tensor as kept
+        (host or device array)."""
+        return self.get(arg.id) if isinstance(arg, Resident) else arg
+
+    def place(self, arg: TensorArg, to_device: Callable[[Array], Array]) -> Array:
+        """The argument where the op computes: a resident tensor moved there and kept
+        there (``get_placed``); a request's own value is the op's to convert."""
+        return self.get_placed(arg.id, to_device) if isinstance(arg, Resident) else arg
+
+    def get(self, tensor_id: str) -> Array:
         with self._lock:
             array = self._resident.get(tensor_id)
         if array is None:
@@ -207,17 +243,6 @@ class Session:
         self.budget.release(sum(a.nbytes for a in dropped))
         return len(dropped)
 
-    def stats(self) -> dict[str, int]:
-        """Counts and bytes held, for tests and metrics."""
-        with self._lock:
-            arrays = list(self._arrays.values())
-            resident = list(self._resident.values())
-        return {
-            "tensor_arrays": len(arrays),
-            "resident_tensors": len(resident),
-            "bytes": sum(a.nbytes for a in resident) + sum(t.nbytes() for t in arrays),
-        }
-
     # ---------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Free everything; later use of this session object fails."""
@@ -235,6 +260,37 @@ class Session:
     def _check_open(self) -> None:
         if self._closed:
             raise NotFoundError(f"session {self.id!r} is closed", reason="SESSION_NOT_FOUND")
+
+
+class TensorReservation:
+    """Budget bytes held for one tensor until it is kept (``keep``) or given up (on
+    leaving the ``with`` block without keeping it, whatever the reason)."""
+
+    def __init__(self, session: Session, nbytes: int) -> None:
+        self.session = session
+        self.nbytes = nbytes
+        self._open = True
+
+    def keep(self, array: Array) -> str:
+        """Keep ``array`` (of the reserved size) in the session under a new id."""
+        if array.nbytes != self.nbytes:
+            raise ValueError(f"reserved {self.nbytes} bytes, got an array of {array.nbytes}")
+        tensor_id = self.session._keep_reserved(array)
+        self._open = False
+        return tensor_id
+
+    def __enter__(self) -> TensorReservation:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._open:
+            self._open = False
+            self.session.budget.release(self.nbytes)
 
 
 class SessionStore:

@@ -21,14 +21,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gradserve.kernels.device import select_device
 from gradserve.kernels.compute import compute_for
+from gradserve.kernels.device import select_device
+from gradserve.server.core.sessions import SessionStore
+from gradserve.server.transport.admission import ComputeGate
 from gradserve.server.transport.auth import AuthInterceptor, TokenTable, is_loopback
 from gradserve.server.transport.config import ServerConfig
-from gradserve.server.transport.admission import ComputeGate
 from gradserve.server.transport.observability import Metrics, Observer
 from gradserve.server.transport.servicer import GradServeServicer
-from gradserve.server.core.sessions import SessionStore
 from gradserve.v1 import service_pb2, service_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -22,8 +22,9 @@ from collections.abc import Callable
 
 import grpc
 
-from gradserve.server.transport.observability import Observer
+from gradserve.errors import Code
 from gradserve.server.core.sessions import ANONYMOUS
+from gradserve.server.transport.observability import Observer
 
 #: The authenticated principal of the call being served.
 current_principal: contextvars.ContextVar[str] = contextvars.ContextVar(
@@ -130,7 +131,7 @@ def _refusal(handler, method: str, observer: Observer | None):
     def wrap(_behaviour):
         def refuse(request, context):
             if observer is not None:
-                observer.refused(method, grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
+                observer.refused(method, Code.UNAUTHENTICATED, REFUSAL)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
 
         return refuse

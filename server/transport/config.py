@@ -10,6 +10,7 @@ import dataclasses
 import os
 
 from gradserve import protocol
+from gradserve.kernels.cuda_graphs import DEFAULT_CACHE_BYTES
 
 
 def _half_of_memory() -> int | None:
@@ -28,7 +29,7 @@ class ServerConfig:
     #: Replay whole LSTM calls as CUDA graphs (``--device cuda`` only), keeping at
     #: most this many GPU bytes in captured plans.
     cuda_graphs: bool = False
-    cuda_graph_cache_bytes: int = 1 << 30
+    cuda_graph_cache_bytes: int = DEFAULT_CACHE_BYTES
     #: Threads serving RPCs.
     workers: int = 16
 

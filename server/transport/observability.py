@@ -28,7 +28,9 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
-REQUEST_ID_KEY = "x-request-id"
+from gradserve.errors import Code
+from gradserve.protocol import REQUEST_ID_KEY
+
 log = logging.getLogger("gradserve.rpc")
 
 #: The record of the RPC being served, for CallIO to add decode/encode time to.
@@ -48,7 +50,7 @@ class CallRecord:
     encode_seconds: float = 0.0
     bytes_in: int = 0
     bytes_out: int = 0
-    code: grpc.StatusCode = grpc.StatusCode.OK
+    code: Code = Code.OK
     message: str = ""
 
 
@@ -147,7 +149,7 @@ class Observer:
             current_call.reset(token)
             self._finish(record, context)
 
-    def refused(self, method: str, code: grpc.StatusCode, message: str) -> None:
+    def refused(self, method: str, code: Code, message: str) -> None:
         """Count and log a call refused before it reached a handler (e.g. by the
         authentication interceptor), so refusals show in the same metrics."""
         if self.metrics is not None:
@@ -163,7 +165,7 @@ class Observer:
 
     def _finish(self, record: CallRecord, context) -> None:
         code, message = record.code, record.message
-        ok = code is grpc.StatusCode.OK
+        ok = code is Code.OK
         if ok and self.metrics is None and not log.isEnabledFor(logging.DEBUG):
             return  # the hot path: nothing to record
         total = time.perf_counter() - record.started

@@ -1,24 +1,31 @@
 """The GradServe servicer: sessions, resident tensors, op RPCs and Batch.
 
 Every method finds its session from the ``x-gradserve-session`` metadata,
-translates, and delegates; errors leave through ``boundary``.
+translates, and delegates to the core; every method, whatever its kind, is
+wrapped by ``boundary.guarded``, the one place errors become statuses. The op
+RPCs come from the ``handlers.OPS`` table: each is served by the handler
+function of its name (``tensor_array_handlers``, ``lstm_handlers``).
 """
 
 from __future__ import annotations
 
-from gradserve import codec, dtypes, protocol
-from gradserve.errors import (
-    CancelledError,
-    DeadlineExceededError,
-    InvalidArgumentError,
-)
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+
+from gradserve import codec, protocol
+from gradserve.errors import CancelledError, DeadlineExceededError, InvalidArgumentError
+from gradserve.kernels.compute import Compute
+from gradserve.server.core.sessions import Session, SessionStore, TensorReservation
 from gradserve.server.transport import boundary
-from gradserve.server.transport.auth import current_principal
 from gradserve.server.transport.admission import ComputeGate
-from gradserve.server.transport.observability import Observer
+from gradserve.server.transport.auth import current_principal
 from gradserve.server.transport.handlers import OPS, OPS_BY_BATCH_FIELD, Op
-from gradserve.server.core.sessions import Session, SessionStore
-from gradserve.server.transport.wire import CallIO, host_array
+from gradserve.server.transport.observability import Observer, current_call
+from gradserve.server.transport.wire import RESPONSE_OVERHEAD_BYTES, CallIO, host_array
 from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_pb2
 
 
@@ -27,23 +34,22 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
         self,
         store: SessionStore,
         *,
-        compute=None,
+        compute: Compute,
+        compute_gate: ComputeGate,
         observer: Observer | None = None,
-        compute_gate: ComputeGate | None = None,
         max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
         chunk_bytes: int = protocol.DEFAULT_CHUNK_BYTES,
     ) -> None:
         self.store = store
         self.compute = compute
+        self.compute_gate = compute_gate
         self.observer = observer or Observer()
-        self.compute_gate = compute_gate or ComputeGate(slots=2, max_waiting=64)
         self.max_message_bytes = max_message_bytes
         self.chunk_bytes = chunk_bytes
 
     # ---------------------------------------------------------------- helpers
-    def _session(self, context, metadata: dict[str, str] | None = None) -> Session:
-        metadata = _metadata(context) if metadata is None else metadata
-        session_id = metadata.get(protocol.SESSION_METADATA_KEY)
+    def _session(self, context: grpc.ServicerContext) -> Session:
+        session_id = _metadata(context).get(protocol.SESSION_METADATA_KEY)
         if not session_id:
             raise InvalidArgumentError(
                 f"no session: pass the id CreateSession returned in "
@@ -52,109 +58,111 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
             )
         return self.store.get(session_id, current_principal.get())
 
-    def _io(self, context) -> CallIO:
-        # Room for the rest of the response next to the largest inline tensor.
-        ceiling = self.max_message_bytes - 64 * 1024
-        metadata = _metadata(context)
-        raw = metadata.get(protocol.INLINE_LIMIT_METADATA_KEY)
+    def _io(self, context: grpc.ServicerContext) -> CallIO:
+        """The call's inputs and outputs: the whole response may carry at most
+        ``--max-message-bytes`` (less room for its other fields) of inline tensors."""
+        raw = _metadata(context).get(protocol.INLINE_LIMIT_METADATA_KEY)
         try:
-            limit = min(int(raw), ceiling) if raw else ceiling
+            limit = int(raw) if raw else None
         except ValueError:
             raise InvalidArgumentError(
                 f"'{protocol.INLINE_LIMIT_METADATA_KEY}' must be an integer, got {raw!r}"
             ) from None
         return CallIO(
-            self._session(context, metadata),
-            limit,
+            self._session(context),
             self.compute,
-            lambda: _check_call_alive(context),
+            inline_budget=max(0, self.max_message_bytes - RESPONSE_OVERHEAD_BYTES),
+            inline_limit=limit,
+            check_alive=lambda: _check_call_alive(context),
         )
 
-    # ---------------------------------------------------------------- sessions
-    @boundary.guarded
-    def CreateSession(self, request, context):
-        session = self.store.create(current_principal.get())
-        return service_pb2.CreateSessionResponse(
-            session_id=session.id, idle_timeout_seconds=self.store.idle_timeout
-        )
-
-    @boundary.guarded
-    def CloseSession(self, request, context):
-        self.store.close(self._session(context).id, current_principal.get())
-        return service_pb2.CloseSessionResponse()
-
-    @boundary.guarded
-    def KeepAlive(self, request, context):
-        self._session(context)  # finding it refreshes its idle timer
-        return service_pb2.KeepAliveResponse(idle_timeout_seconds=self.store.idle_timeout)
-
-    # ---------------------------------------------------------------- resident tensors
-    def PutTensor(self, request_iterator, context):
-        with self.observer.call("PutTensor", context) as call:
-            try:
-                session = self._session(context)
-                return self._receive(session, request_iterator, call)
-            except Exception as exc:  # noqa: BLE001 - the boundary
-                boundary.fail(call, exc, context)
-
-    @staticmethod
-    def _receive(session: Session, chunks, call) -> tensor_pb2.ResidentTensor:
-        """Stream chunks into one array, its bytes reserved in the session's budget
-        before the buffer is allocated (and released again if anything fails)."""
-        reserved = 0
-
-        def reserve(nbytes: int) -> None:
-            nonlocal reserved
-            session.check_tensor_bytes(nbytes)
-            session.budget.reserve(nbytes)
-            reserved = nbytes
-
-        def count(nbytes: int) -> None:
-            call.bytes_in += nbytes
-
-        try:
-            array = codec.decode_chunks(
-                chunks, before_allocating=reserve, on_data=count, field="PutTensor"
-            )
-            tensor_id = session.put(array, reserved=True)
-        except BaseException:
-            session.budget.release(reserved)
-            raise
-        return tensor_pb2.ResidentTensor(
-            id=tensor_id, dtype=dtypes.to_enum(array.dtype), shape=array.shape
-        )
-
-    @boundary.guarded_stream
-    def GetTensor(self, request, context):
-        session = self._session(context)
-        array = host_array(self.compute, session.get(request.id))
-        chunk = request.chunk_bytes if request.chunk_bytes > 0 else self.chunk_bytes
-        chunk = min(chunk, self.max_message_bytes - 1024)
-        if request.delete_after:
-            session.delete([request.id])
-        yield from codec.encode_chunks(array, chunk)
-
-    @boundary.guarded
-    def DeleteTensor(self, request, context):
-        deleted = self._session(context).delete(request.ids)
-        return service_pb2.DeleteTensorResponse(deleted=deleted)
-
-    def _run(self, op: Op, io: CallIO, request):
+    def _run(self, op: Op, io: CallIO, request: Message) -> Message:
         """Run one op; heavy ones wait for a compute slot (or are refused when the queue is full)."""
         if not op.heavy:
             return op.handler(io, request)
         with self.compute_gate.slot(io.check_alive):
             return op.handler(io, request)
 
+    # ---------------------------------------------------------------- sessions
+    @boundary.guarded
+    def CreateSession(self, request: Any, context: grpc.ServicerContext) -> Message:
+        session = self.store.create(current_principal.get())
+        return service_pb2.CreateSessionResponse(
+            session_id=session.id, idle_timeout_seconds=self.store.idle_timeout
+        )
+
+    @boundary.guarded
+    def CloseSession(self, request: Any, context: grpc.ServicerContext) -> Message:
+        self.store.close(self._session(context).id, current_principal.get())
+        return service_pb2.CloseSessionResponse()
+
+    @boundary.guarded
+    def KeepAlive(self, request: Any, context: grpc.ServicerContext) -> Message:
+        self._session(context)  # finding it refreshes its idle timer
+        return service_pb2.KeepAliveResponse(idle_timeout_seconds=self.store.idle_timeout)
+
+    # ---------------------------------------------------------------- resident tensors
+    @boundary.guarded
+    def PutTensor(
+        self, request_iterator: Iterable[tensor_pb2.TensorChunk], context: grpc.ServicerContext
+    ) -> tensor_pb2.ResidentTensor:
+        """Stream chunks into one array, its bytes reserved in the session's budget
+        before the buffer is allocated (and released if the stream fails)."""
+        session = self._session(context)
+        call = current_call.get()
+
+        def count(nbytes: int) -> None:
+            if call is not None:
+                call.bytes_in += nbytes
+
+        with contextlib.ExitStack() as held:
+            reservations: list[TensorReservation] = []
+
+            def reserve(nbytes: int) -> None:
+                reservations.append(held.enter_context(session.reserve_tensor(nbytes)))
+
+            array = codec.decode_chunks(
+                request_iterator, before_allocating=reserve, on_data=count, field="PutTensor"
+            )
+            tensor_id = reservations[0].keep(array)
+        return tensor_pb2.ResidentTensor(
+            id=tensor_id, dtype=codec.dtype_to_enum(array.dtype), shape=array.shape
+        )
+
+    @boundary.guarded
+    def GetTensor(
+        self, request: service_pb2.GetTensorRequest, context: grpc.ServicerContext
+    ) -> Iterator[tensor_pb2.TensorChunk]:
+        """The tensor in chunks; with ``delete_after``, deleted once the last chunk is
+        sent, so a stream that breaks off leaves it to be fetched again."""
+        session = self._session(context)
+        array = host_array(self.compute, session.get(request.id))
+        chunk = request.chunk_bytes if request.chunk_bytes > 0 else self.chunk_bytes
+        chunk = min(chunk, self.max_message_bytes - 1024)
+        yield from codec.encode_chunks(array, chunk)
+        if request.delete_after:
+            session.delete([request.id])
+
+    @boundary.guarded
+    def DeleteTensor(self, request: Any, context: grpc.ServicerContext) -> Message:
+        deleted = self._session(context).delete(request.ids)
+        return service_pb2.DeleteTensorResponse(deleted=deleted)
+
     # ---------------------------------------------------------------- Batch
     @boundary.guarded
-    def Batch(self, request, context):
+    def Batch(
+        self, request: service_pb2.BatchRequest, context: grpc.ServicerContext
+    ) -> service_pb2.BatchResponse:
+        """Run the steps in order in one call; stop at the first failure, which is
+        reported in the response with the results of the steps before it. The
+        inline budget is the whole response's: no result of a step that ran is lost
+        to the message limit."""
         io = self._io(context)
         response = service_pb2.BatchResponse()
         for index, step in enumerate(request.steps):
+            which = step.WhichOneof("op")
             try:
                 _check_call_alive(context)
-                which = step.WhichOneof("op")
                 if which is None:
                     raise InvalidArgumentError(f"Batch step {index} names no op")
                 op = OPS_BY_BATCH_FIELD[which]
@@ -162,20 +170,21 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
                 getattr(response.results.add(), which).CopyFrom(result)
             except Exception as exc:  # noqa: BLE001 - reported in the response
                 err = boundary.as_gradserve_error(exc)
+                name = OPS_BY_BATCH_FIELD[which].rpc if which else "no op"
                 response.failed_step = index
-                response.error.code = err.code.value[0]
-                response.error.message = f"Batch step {index} ({_op_name(step)}): {err.message}"
+                response.error.code = int(err.code)
+                response.error.message = f"Batch step {index} ({name}): {err.message}"
                 response.error.reason = err.reason
                 break
         return response
 
 
-def _op_rpc(op: Op):
-    def method(self, request, context):
+def _op_rpc(op: Op) -> Any:
+    def method(self: GradServeServicer, request: Message, context: grpc.ServicerContext) -> Any:
         return self._run(op, self._io(context), request)
 
-    method.__name__ = op.rpc
-    method.__doc__ = f"The {op.rpc} op (see tf.raw_ops.{op.rpc})."
+    method.__name__ = method.__qualname__ = op.rpc
+    method.__doc__ = f"Serves {op.rpc} with ``{op.handler.__module__}.{op.rpc}``."
     return boundary.guarded(method)
 
 
@@ -183,17 +192,12 @@ for _op in OPS:
     setattr(GradServeServicer, _op.rpc, _op_rpc(_op))
 
 
-def _op_name(step) -> str:
-    which = step.WhichOneof("op")
-    return OPS_BY_BATCH_FIELD[which].rpc if which else "no op"
-
-
-def _metadata(context) -> dict[str, str]:
-    """The call's text metadata, read once."""
+def _metadata(context: grpc.ServicerContext) -> dict[str, str]:
+    """The call's text metadata."""
     return {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
 
 
-def _check_call_alive(context) -> None:
+def _check_call_alive(context: grpc.ServicerContext) -> None:
     """Between steps of long work: stop if the client cancelled or the deadline passed."""
     remaining = context.time_remaining()
     if remaining is not None and remaining <= 0:

@@ -1,8 +1,12 @@
 """Per-call translation between wire messages and arrays, inside one session.
 
-``CallIO`` resolves a ``TensorInput`` (inline value or resident id) to an
-array and fills a ``TensorOutput`` (inline, or kept in the session when the
-request asked to keep outputs or the value is over the caller's inline limit).
+``CallIO`` turns a ``TensorInput`` into an op argument (a decoded array, or a
+``Resident`` id the op resolves) and fills a ``TensorOutput``: inline, or kept
+in the session when the request asked to keep outputs, or as a *transient*
+resident tensor (fetched by stream, then deleted) when the value would not fit
+in the response. The response's inline bytes are budgeted per call (a ``Batch``
+is one call): every output that fits goes inline, the rest go transient, so a
+response never grows past ``--max-message-bytes`` after its side effects ran.
 
 Resident tensors live where the ops that use them compute: on a CUDA server the
 LSTM ops' outputs are kept as GPU arrays, and a tensor uploaded with PutTensor
@@ -16,14 +20,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from gradserve import codec, dtypes
+from gradserve import codec
 from gradserve.errors import InvalidArgumentError
+from gradserve.kernels.compute import Compute
+from gradserve.server.core.sessions import Resident, Session, TensorArg
 from gradserve.server.transport import observability
-from gradserve.server.core.sessions import Session
 from gradserve.v1 import tensor_array_pb2, tensor_pb2
+
+#: Room left in a response for everything but tensor bytes (field tags, lengths,
+#: refs, handles, an error message) when budgeting its inline bytes.
+RESPONSE_OVERHEAD_BYTES = 64 * 1024
 
 
 def _never_stop() -> None:
@@ -31,28 +41,32 @@ def _never_stop() -> None:
 
 
 class CallIO:
-    """Inputs and outputs of one op call in ``session``.
+    """Inputs and outputs of one call (one op, or every step of a Batch) in ``session``.
 
-    ``compute`` is what ops compute with (``kernels.compute.Compute``); ``check_alive`` raises
-    once the call is cancelled or past its deadline (long ops call it between
-    steps).
+    ``inline_budget`` is how many tensor bytes the response may still carry inline;
+    an output is also sent transient when it alone is larger than ``inline_limit``
+    (the client's ``x-gradserve-inline-limit``: it streams large tensors instead).
+    ``check_alive`` raises once the call is cancelled or past its deadline (long
+    ops call it between steps).
     """
 
     def __init__(
         self,
         session: Session,
-        inline_limit: int,
-        compute=None,
+        compute: Compute,
+        *,
+        inline_budget: int,
+        inline_limit: int | None = None,
         check_alive: Callable[[], None] = _never_stop,
     ) -> None:
         self.session = session
-        self.inline_limit = inline_limit
         self.compute = compute
+        self.inline_budget = inline_budget
+        self.inline_limit = inline_budget if inline_limit is None else inline_limit
         self.check_alive = check_alive
 
-    def input(self, msg: tensor_pb2.TensorInput, field: str, *, as_kept: bool = False):
-        """The input as a host array; with ``as_kept``, for ops that compute on the
-        backend, a resident tensor comes as the session keeps it (host or GPU array)."""
+    def tensor(self, msg: tensor_pb2.TensorInput, field: str) -> TensorArg:
+        """An op argument: the inline value decoded, or the resident tensor's id."""
         which = msg.WhichOneof("source")
         if which == "value":
             started = time.perf_counter()
@@ -60,46 +74,37 @@ class CallIO:
             observability.add_decode_time(time.perf_counter() - started)
             return array
         if which == "ref":
-            array = self.session.get(msg.ref)
-            return array if as_kept else host_array(self.compute, array)
+            return Resident(msg.ref)
         raise InvalidArgumentError(f"input '{field}' is required", field=field)
 
-    def place(self, msgs: dict[str, tensor_pb2.TensorInput], inputs: dict) -> dict:
-        """``inputs`` with the resident ones moved to the compute device and kept there,
-        so a tensor put once is copied to the GPU once (``Session.get_placed``).
+    def input(self, msg: tensor_pb2.TensorInput, field: str) -> np.ndarray:
+        """The input as a host array (for ops that compute on the host)."""
+        return host_array(self.compute, self.session.resolve(self.tensor(msg, field)))
 
-        Ops call this after validating, so an input they refuse is not moved."""
-        if self.compute is None:
-            return inputs
-        placed = dict(inputs)
-        for name, msg in msgs.items():
-            if msg.WhichOneof("source") == "ref":
-                placed[name] = self.session.get_placed(msg.ref, self.compute.to_device)
-        return placed
-
-    def output(self, array, out: tensor_pb2.TensorOutput, keep: bool) -> None:
-        """Kept (as it is, host or device array) or encoded inline (from host memory)."""
+    def output(self, array: Any, out: tensor_pb2.TensorOutput, keep: bool) -> None:
+        """Kept (as it is, host or device array), inline (from host memory) when it fits
+        the response, else transient."""
         if not hasattr(array, "__cuda_array_interface__"):  # scalars, lists: as NumPy
             array = np.asarray(array)
-        transient = not keep and array.nbytes > self.inline_limit
+        nbytes = array.nbytes
+        transient = not keep and (nbytes > self.inline_limit or nbytes > self.inline_budget)
         if keep or transient:
-            tensor_id = self.session.put(array)
             ref = out.ref
-            ref.id = tensor_id
-            ref.dtype = dtypes.to_enum(array.dtype)
+            ref.id = self.session.put(array)
+            ref.dtype = codec.dtype_to_enum(array.dtype)
             ref.shape[:] = array.shape
             ref.transient = transient
-        else:
-            array = host_array(self.compute, array)
-            started = time.perf_counter()
-            codec.encode(array, out.value)
-            observability.add_encode_time(time.perf_counter() - started)
+            return
+        self.inline_budget -= nbytes
+        array = host_array(self.compute, array)
+        started = time.perf_counter()
+        codec.encode(array, out.value)
+        observability.add_encode_time(time.perf_counter() - started)
 
 
-def host_array(compute, array) -> np.ndarray:
-    """``array`` in host memory (a copy only if it is a device array); ``compute`` is
-    anything with ``to_host`` (a ``Compute`` or a backend module), or None."""
-    return np.asarray(array) if compute is None else compute.to_host(array)
+def host_array(compute: Compute, array: Any) -> np.ndarray:
+    """``array`` in host memory (a copy only if it is a device array)."""
+    return compute.to_host(array)
 
 
 def handle_id(msg: tensor_array_pb2.TensorArrayHandle, field: str = "handle") -> str:
@@ -109,7 +114,5 @@ def handle_id(msg: tensor_array_pb2.TensorArrayHandle, field: str = "handle") ->
 
 
 def dtype_of(enum: int, field: str = "dtype") -> np.dtype:
-    try:
-        return dtypes.from_enum(enum)
-    except dtypes.UnsupportedDTypeError as e:
-        raise InvalidArgumentError(f"{field}: {e}", field=field) from None
+    """The dtype a request names, or INVALID_ARGUMENT naming the field."""
+    return codec.dtype_from_enum(enum, field=field)

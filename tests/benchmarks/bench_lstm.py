@@ -157,7 +157,7 @@ def bench_size(steps, batch, units, rounds, rpc_target):
     x, cs_prev, h_prev, w, *_, b = weights
     rng = np.random.default_rng(1)
     f32 = np.float32
-    acts = lstm.block_lstm_forward(backend_numpy, *weights, seq_len_max=steps)
+    acts = lstm.block_lstm_forward(backend_numpy, lstm.LSTMInputs(*weights), seq_len_max=steps)
     base_acts = baseline_forward(x, cs_prev, h_prev, w, b)
 
     fwd_flops = 2.0 * steps * batch * (inputs + units) * 4 * units
@@ -166,10 +166,16 @@ def bench_size(steps, batch, units, rounds, rpc_target):
     out = np.empty((steps * batch, 4 * units), f32)
 
     fns = {
-        "ours fwd": lambda: lstm.block_lstm_forward(backend_numpy, *weights, seq_len_max=steps),
+        "ours fwd": lambda: lstm.block_lstm_forward(
+            backend_numpy, lstm.LSTMInputs(*weights), seq_len_max=steps
+        ),
         "base fwd": lambda: baseline_forward(x, cs_prev, h_prev, w, b),
         "ours bwd": lambda: lstm.block_lstm_backward(
-            backend_numpy, *weights, *acts, cs_grad, h_grad, seq_len_max=steps
+            backend_numpy,
+            lstm.LSTMInputs(*weights),
+            acts,
+            lstm.LSTMOutputGrads(cs_grad, h_grad),
+            seq_len_max=steps,
         ),
         "base bwd": lambda: baseline_backward(x, cs_prev, h_prev, w, base_acts, cs_grad, h_grad),
         "matmul": lambda: np.matmul(big_a, w, out=out),

@@ -117,7 +117,7 @@ def prepare_ours(steps, batch, units, cupy, cuda_graphs: bool) -> Contender:
     host_weights, cs_grad, h_grad = make_inputs(steps, batch, units)
     weights = [cupy.asarray(a) for a in host_weights]
     grads = cupy.asarray(cs_grad), cupy.asarray(h_grad)
-    acts = lstm.block_lstm_forward(compute.backend, *weights, seq_len_max=steps)
+    acts = lstm.block_lstm_forward(compute.backend, lstm.LSTMInputs(*weights), seq_len_max=steps)
 
     def stats() -> dict:
         if not cuda_graphs:
@@ -128,8 +128,10 @@ def prepare_ours(steps, batch, units, cupy, cuda_graphs: bool) -> Contender:
         }
 
     return Contender(
-        fwd=lambda: compute.lstm_forward(*weights, seq_len_max=steps),
-        bwd=lambda: compute.lstm_backward(*weights, *acts, *grads, seq_len_max=steps),
+        fwd=lambda: compute.lstm_forward(lstm.LSTMInputs(*weights), seq_len_max=steps),
+        bwd=lambda: compute.lstm_backward(
+            lstm.LSTMInputs(*weights), acts, lstm.LSTMOutputGrads(*grads), seq_len_max=steps
+        ),
         stats=stats,
     )
 
@@ -211,7 +213,7 @@ def bench_served(steps, batch, units, cupy, cuda_graphs: bool) -> dict:
     host_weights, cs_grad, h_grad = make_inputs(steps, batch, units)
     weights = [cupy.asarray(a) for a in host_weights]
     dev_grads = cupy.asarray(cs_grad), cupy.asarray(h_grad)
-    acts = lstm.block_lstm_forward(backend_cuda, *weights, seq_len_max=steps)
+    acts = lstm.block_lstm_forward(backend_cuda, lstm.LSTMInputs(*weights), seq_len_max=steps)
     with (
         run_server(device="cuda", cuda_graphs=cuda_graphs, max_message_bytes=1 << 30) as server,
         gradserve.Client(f"127.0.0.1:{server.port}") as client,
@@ -232,7 +234,11 @@ def bench_served(steps, batch, units, cupy, cuda_graphs: bool) -> dict:
                 ),
                 "inproc_bwd": lambda: backend_cuda.to_host(
                     lstm.block_lstm_backward(
-                        backend_cuda, *weights, *acts, *dev_grads, seq_len_max=steps
+                        backend_cuda,
+                        lstm.LSTMInputs(*weights),
+                        acts,
+                        lstm.LSTMOutputGrads(*dev_grads),
+                        seq_len_max=steps,
                     ).w_grad
                 ),
             },

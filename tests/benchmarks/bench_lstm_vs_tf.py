@@ -135,11 +135,17 @@ def compare_size(tf: TensorFlowWorker, threads: int, rounds: int, steps, batch, 
         with np.load(tf.ask({"load": path})["outputs"]) as data:
             want = {k: data[k] for k in data.files}
     with blas_threads(threads):
-        outs = lstm.block_lstm_forward(backend_numpy, *weights, seq_len_max=steps)
+        outs = lstm.block_lstm_forward(backend_numpy, lstm.LSTMInputs(*weights), seq_len_max=steps)
         ours = {
-            "fwd": lambda: lstm.block_lstm_forward(backend_numpy, *weights, seq_len_max=steps),
+            "fwd": lambda: lstm.block_lstm_forward(
+                backend_numpy, lstm.LSTMInputs(*weights), seq_len_max=steps
+            ),
             "bwd": lambda: lstm.block_lstm_backward(
-                backend_numpy, *weights, *outs, cs_grad, h_grad, seq_len_max=steps
+                backend_numpy,
+                lstm.LSTMInputs(*weights),
+                outs,
+                lstm.LSTMOutputGrads(cs_grad, h_grad),
+                seq_len_max=steps,
             ),
         }
         grads = ours["bwd"]()

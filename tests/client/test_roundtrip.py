@@ -50,4 +50,4 @@ def test_over_100_mib_streams_both_ways(server, target):
         ref = client.put(x)
         assert client.get(ref).tobytes() == x.tobytes()
         # Temporary uploads and transient outputs were cleaned up: only ``ref`` is held.
-        assert server.store.get(client.session_id).stats()["resident_tensors"] == 1
+        assert server.store.get(client.session_id).budget.used == ref.nbytes

@@ -37,9 +37,9 @@ def test_close_frees_everything(server, target):
     client.tensor_array(np.float32, size=1).write(0, [1.0])
     client.put(np.zeros(10))
     session = server.store.get(client.session_id)
-    assert session.stats()["bytes"] > 0
+    assert session.budget.used > 0
     client.close()
-    assert session.stats() == {"tensor_arrays": 0, "resident_tensors": 0, "bytes": 0}
+    assert session.budget.used == 0
     with pytest.raises(NotFoundError) as info:
         gradserve.Client(target, session_id=client.session_id)
     assert info.value.reason == "SESSION_NOT_FOUND"

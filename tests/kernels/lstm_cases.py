@@ -14,6 +14,7 @@ import pathlib
 import numpy as np
 
 from gradserve.kernels import lstm
+from gradserve.lstm_signature import LSTMActivations, LSTMGrads, LSTMInputs, LSTMOutputGrads
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
 _V2_INDEX = json.loads((GOLDEN / "lstm" / "lstm_index.json").read_text())
@@ -24,19 +25,10 @@ _FOLDER = {"BlockLSTMV2": GOLDEN / "lstm", "BlockLSTM": GOLDEN / "lstm_v1"}
 _OPS = {c["name"]: c["op"] for c in INDEX}
 LAYOUT = {"BlockLSTMV2": lstm.GateLayout.IFCO, "BlockLSTM": lstm.GateLayout.ICFO}
 GRAD_OP = {"BlockLSTMV2": "BlockLSTMGradV2", "BlockLSTM": "BlockLSTMGrad"}
-INPUTS = ("x", "cs_prev", "h_prev", "w", "wci", "wcf", "wco", "b")
-OUTPUTS = ("i", "cs", "f", "o", "ci", "co", "h")
-OUTPUT_GRADS = ("cs_grad", "h_grad")  # the backward's inputs after the activations
-GRADS = (
-    "x_grad",
-    "cs_prev_grad",
-    "h_prev_grad",
-    "w_grad",
-    "wci_grad",
-    "wcf_grad",
-    "wco_grad",
-    "b_grad",
-)
+INPUTS = LSTMInputs._fields
+OUTPUTS = LSTMActivations._fields
+OUTPUT_GRADS = LSTMOutputGrads._fields  # the backward's inputs after the activations
+GRADS = LSTMGrads._fields
 # Past seq_len_max TensorFlow leaves these uninitialised: compare only before it.
 UNINITIALISED_PAST_END = ("i", "f", "o", "ci", "co")
 TOLERANCE = {"float16": 2e-2, "float32": 5e-5, "float64": 1e-12}
@@ -108,3 +100,21 @@ def random_case(
     case = {k: (rng.standard_normal(shape) * scale).astype(dtype) for k, shape in shapes.items()}
     case["seq_len_max"] = np.int64(steps if seq_len_max is None else seq_len_max)
     return case
+
+
+def forward(backend, *arrays, **attrs) -> LSTMActivations:
+    """``lstm.block_lstm_forward`` on the eight inputs as positional arguments."""
+    return lstm.block_lstm_forward(backend, LSTMInputs(*arrays), **attrs)
+
+
+def backward(backend, *arrays, **attrs) -> LSTMGrads:
+    """``lstm.block_lstm_backward`` on its 17 tensors as positional arguments (inputs,
+    activations, output gradients: TensorFlow's argument order)."""
+    inputs, activations, output_grads = arrays[:8], arrays[8:15], arrays[15:]
+    return lstm.block_lstm_backward(
+        backend,
+        LSTMInputs(*inputs),
+        LSTMActivations(*activations),
+        LSTMOutputGrads(*output_grads),
+        **attrs,
+    )

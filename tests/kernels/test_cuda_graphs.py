@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from gradserve.kernels import backend_numpy, cuda_graphs, lstm
-from tests.kernels import fake_cupy, shim_backend
+from tests.kernels import fake_cupy, lstm_cases, shim_backend
 from tests.kernels.lstm_cases import INPUTS, random_case
 
 
@@ -58,7 +58,7 @@ def case(seed, **kw):
 
 
 def forward_numpy(arrays, **attrs):
-    return lstm.block_lstm_forward(backend_numpy, *arrays, **attrs)
+    return lstm_cases.forward(backend_numpy, *arrays, **attrs)
 
 
 def host(result):
@@ -71,7 +71,9 @@ def test_replays_follow_new_inputs_and_return_copies(backend, capture):
     results = []
     for seed in (1, 2, 3):
         arrays, _ = case(seed)
-        results.append((cache.forward(*arrays, **attrs), forward_numpy(arrays, **attrs)))
+        results.append(
+            (cache.forward(lstm.LSTMInputs(*arrays), **attrs), forward_numpy(arrays, **attrs))
+        )
     assert (capture.calls, cache.captures, cache.replays, len(cache)) == (1, 1, 2, 1)
     for got, want in results:  # the first result was not overwritten by the replays
         for g, w in zip(host(got), want):
@@ -84,8 +86,13 @@ def test_backward_through_a_plan(backend, capture):
         arrays, c = case(seed)
         acts = forward_numpy(arrays, seq_len_max=4)
         rest = [*arrays, *acts, c["cs_grad"], c["h_grad"]]
-        got = cache.backward(*rest, seq_len_max=4)
-        want = lstm.block_lstm_backward(backend_numpy, *rest, seq_len_max=4)
+        got = cache.backward(
+            lstm.LSTMInputs(*arrays),
+            acts,
+            lstm.LSTMOutputGrads(c["cs_grad"], c["h_grad"]),
+            seq_len_max=4,
+        )
+        want = lstm_cases.backward(backend_numpy, *rest, seq_len_max=4)
         for g, w in zip(host(got), want):
             np.testing.assert_allclose(g, w, rtol=0, atol=1e-12)
     assert (cache.captures, cache.replays) == (1, 1)
@@ -94,11 +101,11 @@ def test_backward_through_a_plan(backend, capture):
 def test_one_plan_per_shape_dtype_and_attributes(backend, capture):
     cache = cuda_graphs.GraphCache(backend, capture)
     arrays, _ = case(6)
-    cache.forward(*arrays, seq_len_max=4)
-    cache.forward(*arrays, seq_len_max=3)  # another length: another graph
-    cache.forward(*arrays, seq_len_max=4, use_peephole=True)
-    cache.forward(*case(6, dtype=np.float32)[0], seq_len_max=4)
-    cache.forward(*arrays, seq_len_max=4)
+    cache.forward(lstm.LSTMInputs(*arrays), seq_len_max=4)
+    cache.forward(lstm.LSTMInputs(*arrays), seq_len_max=3)  # another length: another graph
+    cache.forward(lstm.LSTMInputs(*arrays), seq_len_max=4, use_peephole=True)
+    cache.forward(lstm.LSTMInputs(*case(6, dtype=np.float32)[0]), seq_len_max=4)
+    cache.forward(lstm.LSTMInputs(*arrays), seq_len_max=4)
     assert (cache.captures, cache.replays, len(cache)) == (4, 1, 4)
 
 
@@ -106,11 +113,11 @@ def test_inputs_already_on_the_device_are_copied_on_the_device(backend, capture)
     cupy = backend.cupy
     cache = cuda_graphs.GraphCache(backend, capture)
     arrays, _ = case(7)
-    cache.forward(*arrays, seq_len_max=4)
+    cache.forward(lstm.LSTMInputs(*arrays), seq_len_max=4)
     cupy.transfers["to_device"].clear()
     on_device = [cupy.asarray(a) for a in arrays]
     uploads = len(cupy.transfers["to_device"])
-    got = cache.forward(*on_device, seq_len_max=4)
+    got = cache.forward(lstm.LSTMInputs(*on_device), seq_len_max=4)
     assert len(cupy.transfers["to_device"]) == uploads  # no host round trip for the replay
     assert all(isinstance(a, fake_cupy.DeviceArray) for a in got)
     np.testing.assert_allclose(host(got)[6], forward_numpy(arrays, seq_len_max=4).h, atol=1e-12)
@@ -119,14 +126,14 @@ def test_inputs_already_on_the_device_are_copied_on_the_device(backend, capture)
 def test_lru_keeps_the_cache_under_its_bytes(backend, capture):
     arrays, _ = case(8)
     cache = cuda_graphs.GraphCache(backend, capture, max_bytes=10**9)
-    cache.forward(*arrays, seq_len_max=4)
+    cache.forward(lstm.LSTMInputs(*arrays), seq_len_max=4)
     one_plan = cache.nbytes
     assert one_plan >= sum(a.nbytes for a in arrays)  # at least its static inputs
     cache = cuda_graphs.GraphCache(backend, capture, max_bytes=2 * one_plan)
     for length in (4, 3, 2):
-        cache.forward(*arrays, seq_len_max=length)
+        cache.forward(lstm.LSTMInputs(*arrays), seq_len_max=length)
     assert len(cache) == 2 and cache.nbytes <= 2 * one_plan
-    cache.forward(*arrays, seq_len_max=4)  # evicted first: built again
+    cache.forward(lstm.LSTMInputs(*arrays), seq_len_max=4)  # evicted first: built again
     assert cache.captures == 4
 
 
@@ -136,12 +143,12 @@ def test_plan_count_and_eager_memory_are_bounded(backend, capture, monkeypatch):
     arrays, _ = case(13)
     cache = cuda_graphs.GraphCache(backend, capture)
     for length in (4, 3, 2):
-        cache.forward(*arrays, seq_len_max=length)
+        cache.forward(lstm.LSTMInputs(*arrays), seq_len_max=length)
     assert len(cache) == 2
     capture.fail = RuntimeError("not capturable")
     for length in (1, 0, 4, 3, 2):
         cache = cuda_graphs.GraphCache(backend, capture) if length == 1 else cache
-        cache.forward(*arrays, seq_len_max=length)
+        cache.forward(lstm.LSTMInputs(*arrays), seq_len_max=length)
     assert len(cache._eager) == 2
 
 
@@ -153,7 +160,7 @@ def test_too_big_or_not_capturable_runs_eagerly_and_stays_right(backend, capture
     failing = cuda_graphs.GraphCache(backend, capture)
     for cache in (tiny, failing):
         for _ in range(2):
-            got = cache.forward(*arrays, seq_len_max=4)
+            got = cache.forward(lstm.LSTMInputs(*arrays), seq_len_max=4)
             for g, w in zip(host(got), want):
                 np.testing.assert_allclose(g, w, rtol=0, atol=1e-12)
         assert len(cache) == 0 and cache.replays == 0
@@ -165,10 +172,10 @@ def test_out_of_memory_while_capturing_is_retried_later(backend, capture):
     want = forward_numpy(arrays, seq_len_max=4)
     cache = cuda_graphs.GraphCache(backend, capture)
     capture.fail = MemoryError("out of memory allocating 52,428,800 bytes")
-    got = cache.forward(*arrays, seq_len_max=4)  # served by the eager run
+    got = cache.forward(lstm.LSTMInputs(*arrays), seq_len_max=4)  # served by the eager run
     np.testing.assert_allclose(host(got)[6], want.h, atol=1e-12)
     capture.fail = None
-    cache.forward(*arrays, seq_len_max=4)  # memory again: captured now
+    cache.forward(lstm.LSTMInputs(*arrays), seq_len_max=4)  # memory again: captured now
     assert (capture.calls, cache.captures, len(cache)) == (2, 1, 1)
 
 
@@ -176,17 +183,17 @@ def test_deadline_checked_before_a_replay_and_per_step_otherwise(backend, captur
     cache = cuda_graphs.GraphCache(backend, capture)
     arrays, _ = case(10)
     checks = []
-    cache.forward(*arrays, seq_len_max=4, check=lambda: checks.append(1))
+    cache.forward(lstm.LSTMInputs(*arrays), seq_len_max=4, check=lambda: checks.append(1))
     assert len(checks) == 4  # the eager first run: once per step
     checks.clear()
-    cache.forward(*arrays, seq_len_max=4, check=lambda: checks.append(1))
+    cache.forward(lstm.LSTMInputs(*arrays), seq_len_max=4, check=lambda: checks.append(1))
     assert len(checks) == 1
 
     def expired():
         raise TimeoutError("deadline")
 
     with pytest.raises(TimeoutError):
-        cache.forward(*arrays, seq_len_max=4, check=expired)
+        cache.forward(lstm.LSTMInputs(*arrays), seq_len_max=4, check=expired)
     assert cache.replays == 1  # the expired call never launched
 
 
@@ -236,7 +243,7 @@ def test_plans_show_in_the_metrics(backend, capture):
     cache = cuda_graphs.GraphCache(backend, capture)
     arrays, _ = case(11)
     for _ in range(3):
-        cache.forward(*arrays, seq_len_max=4)
+        cache.forward(lstm.LSTMInputs(*arrays), seq_len_max=4)
     compute = Compute(backend, cache)
     text = generate_latest(Metrics(SessionStore(), compute).registry).decode()
     assert "gradserve_cuda_graph_plans 1.0" in text

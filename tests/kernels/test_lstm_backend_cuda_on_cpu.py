@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from gradserve.kernels import backend_numpy, lstm
+from tests.kernels import lstm_cases
 from tests.kernels import fake_cupy, shim_backend
 from tests.kernels.lstm_cases import (
     GRADS,
@@ -34,7 +35,7 @@ def backend_cuda(tmp_path_factory):
 
 
 def run(backend, case, length, peep, layout=lstm.GateLayout.IFCO, clip=0.0, bias=0.0):
-    out = lstm.block_lstm_forward(
+    out = lstm_cases.forward(
         backend,
         *(case[k] for k in INPUTS),
         seq_len_max=length,
@@ -43,8 +44,8 @@ def run(backend, case, length, peep, layout=lstm.GateLayout.IFCO, clip=0.0, bias
         use_peephole=peep,
         layout=layout,
     )
-    out = lstm.LSTMOutputs(*(backend.to_host(a) for a in out))
-    grads = lstm.block_lstm_backward(
+    out = lstm.LSTMActivations(*(backend.to_host(a) for a in out))
+    grads = lstm_cases.backward(
         backend,
         *(case[k] for k in INPUTS),
         *out,

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from gradserve.kernels import backend_numpy, lstm
+from tests.kernels import lstm_cases
 from tests.kernels import nvrtc, shim_backend
 from tests.kernels.lstm_cases import (
     GRADS,
@@ -53,10 +54,10 @@ def test_host_shim_matches_numpy_on_golden_cases(shim, name):
     d = golden(name)
 
     def fwd(b):
-        return lstm.block_lstm_forward(b, *(d[k] for k in INPUTS), **forward_attrs(d))
+        return lstm_cases.forward(b, *(d[k] for k in INPUTS), **forward_attrs(d))
 
     def bwd(b):
-        return lstm.block_lstm_backward(
+        return lstm_cases.backward(
             b, *(d[k] for k in INPUTS + OUTPUTS + OUTPUT_GRADS), **backward_attrs(d)
         )
 
@@ -76,7 +77,7 @@ def test_host_shim_matches_numpy_in_float64(shim, layout, use_peephole):
     )
     attrs = dict(seq_len_max=4, use_peephole=use_peephole, layout=layout)
     fwd = [
-        lstm.block_lstm_forward(
+        lstm_cases.forward(
             b, *(case[k] for k in INPUTS), forget_bias=1.0, cell_clip=0.4, **attrs
         )
         for b in (shim, backend_numpy)
@@ -84,7 +85,7 @@ def test_host_shim_matches_numpy_in_float64(shim, layout, use_peephole):
     for k in OUTPUTS:
         np.testing.assert_allclose(getattr(fwd[0], k), getattr(fwd[1], k), rtol=0, atol=1e-13)
     bwd = [
-        lstm.block_lstm_backward(
+        lstm_cases.backward(
             b, *(case[k] for k in INPUTS), *fwd[1], case["cs_grad"], case["h_grad"], **attrs
         )
         for b in (shim, backend_numpy)

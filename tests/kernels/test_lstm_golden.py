@@ -8,6 +8,7 @@ import pytest
 
 from gradserve.kernels.compute import compute_for
 from gradserve.kernels.device import cuda_available
+from gradserve.lstm_signature import LSTMActivations, LSTMInputs, LSTMOutputGrads
 from tests.kernels.lstm_cases import (
     GRADS,
     INDEX,
@@ -41,9 +42,13 @@ def compute(request):
 def run_case(compute, d):
     """Forward and backward; with CUDA graphs each runs twice, the second a replay."""
     for _ in range(2 if compute.graphs is not None else 1):
-        out = compute.lstm_forward(*(d[k] for k in INPUTS), **forward_attrs(d))
+        inputs = LSTMInputs(*(d[k] for k in INPUTS))
+        out = compute.lstm_forward(inputs, **forward_attrs(d))
         grads = compute.lstm_backward(
-            *(d[k] for k in INPUTS + OUTPUTS + OUTPUT_GRADS), **backward_attrs(d)
+            inputs,
+            LSTMActivations(*(d[k] for k in OUTPUTS)),
+            LSTMOutputGrads(*(d[k] for k in OUTPUT_GRADS)),
+            **backward_attrs(d),
         )
     if compute.graphs is not None:
         assert compute.graphs.replays >= 2, "the second forward and backward were replays"

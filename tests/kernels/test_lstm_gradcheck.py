@@ -15,13 +15,14 @@ import numpy as np
 import pytest
 
 from gradserve.kernels import backend_numpy, lstm
+from tests.kernels import lstm_cases
 from tests.kernels.lstm_cases import GOLDEN, GRADS, INPUTS, random_case
 
 EPS = 1e-6
 
 
 def loss(case, layout, forget_bias, use_peephole, cell_clip=0.0) -> float:
-    out = lstm.block_lstm_forward(
+    out = lstm_cases.forward(
         backend_numpy,
         *(case[k] for k in INPUTS),
         seq_len_max=int(case["seq_len_max"]),
@@ -52,7 +53,7 @@ def numeric_grads(case, layout, forget_bias, use_peephole) -> dict[str, np.ndarr
 
 
 def analytic_grads(case, layout, forget_bias, use_peephole, grad_layout=None):
-    out = lstm.block_lstm_forward(
+    out = lstm_cases.forward(
         backend_numpy,
         *(case[k] for k in INPUTS),
         seq_len_max=int(case["seq_len_max"]),
@@ -60,7 +61,7 @@ def analytic_grads(case, layout, forget_bias, use_peephole, grad_layout=None):
         use_peephole=use_peephole,
         layout=layout,
     )
-    grads = lstm.block_lstm_backward(
+    grads = lstm_cases.backward(
         backend_numpy,
         *(case[k] for k in INPUTS),
         *out,

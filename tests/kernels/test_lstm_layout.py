@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.kernels import lstm_cases
 from gradserve.kernels import backend_numpy, lstm
 
 
@@ -20,7 +21,7 @@ def test_bias_blocks_reach_their_gates(layout, order):
     values = {"i": 0.3, "f": -0.7, "c": 1.1, "o": 0.5}
     b = np.concatenate([np.full(units, values[g]) for g in order])
     zeros = np.zeros((1, units))
-    out = lstm.block_lstm_forward(
+    out = lstm_cases.forward(
         backend_numpy,
         np.zeros((1, 1, 1)),
         zeros,
@@ -45,7 +46,7 @@ def test_sigmoid_does_not_overflow():
     b = np.array([1e4, -1e4, 0.0, -1e4], np.float32)  # IFCO
     z = np.zeros((1, units), np.float32)
     with np.errstate(over="raise", invalid="raise"):
-        out = lstm.block_lstm_forward(
+        out = lstm_cases.forward(
             backend_numpy,
             np.zeros((1, 1, 1), np.float32),
             z,

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from gradserve.kernels import backend_numpy, lstm
+from tests.kernels import lstm_cases
 from tests.kernels.lstm_cases import INPUTS, random_case
 
 torch = pytest.importorskip("torch")
@@ -57,8 +58,8 @@ def test_block_lstm_v2_is_torch_lstm_without_peepholes(steps, batch, inputs, uni
     case = random_case(np.random.default_rng(steps * 100 + units), steps, batch, inputs, units)
     case["cs_grad"][:-1] = 0.0  # torch's loss reaches the cell state at the last step only
     arrays = [case[k] for k in INPUTS]
-    outs = lstm.block_lstm_forward(backend_numpy, *arrays, seq_len_max=steps)
-    grads = lstm.block_lstm_backward(
+    outs = lstm_cases.forward(backend_numpy, *arrays, seq_len_max=steps)
+    grads = lstm_cases.backward(
         backend_numpy, *arrays, *outs, case["cs_grad"], case["h_grad"], seq_len_max=steps
     )
     want_h, want_c, want_grads = torch_lstm(case)

@@ -70,7 +70,7 @@ def test_tensor_size_limit(small):
     with connect(small) as client:
         with pytest.raises(ResourceExhaustedError, match="--max-tensor-bytes"):
             client.put(f32(700))
-        assert small.store.get(client.session_id, "a").stats()["bytes"] == 0
+        assert small.store.get(client.session_id, "a").budget.used == 0
 
 
 def test_session_bytes_limit_is_all_or_nothing(small):
@@ -78,13 +78,13 @@ def test_session_bytes_limit_is_all_or_nothing(small):
         client.put(f32(400))
         ta = client.tensor_array(np.float32, size=3).write(0, f32(400))
         session = small.store.get(client.session_id, "a")
-        before = session.stats()
+        before = session.budget.used
         with pytest.raises(ResourceExhaustedError, match="--max-session-bytes") as info:
             ta.write(1, f32(400))
         assert info.value.reason == "MEMORY_LIMIT"
         with pytest.raises(ResourceExhaustedError, match="--max-session-bytes"):
             client.put(f32(400))
-        assert session.stats() == before
+        assert session.budget.used == before
         assert ta.size() == 3
         with pytest.raises(gradserve.errors.InvalidArgumentError, match="not fully defined"):
             ta.read(1)  # the refused write left no trace
@@ -121,7 +121,7 @@ def test_streamed_put_is_refused_before_allocating(small):
         client.put(f32(500))
         with pytest.raises(ResourceExhaustedError, match="--max-session-bytes"):
             client.put(f32(300))
-        assert small.store.get(client.session_id, "a").stats()["bytes"] == 1000 * KIB
+        assert small.store.get(client.session_id, "a").budget.used == 1000 * KIB
 
 
 def test_memory_budget_nesting():

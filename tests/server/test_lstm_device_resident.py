@@ -18,6 +18,7 @@ import gradserve
 from gradserve.errors import InvalidArgumentError
 from gradserve.kernels import backend_numpy, lstm
 from gradserve.server import run_server
+from tests.kernels import lstm_cases
 from tests.kernels import fake_cupy, shim_backend
 from tests.kernels.lstm_cases import GRADS, INPUTS, OUTPUT_GRADS, OUTPUTS, random_case
 
@@ -51,10 +52,10 @@ def shapes(copies) -> list[tuple[int, ...]]:
 
 def test_forward_kept_and_backward_by_id_copy_only_wire_tensors(cuda_client):
     client, server, fake = cuda_client
-    want_out = lstm.block_lstm_forward(
+    want_out = lstm_cases.forward(
         backend_numpy, *(CASE[k] for k in INPUTS), seq_len_max=5, use_peephole=True
     )
-    want_grads = lstm.block_lstm_backward(
+    want_grads = lstm_cases.backward(
         backend_numpy,
         *(CASE[k] for k in INPUTS),
         *want_out,
@@ -89,7 +90,7 @@ def test_weights_put_once_are_copied_to_the_gpu_once(cuda_client):
     client, server, fake = cuda_client
     weights = {k: client.put(CASE[k]) for k in INPUTS if k != "x"}
     session = server.store.get(client.session_id)
-    held = session.stats()["bytes"]
+    held = session.budget.used
     assert fake.transfers["to_device"] == []  # PutTensor itself keeps host memory
     args = [CASE["seq_len_max"], CASE["x"], *(weights[k] for k in INPUTS if k != "x")]
 
@@ -102,12 +103,12 @@ def test_weights_put_once_are_copied_to_the_gpu_once(cuda_client):
     want = [CASE[k].shape for k in weights] + [CASE["x"].shape] * 2
     assert copied == sorted(want + [CASE["h_grad"].shape] * 2)
     assert all(isinstance(session.get(ref.id), fake_cupy.DeviceArray) for ref in weights.values())
-    assert session.stats()["bytes"] == held + sum(ref.nbytes for ref in kept)  # charged once
+    assert session.budget.used == held + sum(ref.nbytes for ref in kept)  # charged once
 
-    want_grads = lstm.block_lstm_backward(
+    want_grads = lstm_cases.backward(
         backend_numpy,
         *(CASE[k] for k in INPUTS),
-        *lstm.block_lstm_forward(
+        *lstm_cases.forward(
             backend_numpy, *(CASE[k] for k in INPUTS), seq_len_max=5, use_peephole=True
         ),
         CASE["cs_grad"],
@@ -151,10 +152,10 @@ def test_kept_outputs_are_charged_and_freed(cuda_client):
     kept = client.raw_ops.BlockLSTMV2(*ARGS, keep=True)
     session = server.store.get(client.session_id)
     nbytes = sum(ref.nbytes for ref in kept)
-    assert session.stats()["bytes"] == nbytes == 7 * CASE["h_grad"].nbytes
+    assert session.budget.used == nbytes == 7 * CASE["h_grad"].nbytes
     for ref in kept:
         ref.delete()
-    assert session.stats()["bytes"] == 0
+    assert session.budget.used == 0
     assert session.budget.used == 0
 
 
@@ -172,7 +173,7 @@ def test_fake_cupy_is_gone_after_use(tmp_path):
 def test_outputs_match_numpy_for_every_output(cuda_client):
     client, _, _ = cuda_client
     got = client.raw_ops.BlockLSTMV2(*ARGS, cell_clip=0.4)
-    want = lstm.block_lstm_forward(
+    want = lstm_cases.forward(
         backend_numpy, *(CASE[k] for k in INPUTS), seq_len_max=5, cell_clip=0.4
     )
     for k in OUTPUTS:

@@ -19,6 +19,7 @@ import gradserve
 from gradserve.errors import InvalidArgumentError
 from gradserve.kernels import backend_numpy, lstm
 from gradserve.server import run_server
+from tests.kernels import lstm_cases
 from tests.conftest import DEVICE
 from tests.kernels import fake_cupy, shim_backend
 from tests.kernels.lstm_cases import (
@@ -93,10 +94,10 @@ def reference(backward, length, inputs, attrs):
     host = [inputs[k] for k in INPUTS]
     if backward:
         extra = [inputs[k] for k in OUTPUTS + OUTPUT_GRADS]
-        return lstm.block_lstm_backward(
+        return lstm_cases.backward(
             backend_numpy, *host, *extra, seq_len_max=int(length), **attrs
         )
-    return lstm.block_lstm_forward(backend_numpy, *host, seq_len_max=int(length), **attrs)
+    return lstm_cases.forward(backend_numpy, *host, seq_len_max=int(length), **attrs)
 
 
 @settings(
@@ -127,6 +128,6 @@ def test_valid_calls_match_numpy_and_invalid_ones_are_refused(served, call):
         # The call's inputs by id are still there, readable, and all the session holds.
         for k, ref in refs.items():
             np.testing.assert_array_equal(ref.numpy(), inputs[k])
-        assert session.stats()["bytes"] == sum(inputs[k].nbytes for k in refs)
+        assert session.budget.used == sum(inputs[k].nbytes for k in refs)
         client.delete(*refs.values())
         assert session.budget.used == 0

@@ -15,9 +15,12 @@ from gradserve import errors
 from gradserve.errors import DeadlineExceededError, InvalidArgumentError, ResourceExhaustedError
 from gradserve.kernels import backend_numpy, lstm
 from gradserve.kernels.compute import Compute
+from gradserve.lstm_signature import LSTMInputs
 from gradserve.server.core.ops import lstm_ops
+from gradserve.server.core.sessions import Session
 from tests.conftest import DeadlineOnCall
 from tests.golden.trace_format import normalise, resolve
+from tests.kernels import lstm_cases
 from tests.kernels.lstm_cases import (
     GRAD_OP,
     GRADS,
@@ -180,9 +183,10 @@ def test_check_between_steps_stops_the_op_and_keeps_nothing():
     check = DeadlineOnCall(3)
     with pytest.raises(DeadlineExceededError):
         lstm_ops.forward(
+            Session("s"),
             Compute(backend_numpy),
             lstm_ops.V2,
-            {k: case[k] for k in INPUTS},
+            LSTMInputs(*(case[k] for k in INPUTS)),
             case["seq_len_max"],
             use_peephole=False,
             check=check,
@@ -200,7 +204,7 @@ def test_deadline_over_rpc_leaves_session_unchanged(server, target):
             client.raw_ops.BlockLSTMV2(case["seq_len_max"], *(case[k] for k in INPUTS), keep=True)
         session = server.store.get(client.session_id)
         time.sleep(0.5)  # let the server thread notice and stop
-        assert session.stats()["resident_tensors"] == 0
+        assert session.budget.used == 0
 
 
 def test_lstm_in_a_batch(client):
@@ -209,7 +213,7 @@ def test_lstm_in_a_batch(client):
     batch.raw_ops.BlockLSTMV2(case["seq_len_max"], *(case[k] for k in INPUTS))
     batch.raw_ops.StopGradient(np.arange(3))
     (out, sg) = batch.run()
-    want = lstm.block_lstm_forward(backend_numpy, *(case[k] for k in INPUTS), seq_len_max=3)
+    want = lstm_cases.forward(backend_numpy, *(case[k] for k in INPUTS), seq_len_max=3)
     np.testing.assert_array_equal(out.h, want.h)
 
 
@@ -226,7 +230,7 @@ def test_out_of_memory_is_resource_exhausted_and_server_survives(client, server,
     with pytest.raises(ResourceExhaustedError, match="out of memory") as info:
         client.raw_ops.BlockLSTMV2(*args, keep=True)
     assert info.value.reason == "OUT_OF_MEMORY"
-    assert server.store.get(client.session_id).stats()["bytes"] == 0
+    assert server.store.get(client.session_id).budget.used == 0
     monkeypatch.undo()
     assert client.raw_ops.BlockLSTMV2(*args).h.shape == case["h_grad"].shape
 
@@ -250,10 +254,10 @@ def test_zero_size_dimensions(client, empty):
         # x then adds nothing to the gates: the same as one input column of zeros.
         padded = dict(case, x=np.zeros((3, 2, 1), np.float32))
         padded["w"] = np.concatenate([np.ones((1, 16), np.float32), case["w"]])
-        want_out = lstm.block_lstm_forward(
+        want_out = lstm_cases.forward(
             backend_numpy, *(padded[k] for k in INPUTS), seq_len_max=3, use_peephole=True
         )
-        want = lstm.block_lstm_backward(
+        want = lstm_cases.backward(
             backend_numpy, *(padded[k] for k in INPUTS), *want_out, case["cs_grad"],
             case["h_grad"], seq_len_max=3, use_peephole=True,
         )._replace(x_grad=np.zeros((3, 2, 0), np.float32))  # fmt: skip

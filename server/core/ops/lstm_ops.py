@@ -9,7 +9,8 @@ shapes, mixed dtypes), this returns INVALID_ARGUMENT instead.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -17,12 +18,14 @@ from gradserve import dtypes, shapes
 from gradserve.errors import InvalidArgumentError
 from gradserve.kernels import lstm
 from gradserve.kernels.compute import Compute
+from gradserve.lstm_signature import LSTMActivations, LSTMGrads, LSTMInputs, LSTMOutputGrads
 from gradserve.server.core.ops import args
+from gradserve.server.core.sessions import Session, TensorArg
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
-WEIGHTS = ("x", "cs_prev", "h_prev", "w", "wci", "wcf", "wco", "b")
-ACTIVATIONS = ("i", "cs", "f", "o", "ci", "co", "h")
-OUTPUT_GRADS = ("cs_grad", "h_grad")
+ACTIVATIONS = LSTMActivations._fields
+OUTPUT_GRADS = LSTMOutputGrads._fields
+Named = Mapping[str, Any]  # input name -> host or device array (only dtype and shape are read)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +54,7 @@ def _require(cond: bool, message: str, field: str) -> None:
         raise _invalid(message, field)
 
 
-def _check_dtypes(op: str, inputs: dict) -> None:
+def _check_dtypes(op: str, inputs: Named) -> None:
     """One float dtype for every input: TensorFlow's type attribute ``T``, in its words
     (TensorFlow allows half and float; gradserve adds double, for gradient checks)."""
     x = inputs["x"]
@@ -70,7 +73,7 @@ def _check_dtypes(op: str, inputs: dict) -> None:
         )
 
 
-def _check_grad_op(inputs: dict) -> None:
+def _check_grad_op(inputs: Named) -> None:
     """BlockLSTMGradOp's own checks, in its order and words (rnn/lstm_ops.cc). It takes
     the cell size from ``w``'s columns; the forward takes it from ``cs_prev``."""
     for name, rank in (("x", 3), ("cs_prev", 2), ("h_prev", 2), ("w", 2)):
@@ -96,7 +99,7 @@ def _check_grad_op(inputs: dict) -> None:
         _require(got == 3, f"{name} must be rank 3. Received: {got}", name)
 
 
-def _check_forward_op(inputs: dict, units: int) -> None:
+def _check_forward_op(inputs: Named, units: int) -> None:
     """BlockLSTMOp's checks, in its order and words (rnn/lstm_ops.cc); the backward runs
     them too, after its own, for what TensorFlow's backward leaves unchecked."""
     x, cs_prev, h_prev, w, b = (inputs[k] for k in ("x", "cs_prev", "h_prev", "w", "b"))
@@ -144,7 +147,7 @@ def _check_forward_op(inputs: dict, units: int) -> None:
             )
 
 
-def validate(op: str, inputs: dict, seq_len_max: np.ndarray) -> int:
+def validate(op: str, inputs: Named, seq_len_max: np.ndarray) -> int:
     """Check every input of the forward (and, if activations are given, the backward);
     returns seq_len_max. Inputs are host or device arrays: only dtype and shape are read.
 
@@ -177,30 +180,29 @@ def validate(op: str, inputs: dict, seq_len_max: np.ndarray) -> int:
 
 
 def forward(
+    session: Session,
     compute: Compute,
     variant: LSTMVariant,
-    inputs: dict,
+    inputs: LSTMInputs[TensorArg],
     seq_len_max: np.ndarray,
     *,
     use_peephole: bool,
     cell_clip: float | None = None,
     forget_bias: float | None = None,
     check: Callable[[], None] | None = None,
-    check_bytes: Callable[[int], None] = lambda nbytes: None,
-    place: Callable[[dict], dict] = lambda inputs: inputs,
-) -> lstm.LSTMOutputs:
-    """BlockLSTMV2 / BlockLSTM: the seven outputs as backend arrays (GPU arrays on
-    CUDA: the caller keeps them there or copies them to the host for the wire).
+) -> LSTMActivations[Any]:
+    """BlockLSTMV2 / BlockLSTM: validate, place, compute.
 
-    ``check_bytes`` is asked about the size of one output before anything is
-    allocated (the server's max tensor size); ``place`` gets the inputs once they
-    are valid (the server moves its resident ones to the device there).
+    The seven outputs are backend arrays (GPU arrays on CUDA: the caller keeps them
+    there or copies them to the host). Resident inputs move to the device only once
+    every input is valid and the outputs' size is within the session's limit.
+    ``check`` (deadline, cancellation) runs between time steps and may raise.
     """
-    length = validate(variant.op, inputs, seq_len_max)
-    check_bytes(inputs["h_prev"].itemsize * inputs["x"].shape[0] * inputs["h_prev"].size)
-    inputs = place(inputs)
+    values = LSTMInputs(*(session.resolve(a) for a in inputs))
+    length = validate(variant.op, values._asdict(), seq_len_max)
+    session.check_tensor_bytes(values.h_prev.itemsize * values.x.shape[0] * values.h_prev.size)
     return compute.lstm_forward(
-        *(inputs[k] for k in WEIGHTS),
+        LSTMInputs(*(session.place(a, compute.to_device) for a in inputs)),
         seq_len_max=length,
         forget_bias=variant.forget_bias if forget_bias is None else forget_bias,
         cell_clip=variant.cell_clip if cell_clip is None else cell_clip,
@@ -211,24 +213,34 @@ def forward(
 
 
 def backward(
+    session: Session,
     compute: Compute,
     variant: LSTMVariant,
-    inputs: dict,
+    inputs: LSTMInputs[TensorArg],
+    activations: LSTMActivations[TensorArg],
+    output_grads: LSTMOutputGrads[TensorArg],
     seq_len_max: np.ndarray,
     *,
     use_peephole: bool,
     check: Callable[[], None] | None = None,
-    check_bytes: Callable[[int], None] = lambda nbytes: None,
-    place: Callable[[dict], dict] = lambda inputs: inputs,
-) -> lstm.LSTMGrads:
-    """BlockLSTMGradV2 / BlockLSTMGrad: the eight gradients as backend arrays
-    (``check_bytes`` and ``place`` as for ``forward``)."""
-    length = validate(variant.grad_op, inputs, seq_len_max)
-    x = inputs["x"]
-    check_bytes(x.itemsize * x.shape[0] * x.shape[1] * inputs["w"].shape[1])  # the gate buffer
-    inputs = place(inputs)
+) -> LSTMGrads[Any]:
+    """BlockLSTMGradV2 / BlockLSTMGrad: validate, place, compute (as ``forward``)."""
+    named = {
+        name: session.resolve(arg)
+        for part in (inputs, activations, output_grads)
+        for name, arg in part._asdict().items()
+    }
+    length = validate(variant.grad_op, named, seq_len_max)
+    x, w = named["x"], named["w"]
+    session.check_tensor_bytes(x.itemsize * x.shape[0] * x.shape[1] * w.shape[1])  # gate buffer
+
+    def placed(part: Any) -> Any:
+        return type(part)(*(session.place(a, compute.to_device) for a in part))
+
     return compute.lstm_backward(
-        *(inputs[k] for k in WEIGHTS + ACTIVATIONS + OUTPUT_GRADS),
+        placed(inputs),
+        placed(activations),
+        placed(output_grads),
         seq_len_max=length,
         use_peephole=use_peephole,
         layout=variant.layout,

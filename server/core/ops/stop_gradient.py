@@ -3,10 +3,13 @@ roadmap's autodiff, which records that it has no gradient)."""
 
 from __future__ import annotations
 
-import numpy as np
+from typing import Any
+
+from gradserve.server.core.sessions import Session, TensorArg
 
 
-def stop_gradient(value: np.ndarray) -> np.ndarray:
-    """The input itself, bit for bit: arrays held by the server are never mutated, so
-    no copy is needed."""
-    return value
+def stop_gradient(session: Session, value: TensorArg) -> Any:
+    """The input itself, bit for bit, where it is: tensors held by the server are
+    never mutated, so a resident tensor (host or GPU array) is returned as the same
+    object, with no copy; the caller encodes it for the wire or keeps it."""
+    return session.resolve(value)

@@ -1,0 +1,143 @@
+"""The TensorArray op RPCs: request message -> ``core.ops.tensor_array_ops`` -> response.
+
+Each handler is named after its op (``grep "def TensorArrayWriteV3"`` finds where
+it is served), decodes its request, calls the op and encodes the result.
+"""
+
+from __future__ import annotations
+
+from google.protobuf.message import Message
+
+from gradserve import codec, shapes
+from gradserve.server.core.ops import tensor_array_ops as ta_ops
+from gradserve.server.transport.wire import CallIO, dtype_of, handle_id
+from gradserve.v1 import tensor_array_pb2 as pb
+
+
+def _handle(handle: str, name: str) -> pb.TensorArrayHandle:
+    return pb.TensorArrayHandle(id=handle, name=name)
+
+
+def _shape(req: Message, field: str) -> shapes.PartialShape:
+    return codec.decode_shape(getattr(req, field), req.HasField(field))
+
+
+def TensorArrayV3(io: CallIO, req: pb.TensorArrayV3Request) -> pb.TensorArrayV3Response:
+    handle, ta = ta_ops.create(
+        io.session,
+        size=io.input(req.size, "size"),
+        dtype=dtype_of(req.dtype),
+        element_shape=_shape(req, "element_shape"),
+        dynamic_size=req.dynamic_size,
+        clear_after_read=req.clear_after_read if req.HasField("clear_after_read") else True,
+        identical_element_shapes=req.identical_element_shapes,
+        tensor_array_name=req.tensor_array_name,
+    )
+    return pb.TensorArrayV3Response(handle=_handle(handle, ta.name), flow=0.0)
+
+
+def TensorArrayWriteV3(
+    io: CallIO, req: pb.TensorArrayWriteV3Request
+) -> pb.TensorArrayWriteV3Response:
+    ta_ops.write(
+        io.session,
+        handle_id(req.handle),
+        io.input(req.index, "index"),
+        io.input(req.value, "value"),
+    )
+    return pb.TensorArrayWriteV3Response(flow_out=req.flow_in)
+
+
+def TensorArrayReadV3(io: CallIO, req: pb.TensorArrayReadV3Request) -> pb.TensorArrayReadV3Response:
+    value = ta_ops.read(
+        io.session, handle_id(req.handle), io.input(req.index, "index"), dtype_of(req.dtype)
+    )
+    resp = pb.TensorArrayReadV3Response()
+    io.output(value, resp.value, req.keep_outputs)
+    return resp
+
+
+def TensorArrayGatherV3(
+    io: CallIO, req: pb.TensorArrayGatherV3Request
+) -> pb.TensorArrayGatherV3Response:
+    value = ta_ops.gather(
+        io.session,
+        handle_id(req.handle),
+        io.input(req.indices, "indices"),
+        dtype_of(req.dtype),
+        _shape(req, "element_shape"),
+        io.check_alive,
+    )
+    resp = pb.TensorArrayGatherV3Response()
+    io.output(value, resp.value, req.keep_outputs)
+    return resp
+
+
+def TensorArrayScatterV3(
+    io: CallIO, req: pb.TensorArrayScatterV3Request
+) -> pb.TensorArrayScatterV3Response:
+    ta_ops.scatter(
+        io.session,
+        handle_id(req.handle),
+        io.input(req.indices, "indices"),
+        io.input(req.value, "value"),
+    )
+    return pb.TensorArrayScatterV3Response(flow_out=req.flow_in)
+
+
+def TensorArrayConcatV3(
+    io: CallIO, req: pb.TensorArrayConcatV3Request
+) -> pb.TensorArrayConcatV3Response:
+    value, lengths = ta_ops.concat(
+        io.session,
+        handle_id(req.handle),
+        dtype_of(req.dtype),
+        _shape(req, "element_shape_except0"),
+        io.check_alive,
+    )
+    resp = pb.TensorArrayConcatV3Response()
+    io.output(value, resp.value, req.keep_outputs)
+    io.output(lengths, resp.lengths, False)
+    return resp
+
+
+def TensorArraySplitV3(
+    io: CallIO, req: pb.TensorArraySplitV3Request
+) -> pb.TensorArraySplitV3Response:
+    ta_ops.split(
+        io.session,
+        handle_id(req.handle),
+        io.input(req.value, "value"),
+        io.input(req.lengths, "lengths"),
+    )
+    return pb.TensorArraySplitV3Response(flow_out=req.flow_in)
+
+
+def TensorArraySizeV3(io: CallIO, req: pb.TensorArraySizeV3Request) -> pb.TensorArraySizeV3Response:
+    resp = pb.TensorArraySizeV3Response()
+    io.output(ta_ops.size(io.session, handle_id(req.handle)), resp.size, False)
+    return resp
+
+
+def TensorArrayCloseV3(
+    io: CallIO, req: pb.TensorArrayCloseV3Request
+) -> pb.TensorArrayCloseV3Response:
+    ta_ops.close(io.session, handle_id(req.handle))
+    return pb.TensorArrayCloseV3Response()
+
+
+def TensorArrayGradV3(io: CallIO, req: pb.TensorArrayGradV3Request) -> pb.TensorArrayGradV3Response:
+    handle, ta = ta_ops.grad(io.session, handle_id(req.handle), req.source)
+    return pb.TensorArrayGradV3Response(grad_handle=_handle(handle, ta.name), flow_out=0.0)
+
+
+def TensorArrayGradWithShape(
+    io: CallIO, req: pb.TensorArrayGradWithShapeRequest
+) -> pb.TensorArrayGradWithShapeResponse:
+    handle, ta = ta_ops.grad(
+        io.session,
+        handle_id(req.handle),
+        req.source,
+        io.input(req.shape_to_prepend, "shape_to_prepend"),
+    )
+    return pb.TensorArrayGradWithShapeResponse(grad_handle=_handle(handle, ta.name), flow_out=0.0)
