@@ -25,12 +25,11 @@ class Batch:
     def __init__(self, client) -> None:
         self._client = client
         self._steps: list[tuple[str, Message, Callable[[Any], Any]]] = []
-        self._temps: list[str] = []
-        self.raw_ops = RawOps(client, self._record)
+        self._temps = client._staging()  # one request: one inline budget for every step
+        self.raw_ops = RawOps(client, self._record, lambda: self._temps)
 
     def _record(self, rpc: str, request: Message, parse, temps: list[str]) -> int:
         self._steps.append((rpc, request, parse))
-        self._temps.extend(temps)
         return len(self._steps) - 1
 
     def __len__(self) -> int:
@@ -44,7 +43,7 @@ class Batch:
         try:
             reply = self._client._call("Batch", request)
         finally:
-            temps, self._temps = self._temps, []
+            temps, self._temps = self._temps, self._client._staging()
             if temps:
                 self._client._delete_ids(temps)
         results = []

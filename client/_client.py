@@ -17,6 +17,7 @@ from google.protobuf.message import Message
 
 from gradserve import codec, dtypes, protocol
 from gradserve.client._errors import from_rpc_error
+from gradserve.client._raw_ops import RawOps, Staging
 from gradserve.client._types import TensorRef
 from gradserve.errors import (
     DataLossError,
@@ -47,7 +48,10 @@ class Client:
         Tensors of at least this many bytes travel by the streaming
         PutTensor/GetTensor RPCs instead of inline in the op's message.
     max_message_bytes:
-        Unary message ceiling of this channel, both directions.
+        Unary message ceiling of this channel, both directions. Requests and
+        responses are budgeted against it as a whole: inputs that would not fit in
+        the request are uploaded first, and the server returns outputs that would
+        not fit in the response as transient tensors fetched by stream.
     token:
         Bearer token sent with every call (``authorization`` metadata).
     root_certificates, private_key, certificate_chain:
@@ -87,6 +91,11 @@ class Client:
         self.target = target
         self.timeout = timeout
         self.stream_threshold = stream_threshold
+        #: Tensor bytes one message may carry (the rest of it: field tags, names): a
+        #: response (this channel's receive limit), and a request (the smaller of this
+        #: channel's and the server's limits, learnt from KeepAlive).
+        self.inline_budget = max(0, max_message_bytes - protocol.MESSAGE_OVERHEAD_BYTES)
+        self.request_budget = self.inline_budget
         self.chunk_bytes = chunk_bytes
         self.retries = retries
         self._own_channel = channel is None
@@ -117,13 +126,12 @@ class Client:
             *self._auth,
             (protocol.SESSION_METADATA_KEY, self.session_id),
             (protocol.INLINE_LIMIT_METADATA_KEY, str(stream_threshold)),
+            (protocol.RESPONSE_BUDGET_METADATA_KEY, str(self.inline_budget)),
         )
         idle_timeout = self.keep_alive()  # for a reattach: NotFoundError now, not later
         if keepalive:
             self._start_keepalive(idle_timeout)
-        from gradserve.client._raw_ops import RawOps
-
-        self.raw_ops = RawOps(self, self._run_op)
+        self.raw_ops = RawOps(self, self._run_op, self._staging)
 
     # ---------------------------------------------------------------- lifecycle
     def __enter__(self) -> Client:
@@ -152,9 +160,15 @@ class Client:
                 self._channel.close()
 
     def keep_alive(self) -> float:
-        """Refresh the session's idle timer; returns the server's idle timeout (s)."""
+        """Refresh the session's idle timer; returns the server's idle timeout (s).
+
+        The reply also names the server's message limit: requests (and streamed
+        chunks) are budgeted against the smaller of it and this channel's."""
         md = (*self._auth, (protocol.SESSION_METADATA_KEY, self.session_id))
         reply = self._call("KeepAlive", service_pb2.KeepAliveRequest(), metadata=md)
+        if reply.max_message_bytes:
+            server_budget = reply.max_message_bytes - protocol.MESSAGE_OVERHEAD_BYTES
+            self.request_budget = max(0, min(self.inline_budget, server_budget))
         return reply.idle_timeout_seconds
 
     def _start_keepalive(self, idle_timeout: float) -> None:
@@ -215,6 +229,10 @@ class Client:
                     continue
                 raise from_rpc_error(e) from None
 
+    def _staging(self) -> Staging:
+        """A new request's temporary uploads and inline budget."""
+        return Staging(self.request_budget)
+
     def _run_op(self, rpc: str, request: Message, parse: Callable[[Any], Any], temps: list[str]):
         try:
             return parse(self._call(rpc, request))
@@ -230,18 +248,22 @@ class Client:
         temps: list[str],
         dtype: dtypes.DTypeLike | None = None,
     ) -> None:
-        """Fill ``msg`` with ``value``: a ref, inline bytes, or (when large) a temp upload."""
+        """Fill ``msg`` with ``value``: a ref, inline bytes, or a temporary upload when
+        it is large or would not fit in the request (``temps``' inline budget)."""
         if isinstance(value, TensorRef):
             msg.ref = value.id
             return
         array = np.asarray(value)
         if dtype is not None:
             array = _as_integer_input(array, dtypes.normalize(dtype))
-        if array.nbytes >= self.stream_threshold:
+        inline_left = getattr(temps, "inline_left", self.request_budget)
+        if array.nbytes >= self.stream_threshold or array.nbytes > inline_left:
             ref = self.put(array)
             temps.append(ref.id)
             msg.ref = ref.id
         else:
+            if isinstance(temps, Staging):
+                temps.inline_left -= array.nbytes
             codec.encode(array, msg.value)
 
     def decode_output(self, msg: tensor_pb2.TensorOutput) -> np.ndarray | TensorRef:
@@ -256,7 +278,8 @@ class Client:
     def put(self, array: ArrayLike) -> TensorRef:
         """Keep ``array`` in the session (streamed in chunks); returns its reference."""
         array = np.asarray(array)
-        reply = self._call("PutTensor", codec.encode_chunks(array, self.chunk_bytes))
+        chunk_bytes = max(1, min(self.chunk_bytes, self.request_budget))
+        reply = self._call("PutTensor", codec.encode_chunks(array, chunk_bytes))
         return TensorRef(self, reply.id, dtypes.normalize(array.dtype), tuple(reply.shape))
 
     def get(self, ref: TensorRef | str) -> np.ndarray:
@@ -273,7 +296,9 @@ class Client:
 
     def _fetch(self, tensor_id: str, *, delete_after: bool) -> np.ndarray:
         request = service_pb2.GetTensorRequest(
-            id=tensor_id, chunk_bytes=self.chunk_bytes, delete_after=delete_after
+            id=tensor_id,
+            chunk_bytes=max(1, min(self.chunk_bytes, self.inline_budget)),
+            delete_after=delete_after,
         )
         stream = self._with_retries(
             lambda: _peek(
@@ -281,7 +306,7 @@ class Client:
                     request, metadata=(*self._metadata, _request_id()), timeout=self.timeout
                 )
             ),
-            safe=not delete_after,
+            safe=True,  # even with delete_after: the server deletes only after the last chunk
         )
         try:
             return codec.decode_chunks(stream, field="GetTensor")

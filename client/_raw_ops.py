@@ -16,10 +16,22 @@ from google.protobuf.message import Message
 
 from gradserve import codec, shapes
 from gradserve.client._types import TensorArrayHandle
+from gradserve.lstm_signature import GRAD_ARGUMENTS, LSTMActivations, LSTMGrads, LSTMInputs
 from gradserve.v1 import lstm_pb2
 from gradserve.v1 import tensor_array_pb2 as pb
 
 Submit = Callable[[str, Message, Callable[[Any], Any], list], Any]
+
+
+class Staging(list):
+    """The temporary uploads of one request (a list of tensor ids to delete after
+    it) and the inline bytes its message may still carry: an input that does not
+    fit is uploaded first (``PutTensor``) and passed by reference, so no request
+    grows past the channel's message limit. A Batch shares one for all its steps."""
+
+    def __init__(self, inline_bytes: int) -> None:
+        super().__init__()
+        self.inline_left = inline_bytes
 
 
 class TensorArrayV3Output(NamedTuple):
@@ -32,29 +44,10 @@ class TensorArrayGradV3Output(NamedTuple):
     flow_out: float
 
 
-class BlockLSTMOutput(NamedTuple):
-    i: Any
-    cs: Any
-    f: Any
-    o: Any
-    ci: Any
-    co: Any
-    h: Any
-
-
-class BlockLSTMGradOutput(NamedTuple):
-    x_grad: Any
-    cs_prev_grad: Any
-    h_prev_grad: Any
-    w_grad: Any
-    wci_grad: Any
-    wcf_grad: Any
-    wco_grad: Any
-    b_grad: Any
-
-
-_LSTM_INPUTS = ("x", "cs_prev", "h_prev", "w", "wci", "wcf", "wco", "b")
-_LSTM_GRAD_INPUTS = _LSTM_INPUTS + ("i", "cs", "f", "o", "ci", "co", "h", "cs_grad", "h_grad")
+# The LSTM ops return ``LSTMActivations`` (i, cs, f, o, ci, co, h) and ``LSTMGrads``
+# (x_grad, ..., b_grad) of ``gradserve.lstm_signature``.
+_LSTM_INPUTS = LSTMInputs._fields
+_LSTM_GRAD_INPUTS = GRAD_ARGUMENTS
 
 
 class TensorArrayConcatV3Output(NamedTuple):
@@ -80,14 +73,15 @@ def _set_shape(msg: Message, field: str, shape) -> None:
 class RawOps:
     """The ops, called the way ``tf.raw_ops`` calls them."""
 
-    def __init__(self, client, submit: Submit) -> None:
+    def __init__(self, client, submit: Submit, staging: Callable[[], Staging]) -> None:
         self._client = client
         self._submit = submit
+        self._staging = staging
 
     def _op(self, rpc: str, request: Message, parse, temps: list) -> Any:
         return self._submit(rpc, request, parse, temps)
 
-    def _in(self, value, msg, temps: list, dtype=None) -> None:
+    def _in(self, value, msg, temps: Staging, dtype=None) -> None:
         self._client.encode_input(value, msg, temps, dtype)
 
     def _out(self, msg):
@@ -105,7 +99,7 @@ class RawOps:
         tensor_array_name="",
         name=None,
     ) -> TensorArrayV3Output:
-        temps: list[str] = []
+        temps = self._staging()
         req = pb.TensorArrayV3Request(
             dtype=codec.dtype_to_enum(dtype),
             dynamic_size=dynamic_size,
@@ -120,14 +114,14 @@ class RawOps:
         )
 
     def TensorArrayWriteV3(self, handle, index, value, flow_in, name=None) -> float:
-        temps: list[str] = []
+        temps = self._staging()
         req = pb.TensorArrayWriteV3Request(handle=_handle_msg(handle), flow_in=flow_in)
         self._in(index, req.index, temps, np.int32)
         self._in(value, req.value, temps)
         return self._op("TensorArrayWriteV3", req, lambda r: r.flow_out, temps)
 
     def TensorArrayReadV3(self, handle, index, flow_in, dtype, name=None, *, keep=False):
-        temps: list[str] = []
+        temps = self._staging()
         req = pb.TensorArrayReadV3Request(
             handle=_handle_msg(handle),
             flow_in=flow_in,
@@ -140,7 +134,7 @@ class RawOps:
     def TensorArrayGatherV3(
         self, handle, indices, flow_in, dtype, element_shape=None, name=None, *, keep=False
     ):
-        temps: list[str] = []
+        temps = self._staging()
         req = pb.TensorArrayGatherV3Request(
             handle=_handle_msg(handle),
             flow_in=flow_in,
@@ -152,7 +146,7 @@ class RawOps:
         return self._op("TensorArrayGatherV3", req, lambda r: self._out(r.value), temps)
 
     def TensorArrayScatterV3(self, handle, indices, value, flow_in, name=None) -> float:
-        temps: list[str] = []
+        temps = self._staging()
         req = pb.TensorArrayScatterV3Request(handle=_handle_msg(handle), flow_in=flow_in)
         self._in(indices, req.indices, temps, np.int32)
         self._in(value, req.value, temps)
@@ -176,7 +170,7 @@ class RawOps:
         )
 
     def TensorArraySplitV3(self, handle, value, lengths, flow_in, name=None) -> float:
-        temps: list[str] = []
+        temps = self._staging()
         req = pb.TensorArraySplitV3Request(handle=_handle_msg(handle), flow_in=flow_in)
         self._in(value, req.value, temps)
         self._in(lengths, req.lengths, temps, np.int64)
@@ -204,7 +198,7 @@ class RawOps:
     def TensorArrayGradWithShape(
         self, handle, flow_in, shape_to_prepend, source, name=None
     ) -> TensorArrayGradV3Output:
-        temps: list[str] = []
+        temps = self._staging()
         req = pb.TensorArrayGradWithShapeRequest(
             handle=_handle_msg(handle), flow_in=flow_in, source=source
         )
@@ -218,29 +212,29 @@ class RawOps:
 
     # ------------------------------------------------------------------ StopGradient
     def StopGradient(self, input, name=None, *, keep=False):  # noqa: A002 - TF's name
-        temps: list[str] = []
+        temps = self._staging()
         req = pb.StopGradientRequest(keep_outputs=keep)
         self._in(input, req.input, temps)
         return self._op("StopGradient", req, lambda r: self._out(r.output), temps)
 
     # ------------------------------------------------------------------ LSTM
     def _lstm(self, rpc: str, req: Message, values: dict, names: tuple[str, ...], parse):
-        temps: list[str] = []
+        temps = self._staging()
         self._in(values.pop("seq_len_max"), req.seq_len_max, temps, np.int64)
         for field in names:
             self._in(values[field], getattr(req, field), temps)
         return self._op(rpc, req, parse, temps)
 
-    def _lstm_out(self, r) -> BlockLSTMOutput:
-        return BlockLSTMOutput(*(self._out(getattr(r, k)) for k in BlockLSTMOutput._fields))
+    def _lstm_out(self, r) -> LSTMActivations:
+        return LSTMActivations(*(self._out(getattr(r, k)) for k in LSTMActivations._fields))
 
-    def _lstm_grad_out(self, r) -> BlockLSTMGradOutput:
-        return BlockLSTMGradOutput(*(self._out(getattr(r, k)) for k in BlockLSTMGradOutput._fields))
+    def _lstm_grad_out(self, r) -> LSTMGrads:
+        return LSTMGrads(*(self._out(getattr(r, k)) for k in LSTMGrads._fields))
 
     def BlockLSTMV2(
         self, seq_len_max, x, cs_prev, h_prev, w, wci, wcf, wco, b, cell_clip=0.0,
         use_peephole=False, name=None, *, keep=False,
-    ) -> BlockLSTMOutput:  # fmt: skip
+    ) -> LSTMActivations:  # fmt: skip
         """Gate layout IFCO; ``keep=True`` keeps the seven outputs on the server."""
         values = dict(locals())
         req = lstm_pb2.BlockLSTMV2Request(
@@ -251,7 +245,7 @@ class RawOps:
     def BlockLSTM(
         self, seq_len_max, x, cs_prev, h_prev, w, wci, wcf, wco, b, forget_bias=1.0,
         cell_clip=3.0, use_peephole=False, name=None, *, keep=False,
-    ) -> BlockLSTMOutput:  # fmt: skip
+    ) -> LSTMActivations:  # fmt: skip
         """The V1 op: gate layout ICFO, with forget bias."""
         values = dict(locals())
         req = lstm_pb2.BlockLSTMRequest(
@@ -265,7 +259,7 @@ class RawOps:
     def BlockLSTMGradV2(
         self, seq_len_max, x, cs_prev, h_prev, w, wci, wcf, wco, b, i, cs, f, o, ci, co, h,
         cs_grad, h_grad, use_peephole, name=None, *, keep=False,
-    ) -> BlockLSTMGradOutput:  # fmt: skip
+    ) -> LSTMGrads:  # fmt: skip
         """Backward over the whole sequence (IFCO). Any input may be a ``TensorRef``."""
         values = dict(locals())
         req = lstm_pb2.BlockLSTMGradRequest(use_peephole=use_peephole, keep_outputs=keep)
@@ -274,7 +268,7 @@ class RawOps:
     def BlockLSTMGrad(
         self, seq_len_max, x, cs_prev, h_prev, w, wci, wcf, wco, b, i, cs, f, o, ci, co, h,
         cs_grad, h_grad, use_peephole, name=None, *, keep=False,
-    ) -> BlockLSTMGradOutput:  # fmt: skip
+    ) -> LSTMGrads:  # fmt: skip
         """The V1 backward (ICFO)."""
         values = dict(locals())
         req = lstm_pb2.BlockLSTMGradRequest(use_peephole=use_peephole, keep_outputs=keep)

@@ -11,6 +11,15 @@ REQUEST_ID_KEY = "x-request-id"
 #: (transient) and streamed back with GetTensor instead of sent inline.
 INLINE_LIMIT_METADATA_KEY = "x-gradserve-inline-limit"
 
+#: Request metadata: the most tensor bytes the client takes inline in one response
+#: (its channel's receive limit, less room for the rest of the message); the server
+#: sends what does not fit as transient tensors.
+RESPONSE_BUDGET_METADATA_KEY = "x-gradserve-response-budget"
+
+#: Room in a message for everything but its tensors' bytes (field tags, lengths,
+#: refs, handles, an error message), when budgeting inline bytes.
+MESSAGE_OVERHEAD_BYTES = 64 * 1024
+
 #: Default ceiling of one unary message, each direction.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 

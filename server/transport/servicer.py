@@ -25,7 +25,7 @@ from gradserve.server.transport.admission import ComputeGate
 from gradserve.server.transport.auth import current_principal
 from gradserve.server.transport.handlers import OPS, OPS_BY_BATCH_FIELD, Op
 from gradserve.server.transport.observability import Observer, current_call
-from gradserve.server.transport.wire import RESPONSE_OVERHEAD_BYTES, CallIO, host_array
+from gradserve.server.transport.wire import CallIO, host_array
 from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_pb2
 
 
@@ -59,20 +59,19 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
         return self.store.get(session_id, current_principal.get())
 
     def _io(self, context: grpc.ServicerContext) -> CallIO:
-        """The call's inputs and outputs: the whole response may carry at most
-        ``--max-message-bytes`` (less room for its other fields) of inline tensors."""
-        raw = _metadata(context).get(protocol.INLINE_LIMIT_METADATA_KEY)
-        try:
-            limit = int(raw) if raw else None
-        except ValueError:
-            raise InvalidArgumentError(
-                f"'{protocol.INLINE_LIMIT_METADATA_KEY}' must be an integer, got {raw!r}"
-            ) from None
+        """The call's inputs and outputs: the whole response carries at most
+        ``--max-message-bytes`` (less room for its other fields) of inline tensors, or
+        less where the client's channel takes less."""
+        metadata = _metadata(context)
+        budget = self.max_message_bytes - protocol.MESSAGE_OVERHEAD_BYTES
+        client_budget = _int_metadata(metadata, protocol.RESPONSE_BUDGET_METADATA_KEY)
+        if client_budget is not None:
+            budget = min(budget, client_budget)
         return CallIO(
             self._session(context),
             self.compute,
-            inline_budget=max(0, self.max_message_bytes - RESPONSE_OVERHEAD_BYTES),
-            inline_limit=limit,
+            inline_budget=max(0, budget),
+            inline_limit=_int_metadata(metadata, protocol.INLINE_LIMIT_METADATA_KEY),
             check_alive=lambda: _check_call_alive(context),
         )
 
@@ -99,7 +98,9 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
     @boundary.guarded
     def KeepAlive(self, request: Any, context: grpc.ServicerContext) -> Message:
         self._session(context)  # finding it refreshes its idle timer
-        return service_pb2.KeepAliveResponse(idle_timeout_seconds=self.store.idle_timeout)
+        return service_pb2.KeepAliveResponse(
+            idle_timeout_seconds=self.store.idle_timeout, max_message_bytes=self.max_message_bytes
+        )
 
     # ---------------------------------------------------------------- resident tensors
     @boundary.guarded
@@ -195,6 +196,14 @@ for _op in OPS:
 def _metadata(context: grpc.ServicerContext) -> dict[str, str]:
     """The call's text metadata."""
     return {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+
+
+def _int_metadata(metadata: dict[str, str], key: str) -> int | None:
+    raw = metadata.get(key)
+    try:
+        return int(raw) if raw else None
+    except ValueError:
+        raise InvalidArgumentError(f"'{key}' must be an integer, got {raw!r}") from None
 
 
 def _check_call_alive(context: grpc.ServicerContext) -> None:

@@ -31,10 +31,6 @@ from gradserve.server.core.sessions import Resident, Session, TensorArg
 from gradserve.server.transport import observability
 from gradserve.v1 import tensor_array_pb2, tensor_pb2
 
-#: Room left in a response for everything but tensor bytes (field tags, lengths,
-#: refs, handles, an error message) when budgeting its inline bytes.
-RESPONSE_OVERHEAD_BYTES = 64 * 1024
-
 
 def _never_stop() -> None:
     return None

@@ -6,10 +6,25 @@ Python code — RawModule set-up, name expressions, argument order and scalar
 types of every launch — on the CPU, so a marshalling mistake fails in CI rather
 than on the first GPU run.
 
-Device arrays are a NumPy subclass carrying ``__cuda_array_interface__`` (the
-attribute the server uses to tell device from host arrays), and every
-host-to-device and device-to-host copy is counted in ``cupy.transfers``, so tests
-can show which tensors a served op moved between host and GPU.
+Device arrays (``DeviceArray``) *wrap* a host NumPy buffer; they are not NumPy
+arrays, and they refuse what CuPy's arrays refuse, so the host/device boundary
+is checked here as a GPU would check it:
+
+* no implicit conversion to NumPy: ``np.asarray(device)`` raises CuPy's
+  TypeError (``__array__``), and there is no ``__array_interface__``, buffer or
+  ``ctypes``; the way to the host is ``.get()`` / ``cupy.asnumpy``;
+* no host array as an operand of a device operation (``+``, ``*``, ``matmul``, a
+  NumPy ufunc called on a device array, a kernel argument): CuPy's
+  ``TypeError: Unsupported type <class 'numpy.ndarray'>``; ``device[...] = host``
+  is CuPy's ValueError (it takes only scalars), ``.set(host)`` is the copy in;
+* ``cupy.empty`` memory is not zeros but all-ones bytes (NaN for floats), as
+  reused pool memory on a GPU is garbage: code that reads before it writes fails.
+
+Every host-to-device and device-to-host copy is counted in ``cupy.transfers``,
+so tests can show which tensors a served op moved between host and GPU; every
+allocation goes to the allocator in use (``cupy.cuda.using_allocator``) or to
+the default pool, as CuPy's do. Only what gradserve's CUDA code (and its tests
+and GPU benchmark) calls is modelled; the rest is absent rather than loose.
 """
 
 from __future__ import annotations
@@ -27,108 +42,429 @@ from collections.abc import Iterator
 
 import numpy as np
 
+#: CuPy's message for ``numpy.asarray(cupy_array)`` (``cupy.ndarray.__array__``).
+IMPLICIT_CONVERSION = (
+    "Implicit conversion to a NumPy array is not allowed. "
+    "Please use `.get()` to construct a NumPy array explicitly."
+)
+#: Scalars CuPy takes as operands of its elementwise operations (NumPy arrays it does not).
+_SCALARS = (bool, int, float, complex, np.generic)
+#: NumPy ufuncs a device array answers (``__array_ufunc__``), as CuPy's ufuncs of those names.
+_UFUNCS = frozenset(
+    {
+        np.add,
+        np.subtract,
+        np.multiply,
+        np.true_divide,
+        np.negative,
+        np.matmul,
+        np.equal,
+        np.not_equal,
+        np.less,
+        np.less_equal,
+        np.greater,
+        np.greater_equal,
+    }
+)
 
-class DeviceArray(np.ndarray):
-    """An array "on the GPU": NumPy memory, marked as device memory."""
 
-    #: Where ``set`` records its host-to-device copies (the installing fake's log).
-    transfers: dict | None = None
+def _unsupported(arg) -> TypeError:
+    """CuPy's error for an operand it cannot take (a NumPy array, a list...)."""
+    return TypeError(f"Unsupported type {type(arg)}")
+
+
+def _operand(arg):
+    if isinstance(arg, DeviceArray):
+        return arg._host
+    if isinstance(arg, np.ndarray) or not isinstance(arg, _SCALARS):
+        raise _unsupported(arg)
+    return arg
+
+
+def _apply(ufunc, *inputs, out=None):
+    """``ufunc`` on device operands (and scalars) as CuPy runs it: into ``out``, or into
+    a new device array."""
+    hosts = [_operand(a) for a in inputs]
+    if out is not None:
+        if not isinstance(out, DeviceArray):
+            raise TypeError("`out` must be a tuple or `cupy.ndarray`")
+        ufunc(*hosts, out=out._host)
+        return out
+    runtime = next(a._rt for a in inputs if isinstance(a, DeviceArray))
+    return runtime.allocate(np.asarray(ufunc(*hosts)))
+
+
+def _basic_index(key) -> tuple:
+    """``key`` as a tuple of basic indices ending in ``...`` (so that integers give 0-d
+    views, as CuPy's do, not NumPy scalars)."""
+    parts = key if isinstance(key, tuple) else (key,)
+    for part in parts:
+        if part is None or part is Ellipsis or isinstance(part, slice):
+            continue
+        if isinstance(part, (int, np.integer)) and not isinstance(part, (bool, np.bool_)):
+            continue
+        raise NotImplementedError(
+            f"the stand-in cupy models basic indexing only, not {type(part).__name__} indices"
+        )
+    return parts if any(p is Ellipsis for p in parts) else (*parts, Ellipsis)
+
+
+class _Flags:
+    """cupy.ndarray.flags (a snapshot)."""
+
+    def __init__(self, host: np.ndarray) -> None:
+        self.c_contiguous = bool(host.flags.c_contiguous)
+        self.f_contiguous = bool(host.flags.f_contiguous)
+        self.owndata = host.base is None
+
+    def __getitem__(self, name: str) -> bool:
+        return {"C_CONTIGUOUS": self.c_contiguous, "F_CONTIGUOUS": self.f_contiguous}[name]
+
+
+class DeviceArray:
+    """An array "on the GPU": cupy.ndarray's interface around a host buffer it never
+    hands out implicitly. Views (basic indexing, ``reshape``, ``.T``) share the buffer,
+    as CuPy's views share device memory."""
+
+    __slots__ = ("_host", "_rt", "__weakref__")
+
+    def __init__(self, *args, **kwargs) -> None:
+        raise TypeError("stand-in device arrays come from cupy.zeros, cupy.empty or cupy.asarray")
+
+    @classmethod
+    def _wrap(cls, runtime: _Runtime, host: np.ndarray) -> DeviceArray:
+        self = object.__new__(cls)
+        self._host = host
+        self._rt = runtime
+        return self
+
+    def _view(self, host: np.ndarray) -> DeviceArray:
+        return DeviceArray._wrap(self._rt, host)
+
+    # ------------------------------------------------------------------ attributes
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._host.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._host.dtype
+
+    @property
+    def size(self) -> int:
+        return self._host.size
+
+    @property
+    def ndim(self) -> int:
+        return self._host.ndim
+
+    @property
+    def itemsize(self) -> int:
+        return self._host.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self._host.nbytes
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        return self._host.strides
+
+    @property
+    def flags(self) -> _Flags:
+        return _Flags(self._host)
+
+    @property
+    def T(self) -> DeviceArray:
+        return self._view(self._host.T)
 
     @property
     def __cuda_array_interface__(self) -> dict:
-        return {"shape": self.shape, "typestr": self.dtype.str, "data": (0, False), "version": 3}
+        host = self._host
+        return {
+            "shape": host.shape,
+            "typestr": host.dtype.str,
+            "descr": host.dtype.descr,
+            "data": (host.ctypes.data if host.size else 0, False),
+            "strides": None if host.flags.c_contiguous else host.strides,
+            "version": 3,
+        }
 
-    def set(self, arr: np.ndarray, stream=None) -> None:
-        """cupy.ndarray.set: copy a host array of the same shape in."""
-        assert not isinstance(arr, DeviceArray) and arr.shape == self.shape
-        if DeviceArray.transfers is not None:
-            DeviceArray.transfers["to_device"].append((arr.shape, arr.nbytes))
-        self.view(np.ndarray)[...] = arr
+    # ------------------------------------------------------------------ host <-> device
+    def __array__(self, dtype=None):
+        raise TypeError(IMPLICIT_CONVERSION)
+
+    def get(self, stream=None, order="C") -> np.ndarray:
+        """cupy.ndarray.get: a host copy (counted as a device-to-host transfer)."""
+        self._rt.transfers["to_host"].append((self.shape, self.nbytes))
+        return np.array(self._host, order=order, copy=True)
+
+    def set(self, arr, stream=None) -> None:
+        """cupy.ndarray.set: copy a host array of the same shape and dtype in."""
+        if not isinstance(arr, np.ndarray):
+            raise TypeError("Only numpy.ndarray can be set to cupy.ndarray")
+        if self.dtype != arr.dtype:
+            raise TypeError(f"{arr.dtype} array cannot be set to {self.dtype} array")
+        if self.shape != arr.shape:
+            raise ValueError(f"Shape mismatch. Old shape: {self.shape}, new shape: {arr.shape}")
+        if not self._host.flags.c_contiguous:
+            raise RuntimeError("Cannot set to non-contiguous array")
+        self._rt.transfers["to_device"].append((arr.shape, arr.nbytes))
+        self._host[...] = arr
+
+    def _read(self) -> np.ndarray:
+        """The value, for Python's bool/int/float (CuPy copies it to the host)."""
+        return self.get()
+
+    def __bool__(self) -> bool:
+        return bool(self._read())
+
+    def __int__(self) -> int:
+        return int(self._read())
+
+    def __float__(self) -> float:
+        return float(self._read())
+
+    def __repr__(self) -> str:
+        return f"stand-in device {self._host!r}"
+
+    # ------------------------------------------------------------------ copies and views
+    def astype(self, dtype, order="K", *, copy=True) -> DeviceArray:
+        if not copy and np.dtype(dtype) == self.dtype:
+            return self
+        return self._rt.allocate(self._host.astype(dtype, order=order, copy=True))
+
+    def copy(self, order="C") -> DeviceArray:
+        return self._rt.allocate(np.array(self._host, order=order, copy=True))
+
+    def reshape(self, *shape, order="C") -> DeviceArray:
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        try:  # a view where the layout allows one, as CuPy's reshape
+            return self._view(np.reshape(self._host, shape, order=order, copy=False))
+        except ValueError:
+            return self._rt.allocate(np.reshape(self._host, shape, order=order, copy=True))
+
+    def __getitem__(self, slices) -> DeviceArray:
+        return self._view(self._host[_basic_index(slices)])
+
+    def __setitem__(self, slices, value) -> None:
+        target = self._host[_basic_index(slices)]
+        if isinstance(value, DeviceArray):
+            target[...] = value._host
+        elif isinstance(value, np.ndarray):
+            if value.shape != ():
+                raise ValueError("non-scalar numpy.ndarray cannot be used for fill")
+            target[...] = value.item()
+        elif isinstance(value, _SCALARS):
+            target[...] = value
+        else:
+            raise _unsupported(value)
+
+    def fill(self, value) -> None:
+        self[...] = value
+
+    def __len__(self) -> int:
+        return len(self._host)
+
+    def __iter__(self) -> Iterator[DeviceArray]:
+        if self.ndim == 0:
+            raise TypeError("iteration over a 0-d array")
+        return (self[i] for i in range(len(self)))
+
+    # ------------------------------------------------------------------ arithmetic
+    def sum(self, axis=None, dtype=None, out=None, keepdims=False) -> DeviceArray:
+        total = self._host.sum(axis=axis, dtype=dtype, keepdims=keepdims)
+        if out is None:
+            return self._rt.allocate(np.asarray(total))
+        if not isinstance(out, DeviceArray):
+            raise TypeError("`out` must be a cupy.ndarray")
+        out._host[...] = total
+        return out
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        out = kwargs.pop("out", None)
+        if method != "__call__" or ufunc not in _UFUNCS or kwargs:
+            return NotImplemented
+        if out is not None:
+            (out,) = out
+        return _apply(ufunc, *inputs, out=out)
+
+    def __array_function__(self, func, types, args, kwargs):
+        if func.__name__ not in self._rt.dispatched:
+            return NotImplemented
+        return getattr(self._rt.module, func.__name__)(*args, **kwargs)
+
+    def __add__(self, other):
+        return _apply(np.add, self, other)
+
+    def __radd__(self, other):
+        return _apply(np.add, other, self)
+
+    def __iadd__(self, other):
+        return _apply(np.add, self, other, out=self)
+
+    def __sub__(self, other):
+        return _apply(np.subtract, self, other)
+
+    def __rsub__(self, other):
+        return _apply(np.subtract, other, self)
+
+    def __isub__(self, other):
+        return _apply(np.subtract, self, other, out=self)
+
+    def __mul__(self, other):
+        return _apply(np.multiply, self, other)
+
+    def __rmul__(self, other):
+        return _apply(np.multiply, other, self)
+
+    def __imul__(self, other):
+        return _apply(np.multiply, self, other, out=self)
+
+    def __truediv__(self, other):
+        return _apply(np.true_divide, self, other)
+
+    def __rtruediv__(self, other):
+        return _apply(np.true_divide, other, self)
+
+    def __itruediv__(self, other):
+        return _apply(np.true_divide, self, other, out=self)
+
+    def __matmul__(self, other):
+        return _apply(np.matmul, self, other)
+
+    def __rmatmul__(self, other):
+        return _apply(np.matmul, other, self)
+
+    def __neg__(self):
+        return _apply(np.negative, self)
+
+    def __eq__(self, other):
+        return _apply(np.equal, self, other)
+
+    def __ne__(self, other):
+        return _apply(np.not_equal, self, other)
+
+    def __lt__(self, other):
+        return _apply(np.less, self, other)
+
+    def __le__(self, other):
+        return _apply(np.less_equal, self, other)
+
+    def __gt__(self, other):
+        return _apply(np.greater, self, other)
+
+    def __ge__(self, other):
+        return _apply(np.greater_equal, self, other)
+
+    __hash__ = None  # unhashable, as cupy.ndarray
 
 
-def _device(a: np.ndarray) -> DeviceArray:
-    return a.view(DeviceArray)
+class DefaultPool:
+    """cupy.get_default_memory_pool(): "used" counts the bytes of live device buffers
+    allocated outside a private allocator (a buffer lives as long as any view of it);
+    "held" is the most ever used (a pool keeps freed blocks)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.used = self.peak = 0
+
+    def _track(self, buffer: np.ndarray) -> None:
+        self._add(buffer.nbytes)
+        weakref.finalize(buffer, self._add, -buffer.nbytes)
+
+    def _add(self, nbytes: int) -> None:
+        with self._lock:
+            self.used += nbytes
+            self.peak = max(self.peak, self.used)
+
+    def used_bytes(self) -> int:
+        return self.used
+
+    def total_bytes(self) -> int:
+        return self.peak
+
+
+class _Runtime:
+    """One stand-in's state: its copy log, default pool and per-thread allocator."""
+
+    def __init__(self, module: types.ModuleType) -> None:
+        self.module = module
+        self.transfers: dict[str, list] = {"to_device": [], "to_host": []}
+        self.default_pool = DefaultPool()
+        self.current = threading.local()  # the malloc of ``using_allocator``, per thread
+        #: NumPy functions a device array hands to the stand-in (``__array_function__``):
+        #: CuPy takes every one it implements, the stand-in only these.
+        self.dispatched = frozenset({"copyto"})
+
+    def allocate(self, buffer: np.ndarray) -> DeviceArray:
+        """``buffer`` (new, referenced nowhere else) as device memory from the allocator
+        in use on this thread."""
+        malloc = getattr(self.current, "malloc", None)
+        if malloc is None:
+            self.default_pool._track(buffer)
+        else:
+            malloc(buffer.nbytes)
+        return DeviceArray._wrap(self, buffer)
 
 
 def make_fake_cupy(shim_lib: ctypes.CDLL | None) -> types.ModuleType:
     """The stand-in module; ``shim_lib`` (the host-shim build) runs its kernels, and may
     be None where no kernel is launched (the conformance test only reads names)."""
     cupy = types.ModuleType("cupy")
+    runtime = _Runtime(cupy)
     cupy.ndarray = DeviceArray
-    transfers = {"to_device": [], "to_host": []}  # (shape, nbytes) of each copy
+    transfers = runtime.transfers  # (shape, nbytes) of each copy
 
     def asarray(a, dtype=None):
         if isinstance(a, DeviceArray):
             return a if dtype is None else a.astype(dtype, copy=False)
         host = np.asarray(a, dtype=dtype)
         transfers["to_device"].append((host.shape, host.nbytes))
-        return default_pool._track(_device(np.array(host, copy=True)))
+        return runtime.allocate(np.array(host, copy=True))
 
-    def asnumpy(a):
+    def asnumpy(a, stream=None):
         if isinstance(a, DeviceArray):
-            transfers["to_host"].append((a.shape, a.nbytes))
-            return np.array(a.view(np.ndarray), copy=True)
+            return a.get(stream)
         return np.asarray(a)
 
-    def ascontiguousarray(a):
-        assert isinstance(a, DeviceArray), "cupy.ascontiguousarray of a host array"
-        return _device(np.ascontiguousarray(a))
-
-    def copyto(dst, src):
-        assert isinstance(dst, DeviceArray) and isinstance(src, DeviceArray)
-        np.copyto(dst, src)
-
-    cupy.copyto = copyto
-    cupy.asarray = asarray
-    cupy.asnumpy = asnumpy
-    cupy.ascontiguousarray = ascontiguousarray
-    current = threading.local()  # the malloc of ``using_allocator``, per thread
-
-    class DefaultPool:
-        """cupy.get_default_memory_pool(): "used" counts the live arrays made by
-        ``zeros``, ``empty`` and host-to-device ``asarray`` outside a private
-        allocator; "held" is the most ever used (a pool keeps freed blocks)."""
-
-        def __init__(self) -> None:
-            self._lock = threading.Lock()
-            self.used = self.peak = 0
-
-        def _track(self, a: DeviceArray) -> DeviceArray:
-            self._add(a.nbytes)
-            weakref.finalize(a, self._add, -a.nbytes)
+    def ascontiguousarray(a, dtype=None):
+        if not isinstance(a, DeviceArray):
+            raise TypeError(
+                "Argument 'a' has incorrect type "
+                f"(expected cupy._core.core._ndarray_base, got {type(a).__name__})"
+            )
+        if a.flags.c_contiguous and (dtype is None or np.dtype(dtype) == a.dtype):
             return a
+        return runtime.allocate(np.ascontiguousarray(a._host, dtype=dtype))
 
-        def _add(self, nbytes: int) -> None:
-            with self._lock:
-                self.used += nbytes
-                self.peak = max(self.peak, self.used)
-
-        def used_bytes(self) -> int:
-            return self.used
-
-        def total_bytes(self) -> int:
-            return self.peak
-
-    default_pool = DefaultPool()
-    cupy.get_default_memory_pool = lambda: default_pool
-
-    def allocated(a: np.ndarray) -> DeviceArray:
-        malloc = getattr(current, "malloc", None)
-        if malloc is None:
-            return default_pool._track(_device(a))
-        malloc(a.nbytes)
-        return _device(a)
+    def copyto(dst, src, casting="same_kind"):
+        if not isinstance(dst, DeviceArray):
+            raise _unsupported(dst)
+        if isinstance(src, np.ndarray):  # CuPy takes a one-element host array as a scalar
+            if src.size != 1:
+                raise ValueError("non-scalar numpy.ndarray cannot be used for copyto")
+            src = src.reshape(())[()]
+        np.copyto(dst._host, _operand(src), casting=casting)
 
     def zeros(shape, dtype=float, order="C"):
-        return allocated(np.zeros(shape, dtype, order))
+        return runtime.allocate(np.zeros(shape, dtype, order))
 
     def empty(shape, dtype=float, order="C"):
-        return allocated(np.empty(shape, dtype, order))
+        buffer = np.empty(shape, dtype, order)
+        if buffer.nbytes:  # reused device memory is garbage, not zeros: all-ones bytes
+            ctypes.memset(buffer.ctypes.data, 0xFF, buffer.nbytes)
+        return runtime.allocate(buffer)
 
     def matmul(x1, x2, /, *, out=None):
-        return np.matmul(x1, x2, out=out)
+        for operand in (x1, x2):
+            if not isinstance(operand, DeviceArray):
+                raise _unsupported(operand)
+        return _apply(np.matmul, x1, x2, out=out)
 
-    cupy.zeros, cupy.empty, cupy.matmul = zeros, empty, matmul
+    cupy.asarray, cupy.asnumpy, cupy.ascontiguousarray = asarray, asnumpy, ascontiguousarray
+    cupy.copyto, cupy.zeros, cupy.empty, cupy.matmul = copyto, zeros, empty, matmul
     compiled: list[dict] = []
     lookups: list[str] = []
 
@@ -144,18 +480,17 @@ def make_fake_cupy(shim_lib: ctypes.CDLL | None) -> types.ModuleType:
             assert len(grid) == 1 and len(block) == 1 and grid[0] >= 1 and block[0] >= 1
             converted = []
             for a in args:
-                if isinstance(a, np.ndarray):
-                    assert isinstance(a, DeviceArray), "a host array passed to a kernel"
-                    assert a.flags.c_contiguous
-                    converted.append(ctypes.c_void_p(a.ctypes.data))
+                if isinstance(a, DeviceArray):
+                    assert a.flags.c_contiguous, "the LSTM kernels take contiguous arrays"
+                    converted.append(ctypes.c_void_p(a._host.ctypes.data))
                 elif isinstance(a, np.int32):
                     converted.append(int(a))
                 elif isinstance(a, (np.float32, np.float64)):
                     expected = np.float32 if self.scalar is ctypes.c_float else np.float64
                     assert type(a) is expected, f"scalar {type(a)} for a {self.scalar} kernel"
                     converted.append(self.scalar(a))
-                else:
-                    raise TypeError(f"unexpected kernel argument {type(a)}")
+                else:  # a host array among them included, as CuPy refuses one
+                    raise _unsupported(a)
             self.launches += 1
             self.function(*converted)
 
@@ -216,9 +551,8 @@ def make_fake_cupy(shim_lib: ctypes.CDLL | None) -> types.ModuleType:
             return Graph()
 
     class MemoryPool:
-        """Memory is NumPy's; the pool counts the bytes of the ``cupy.zeros`` and
-        ``cupy.empty`` made while it is the allocator (results of array operations
-        are not counted)."""
+        """A private pool: counts the bytes of every device buffer allocated while it is
+        the allocator (``using_allocator(pool.malloc)``), temporaries included."""
 
         def __init__(self) -> None:
             self.allocated = 0
@@ -231,15 +565,16 @@ def make_fake_cupy(shim_lib: ctypes.CDLL | None) -> types.ModuleType:
 
     @contextlib.contextmanager
     def using_allocator(allocator=None):
-        previous = getattr(current, "malloc", None)
-        current.malloc = allocator
+        previous = getattr(runtime.current, "malloc", None)
+        runtime.current.malloc = allocator
         try:
             yield
         finally:
-            current.malloc = previous
+            runtime.current.malloc = previous
 
     cupy.__version__ = "0.0-fake"
     cupy.RawModule = RawModule
+    cupy.get_default_memory_pool = lambda: runtime.default_pool
     cupy.cuda = types.SimpleNamespace(
         Device=Device,
         Event=Event,
@@ -274,14 +609,12 @@ def installed(shim_lib: ctypes.CDLL) -> Iterator[types.ModuleType]:
     saved = {k: sys.modules.get(k) for k in names}
     saved_attr = package.__dict__.get("backend_cuda")
     sys.modules["cupy"] = fake = make_fake_cupy(shim_lib)
-    DeviceArray.transfers = fake.transfers
     sys.modules.pop("gradserve.kernels.backend_cuda", None)
     package.__dict__.pop("backend_cuda", None)
     try:
         importlib.import_module("gradserve.kernels.backend_cuda")
         yield fake
     finally:
-        DeviceArray.transfers = None
         for k, v in saved.items():
             if v is None:
                 sys.modules.pop(k, None)

@@ -34,10 +34,12 @@ class KeepAliveRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KeepAliveResponse(_message.Message):
-    __slots__ = ("idle_timeout_seconds",)
+    __slots__ = ("idle_timeout_seconds", "max_message_bytes")
     IDLE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     idle_timeout_seconds: float
-    def __init__(self, idle_timeout_seconds: _Optional[float] = ...) -> None: ...
+    max_message_bytes: int
+    def __init__(self, idle_timeout_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class GetTensorRequest(_message.Message):
     __slots__ = ("id", "chunk_bytes", "delete_after")

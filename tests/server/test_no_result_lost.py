@@ -1,0 +1,140 @@
+"""No result that was computed is lost to a message limit, in either direction.
+
+The server budgets the inline bytes of a whole response (a Batch is one response):
+outputs that do not fit come back as transient tensors the SDK streams. The SDK
+budgets a whole request: inputs that do not fit are uploaded first.
+"""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+import gradserve
+from gradserve import protocol
+from gradserve.kernels import backend_numpy
+from gradserve.lstm_signature import LSTMActivations
+from gradserve.server import run_server
+from gradserve.v1 import service_pb2, service_pb2_grpc
+from tests.kernels import lstm_cases
+from tests.kernels.lstm_cases import INPUTS, random_case
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def small_messages():
+    """A server whose unary messages are capped at 1 MiB each way."""
+    with run_server(device="cpu", max_message_bytes=MIB) as server:
+        yield server
+
+
+def connect(server, **kw) -> gradserve.Client:
+    return gradserve.Client(f"127.0.0.1:{server.port}", timeout=60, **kw)
+
+
+def values(n: int, count: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(n)
+    return [rng.standard_normal(count).astype(np.float32) for _ in range(n)]
+
+
+def test_batch_of_clearing_reads_over_the_limit_returns_every_value(small_messages):
+    # The issue's reproduction: four clearing reads of 800 kB under a 1 MiB limit
+    # cleared the values, then failed the response with RESOURCE_EXHAUSTED.
+    written = values(4, 200_000)
+    with connect(small_messages) as client:
+        ta = client.tensor_array(np.float32, size=4)
+        for index, value in enumerate(written):
+            ta.write(index, value)
+        batch = client.batch()
+        for index in range(4):
+            batch.raw_ops.TensorArrayReadV3(ta.handle, index, ta.flow, np.float32)
+        got = batch.run()
+        assert client.delete() == 0  # nothing transient left behind
+    for want, value in zip(written, got):
+        np.testing.assert_array_equal(value, want)
+
+
+def test_batch_over_the_limit_with_default_flags_returns_every_value(server, client):
+    # 66 clearing reads of ~4 MiB under the default 256 MiB limit (the SDK's own
+    # stream threshold is raised so that they are asked for inline).
+    written = values(66, MIB - 16)
+    with gradserve.Client(f"127.0.0.1:{server.port}", timeout=120, stream_threshold=1 << 30) as big:
+        ta = big.tensor_array(np.float32, size=len(written))
+        batch = big.batch()
+        for index, value in enumerate(written):
+            batch.raw_ops.TensorArrayWriteV3(ta.handle, index, value, ta.flow)
+        for index in range(len(written)):
+            batch.raw_ops.TensorArrayReadV3(ta.handle, index, ta.flow, np.float32)
+        got = batch.run()[len(written) :]
+        assert server.store.get(big.session_id).budget.used == 0
+    for want, value in zip(written, got):
+        np.testing.assert_array_equal(value, want)
+
+
+def test_lstm_whose_outputs_together_pass_the_limit_returns_them_all(small_messages):
+    # Seven outputs of 256 kB each: each fits in a message, together they do not.
+    case = random_case(
+        np.random.default_rng(3), steps=16, batch=16, inputs=8, units=256, dtype=np.float32
+    )
+    want = lstm_cases.forward(backend_numpy, *(case[k] for k in INPUTS), seq_len_max=16)
+    with connect(small_messages) as client:
+        got = client.raw_ops.BlockLSTMV2(np.int64(16), *(case[k] for k in INPUTS))
+        assert isinstance(got, LSTMActivations)
+        held = small_messages.store.get(client.session_id).budget.used
+    assert held == 0
+    for name in LSTMActivations._fields:
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
+
+
+def test_client_with_a_small_limit_sends_an_input_larger_than_it(small_messages):
+    value = np.arange(2 * MIB // 4, dtype=np.float32)  # 2 MiB, under the 4 MiB threshold
+    with connect(small_messages, max_message_bytes=MIB) as client:
+        out = client.raw_ops.StopGradient(value)
+    np.testing.assert_array_equal(out, value)
+
+
+def test_batch_whose_inputs_together_pass_the_limit_uploads_what_does_not_fit(
+    small_messages,
+):
+    written = values(5, 100_000)  # 400 kB each, 2 MB in one request
+    with connect(small_messages, max_message_bytes=MIB) as client:
+        ta = client.tensor_array(np.float32, size=5)
+        batch = client.batch()
+        for index, value in enumerate(written):
+            batch.raw_ops.TensorArrayWriteV3(ta.handle, index, value, ta.flow)
+        batch.run()
+        np.testing.assert_array_equal(ta.stack(), np.stack(written))
+
+
+def test_the_server_keeps_to_the_clients_response_budget(server):
+    # The server allows 256 MiB, the client's channel only 1 MiB: the response
+    # still fits the client.
+    value = np.arange(3 * 100_000, dtype=np.float32)  # 1.2 MB
+    with gradserve.Client(
+        f"127.0.0.1:{server.port}", timeout=60, max_message_bytes=MIB, stream_threshold=1 << 30
+    ) as client:
+        ref = client.put(value)
+        out = client.raw_ops.StopGradient(ref)
+    np.testing.assert_array_equal(out, value)
+
+
+def test_get_tensor_with_delete_after_keeps_the_tensor_until_the_last_chunk(server, client):
+    # A reader that breaks off keeps its result: the tensor is deleted only after the
+    # last chunk was sent, so it can be fetched again.
+    value = np.arange(4 * MIB // 4, dtype=np.float32)
+    ref = client.put(value)
+    metadata = ((protocol.SESSION_METADATA_KEY, client.session_id),)
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = service_pb2_grpc.GradServeStub(channel)
+        request = service_pb2.GetTensorRequest(id=ref.id, chunk_bytes=MIB, delete_after=True)
+        stream = stub.GetTensor(request, metadata=metadata)
+        next(stream)  # one chunk, then the reader goes away
+        stream.cancel()
+    np.testing.assert_array_equal(client.get(ref), value)
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = service_pb2_grpc.GradServeStub(channel)
+        chunks = list(stub.GetTensor(request, metadata=metadata))
+    assert sum(len(c.data) for c in chunks) == value.nbytes
+    assert client.delete(ref) == 0  # read to the end: deleted
