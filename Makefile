@@ -39,9 +39,11 @@ proto: $(STAMP)  ## regenerate the committed stubs from protos/
 	cd protos && ../$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. \
 		--grpc_python_out=. gradserve/v1/*.proto
 
-lint: $(STAMP)
+lint: $(STAMP)  ## ruff, mypy (strict on the domain), import-linter (the layers)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 docker:  ## CPU and CUDA images
 	docker build -f docker/Dockerfile -t gradserve:cpu .

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
@@ -29,7 +31,7 @@ def from_rpc_error(error: grpc.RpcError) -> GradserveError:
             detail.Unpack(bad)
             if bad.field_violations:
                 field = bad.field_violations[0].field
-    trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    trailing: Any = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
     return error_class_for(Code[code.name])(
         message or str(code),
         reason=reason,

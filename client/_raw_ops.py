@@ -218,7 +218,7 @@ class RawOps:
         return self._op("StopGradient", req, lambda r: self._out(r.output), temps)
 
     # ------------------------------------------------------------------ LSTM
-    def _lstm(self, rpc: str, req: Message, values: dict, names: tuple[str, ...], parse):
+    def _lstm(self, rpc: str, req: Any, values: dict, names: tuple[str, ...], parse):
         temps = self._staging()
         self._in(values.pop("seq_len_max"), req.seq_len_max, temps, np.int64)
         for field in names:

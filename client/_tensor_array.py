@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -65,7 +66,7 @@ class TensorArray:
     def read(self, index: int) -> np.ndarray:
         return self._ops.TensorArrayReadV3(self.handle, index, self.flow, self.dtype)
 
-    def gather(self, indices: Sequence[int]) -> np.ndarray:
+    def gather(self, indices: Sequence[int] | np.ndarray[Any, Any]) -> np.ndarray:
         return self._ops.TensorArrayGatherV3(
             self.handle, np.asarray(indices, np.int32), self.flow, self.dtype, self.element_shape
         )
@@ -73,7 +74,7 @@ class TensorArray:
     def stack(self) -> np.ndarray:
         return self.gather(np.arange(self.size(), dtype=np.int32))
 
-    def scatter(self, indices: Sequence[int], value) -> TensorArray:
+    def scatter(self, indices: Sequence[int] | np.ndarray[Any, Any], value) -> TensorArray:
         self.flow = self._ops.TensorArrayScatterV3(
             self.handle, np.asarray(indices, np.int32), self._value(value), self.flow
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+from typing import Any
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -35,13 +36,13 @@ __all__ = [
 
 
 #: Wire enum <-> NumPy dtype, from the proto's names: DT_FLOAT32 is float32.
-_ENUM_BY_DTYPE: dict[np.dtype, int] = {
+_ENUM_BY_DTYPE: dict[np.dtype[Any], Any] = {  # values: tensor_pb2.DType
     dt: tensor_pb2.DType.Value(f"DT_{str(dt).upper()}") for dt in dtypes.SUPPORTED
 }
-_DTYPE_BY_ENUM: dict[int, np.dtype] = {enum: dt for dt, enum in _ENUM_BY_DTYPE.items()}
+_DTYPE_BY_ENUM: dict[int, np.dtype[Any]] = {enum: dt for dt, enum in _ENUM_BY_DTYPE.items()}
 
 
-def dtype_to_enum(dtype: dtypes.DTypeLike) -> int:
+def dtype_to_enum(dtype: dtypes.DTypeLike) -> Any:
     """The wire enum of anything ``dtypes.normalize`` takes."""
     return _ENUM_BY_DTYPE[dtypes.normalize(dtype)]
 
@@ -99,7 +100,7 @@ def encode_chunks(array: np.ndarray, chunk_bytes: int) -> Iterator[tensor_pb2.Te
     array = np.asarray(array)
     dtype = dtypes.normalize(array.dtype)
     little = np.ascontiguousarray(array.astype(dtype.newbyteorder("<"), copy=False))
-    raw = memoryview(little.reshape(-1).view(np.uint8)) if little.size else memoryview(b"")
+    raw = memoryview(little.reshape(-1).view(np.uint8).data) if little.size else memoryview(b"")
     step = max(1, chunk_bytes)
     yield tensor_pb2.TensorChunk(
         dtype=_ENUM_BY_DTYPE[dtype], shape=array.shape, data=bytes(raw[:step])

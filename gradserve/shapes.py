@@ -21,7 +21,7 @@ def make(dims: Sequence[int | None] | None) -> PartialShape:
     """A partial shape from ``None`` or a sequence whose ``-1``/``None`` are unknown."""
     if dims is None:
         return None
-    out = []
+    out: list[int | None] = []
     for d in dims:
         if d is None or d == -1:
             out.append(None)

@@ -6,35 +6,37 @@ Function names and argument order are those of the CUDA kernels in
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+
+#: The arrays of this backend (NumPy's); ``Any`` because NumPy's own annotations of
+#: in-place ufuncs are looser than this code's use of them.
+Array = Any
+Offsets = tuple[int, int, int, int]
 
 xp = np
 name = "cpu"
 
 
-def compute_dtype(dtype: np.dtype) -> np.dtype:
-    """float16 computes in float32; float32 and float64 as they are."""
-    return np.dtype(np.float32) if np.dtype(dtype) == np.float16 else np.dtype(dtype)
-
-
-def asarray(a, dtype) -> np.ndarray:
+def asarray(a: Array, dtype: np.dtype[Any]) -> Array:
     return np.asarray(a, dtype=dtype)
 
 
-def cast(a: np.ndarray, dtype) -> np.ndarray:
+def cast(a: Array, dtype: np.dtype[Any]) -> Array:
     return a.astype(dtype, copy=False)
 
 
-def to_host(a) -> np.ndarray:
+def to_host(a: Array) -> Array:
     return a
 
 
-def to_device(a) -> np.ndarray:
+def to_device(a: Array) -> Array:
     """The CPU's arrays are host arrays: nothing to move."""
     return a
 
 
-def _sigmoid(x: np.ndarray, out: np.ndarray) -> np.ndarray:
+def _sigmoid(x: Array, out: Array) -> Array:
     """0.5 * tanh(0.5 x) + 0.5: no exp, so no overflow for any x."""
     np.multiply(x, 0.5, out=out)
     np.tanh(out, out=out)
@@ -43,8 +45,10 @@ def _sigmoid(x: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
-def fwd_step(gates_h, b, cs_prev, wci, wcf, wco, i, cs, f, o, ci, co, h,
-             offsets, forget_bias, cell_clip, use_peephole) -> None:  # fmt: skip
+def fwd_step(gates_h: Array, b: Array, cs_prev: Array, wci: Array, wcf: Array, wco: Array,
+             i: Array, cs: Array, f: Array, o: Array, ci: Array, co: Array, h: Array,
+             offsets: Offsets, forget_bias: float, cell_clip: float,
+             use_peephole: bool) -> None:  # fmt: skip
     """One forward step, in place: ``i``, ``f``, ``ci``, ``o`` hold this step's input
     projection ``x[t] @ W_x`` of their gate on entry and the activations on return;
     ``gates_h`` (``h[t-1] @ W_h``, this step's scratch) is overwritten."""
@@ -74,8 +78,10 @@ def fwd_step(gates_h, b, cs_prev, wci, wcf, wco, i, cs, f, o, ci, co, h,
     np.multiply(o, co, out=h)
 
 
-def bwd_step(cs_prev, i, f, o, ci, co, cs_grad, h_grad, dh_carry, dcs_carry, wci, wcf, wco,
-             dgates, offsets, use_peephole) -> None:  # fmt: skip
+def bwd_step(cs_prev: Array, i: Array, f: Array, o: Array, ci: Array, co: Array,
+             cs_grad: Array, h_grad: Array, dh_carry: Array, dcs_carry: Array, wci: Array,
+             wcf: Array, wco: Array, dgates: Array, offsets: Offsets,
+             use_peephole: bool) -> None:  # fmt: skip
     """One backward step: gate gradients into ``dgates``; ``dcs_carry`` updated in place."""
     units = i.shape[1]
     off_i, off_f, off_c, off_o = offsets

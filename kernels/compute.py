@@ -3,30 +3,32 @@ LSTM call runs on it (the eager per-step loop, or replayed CUDA graphs)."""
 
 from __future__ import annotations
 
-from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gradserve.kernels import lstm
 from gradserve.kernels.backends import get_backend
+
+if TYPE_CHECKING:
+    from gradserve.kernels.cuda_graphs import GraphCache
 
 
 class Compute:
     """The device's backend (``xp``, ``to_host``, the fused steps) plus the LSTM runner."""
 
-    def __init__(self, backend: ModuleType, graphs=None) -> None:
+    def __init__(self, backend: Any, graphs: GraphCache | None = None) -> None:
         self.backend = backend
         #: A ``cuda_graphs.GraphCache``, or None for the eager loop.
         self.graphs = graphs
 
     @property
     def name(self) -> str:
-        return self.backend.name
+        return str(self.backend.name)
 
-    def to_host(self, array):
+    def to_host(self, array: Any) -> Any:
         """``array`` as a NumPy array (a device-to-host copy for GPU arrays)."""
         return self.backend.to_host(array)
 
-    def to_device(self, array):
+    def to_device(self, array: Any) -> Any:
         """``array`` where this device computes (a host-to-device copy for host arrays
         on CUDA; the array itself on the CPU)."""
         return self.backend.to_device(array)
@@ -41,7 +43,8 @@ class Compute:
         """``lstm.block_lstm_forward`` on this device (from a graph where one is kept)."""
         if self.graphs is not None:
             return self.graphs.forward(inputs, **attrs)
-        return lstm.block_lstm_forward(self.backend, inputs, **attrs)
+        result: lstm.LSTMActivations[Any] = lstm.block_lstm_forward(self.backend, inputs, **attrs)
+        return result
 
     def lstm_backward(
         self,
@@ -53,7 +56,10 @@ class Compute:
         """``lstm.block_lstm_backward`` on this device (from a graph where one is kept)."""
         if self.graphs is not None:
             return self.graphs.backward(inputs, activations, output_grads, **attrs)
-        return lstm.block_lstm_backward(self.backend, inputs, activations, output_grads, **attrs)
+        result: lstm.LSTMGrads[Any] = lstm.block_lstm_backward(
+            self.backend, inputs, activations, output_grads, **attrs
+        )
+        return result
 
 
 def compute_for(

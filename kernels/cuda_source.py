@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pathlib
 
+from typing import Any
+
 import numpy as np
 
 SOURCE = pathlib.Path(__file__).with_name("lstm.cu")
@@ -20,5 +22,5 @@ def name_expressions() -> list[str]:
     return [f"{k}<{c}>" for k in KERNELS for c in CTYPES.values()]
 
 
-def kernel_name(kernel: str, dtype) -> str:
+def kernel_name(kernel: str, dtype: np.dtype[Any] | type) -> str:
     return f"{kernel}<{CTYPES[np.dtype(dtype)]}>"

@@ -202,7 +202,8 @@ def block_lstm_backward(
                 (dgates[:, :, off_f : off_f + units] * cs_seq).sum(axis=(0, 1)),
                 (dgates[:, :, off_o : off_o + units] * cs[:length]).sum(axis=(0, 1)),
             ]
-    grads = LSTMGrads(x_grad, dcs, dh, w_grad, *peephole_grads, b_grad)
+    wci_grad, wcf_grad, wco_grad = peephole_grads
+    grads = LSTMGrads(x_grad, dcs, dh, w_grad, wci_grad, wcf_grad, wco_grad, b_grad)
     return LSTMGrads(*(backend.cast(a, out_dtype) for a in grads))
 
 

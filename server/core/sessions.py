@@ -96,7 +96,9 @@ class Session:
         self.last_used = time.monotonic()
 
     # ---------------------------------------------------------------- arrays
-    def create_tensor_array(self, *, tensor_array_name: str, **attrs) -> tuple[str, TensorArray]:
+    def create_tensor_array(
+        self, *, tensor_array_name: str, **attrs: Any
+    ) -> tuple[str, TensorArray]:
         """A new forward TensorArray; returns its handle id and the array.
 
         Its name is ``tensor_array_name`` (or "TensorArrayV3") plus a counter,

@@ -361,7 +361,7 @@ class TensorArray:
                         "Currently only static shapes are supported when packing zero-size "
                         "TensorArrays."
                     )
-                return self._zeros((0, *element_shape))
+                return self._zeros((0, *fully_defined(element_shape)))
             self._check_open()
             values = self._read_many(indices, check)
             first = values[0].shape
@@ -398,7 +398,7 @@ class TensorArray:
                         "Currently only static shapes are supported when concatenating "
                         "zero-size TensorArrays."
                     )
-                return self._zeros((0, *element_shape_except0)), np.zeros(0, np.int64)
+                return self._zeros((0, *fully_defined(element_shape_except0))), np.zeros(0, np.int64)
             values = self._read_many(range(n), check)
             except0 = None
             for i, v in enumerate(values):
@@ -585,3 +585,9 @@ def _too_many_elements(name: str, size: int, limit: int) -> ResourceExhaustedErr
         "per TensorArray (--max-tensor-array-size)",
         reason="TENSOR_ARRAY_TOO_LARGE",
     )
+
+
+def fully_defined(shape: shapes.PartialShape) -> tuple[int, ...]:
+    """The dims of a shape that ``shapes.is_fully_defined`` has accepted."""
+    assert shape is not None and all(d is not None for d in shape)
+    return tuple(d for d in shape if d is not None)

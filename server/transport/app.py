@@ -151,6 +151,7 @@ def start(config: ServerConfig) -> Server:
     if metrics is not None:
         from prometheus_client import start_http_server
 
+        assert config.metrics_port is not None  # metrics exist only with a port
         http, _ = start_http_server(
             config.metrics_port, addr=config.host, registry=metrics.registry
         )

@@ -132,7 +132,7 @@ def _size(request: Any) -> int:
     return request.ByteSize() if hasattr(request, "ByteSize") else 0
 
 
-def fail(call: CallRecord, exc: Exception, context: grpc.ServicerContext) -> None:
+def fail(call: CallRecord, exc: Exception, context: Any) -> None:
     """Record ``exc`` on the call and end the RPC with its status (always raises)."""
     if _is_abort(exc, context):
         call.code = Code[context.code().name]
@@ -143,6 +143,6 @@ def fail(call: CallRecord, exc: Exception, context: grpc.ServicerContext) -> Non
     abort(context, err, call.request_id)
 
 
-def _is_abort(exc: Exception, context: grpc.ServicerContext) -> bool:
+def _is_abort(exc: Exception, context: Any) -> bool:
     # context.abort raises a bare Exception after setting the code.
     return type(exc) is Exception and context.code() not in (None, grpc.StatusCode.OK)

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import logging
 import sys
+from typing import Any
 
 from gradserve.server.transport.config import ServerConfig
 
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the gRPC server until SIGTERM/SIGINT")
     for field, kind, text in SERVE_FLAGS:
         default = getattr(defaults, field)
-        extra = {"choices": ("auto", "cpu", "cuda")} if field == "device" else {}
+        extra: dict[str, Any] = {"choices": ("auto", "cpu", "cuda")} if field == "device" else {}
         serve.add_argument(
             f"--{field.replace('_', '-')}",
             dest=field,

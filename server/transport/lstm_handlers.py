@@ -20,10 +20,10 @@ from gradserve.v1 import lstm_pb2
 Part = TypeVar("Part", bound=NamedTuple)
 
 
-def _args(io: CallIO, req: Message, part: type[Part]) -> Part:
+def _args(io: CallIO, req: Any, part: type[Part]) -> Part:
     """The request's tensors of one part of the signature, as op arguments."""
     values: list[TensorArg] = [io.tensor(getattr(req, f), f) for f in part._fields]
-    return part(*values)
+    return part(*values)  # type: ignore[call-overload]
 
 
 def _respond(io: CallIO, result: NamedTuple, resp: Message, keep: bool) -> Message:
@@ -37,7 +37,7 @@ def _optional(req: Message, field: str) -> Any:
     return getattr(req, field) if req.HasField(field) else None
 
 
-def _forward(io: CallIO, variant: lstm_ops.LSTMVariant, req: Message, **attrs: Any) -> Message:
+def _forward(io: CallIO, variant: lstm_ops.LSTMVariant, req: Any, **attrs: Any) -> Message:
     outputs = lstm_ops.forward(
         io.session,
         io.compute,
@@ -51,7 +51,7 @@ def _forward(io: CallIO, variant: lstm_ops.LSTMVariant, req: Message, **attrs: A
     return _respond(io, outputs, lstm_pb2.BlockLSTMResponse(), req.keep_outputs)
 
 
-def _backward(io: CallIO, variant: lstm_ops.LSTMVariant, req: Message) -> Message:
+def _backward(io: CallIO, variant: lstm_ops.LSTMVariant, req: Any) -> Message:
     grads = lstm_ops.backward(
         io.session,
         io.compute,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import json
 import logging
 import secrets
@@ -29,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
 from gradserve.errors import Code
+from gradserve.kernels.compute import Compute
 from gradserve.protocol import REQUEST_ID_KEY
 
 log = logging.getLogger("gradserve.rpc")
@@ -95,7 +97,7 @@ class Metrics:
                 registry=r,
             )
             for state in ("used", "held"):
-                pool.labels(state=state).set_function(lambda s=state: compute.pool_bytes()[s])
+                pool.labels(state=state).set_function(functools.partial(_pool_bytes, compute, state))
         if graphs is not None:
             Gauge("gradserve_cuda_graph_plans", "captured LSTM plans", registry=r).set_function(
                 lambda: len(graphs)
@@ -104,6 +106,11 @@ class Metrics:
                 "gradserve_cuda_graph_bytes", "GPU bytes held by captured plans", registry=r
             ).set_function(lambda: graphs.nbytes)
             r.register(_GraphCounts(graphs))
+
+
+def _pool_bytes(compute: Compute, state: str) -> float:
+    pool = compute.pool_bytes()
+    return 0.0 if pool is None else float(pool[state])
 
 
 class _ExpiredSessions:

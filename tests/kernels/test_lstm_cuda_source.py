@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from gradserve.kernels import backend_numpy, lstm
-from tests.kernels import lstm_cases
-from tests.kernels import nvrtc, shim_backend
+from tests.kernels import lstm_cases, nvrtc, shim_backend
 from tests.kernels.lstm_cases import (
     GRADS,
     INDEX,
@@ -49,6 +48,7 @@ def both(fn, *backends):
     return [fn(b) for b in backends]
 
 
+@pytest.mark.golden
 @pytest.mark.parametrize("name", [c["name"] for c in INDEX if c["dtype"] != "float16"])
 def test_host_shim_matches_numpy_on_golden_cases(shim, name):
     d = golden(name)

@@ -23,6 +23,8 @@ from tests.kernels.lstm_cases import (
     scaled_error,
 )
 
+pytestmark = pytest.mark.golden
+
 CASES = [c["name"] for c in INDEX]
 
 
