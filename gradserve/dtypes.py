@@ -33,11 +33,14 @@ _TABLE: tuple[tuple[np.dtype[Any], str], ...] = (
     (np.dtype(np.complex128), "complex128"),
 )
 
+#: The range of TensorFlow's int32 indices, sizes and lengths.
+INT32_MIN, INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
+
 SUPPORTED: tuple[np.dtype[Any], ...] = tuple(dt for dt, _ in _TABLE)
 _TF_NAME = dict(_TABLE)
 _ALIASES = {name: dt for dt, name in _TABLE} | {str(dt): dt for dt in SUPPORTED}
 
-__all__ = ["SUPPORTED", "DTypeLike", "UnsupportedDTypeError", "normalize", "tf_name"]
+__all__ = ["INT32_MAX", "INT32_MIN", "SUPPORTED", "DTypeLike", "UnsupportedDTypeError", "normalize", "tf_name"]
 
 
 def normalize(dtype: DTypeLike) -> np.dtype[Any]:

@@ -50,10 +50,6 @@ def _launch(kernel: str, dtype, cells: int, args: tuple) -> None:
     _kernel(kernel, dtype)(grid=(blocks,), block=(THREADS,), args=args)
 
 
-def compute_dtype(dtype) -> np.dtype:
-    return np.dtype(np.float32) if np.dtype(dtype) == np.float16 else np.dtype(dtype)
-
-
 def asarray(a, dtype) -> cupy.ndarray:
     return cupy.ascontiguousarray(cupy.asarray(a, dtype=dtype))
 

@@ -30,11 +30,6 @@ def cuda_unavailable_reason() -> str | None:
     return None if count > 0 else "CuPy sees no CUDA device"
 
 
-def cuda_available() -> bool:
-    """True when CuPy imports and sees at least one CUDA device."""
-    return cuda_unavailable_reason() is None
-
-
 def select_device(requested: str) -> str:
     """Resolve ``requested`` to "cpu" or "cuda"; "cuda" without a usable GPU is an error.
 

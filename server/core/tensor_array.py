@@ -37,7 +37,6 @@ from gradserve import dtypes, shapes
 from gradserve.errors import InvalidArgumentError, ResourceExhaustedError, UnimplementedError
 from gradserve.server.core.budget import MemoryBudget
 
-INT32_MAX = 2**31 - 1
 #: Multi-index reads call their ``check`` (deadline, cancellation) this often.
 CHECK_EVERY = 1024
 
@@ -166,11 +165,6 @@ class TensorArray:
             return self._element_shape
 
     @property
-    def closed(self) -> bool:
-        with self._lock:
-            return self._closed
-
-    @property
     def dynamic_size(self) -> bool:
         with self._lock:
             return self._dynamic_size
@@ -270,7 +264,7 @@ class TensorArray:
                 f"TensorArray {self.name}: Tried to write to index {index} but array is "
                 f"not resizeable and size is: {self._size}"
             )
-        if index > INT32_MAX - 1:
+        if index > dtypes.INT32_MAX - 1:
             raise InvalidArgumentError(f"TensorArray {self.name}: index {index} exceeds int32")
         if value.dtype != self.dtype:
             raise InvalidArgumentError(

@@ -38,7 +38,7 @@ import threading
 import time
 import types
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -73,12 +73,32 @@ def _unsupported(arg) -> TypeError:
     return TypeError(f"Unsupported type {type(arg)}")
 
 
+def _incorrect_type(parameter: str, arg) -> TypeError:
+    """CuPy's error for a non-device argument where its Cython signature wants one."""
+    kind = type(arg)
+    got = (
+        kind.__qualname__
+        if kind.__module__ == "builtins"
+        else f"{kind.__module__}.{kind.__qualname__}"
+    )
+    return TypeError(
+        f"Argument '{parameter}' has incorrect type "
+        f"(expected cupy._core.core._ndarray_base, got {got})"
+    )
+
+
 def _operand(arg):
     if isinstance(arg, DeviceArray):
         return arg._host
     if isinstance(arg, np.ndarray) or not isinstance(arg, _SCALARS):
         raise _unsupported(arg)
     return arg
+
+
+def _garbage(buffer: np.ndarray) -> None:
+    """Device memory nothing has written yet: all-ones bytes (NaN for floats, -1 for ints)."""
+    if buffer.nbytes:
+        ctypes.memset(buffer.ctypes.data, 0xFF, buffer.nbytes)
 
 
 def _apply(ufunc, *inputs, out=None):
@@ -88,10 +108,18 @@ def _apply(ufunc, *inputs, out=None):
     if out is not None:
         if not isinstance(out, DeviceArray):
             raise TypeError("`out` must be a tuple or `cupy.ndarray`")
-        ufunc(*hosts, out=out._host)
+        out._rt.launch(lambda: ufunc(*hosts, out=out._host))
         return out
     runtime = next(a._rt for a in inputs if isinstance(a, DeviceArray))
-    return runtime.allocate(np.asarray(ufunc(*hosts)))
+    return runtime.compute(lambda: np.asarray(ufunc(*hosts)))
+
+
+def _matmul(x1, x2, out=None):
+    """cupy.matmul: device arrays only (CuPy types its arguments)."""
+    for parameter, operand in (("a", x1), ("b", x2)):
+        if not isinstance(operand, DeviceArray):
+            raise _incorrect_type(parameter, operand)
+    return _apply(np.matmul, x1, x2, out=out)
 
 
 def _basic_index(key) -> tuple:
@@ -196,6 +224,7 @@ class DeviceArray:
 
     def get(self, stream=None, order="C") -> np.ndarray:
         """cupy.ndarray.get: a host copy (counted as a device-to-host transfer)."""
+        self._rt.refuse_in_capture("a device-to-host copy")
         self._rt.transfers["to_host"].append((self.shape, self.nbytes))
         return np.array(self._host, order=order, copy=True)
 
@@ -209,6 +238,7 @@ class DeviceArray:
             raise ValueError(f"Shape mismatch. Old shape: {self.shape}, new shape: {arr.shape}")
         if not self._host.flags.c_contiguous:
             raise RuntimeError("Cannot set to non-contiguous array")
+        self._rt.refuse_in_capture("a host-to-device copy")
         self._rt.transfers["to_device"].append((arr.shape, arr.nbytes))
         self._host[...] = arr
 
@@ -232,10 +262,10 @@ class DeviceArray:
     def astype(self, dtype, order="K", *, copy=True) -> DeviceArray:
         if not copy and np.dtype(dtype) == self.dtype:
             return self
-        return self._rt.allocate(self._host.astype(dtype, order=order, copy=True))
+        return self._rt.compute(lambda: self._host.astype(dtype, order=order, copy=True))
 
     def copy(self, order="C") -> DeviceArray:
-        return self._rt.allocate(np.array(self._host, order=order, copy=True))
+        return self._rt.compute(lambda: np.array(self._host, order=order, copy=True))
 
     def reshape(self, *shape, order="C") -> DeviceArray:
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
@@ -243,7 +273,7 @@ class DeviceArray:
         try:  # a view where the layout allows one, as CuPy's reshape
             return self._view(np.reshape(self._host, shape, order=order, copy=False))
         except ValueError:
-            return self._rt.allocate(np.reshape(self._host, shape, order=order, copy=True))
+            return self._rt.compute(lambda: np.reshape(self._host, shape, order=order, copy=True))
 
     def __getitem__(self, slices) -> DeviceArray:
         return self._view(self._host[_basic_index(slices)])
@@ -251,15 +281,14 @@ class DeviceArray:
     def __setitem__(self, slices, value) -> None:
         target = self._host[_basic_index(slices)]
         if isinstance(value, DeviceArray):
-            target[...] = value._host
+            value = value._host
         elif isinstance(value, np.ndarray):
             if value.shape != ():
                 raise ValueError("non-scalar numpy.ndarray cannot be used for fill")
-            target[...] = value.item()
-        elif isinstance(value, _SCALARS):
-            target[...] = value
-        else:
+            value = value.item()
+        elif not isinstance(value, _SCALARS):
             raise _unsupported(value)
+        self._rt.launch(lambda: target.__setitem__(Ellipsis, value))
 
     def fill(self, value) -> None:
         self[...] = value
@@ -274,12 +303,14 @@ class DeviceArray:
 
     # ------------------------------------------------------------------ arithmetic
     def sum(self, axis=None, dtype=None, out=None, keepdims=False) -> DeviceArray:
-        total = self._host.sum(axis=axis, dtype=dtype, keepdims=keepdims)
+        def total() -> np.ndarray:
+            return np.asarray(self._host.sum(axis=axis, dtype=dtype, keepdims=keepdims))
+
         if out is None:
-            return self._rt.allocate(np.asarray(total))
+            return self._rt.compute(total)
         if not isinstance(out, DeviceArray):
             raise TypeError("`out` must be a cupy.ndarray")
-        out._host[...] = total
+        out._rt.launch(lambda: out._host.__setitem__(Ellipsis, total()))
         return out
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
@@ -288,6 +319,8 @@ class DeviceArray:
             return NotImplemented
         if out is not None:
             (out,) = out
+        if ufunc is np.matmul:
+            return _matmul(*inputs, out=out)
         return _apply(ufunc, *inputs, out=out)
 
     def __array_function__(self, func, types, args, kwargs):
@@ -332,10 +365,10 @@ class DeviceArray:
         return _apply(np.true_divide, self, other, out=self)
 
     def __matmul__(self, other):
-        return _apply(np.matmul, self, other)
+        return _matmul(self, other)
 
     def __rmatmul__(self, other):
-        return _apply(np.matmul, other, self)
+        return _matmul(other, self)
 
     def __neg__(self):
         return _apply(np.negative, self)
@@ -408,6 +441,39 @@ class _Runtime:
             malloc(buffer.nbytes)
         return DeviceArray._wrap(self, buffer)
 
+    def launch(self, work: Callable[[], object], done: DeviceArray | None = None) -> None:
+        """Device work, on the current stream: run now; or, while this thread's current
+        stream is capturing, recorded into its graph and not run. ``done``: the new array
+        ``work`` fills, computed already (for its shape): under a capture it goes back to
+        garbage, as a captured computation has not happened."""
+        capturing = getattr(self.current, "capturing", None)
+        if capturing is None:
+            if done is None:
+                work()
+            return
+        if getattr(self.current, "stream", None) is not capturing:
+            raise RuntimeError(
+                "cudaErrorStreamCaptureImplicit: work on another stream than the capturing one"
+            )
+        capturing.recorded.append(work)
+        if done is not None:
+            _garbage(done._host)
+
+    def compute(self, make: Callable[[], np.ndarray]) -> DeviceArray:
+        """A new device array of ``make()`` (which returns a new host buffer): device
+        work, so a capture records it, and a replay recomputes into the same array."""
+        with np.errstate(all="ignore"):  # under a capture the operands are garbage
+            result = self.allocate(make())
+        self.launch(lambda: result._host.__setitem__(Ellipsis, make()), done=result)
+        return result
+
+    def refuse_in_capture(self, what: str) -> None:
+        """CUDA refuses synchronous host work (copies, synchronisation) in a capture."""
+        if getattr(self.current, "capturing", None) is not None:
+            raise RuntimeError(
+                f"cudaErrorStreamCaptureUnsupported: {what} while a stream is capturing"
+            )
+
 
 def make_fake_cupy(shim_lib: ctypes.CDLL | None) -> types.ModuleType:
     """The stand-in module; ``shim_lib`` (the host-shim build) runs its kernels, and may
@@ -421,6 +487,7 @@ def make_fake_cupy(shim_lib: ctypes.CDLL | None) -> types.ModuleType:
         if isinstance(a, DeviceArray):
             return a if dtype is None else a.astype(dtype, copy=False)
         host = np.asarray(a, dtype=dtype)
+        runtime.refuse_in_capture("a host-to-device copy")
         transfers["to_device"].append((host.shape, host.nbytes))
         return runtime.allocate(np.array(host, copy=True))
 
@@ -431,13 +498,10 @@ def make_fake_cupy(shim_lib: ctypes.CDLL | None) -> types.ModuleType:
 
     def ascontiguousarray(a, dtype=None):
         if not isinstance(a, DeviceArray):
-            raise TypeError(
-                "Argument 'a' has incorrect type "
-                f"(expected cupy._core.core._ndarray_base, got {type(a).__name__})"
-            )
+            raise _incorrect_type("a", a)
         if a.flags.c_contiguous and (dtype is None or np.dtype(dtype) == a.dtype):
             return a
-        return runtime.allocate(np.ascontiguousarray(a._host, dtype=dtype))
+        return runtime.compute(lambda: np.array(a._host, dtype=dtype, order="C", copy=True))
 
     def copyto(dst, src, casting="same_kind"):
         if not isinstance(dst, DeviceArray):
@@ -446,22 +510,21 @@ def make_fake_cupy(shim_lib: ctypes.CDLL | None) -> types.ModuleType:
             if src.size != 1:
                 raise ValueError("non-scalar numpy.ndarray cannot be used for copyto")
             src = src.reshape(())[()]
-        np.copyto(dst._host, _operand(src), casting=casting)
+        src = _operand(src)
+        dst._rt.launch(lambda: np.copyto(dst._host, src, casting=casting))
 
     def zeros(shape, dtype=float, order="C"):
-        return runtime.allocate(np.zeros(shape, dtype, order))
+        array = runtime.allocate(np.zeros(shape, dtype, order))
+        runtime.launch(lambda: array._host.fill(0), done=array)  # a memset
+        return array
 
     def empty(shape, dtype=float, order="C"):
         buffer = np.empty(shape, dtype, order)
-        if buffer.nbytes:  # reused device memory is garbage, not zeros: all-ones bytes
-            ctypes.memset(buffer.ctypes.data, 0xFF, buffer.nbytes)
+        _garbage(buffer)  # reused device memory is not zeros
         return runtime.allocate(buffer)
 
     def matmul(x1, x2, /, *, out=None):
-        for operand in (x1, x2):
-            if not isinstance(operand, DeviceArray):
-                raise _unsupported(operand)
-        return _apply(np.matmul, x1, x2, out=out)
+        return _matmul(x1, x2, out=out)
 
     cupy.asarray, cupy.asnumpy, cupy.ascontiguousarray = asarray, asnumpy, ascontiguousarray
     cupy.copyto, cupy.zeros, cupy.empty, cupy.matmul = copyto, zeros, empty, matmul
@@ -492,7 +555,8 @@ def make_fake_cupy(shim_lib: ctypes.CDLL | None) -> types.ModuleType:
                 else:  # a host array among them included, as CuPy refuses one
                     raise _unsupported(a)
             self.launches += 1
-            self.function(*converted)
+            # The arrays stay referenced as long as a graph may replay the launch.
+            runtime.launch(lambda arrays=args: self.function(*converted))
 
     class RawModule:
         def __init__(self, code=None, *, options=(), name_expressions=None):
@@ -512,7 +576,7 @@ def make_fake_cupy(shim_lib: ctypes.CDLL | None) -> types.ModuleType:
         id = 0
 
         def synchronize(self) -> None:
-            return None
+            runtime.refuse_in_capture("a device synchronisation")
 
     class Event:
         """Host-clock events: everything here runs synchronously."""
@@ -521,38 +585,55 @@ def make_fake_cupy(shim_lib: ctypes.CDLL | None) -> types.ModuleType:
             self.at = time.perf_counter()
 
         def synchronize(self) -> None:
-            return None
+            runtime.refuse_in_capture("an event synchronisation")
 
     class Graph:
+        """A captured graph: ``launch`` runs the recorded work again, in order, into the
+        arrays the capture allocated."""
+
+        def __init__(self, recorded: list) -> None:
+            self._recorded = recorded
+
         def launch(self, stream=None) -> None:
-            return None  # nothing was recorded: the work ran when it was "captured"
+            for work in self._recorded:
+                runtime.launch(work)
 
     class Stream:
-        """Work runs at once; a capture yields an empty graph."""
+        """Work runs at once on every stream (the host is synchronous), except while this
+        thread's current stream captures: then device work is recorded, not run, and host
+        copies and synchronisation fail, as CUDA's stream capture has them."""
 
         def __init__(self, *, non_blocking: bool = False) -> None:
             self.capturing = False
+            self.recorded: list = []
+            self._outer: list = []
 
         def __enter__(self) -> Stream:
+            self._outer.append(getattr(runtime.current, "stream", None))
+            runtime.current.stream = self
             return self
 
         def __exit__(self, *exc) -> None:
-            return None
+            runtime.current.stream = self._outer.pop()
 
         def synchronize(self) -> None:
-            return None
+            runtime.refuse_in_capture("a stream synchronisation")
 
         def begin_capture(self) -> None:
-            self.capturing = True
+            assert getattr(runtime.current, "capturing", None) is None, "nested capture"
+            self.capturing, self.recorded = True, []
+            runtime.current.capturing = self
 
         def end_capture(self) -> Graph:
             assert self.capturing, "end_capture without begin_capture"
             self.capturing = False
-            return Graph()
+            runtime.current.capturing = None
+            return Graph(self.recorded)
 
     class MemoryPool:
         """A private pool: counts the bytes of every device buffer allocated while it is
-        the allocator (``using_allocator(pool.malloc)``), temporaries included."""
+        the allocator (``using_allocator(pool.malloc)``), temporaries included (a capture's
+        too: the graph keeps them)."""
 
         def __init__(self) -> None:
             self.allocated = 0

@@ -76,7 +76,7 @@ def make_backend(lib: ctypes.CDLL) -> types.SimpleNamespace:
     backend = types.SimpleNamespace(
         **{
             k: getattr(backend_numpy, k)
-            for k in ("xp", "compute_dtype", "asarray", "cast", "to_host", "to_device")
+            for k in ("xp", "asarray", "cast", "to_host", "to_device")
         }
     )
     backend.name = "host-shim"

@@ -239,8 +239,8 @@ def test_plans_show_in_the_metrics(backend, capture):
     from prometheus_client import generate_latest
 
     from gradserve.kernels.compute import Compute
-    from gradserve.server.transport.observability import Metrics
     from gradserve.server.core.sessions import SessionStore
+    from gradserve.server.transport.observability import Metrics
 
     cache = cuda_graphs.GraphCache(backend, capture)
     arrays, _ = case(11)
@@ -252,3 +252,47 @@ def test_plans_show_in_the_metrics(backend, capture):
     assert f"gradserve_cuda_graph_bytes {float(cache.nbytes)}" in text
     assert "gradserve_cuda_graph_captures_total 1.0" in text
     assert "gradserve_cuda_graph_replays_total 2.0" in text
+
+
+def test_stream_capture_of_the_lstm_replays_on_the_stand_in(backend):
+    """``StreamCapture`` itself, on the stand-in's capture: work under capture is recorded,
+    not run (the capture's outputs hold garbage until a replay), and a replay recomputes
+    every step from the refreshed static inputs, forward and backward, float16 too."""
+    cache = cuda_graphs.GraphCache(backend, cuda_graphs.StreamCapture(backend.cupy))
+    for dtype in (np.float64, np.float16):
+        for seed in (14, 15, 16):
+            arrays, c = case(seed, dtype=dtype)
+            attrs = dict(seq_len_max=3, use_peephole=True, cell_clip=0.5)
+            got = cache.forward(lstm.LSTMInputs(*arrays), **attrs)
+            want = forward_numpy(arrays, **attrs)
+            grads = cache.backward(
+                lstm.LSTMInputs(*arrays),
+                lstm.LSTMActivations(*want),
+                lstm.LSTMOutputGrads(c["cs_grad"], c["h_grad"]),
+                seq_len_max=3,
+                use_peephole=True,
+            )
+            want_grads = lstm_cases.backward(
+                backend_numpy, *arrays, *want, c["cs_grad"], c["h_grad"],
+                seq_len_max=3, use_peephole=True,
+            )  # fmt: skip
+            tol = 1e-3 if dtype == np.float16 else 1e-12
+            for g, w in zip(host(got) + host(grads), [*want, *want_grads]):
+                np.testing.assert_allclose(g, w, rtol=0, atol=tol)
+    assert (cache.captures, cache.replays, len(cache._eager)) == (4, 8, 0)
+
+
+def test_stream_capture_refuses_host_copies_and_the_cache_runs_eagerly(backend):
+    """CUDA refuses synchronous host copies in a capture: so does the stand-in, and a call
+    whose capture fails is served eagerly (as on a GPU)."""
+    cupy = backend.cupy
+    capture = cuda_graphs.StreamCapture(cupy)
+    device = cupy.zeros(3)
+    for host_work in (lambda: cupy.asarray(np.ones(3)), device.get, lambda: float(device[0])):
+        with pytest.raises(RuntimeError, match="StreamCapture"):
+            capture(host_work)
+    replay, (doubled,) = capture(lambda: (device * 2.0,))
+    assert np.isnan(doubled.get()).all()  # captured, not run
+    device += 1.0
+    replay()
+    assert doubled.get().tolist() == [2.0, 2.0, 2.0]

@@ -5,12 +5,14 @@ the backend right for CuPy if the stand-in is no looser than CuPy: every name
 the stand-in offers exists in CuPy, and every function or method it defines
 takes its parameters under CuPy's names and kinds (a parameter the stand-in
 takes by position CuPy takes at the same position; one the stand-in lets a call
-omit has a default in CuPy; CuPy requires nothing the stand-in does not).
+omit has a default in CuPy; CuPy requires nothing the stand-in does not); and
+its device arrays refuse host arrays where CuPy's do, in CuPy's words.
 
-The comparison needs CuPy installed (the ``cuda`` extra; importing it needs no
-GPU): it runs in ``make gpu-check`` and wherever the extra is installed, and is
-skipped elsewhere. The check's own logic, and that the stand-in offers every
-name the CUDA code uses, are tested everywhere.
+CuPy's side comes from ``cupy_signatures.json``, recorded from an installed CuPy
+by ``record_cupy_signatures.py`` (importing CuPy needs no GPU, nor does anything
+recorded), so the comparison runs everywhere; where CuPy is installed (``make
+gpu-check``, the ``cuda`` extra) the stand-in is also compared with it directly,
+and the recording with it when the versions agree.
 """
 
 from __future__ import annotations
@@ -18,80 +20,27 @@ from __future__ import annotations
 import inspect
 import re
 
+import numpy as np
 import pytest
 
 from tests.kernels import fake_cupy
+from tests.kernels import record_cupy_signatures as recorded
+from tests.kernels.record_cupy_signatures import (
+    RETURNED,
+    parse_doc_signature,
+    signature_from_record,
+    signature_of,
+)
 
-#: What the stand-in offers tests only (its call logs).
-TEST_ONLY = {"compiled", "lookups", "transfers", "returned_stand_ins"}
-#: Dunder members that are part of an API (the rest are Python's plumbing; a
-#: class's constructor is checked as the class itself).
-API_DUNDERS = {"__call__", "__enter__", "__exit__", "__cuda_array_interface__", "__version__"}
 #: Classes the CUDA code names only as types, never constructs (their members are checked).
 USED_AS_TYPES = {"cupy.ndarray"}
-#: Marks a stand-in that calls return (a RawKernel, the default pool): code never builds
-#: one, so its members are checked and its constructor is not.
-RETURNED = " (returned)"
-_HAS_DEFAULT = object()
+RERECORD = (
+    "not in cupy_signatures.json: record it again (tests/kernels/record_cupy_signatures.py, "
+    "with CuPy installed)"
+)
 
 
-# ------------------------------------------------------------------ signatures
-def parse_doc_signature(doc: str) -> inspect.Signature:
-    """The signature on the first line of a Cython docstring, e.g.
-    ``RawModule(str code=None, *, tuple options=(), name_expressions=None)`` or
-    ``_BaseStream.begin_capture(self, mode=None) -> Graph``."""
-    match = re.match(r"[\w.]+\((.*)\)\s*(->.*)?$", doc.strip().splitlines()[0])
-    assert match, f"no signature in docstring {doc[:80]!r}"
-    params, kind = [], inspect.Parameter.POSITIONAL_OR_KEYWORD
-    for token in _split_top_level(match.group(1)):
-        if token == "*":
-            kind = inspect.Parameter.KEYWORD_ONLY
-        elif token.startswith("**"):
-            params.append(inspect.Parameter(token[2:], inspect.Parameter.VAR_KEYWORD))
-        elif token.startswith("*"):
-            params.append(inspect.Parameter(token[1:], inspect.Parameter.VAR_POSITIONAL))
-            kind = inspect.Parameter.KEYWORD_ONLY
-        else:
-            declared, _, default = token.partition("=")
-            name = declared.split()[-1]  # "str code" -> "code"
-            params.append(
-                inspect.Parameter(
-                    name, kind, default=_HAS_DEFAULT if default else inspect.Parameter.empty
-                )
-            )
-    return inspect.Signature(params)
-
-
-def _split_top_level(text: str) -> list[str]:
-    parts, depth, current = [], 0, ""
-    for char in text:
-        if char in "([{":
-            depth += 1
-        elif char in ")]}":
-            depth -= 1
-        if char == "," and depth == 0:
-            parts.append(current.strip())
-            current = ""
-        else:
-            current += char
-    return [p for p in [*parts, current.strip()] if p]
-
-
-def signature_of(obj) -> inspect.Signature | None:
-    """Python's signature, else the docstring's; ``self`` dropped."""
-    try:
-        sig = inspect.signature(obj)
-    except (TypeError, ValueError):
-        doc = getattr(obj, "__doc__", None)
-        if not doc or "(" not in doc.splitlines()[0]:
-            return None
-        sig = parse_doc_signature(doc)
-    params = list(sig.parameters.values())
-    if params and params[0].name == "self":
-        params = params[1:]
-    return sig.replace(parameters=params)
-
-
+# ------------------------------------------------------------------ the check
 def incompatibilities(fake: inspect.Signature, real: inspect.Signature) -> list[str]:
     """Ways a call the stand-in accepts could fail on CuPy (empty: none)."""
     problems = []
@@ -172,47 +121,13 @@ def test_the_signature_check_reports_each_kind_of_looseness():
 
 
 # ------------------------------------------------------------------ the stand-in
-_MISSING = object()
+def stand_in():
+    return fake_cupy.make_fake_cupy(shim_lib=None)
 
 
-def stand_in_pairs(cupy) -> list[tuple[str, object, object]]:
-    """(dotted name, stand-in object, CuPy object or _MISSING) for every name the
-    stand-in offers, the members of its classes, and the stand-ins calls return."""
-    fake = fake_cupy.make_fake_cupy(shim_lib=None)
-    pairs = []
-
-    def public(name: str) -> bool:
-        return name not in TEST_ONLY and (not name.startswith("_") or name in API_DUNDERS)
-
-    def walk(prefix, fake_ns, real_ns):
-        for name, value in vars(fake_ns).items():
-            if not public(name):
-                continue
-            dotted = f"{prefix}{name}"
-            real_value = getattr(real_ns, name, _MISSING)
-            pairs.append((dotted, value, real_value))
-            if isinstance(value, type):
-                members(dotted, value, real_value)
-            elif not callable(value) and hasattr(value, "__dict__"):  # a namespace
-                walk(f"{dotted}.", value, real_value)
-
-    def members(dotted, fake_cls, real_cls):
-        for name, value in vars(fake_cls).items():
-            if public(name):
-                pairs.append((f"{dotted}.{name}", value, getattr(real_cls, name, _MISSING)))
-
-    walk("cupy.", fake, cupy)
-    for dotted, fake_cls in fake.returned_stand_ins:
-        real_cls = cupy
-        for part in dotted.split("."):
-            real_cls = getattr(real_cls, part, _MISSING)
-        pairs.append((f"cupy.{dotted}{RETURNED}", fake_cls, real_cls))
-        members(f"cupy.{dotted}{RETURNED}", fake_cls, real_cls)
-    return pairs
-
-
-def looseness(dotted: str, fake, real) -> list[str]:
-    if real is _MISSING:
+def looseness(dotted: str, fake, real: dict) -> list[str]:
+    """Ways the stand-in ``fake`` is looser than CuPy's object as ``describe`` tells it."""
+    if real["kind"] == "missing":
         return ["the stand-in offers it, CuPy does not"]
     if (
         not callable(fake)
@@ -221,20 +136,125 @@ def looseness(dotted: str, fake, real) -> list[str]:
         or dotted.endswith(RETURNED)
     ):
         return []  # existing is all there is to it
-    fake_sig, real_sig = signature_of(fake), signature_of(real)
+    fake_sig = signature_of(fake)
     if fake_sig is None:
         return []
+    real_sig = signature_from_record(real)
     if real_sig is None:
         return ["CuPy's signature is unknown"]
     return incompatibilities(fake_sig, real_sig)
 
 
-def test_stand_in_is_no_looser_than_cupy():
+def test_stand_in_is_no_looser_than_cupy_as_recorded():
+    recording = recorded.load()
+    names = recorded.stand_in_names(stand_in())
+    assert len(names) > 30  # the walk reached the classes' members too
+    problems = {
+        dotted: looseness(dotted, fake, recording["names"][dotted])
+        if dotted in recording["names"]
+        else [RERECORD]
+        for dotted, fake, _ in names
+    }
+    assert {d: p for d, p in problems.items() if p} == {}
+
+
+def test_stand_in_is_no_looser_than_the_installed_cupy():
     cupy = pytest.importorskip("cupy")
-    pairs = stand_in_pairs(cupy)
-    assert len(pairs) > 30  # the walk reached the classes' members too
-    problems = {d: p for d, fake, real in pairs if (p := looseness(d, fake, real))}
-    assert problems == {}
+    problems = {
+        dotted: looseness(dotted, fake, recorded.describe(recorded.lookup(cupy, path)))
+        for dotted, fake, path in recorded.stand_in_names(stand_in())
+    }
+    assert {d: p for d, p in problems.items() if p} == {}
+
+
+def test_the_recording_is_what_the_installed_cupy_says():
+    cupy = pytest.importorskip("cupy")
+    recording = recorded.load()
+    if recording["cupy"] != cupy.__version__:
+        pytest.skip(f"recorded from CuPy {recording['cupy']}, CuPy {cupy.__version__} here")
+    live = recorded.record(cupy)
+    assert {k: v for k, v in live["names"].items() if k in recording["names"]} == {
+        k: v for k, v in recording["names"].items() if k in live["names"]
+    }
+    assert live["refusals"] == recording["refusals"]
+
+
+# ------------------------------------------------------------------ host arrays refused
+@pytest.mark.parametrize("name", sorted(recorded.REFUSALS))
+def test_stand_in_refuses_host_arrays_as_cupy_does(name):
+    """Each way of handing a host array to the device (or the device's memory to NumPy)
+    that CuPy refuses, the stand-in refuses with CuPy's exception (and words)."""
+    want = recorded.load()["refusals"][name]
+    got = recorded.refusal(stand_in(), name)
+    _, check = recorded.REFUSALS[name]
+    assert "raises" in want, want
+    if check == "type":
+        assert got.get("raises") == want["raises"], got
+    else:
+        assert got == want
+
+
+def test_np_asarray_of_a_device_array_raises_and_get_copies():
+    cupy = stand_in()
+    device = cupy.asarray(np.arange(6.0).reshape(2, 3))
+    with pytest.raises(TypeError, match=re.escape(fake_cupy.IMPLICIT_CONVERSION)):
+        np.asarray(device)
+    with pytest.raises(TypeError, match="Implicit conversion"):
+        np.testing.assert_array_equal(device, np.zeros((2, 3)))
+    host = device.get()
+    assert type(host) is np.ndarray and host.tolist() == [[0, 1, 2], [3, 4, 5]]
+    host[0, 0] = 7  # a copy: the device array is unchanged
+    assert cupy.asnumpy(device)[0, 0] == 0
+    assert cupy.transfers == {"to_device": [((2, 3), 48)], "to_host": [((2, 3), 48)] * 2}
+
+
+def test_a_host_operand_of_a_device_operation_raises():
+    """CuPy's elementwise kernels take device arrays and scalars only
+    (``_preprocess_args``: "Unsupported type"): not recorded, as CuPy answers those only
+    with a GPU, but its source says so (cupy/_core/_kernel.pyx)."""
+    cupy = stand_in()
+    device, host = cupy.zeros((2, 2)), np.ones((2, 2))
+    unsupported = re.escape(f"Unsupported type {np.ndarray}")
+    for operation in (
+        lambda: device + host,
+        lambda: host + device,
+        lambda: device * host,
+        lambda: host * device,
+        lambda: np.add(device, host),
+        lambda: np.multiply(host, 2.0, out=device),
+    ):
+        with pytest.raises(TypeError, match=unsupported):
+            operation()
+    with pytest.raises(TypeError, match="incorrect type"):
+        cupy.matmul(device, host, out=device)
+    with pytest.raises(TypeError, match="incorrect type"):
+        host @ device
+    with pytest.raises(ValueError, match="non-scalar numpy.ndarray cannot be used for fill"):
+        device[...] = host
+    with pytest.raises(TypeError, match="Only numpy.ndarray"):
+        device.set(device)
+    with pytest.raises(TypeError, match="float32 array cannot be set to float64 array"):
+        device.set(host.astype(np.float32))
+    # What CuPy takes: device operands, scalars, and a host array through ``set``.
+    device += 1.0
+    device[0] = device[1] * 2
+    device.set(host)
+    assert cupy.asnumpy(device @ device).tolist() == [[2, 2], [2, 2]]
+
+
+def test_views_share_device_memory_and_copies_do_not():
+    cupy = stand_in()
+    a = cupy.zeros((3, 4), np.float32)
+    a[1:].reshape(8)[...] = 5.0  # a view of a view: written through
+    a.T[0] += 1.0
+    assert cupy.asnumpy(a).tolist() == [[1, 0, 0, 0], [6, 5, 5, 5], [6, 5, 5, 5]]
+    b = a[:, 1:3].reshape(6)  # not expressible as a view: a copy, as in CuPy
+    b[...] = -1.0
+    assert cupy.asnumpy(a)[0, 1] == 0
+    assert isinstance(a[0, 0], fake_cupy.DeviceArray) and a[0, 0].shape == ()
+    assert cupy.ascontiguousarray(a) is a and not a.T.flags.c_contiguous
+    assert float(a.sum(axis=(0, 1))) == 1 + 6 + 6 + 5 * 6
+    assert np.isnan(cupy.asnumpy(cupy.empty(3))).all()  # never written: garbage, not zeros
 
 
 def test_every_cupy_name_the_cuda_code_uses_is_offered_by_the_stand_in():
@@ -251,5 +271,6 @@ def test_every_cupy_name_the_cuda_code_uses_is_offered_by_the_stand_in():
         text = (root / source).read_text()
         used |= set(re.findall(r"\b(?:cupy|xp)\.((?:cuda\.)?(?:runtime\.)?\w+)", text))
     assert {"RawModule", "cuda.MemoryPool", "matmul"} <= used  # the scan found the calls
-    offered = {d.removeprefix("cupy.").removesuffix(RETURNED) for d, _, _ in stand_in_pairs(None)}
+    names = recorded.stand_in_names(stand_in())
+    offered = {d.removeprefix("cupy.").removesuffix(RETURNED) for d, _, _ in names}
     assert used <= offered, used - offered

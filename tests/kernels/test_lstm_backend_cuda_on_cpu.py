@@ -107,3 +107,16 @@ def test_zero_size_dimensions_match_numpy(backend_cuda, sizes):
     for a, b in zip(got[0] + got[1], want[0] + want[1]):
         assert a.shape == b.shape
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-13)
+
+
+def test_a_host_array_is_never_a_kernel_argument(backend_cuda):
+    """CuPy launches a RawKernel with device arrays and scalars only: a host array among
+    the arguments is CuPy's TypeError on the stand-in too, before anything runs."""
+    cupy = sys.modules["cupy"]
+    device = cupy.zeros((2, 4), np.float32)
+    host = np.zeros((2, 4), np.float32)
+    args = [device] * 13
+    args[2] = host  # cs_prev
+    offsets = lstm.GateLayout.IFCO.offsets(1)
+    with pytest.raises(TypeError, match="Unsupported type"):
+        backend_cuda.fwd_step(*args, offsets, 0.0, 0.0, False)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from gradserve.kernels.compute import compute_for
-from gradserve.kernels.device import cuda_available
+from gradserve.kernels.device import cuda_unavailable_reason
 from gradserve.lstm_signature import LSTMActivations, LSTMInputs, LSTMOutputGrads
 from tests.kernels.lstm_cases import (
     GRADS,
@@ -36,7 +36,7 @@ CASES = [c["name"] for c in INDEX]
     ]
 )
 def compute(request):
-    if request.param.startswith("cuda") and not cuda_available():
+    if request.param.startswith("cuda") and cuda_unavailable_reason() is not None:
         pytest.skip("no CUDA device")
     return compute_for(request.param.removesuffix("-graphs"), cuda_graphs="graphs" in request.param)
 

@@ -72,7 +72,7 @@ def test_sigterm_exits_zero(process):
 
 
 def test_cuda_without_gpu_fails_fast():
-    if gradserve.kernels.device.cuda_available():
+    if gradserve.kernels.device.cuda_unavailable_reason() is None:
         pytest.skip("a GPU is present")
     proc = subprocess.run(
         [sys.executable, "-m", "gradserve.server", "--port", "0", "--device", "cuda"],

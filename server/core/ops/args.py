@@ -7,7 +7,6 @@ import numpy as np
 from gradserve import dtypes, shapes
 from gradserve.errors import InvalidArgumentError
 
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
 def _integers(x: np.ndarray, what: str) -> np.ndarray:
@@ -24,7 +23,7 @@ def int32_scalar(x: np.ndarray, what: str, message: str) -> int:
     if x.ndim != 0:
         raise InvalidArgumentError(f"{message}{shapes.debug_string(x.shape)}", field=what)
     value = int(x)
-    if not INT32_MIN <= value <= INT32_MAX:
+    if not dtypes.INT32_MIN <= value <= dtypes.INT32_MAX:
         raise InvalidArgumentError(f"{what} {value} does not fit in int32", field=what)
     return value
 
