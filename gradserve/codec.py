@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import itertools
 import sys
-from typing import Any
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 

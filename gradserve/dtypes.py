@@ -40,7 +40,15 @@ SUPPORTED: tuple[np.dtype[Any], ...] = tuple(dt for dt, _ in _TABLE)
 _TF_NAME = dict(_TABLE)
 _ALIASES = {name: dt for dt, name in _TABLE} | {str(dt): dt for dt in SUPPORTED}
 
-__all__ = ["INT32_MAX", "INT32_MIN", "SUPPORTED", "DTypeLike", "UnsupportedDTypeError", "normalize", "tf_name"]
+__all__ = [
+    "INT32_MAX",
+    "INT32_MIN",
+    "SUPPORTED",
+    "DTypeLike",
+    "UnsupportedDTypeError",
+    "normalize",
+    "tf_name",
+]
 
 
 def normalize(dtype: DTypeLike) -> np.dtype[Any]:

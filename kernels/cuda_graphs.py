@@ -31,7 +31,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,6 +48,10 @@ MAX_PLANS = 256
 MAX_EAGER_KEYS = 4096
 
 Capture = Callable[[Callable[[], Any]], tuple[Callable[[], None], Any]]
+#: A plan's key: (algorithm, the inputs' shapes and dtypes, the attributes).
+Key = tuple[Any, ...]
+#: ``_forward`` or ``_backward``: (backend, *arrays, **attrs) -> result tuple.
+Algorithm = Callable[..., Any]
 
 
 class StreamCapture:
@@ -55,7 +59,7 @@ class StreamCapture:
     returned while captured (allocated, not computed); the replay is the graph's
     ``launch``, which computes into them on the stream current when it is called."""
 
-    def __init__(self, cupy) -> None:
+    def __init__(self, cupy: Any) -> None:
         self.cupy = cupy
 
     def __call__(self, fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
@@ -76,7 +80,7 @@ class StreamCapture:
 @dataclasses.dataclass
 class _Plan:
     inputs: list[Any]  # static input buffers, in the algorithm's argument order
-    outputs: tuple  # LSTMActivations / LSTMGrads: the graph's result buffers
+    outputs: tuple[Any, ...]  # LSTMActivations / LSTMGrads: the graph's result buffers
     replay: Callable[[], None]
     nbytes: int
     pool: Any  # keeps the private memory alive as long as the plan
@@ -104,14 +108,16 @@ class GraphCache:
     """``forward`` / ``backward`` with ``kernels.lstm``'s signatures (minus the backend),
     served from captured graphs."""
 
-    def __init__(self, backend, capture: Capture, max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+    def __init__(
+        self, backend: lstm.Backend, capture: Capture, max_bytes: int = DEFAULT_CACHE_BYTES
+    ) -> None:
         self.backend = backend
         self.xp = backend.xp
         self.capture = capture
         self.max_bytes = max_bytes
-        self._plans: collections.OrderedDict[tuple, _Plan] = collections.OrderedDict()
+        self._plans: collections.OrderedDict[Key, _Plan] = collections.OrderedDict()
         # Shapes that run eagerly (too big to cache, or capture failed), least recent first.
-        self._eager: collections.OrderedDict[tuple, None] = collections.OrderedDict()
+        self._eager: collections.OrderedDict[Key, None] = collections.OrderedDict()
         self._lock = threading.Lock()  # the tables above
         self._build_lock = threading.Lock()  # one capture at a time
         self.captures = 0
@@ -151,7 +157,13 @@ class GraphCache:
             return len(self._plans)
 
     # ------------------------------------------------------------------ internals
-    def _call(self, algorithm, arrays, attrs, check):
+    def _call(
+        self,
+        algorithm: Algorithm,
+        arrays: tuple[Any, ...],
+        attrs: dict[str, Any],
+        check: Callable[[], None] | None,
+    ) -> Any:
         key = (
             algorithm.__name__,
             tuple((tuple(a.shape), np.dtype(a.dtype).str) for a in arrays),
@@ -178,7 +190,14 @@ class GraphCache:
                 self.replays += 1
             return type(plan.outputs)(*(out.copy() for out in plan.outputs))
 
-    def _build(self, key, algorithm, arrays, attrs, check):
+    def _build(
+        self,
+        key: Key,
+        algorithm: Algorithm,
+        arrays: tuple[Any, ...],
+        attrs: dict[str, Any],
+        check: Callable[[], None] | None,
+    ) -> Any:
         """Build and keep the plan for ``key``; returns this call's result (its eager run)."""
         xp = self.xp
         with self._build_lock:
@@ -224,13 +243,13 @@ class GraphCache:
             _, plan = self._plans.popitem(last=False)
             total -= plan.nbytes
 
-    def _remember_eager(self, key) -> None:
+    def _remember_eager(self, key: Key) -> None:
         """(caller holds ``_lock``)"""
         self._eager[key] = None
         while len(self._eager) > MAX_EAGER_KEYS:
             self._eager.popitem(last=False)
 
-    def _copy_in(self, statics, arrays) -> None:
+    def _copy_in(self, statics: Sequence[Any], arrays: Sequence[Any]) -> None:
         for dst, src in zip(statics, arrays):
             if hasattr(src, "__cuda_array_interface__"):
                 self.xp.copyto(dst, src)

@@ -2,8 +2,9 @@
 # `make gpu-check`: on a CUDA machine, run the GPU tests and the GPU benchmark and
 # write everything to one folder (default results/gpu-check).
 #   device.txt             GPU, driver, CuPy, and where gradserve was imported from
-#   tests.log / junit.xml  every LSTM test with the CUDA twins (eager and CUDA graphs), and the
-#                          server on --device cuda, with --cuda-graphs off and on
+#   tests.log / junit.xml  every LSTM test with the CUDA twins (eager and CUDA graphs), the
+#                          server on --device cuda, with --cuda-graphs off and on, and the
+#                          device-resident tests (host<->GPU copies, on the stand-in cupy)
 #   bench.log / bench.json our CUDA LSTM vs cuDNN (torch.nn.LSTM, if torch is installed)
 #
 # Offline: with a .whl/ folder (made by `make gpu-kit` where there is a package index)
@@ -39,7 +40,8 @@ status=0
 } > "$out/device.txt" 2>&1 || status=1
 cat "$out/device.txt"
 limit "$TESTS_S" "$py" -m pytest -q tests/kernels tests/server/test_lstm_rpc.py \
-  tests/server/test_lstm_inputs_property.py tests/examples --junitxml "$out/junit.xml" 2>&1 | tee "$out/tests.log"
+  tests/server/test_lstm_inputs_property.py tests/server/test_lstm_device_resident.py \
+  tests/examples --junitxml "$out/junit.xml" 2>&1 | tee "$out/tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 # The served LSTM again, with the server replaying CUDA graphs (--cuda-graphs on).
 GRADSERVE_TEST_CUDA_GRAPHS=1 limit "$GRAPHS_S" "$py" -m pytest -q tests/server/test_lstm_rpc.py \

@@ -16,8 +16,8 @@ import time
 import numpy as np
 
 import gradserve
+from gradserve.kernels import backend_numpy
 from tests.kernels import lstm_cases
-from gradserve.kernels import backend_numpy, lstm
 
 
 @dataclasses.dataclass

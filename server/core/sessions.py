@@ -14,11 +14,12 @@ lock, so ops on different arrays (and sessions) run concurrently.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any
 
@@ -57,6 +58,17 @@ class Resident:
 TensorArg = np.ndarray | Resident
 
 
+@dataclasses.dataclass
+class _Kept:
+    """A resident tensor and the streams reading it."""
+
+    array: Array
+    #: Streams (GetTensor) reading it now: its bytes stay charged while any does.
+    readers: int = 0
+    #: Deleted (or its session closed) while read: the last reader releases its bytes.
+    dropped: bool = False
+
+
 def new_token(nbytes: int = 16) -> str:
     """An unguessable id: ``nbytes`` random bytes, URL-safe text."""
     return secrets.token_urlsafe(nbytes)
@@ -90,7 +102,9 @@ class Session:
         self._name_counter = 0
         self._arrays: dict[str, TensorArray] = {}
         self._grads: dict[tuple[str, str], str] = {}
-        self._resident: dict[str, np.ndarray] = {}
+        self._resident: dict[str, _Kept] = {}
+        #: Bytes held for tensors still arriving (``reserve_tensor``).
+        self._reservations: set[TensorReservation] = set()
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
@@ -189,15 +203,30 @@ class Session:
         stream still arriving), so that the budget refuses it before anything is
         allocated. Use as a context manager: what is not kept is released on exit."""
         self.check_tensor_bytes(nbytes)
-        self.budget.reserve(nbytes)
-        return TensorReservation(self, nbytes)
+        with self._lock:
+            self._check_open()
+            self.budget.reserve(nbytes)
+            reservation = TensorReservation(self, nbytes)
+            self._reservations.add(reservation)
+        return reservation
 
-    def _keep_reserved(self, array: Array) -> str:
+    def _keep_reserved(self, reservation: TensorReservation, array: Array) -> str:
+        """``array`` kept on ``reservation``'s bytes; raises (keeping nothing) once the
+        session is closed, whose ``close`` released the reservation."""
         tensor_id = new_token()
         with self._lock:
             self._check_open()
-            self._resident[tensor_id] = array
+            self._reservations.discard(reservation)
+            self._resident[tensor_id] = _Kept(array)
         return tensor_id
+
+    def _give_up(self, reservation: TensorReservation) -> None:
+        """Release a reservation not kept (unless ``close`` released it already)."""
+        with self._lock:
+            if reservation not in self._reservations:
+                return
+            self._reservations.discard(reservation)
+        self.budget.release(reservation.nbytes)
 
     def resolve(self, arg: TensorArg) -> Array:
         """The value of an op argument: the array itself, or the resident tensor as kept
@@ -211,14 +240,35 @@ class Session:
 
     def get(self, tensor_id: str) -> Array:
         with self._lock:
-            array = self._resident.get(tensor_id)
-        if array is None:
+            return self._kept(tensor_id).array
+
+    def _kept(self, tensor_id: str) -> _Kept:
+        """(caller holds ``_lock``)"""
+        kept = self._resident.get(tensor_id)
+        if kept is None:
             raise NotFoundError(
                 f"resident tensor {tensor_id!r} does not exist in this session",
                 reason="TENSOR_NOT_FOUND",
                 field="ref",
             )
-        return array
+        return kept
+
+    @contextlib.contextmanager
+    def reading(self, tensor_id: str) -> Iterator[Array]:
+        """The tensor, for a stream that reads it out: its bytes stay charged until the
+        stream ends, even if the tensor is deleted (or the session closed) meanwhile,
+        because the stream keeps the memory alive until then."""
+        with self._lock:
+            kept = self._kept(tensor_id)
+            kept.readers += 1
+        try:
+            yield kept.array
+        finally:
+            with self._lock:
+                kept.readers -= 1
+                release = kept.dropped and kept.readers == 0
+            if release:
+                self.budget.release(kept.array.nbytes)
 
     def get_placed(self, tensor_id: str, place: Callable[[Any], Any]) -> Any:
         """The tensor as ``place`` puts it (on the GPU, for a CUDA server's ops), and
@@ -229,35 +279,59 @@ class Session:
         copied to the GPU once however many calls read it. Host consumers copy it
         back, as they do with the GPU outputs of ops.
         """
-        array = self.get(tensor_id)
+        with self._lock:
+            kept = self._kept(tensor_id)
+            array = kept.array
         placed = place(array)
         if placed is not array:
             with self._lock:
-                if self._resident.get(tensor_id) is array:  # not deleted or placed meanwhile
-                    self._resident[tensor_id] = placed
+                if self._resident.get(tensor_id) is kept and kept.array is array:
+                    kept.array = placed  # not deleted or placed meanwhile
         return placed
 
     def delete(self, tensor_ids: Iterable[str]) -> int:
+        """Drop tensors; returns how many existed. Bytes of one still being read out
+        are released when its last reader ends."""
         with self._lock:
-            dropped = [
-                a for a in (self._resident.pop(t, None) for t in tensor_ids) if a is not None
-            ]
-        self.budget.release(sum(a.nbytes for a in dropped))
+            dropped = [k for k in (self._resident.pop(t, None) for t in tensor_ids) if k]
+            freed = self._drop(dropped)
+        self.budget.release(freed)
         return len(dropped)
 
+    @staticmethod
+    def _drop(dropped: Iterable[_Kept]) -> int:
+        """Mark tensors gone; returns the bytes free now (caller holds ``_lock``)."""
+        freed = 0
+        for kept in dropped:
+            if kept.readers:
+                kept.dropped = True
+            else:
+                freed += kept.array.nbytes
+        return freed
+
     # ---------------------------------------------------------------- lifecycle
-    def close(self) -> None:
-        """Free everything; later use of this session object fails."""
+    @property
+    def closed(self) -> bool:
+        """True once closed: streams of this session stop at their next chunk."""
+        return self._closed
+
+    def close(self) -> int:
+        """Free everything, reservations of tensors still arriving included; later use
+        of this session object fails. Returns the bytes freed."""
         with self._lock:
             self._closed = True
             arrays = list(self._arrays.values())
-            resident = list(self._resident.values())
+            freed = self._drop(self._resident.values())
+            freed += sum(r.nbytes for r in self._reservations)
             self._arrays.clear()
             self._grads.clear()
             self._resident.clear()
-        for ta in arrays:
+            self._reservations.clear()
+        self.budget.release(freed)
+        for ta in arrays:  # each releases its own bytes
+            freed += ta.nbytes()
             ta.close()
-        self.budget.release(sum(a.nbytes for a in resident))
+        return freed
 
     def _check_open(self) -> None:
         if self._closed:
@@ -277,7 +351,7 @@ class TensorReservation:
         """Keep ``array`` (of the reserved size) in the session under a new id."""
         if array.nbytes != self.nbytes:
             raise ValueError(f"reserved {self.nbytes} bytes, got an array of {array.nbytes}")
-        tensor_id = self.session._keep_reserved(array)
+        tensor_id = self.session._keep_reserved(self, array)
         self._open = False
         return tensor_id
 
@@ -292,7 +366,7 @@ class TensorReservation:
     ) -> None:
         if self._open:
             self._open = False
-            self.session.budget.release(self.nbytes)
+            self.session._give_up(self)
 
 
 class SessionStore:

@@ -392,7 +392,9 @@ class TensorArray:
                         "Currently only static shapes are supported when concatenating "
                         "zero-size TensorArrays."
                     )
-                return self._zeros((0, *fully_defined(element_shape_except0))), np.zeros(0, np.int64)
+                return self._zeros((0, *fully_defined(element_shape_except0))), np.zeros(
+                    0, np.int64
+                )
             values = self._read_many(range(n), check)
             except0 = None
             for i, v in enumerate(values):

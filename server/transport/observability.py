@@ -97,7 +97,9 @@ class Metrics:
                 registry=r,
             )
             for state in ("used", "held"):
-                pool.labels(state=state).set_function(functools.partial(_pool_bytes, compute, state))
+                pool.labels(state=state).set_function(
+                    functools.partial(_pool_bytes, compute, state)
+                )
         if graphs is not None:
             Gauge("gradserve_cuda_graph_plans", "captured LSTM plans", registry=r).set_function(
                 lambda: len(graphs)

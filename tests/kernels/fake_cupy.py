@@ -13,12 +13,20 @@ is checked here as a GPU would check it:
 * no implicit conversion to NumPy: ``np.asarray(device)`` raises CuPy's
   TypeError (``__array__``), and there is no ``__array_interface__``, buffer or
   ``ctypes``; the way to the host is ``.get()`` / ``cupy.asnumpy``;
-* no host array as an operand of a device operation (``+``, ``*``, ``matmul``, a
-  NumPy ufunc called on a device array, a kernel argument): CuPy's
-  ``TypeError: Unsupported type <class 'numpy.ndarray'>``; ``device[...] = host``
-  is CuPy's ValueError (it takes only scalars), ``.set(host)`` is the copy in;
+* no host array as an operand of a device operation (``+``, ``*``, a NumPy ufunc
+  called on a device array, a kernel argument): CuPy's ``TypeError: Unsupported
+  type <class 'numpy.ndarray'>`` (``matmul``, ``ascontiguousarray``: its Cython
+  "Argument 'a' has incorrect type"); ``device[...] = host`` is CuPy's ValueError
+  (it takes only scalars there), ``.set(host)`` is the copy in;
 * ``cupy.empty`` memory is not zeros but all-ones bytes (NaN for floats), as
-  reused pool memory on a GPU is garbage: code that reads before it writes fails.
+  reused pool memory on a GPU is garbage: code that reads before it writes fails;
+* stream capture as CUDA's: while this thread's current stream captures, device
+  work is recorded, not run (new arrays hold garbage until a replay), host copies
+  and synchronisation raise, and the graph's ``launch`` replays the work into the
+  same arrays.
+
+``tests/kernels/test_fake_cupy_conformance.py`` holds the stand-in to CuPy's
+signatures and refusals (recorded in ``cupy_signatures.json``).
 
 Every host-to-device and device-to-host copy is counted in ``cupy.transfers``,
 so tests can show which tensors a served op moved between host and GPU; every

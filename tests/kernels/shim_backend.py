@@ -74,10 +74,7 @@ def make_backend(lib: ctypes.CDLL) -> types.SimpleNamespace:
         )
 
     backend = types.SimpleNamespace(
-        **{
-            k: getattr(backend_numpy, k)
-            for k in ("xp", "asarray", "cast", "to_host", "to_device")
-        }
+        **{k: getattr(backend_numpy, k) for k in ("xp", "asarray", "cast", "to_host", "to_device")}
     )
     backend.name = "host-shim"
     backend.fwd_step, backend.bwd_step = fwd_step, bwd_step

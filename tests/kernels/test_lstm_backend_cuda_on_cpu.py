@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from gradserve.kernels import backend_numpy, lstm
-from tests.kernels import lstm_cases
-from tests.kernels import fake_cupy, shim_backend
+from tests.kernels import fake_cupy, lstm_cases, shim_backend
 from tests.kernels.lstm_cases import (
     GRADS,
     INDEX,
@@ -58,6 +57,7 @@ def run(backend, case, length, peep, layout=lstm.GateLayout.IFCO, clip=0.0, bias
     return out, lstm.LSTMGrads(*(backend.to_host(a) for a in grads))
 
 
+@pytest.mark.golden
 @pytest.mark.parametrize("name", [c["name"] for c in INDEX])
 def test_golden_cases_match_numpy(backend_cuda, name):
     d = golden(name)

@@ -77,9 +77,7 @@ def test_host_shim_matches_numpy_in_float64(shim, layout, use_peephole):
     )
     attrs = dict(seq_len_max=4, use_peephole=use_peephole, layout=layout)
     fwd = [
-        lstm_cases.forward(
-            b, *(case[k] for k in INPUTS), forget_bias=1.0, cell_clip=0.4, **attrs
-        )
+        lstm_cases.forward(b, *(case[k] for k in INPUTS), forget_bias=1.0, cell_clip=0.4, **attrs)
         for b in (shim, backend_numpy)
     ]
     for k in OUTPUTS:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.kernels import lstm_cases
 from gradserve.kernels import backend_numpy, lstm
+from tests.kernels import lstm_cases
 
 
 def sigmoid(x):

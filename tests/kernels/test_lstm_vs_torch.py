@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradserve.kernels import backend_numpy, lstm
+from gradserve.kernels import backend_numpy
 from tests.kernels import lstm_cases
 from tests.kernels.lstm_cases import INPUTS, random_case
 

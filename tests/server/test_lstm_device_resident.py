@@ -16,10 +16,9 @@ import pytest
 
 import gradserve
 from gradserve.errors import InvalidArgumentError
-from gradserve.kernels import backend_numpy, lstm
+from gradserve.kernels import backend_numpy
 from gradserve.server import run_server
-from tests.kernels import lstm_cases
-from tests.kernels import fake_cupy, shim_backend
+from tests.kernels import fake_cupy, lstm_cases, shim_backend
 from tests.kernels.lstm_cases import GRADS, INPUTS, OUTPUT_GRADS, OUTPUTS, random_case
 
 
@@ -205,3 +204,48 @@ def test_gpu_pool_metric_shows_kept_outputs_and_their_release(tmp_path):
         client.delete(*kept)
         gc.collect()
         assert used(server) - before < outputs  # and are freed with their refs
+
+
+def test_cuda_graphs_server_replays_right_results(tmp_path):
+    """``--cuda-graphs on`` on the stand-in, whose stream capture records the work and
+    whose graphs replay it: later calls of a shape are replays (no host copies inside a
+    capture, or the capture would fail and the calls run eagerly), with the results of
+    their own inputs."""
+    import re
+    import urllib.request
+
+    def metric(server, name: str) -> float:
+        url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:  # noqa: S310 - loopback
+            return float(re.search(rf"^{name} (\S+)$", r.read().decode(), re.M)[1])
+
+    lib = shim_backend.build(tmp_path)
+    with (
+        fake_cupy.installed(lib),
+        run_server(device="cuda", cuda_graphs=True, metrics_port=0) as server,
+        gradserve.Client(f"127.0.0.1:{server.port}", timeout=60) as client,
+    ):
+        for seed in (21, 22, 23):
+            case = random_case(
+                np.random.default_rng(seed), steps=5, batch=3, inputs=4, units=6,
+                dtype=np.float32, scale=0.5,
+            )  # fmt: skip
+            args = [case["seq_len_max"], *(case[k] for k in INPUTS)]
+            kept = client.raw_ops.BlockLSTMV2(*args, use_peephole=True, keep=True)
+            grads = client.raw_ops.BlockLSTMGradV2(
+                *args, *kept, case["cs_grad"], case["h_grad"], use_peephole=True
+            )
+            want = lstm_cases.forward(
+                backend_numpy, *(case[k] for k in INPUTS), seq_len_max=5, use_peephole=True
+            )
+            want_grads = lstm_cases.backward(
+                backend_numpy, *(case[k] for k in INPUTS), *want, case["cs_grad"],
+                case["h_grad"], seq_len_max=5, use_peephole=True,
+            )  # fmt: skip
+            for k in OUTPUTS:
+                np.testing.assert_allclose(getattr(kept, k).numpy(), getattr(want, k), atol=1e-5)
+            for k in GRADS:
+                np.testing.assert_allclose(getattr(grads, k), getattr(want_grads, k), atol=1e-5)
+            client.delete(*kept)
+        assert metric(server, "gradserve_cuda_graph_captures_total") == 2  # forward, backward
+        assert metric(server, "gradserve_cuda_graph_replays_total") == 4

@@ -17,11 +17,10 @@ from hypothesis import strategies as st
 
 import gradserve
 from gradserve.errors import InvalidArgumentError
-from gradserve.kernels import backend_numpy, lstm
+from gradserve.kernels import backend_numpy
 from gradserve.server import run_server
-from tests.kernels import lstm_cases
 from tests.conftest import DEVICE
-from tests.kernels import fake_cupy, shim_backend
+from tests.kernels import fake_cupy, lstm_cases, shim_backend
 from tests.kernels.lstm_cases import (
     GRADS,
     INPUTS,
@@ -94,9 +93,7 @@ def reference(backward, length, inputs, attrs):
     host = [inputs[k] for k in INPUTS]
     if backward:
         extra = [inputs[k] for k in OUTPUTS + OUTPUT_GRADS]
-        return lstm_cases.backward(
-            backend_numpy, *host, *extra, seq_len_max=int(length), **attrs
-        )
+        return lstm_cases.backward(backend_numpy, *host, *extra, seq_len_max=int(length), **attrs)
     return lstm_cases.forward(backend_numpy, *host, seq_len_max=int(length), **attrs)
 
 

@@ -8,7 +8,6 @@ from gradserve import dtypes, shapes
 from gradserve.errors import InvalidArgumentError
 
 
-
 def _integers(x: np.ndarray, what: str) -> np.ndarray:
     if x.dtype.kind not in "iu":
         raise InvalidArgumentError(
