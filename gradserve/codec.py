@@ -9,7 +9,6 @@ length that does not match the shape — is an ``InvalidArgumentError``.
 
 from __future__ import annotations
 
-import itertools
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -29,6 +28,7 @@ __all__ = [
     "decode",
     "encode_chunks",
     "decode_chunks",
+    "ChunkAssembler",
     "element_count",
     "encode_shape",
     "decode_shape",
@@ -109,47 +109,75 @@ def encode_chunks(array: np.ndarray, chunk_bytes: int) -> Iterator[tensor_pb2.Te
         yield tensor_pb2.TensorChunk(data=bytes(raw[start : start + step]))
 
 
+class ChunkAssembler:
+    """Builds the array a chunk stream carries, one chunk at a time (so that a sync
+    iterator and an asyncio stream share it). Every malformed stream (no chunk, bad
+    dtype or shape, too little or too much data) is an InvalidArgumentError.
+
+    ``before_allocating(nbytes)`` runs once the size is known (from the first chunk)
+    and before the buffer exists: a memory budget can refuse the stream there.
+    """
+
+    def __init__(
+        self,
+        *,
+        before_allocating: Callable[[int], None] = lambda nbytes: None,
+        field: str = "stream",
+    ) -> None:
+        self.field = field
+        self._before_allocating = before_allocating
+        self._buffer: np.ndarray | None = None
+        self._dtype: np.dtype[Any] | None = None
+        self._shape: tuple[int, ...] = ()
+        self.filled = 0
+        self.nbytes = 0
+
+    def add(self, chunk: tensor_pb2.TensorChunk) -> None:
+        field = self.field
+        if self._buffer is None:
+            self._dtype = dtype_from_enum(chunk.dtype, field=field)
+            self._shape = tuple(chunk.shape)
+            itemsize = self._dtype.itemsize
+            self.nbytes = element_count(self._shape, field=field, itemsize=itemsize) * itemsize
+            self._before_allocating(self.nbytes)
+            self._buffer = np.empty(self.nbytes, np.uint8)
+        data = chunk.data
+        end = self.filled + len(data)
+        if end > self.nbytes:
+            raise InvalidArgumentError(
+                f"{field}: more data than shape {list(self._shape)} of {self._dtype} holds "
+                f"({self.nbytes} bytes)",
+                field=field,
+            )
+        self._buffer[self.filled : end] = np.frombuffer(data, np.uint8)
+        self.filled = end
+
+    def finish(self) -> np.ndarray:
+        """The read-only array, once the stream has ended."""
+        field = self.field
+        if self._buffer is None or self._dtype is None:
+            raise InvalidArgumentError(f"{field}: the stream carried no chunk", field=field)
+        if self.filled != self.nbytes:
+            raise InvalidArgumentError(
+                f"{field}: the stream ended after {self.filled} of {self.nbytes} bytes",
+                field=field,
+            )
+        array = self._buffer.view(self._dtype.newbyteorder("<")).reshape(self._shape)
+        array.flags.writeable = False
+        return array
+
+
 def decode_chunks(
     chunks: Iterable[tensor_pb2.TensorChunk],
     *,
     before_allocating: Callable[[int], None] = lambda nbytes: None,
-    on_data: Callable[[int], None] = lambda nbytes: None,
     field: str = "stream",
 ) -> np.ndarray:
-    """The read-only array a chunk stream carries; every malformed stream (no chunk,
-    bad dtype or shape, too little or too much data) is an InvalidArgumentError.
-
-    ``before_allocating(nbytes)`` runs once the size is known and before the buffer
-    exists (a memory budget can refuse it there); ``on_data`` sees each chunk's size.
-    """
-    chunks = iter(chunks)
-    first = next(chunks, None)
-    if first is None:
-        raise InvalidArgumentError(f"{field}: the stream carried no chunk", field=field)
-    dtype = dtype_from_enum(first.dtype, field=field)
-    shape = tuple(first.shape)
-    nbytes = element_count(shape, field=field, itemsize=dtype.itemsize) * dtype.itemsize
-    before_allocating(nbytes)
-    buffer = np.empty(nbytes, np.uint8)
-    filled = 0
-    for chunk in itertools.chain((first,), chunks):
-        data = chunk.data
-        end = filled + len(data)
-        if end > nbytes:
-            raise InvalidArgumentError(
-                f"{field}: more data than shape {list(shape)} of {dtype} holds ({nbytes} bytes)",
-                field=field,
-            )
-        buffer[filled:end] = np.frombuffer(data, np.uint8)
-        filled = end
-        on_data(len(data))
-    if filled != nbytes:
-        raise InvalidArgumentError(
-            f"{field}: the stream ended after {filled} of {nbytes} bytes", field=field
-        )
-    array = buffer.view(dtype.newbyteorder("<")).reshape(shape)
-    array.flags.writeable = False
-    return array
+    """The read-only array a chunk stream carries (see ``ChunkAssembler``)."""
+    assembler = ChunkAssembler(before_allocating=before_allocating, field=field)
+    for chunk in chunks:
+        assembler.add(chunk)
+    return assembler.finish()
 
 
 def encode_shape(shape: shapes.PartialShape, out=None) -> tensor_pb2.PartialShape:

@@ -1,15 +1,18 @@
 """Memory budgets: bytes held per session and per server.
 
-``MemoryBudget`` counts bytes held (resident tensors, TensorArray values)
-against a limit, nested: a session's budget reserves in the server's too, so
-one check covers "bytes per session" and "bytes for the whole server". A
-reservation that would pass either limit raises RESOURCE_EXHAUSTED naming the
+``MemoryBudget`` counts bytes held (resident tensors, TensorArray values,
+tensors still arriving) against a limit, nested: session -> principal ->
+server. A session's reservation is also one of its principal's and of the
+server's, so one check covers "bytes per session", "bytes per principal" (one
+tenant cannot starve the others) and "bytes for the whole server". A
+reservation that would pass any limit raises RESOURCE_EXHAUSTED naming the
 limit and changes nothing.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from gradserve.errors import ResourceExhaustedError
 
@@ -17,10 +20,19 @@ from gradserve.errors import ResourceExhaustedError
 class MemoryBudget:
     """Bytes held against ``limit`` (None: unlimited), inside an optional parent."""
 
-    def __init__(self, limit: int | None, what: str, parent: MemoryBudget | None = None):
+    def __init__(
+        self,
+        limit: int | None,
+        what: str,
+        parent: MemoryBudget | None = None,
+        *,
+        on_release: Callable[[int], None] | None = None,
+    ):
         self.limit = limit
         self.what = what
         self.parent = parent
+        #: Told of every release (the server's budget: to return memory to the OS).
+        self.on_release = on_release
         self._used = 0
         self._lock = threading.Lock()
 
@@ -53,6 +65,8 @@ class MemoryBudget:
             self._used -= nbytes
         if self.parent is not None:
             self.parent.release(nbytes)
+        if self.on_release is not None:
+            self.on_release(nbytes)
 
     def adjust(self, delta: int) -> None:
         """Reserve a positive delta, release a negative one."""

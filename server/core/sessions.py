@@ -381,7 +381,9 @@ class SessionStore:
         max_sessions: int | None = None,
         max_sessions_per_principal: int | None = None,
         max_session_bytes: int | None = None,
+        max_principal_bytes: int | None = None,
         max_server_bytes: int | None = None,
+        on_release: Callable[[int], None] | None = None,
     ):
         self.idle_timeout = idle_timeout
         self.max_tensor_bytes = max_tensor_bytes
@@ -389,7 +391,13 @@ class SessionStore:
         self.max_sessions = max_sessions
         self.max_sessions_per_principal = max_sessions_per_principal
         self.max_session_bytes = max_session_bytes
-        self.budget = MemoryBudget(max_server_bytes, "server (--max-server-bytes)")
+        self.max_principal_bytes = max_principal_bytes
+        self.budget = MemoryBudget(
+            max_server_bytes, "server (--max-server-bytes)", on_release=on_release
+        )
+        #: Each principal's bytes, all its sessions together, inside the server's.
+        self._principals: dict[str, MemoryBudget] = {}
+        self._principal_lock = threading.Lock()
         self.expired = 0  # sessions closed by the idle timeout, for metrics
         self.draining = False
         self._lock = threading.Lock()
@@ -426,11 +434,26 @@ class SessionStore:
                 budget=MemoryBudget(
                     self.max_session_bytes,
                     "session (--max-session-bytes)",
-                    parent=self.budget,
+                    parent=self.principal_budget(principal),
                 ),
             )
             self._sessions[session_id] = session
         return session
+
+    def principal_budget(self, principal: str) -> MemoryBudget:
+        """The bytes ``principal`` holds in all its sessions, against
+        ``--max-principal-bytes``. One per principal that ever opened a session: the
+        token file bounds how many there are."""
+        with self._principal_lock:
+            budget = self._principals.get(principal)
+            if budget is None:
+                budget = MemoryBudget(
+                    self.max_principal_bytes,
+                    f"principal {principal!r} (--max-principal-bytes)",
+                    parent=self.budget,
+                )
+                self._principals[principal] = budget
+            return budget
 
     def get(self, session_id: str, principal: str = ANONYMOUS) -> Session:
         """The open session ``session_id`` of ``principal`` (refreshing its idle timer).

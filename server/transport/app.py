@@ -1,39 +1,55 @@
-"""Wiring of the gRPC server: servicer, auth, TLS, health, reflection, metrics, shutdown.
+"""Wiring of the gRPC server: servicer, TLS, health, reflection, metrics, shutdown.
 
-``run_server`` is a context manager (tests and embedding): it yields the
-running ``Server`` with its bound port and stops it on exit. ``serve`` runs
-until SIGTERM/SIGINT, then turns health to NOT_SERVING, refuses new sessions,
-lets in-flight RPCs finish within the grace period, and returns (exit code 0).
+The server is ``grpc.aio`` on an event loop of its own thread: a call waiting on
+a slow client, a compute slot or the network costs a suspended coroutine, not a
+thread; blocking work runs on the servicer's bounded lanes. The GradServe
+service's handlers are built from its descriptor with lenient deserializers, so
+a request that does not parse is INVALID_ARGUMENT (``boundary.Unparsed``)
+rather than a logged traceback. Health and reflection are registered beside it
+and pass through no lane and no admission limit.
+
+``run_server`` is a context manager (tests and embedding): it yields the running
+``Server`` with its bound port and stops it on exit. ``serve`` runs until
+SIGTERM/SIGINT, then drains: health NOT_SERVING, every new call refused with
+UNAVAILABLE, calls in flight get ``--grace`` seconds to finish (none is
+cancelled unless it is still running then), and returns (exit code 0).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
 import pathlib
 import signal
 import threading
+import time
 from collections.abc import Iterator
-from concurrent import futures
+from typing import Any
 
 import grpc
+from google.protobuf import message_factory
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gradserve.kernels.compute import compute_for
+from gradserve.kernels.compute import Compute, compute_for
 from gradserve.kernels.device import select_device
 from gradserve.server.core.sessions import SessionStore
-from gradserve.server.transport.admission import ComputeGate
-from gradserve.server.transport.auth import AuthInterceptor, TokenTable, is_loopback
+from gradserve.server.transport import boundary
+from gradserve.server.transport.admission import Admission, Lane
+from gradserve.server.transport.auth import TokenTable, is_loopback
 from gradserve.server.transport.config import ServerConfig
+from gradserve.server.transport.memory import Trimmer
 from gradserve.server.transport.observability import Metrics, Observer
 from gradserve.server.transport.servicer import GradServeServicer
-from gradserve.v1 import service_pb2, service_pb2_grpc
+from gradserve.server.transport.streams import StreamLimits
+from gradserve.v1 import service_pb2
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = service_pb2.DESCRIPTOR.services_by_name["GradServe"].full_name
+SERVICE = service_pb2.DESCRIPTOR.services_by_name["GradServe"]
+SERVICE_NAME = SERVICE.full_name
 
 
 class ConfigError(ValueError):
@@ -44,27 +60,54 @@ class ConfigError(ValueError):
 class Server:
     """A started server and what tests need to reach into."""
 
-    grpc_server: grpc.Server
     port: int
     store: SessionStore
-    health: health.HealthServicer
     device: str
     config: ServerConfig
+    servicer: GradServeServicer
     metrics: Metrics | None = None
     metrics_port: int | None = None
+    trimmer: Trimmer | None = None
     stopped: threading.Event = dataclasses.field(default_factory=threading.Event)
+    _loop: asyncio.AbstractEventLoop | None = None
+    _thread: threading.Thread | None = None
+    _grpc: Any = None
+    _health: Any = None
+    _reaper: Any = None
 
     def stop(self, grace: float | None = None) -> None:
-        """Health to NOT_SERVING and no new sessions, then stop accepting; in-flight
-        RPCs get ``grace`` seconds; then every session is freed."""
+        """Drain (new calls refused with UNAVAILABLE, health NOT_SERVING), give calls
+        in flight ``grace`` seconds, stop, free every session."""
+        if self.stopped.is_set() or self._loop is None:
+            return
         self.stopped.set()
-        self.store.draining = True
-        self.health.enter_graceful_shutdown()
-        self.grpc_server.stop(self.config.grace if grace is None else grace).wait()
+        grace = self.config.grace if grace is None else grace
+        asyncio.run_coroutine_threadsafe(self._stop(grace), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.servicer.light.shutdown()
+        self.servicer.heavy.shutdown()
         self.store.close_all()
 
+    async def _stop(self, grace: float) -> None:
+        started = time.monotonic()
+        self.store.draining = True
+        await self._health.enter_graceful_shutdown()
+        finished = await self.servicer.admission.drain(grace)
+        if not finished:
+            log.warning(
+                "%d call(s) still running after the %.1fs grace: cancelled",
+                self.servicer.admission.in_flight,
+                grace,
+            )
+        if self._reaper is not None:
+            self._reaper.cancel()
+        # Calls that returned may still be sending their responses: let them finish.
+        await self._grpc.stop(max(1.0, grace - (time.monotonic() - started)))
 
-def _store(config: ServerConfig) -> SessionStore:
+
+def _store(config: ServerConfig, trimmer: Trimmer) -> SessionStore:
     return SessionStore(
         idle_timeout=config.session_ttl,
         max_tensor_bytes=config.max_tensor_bytes,
@@ -72,11 +115,13 @@ def _store(config: ServerConfig) -> SessionStore:
         max_sessions=config.max_sessions,
         max_sessions_per_principal=config.max_sessions_per_principal,
         max_session_bytes=config.max_session_bytes,
+        max_principal_bytes=config.principal_bytes(),
         max_server_bytes=config.max_server_bytes,
+        on_release=trimmer.released,
     )
 
 
-def _compute(config: ServerConfig, device: str):
+def _compute(config: ServerConfig, device: str) -> Compute:
     if config.cuda_graphs and device != "cuda":
         log.warning("--cuda-graphs on has no effect on device %s: the LSTM runs eagerly", device)
     return compute_for(
@@ -86,15 +131,15 @@ def _compute(config: ServerConfig, device: str):
     )
 
 
-def _interceptors(config: ServerConfig, observer: Observer) -> list[grpc.ServerInterceptor]:
+def _tokens(config: ServerConfig) -> TokenTable | None:
     if config.token_file:
-        return [AuthInterceptor(TokenTable.from_file(config.token_file), observer)]
+        return TokenTable.from_file(config.token_file)
     if not is_loopback(config.host):
         raise ConfigError(
             f"refusing to serve {config.host} without authentication: pass --token-file "
             "(authentication is off only on a loopback address)"
         )
-    return []
+    return None
 
 
 def _credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
@@ -112,42 +157,60 @@ def _credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     )
 
 
+def service_handler(servicer: GradServeServicer) -> grpc.GenericRpcHandler:
+    """The GradServe service's method handlers, from its descriptor: each method's
+    kind, messages and servicer coroutine, with a deserializer that never raises."""
+    handlers = {}
+    for method in SERVICE.methods:
+        request = message_factory.GetMessageClass(method.input_type)
+        response = message_factory.GetMessageClass(method.output_type)
+        kind = "_".join(
+            "stream" if streaming else "unary"
+            for streaming in (method.client_streaming, method.server_streaming)
+        )
+        make = getattr(grpc, f"{kind}_rpc_method_handler")
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=boundary.lenient(request.FromString, method.input_type.full_name),
+            response_serializer=response.SerializeToString,
+        )
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
 def start(config: ServerConfig) -> Server:
-    """Build, bind and start a server for ``config``; raises if it cannot."""
+    """Build, bind and start a server for ``config`` on its own event-loop thread;
+    raises if it cannot."""
     credentials = _credentials(config)
+    tokens = _tokens(config)
     device = select_device(config.device)
-    store = _store(config)
+    trimmer = Trimmer()
+    store = _store(config, trimmer)
     compute = _compute(config, device)
     metrics = Metrics(store, compute) if config.metrics_port is not None else None
-    observer = Observer(metrics)
-    interceptors = _interceptors(config, observer)
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="gradserve"),
-        interceptors=interceptors,
-        options=config.grpc_options(),
-        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-    )
     servicer = GradServeServicer(
         store,
         compute=compute,
-        observer=observer,
-        compute_gate=ComputeGate(config.compute_slots, config.max_queued_compute),
+        light=Lane("light", config.workers),
+        heavy=Lane("compute", config.compute_slots, config.max_queued_compute),
+        admission=Admission(config.max_concurrent_rpcs),
+        tokens=tokens,
+        observer=Observer(metrics),
+        stream_limits=StreamLimits(
+            config.stream_idle_timeout, config.stream_min_rate, config.stream_rate_grace
+        ),
         max_message_bytes=config.max_message_bytes,
     )
-    service_pb2_grpc.add_GradServeServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
-    address = f"{config.host}:{config.port}"
-    if credentials is None:
-        port = server.add_insecure_port(address)
-    else:
-        port = server.add_secure_port(address, credentials)
-    if port == 0:
-        raise OSError(f"could not bind {address}")
-    metrics_port = None
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="gradserve-loop", daemon=True)
+    thread.start()
+    server = Server(0, store, device, config, servicer, metrics, None, trimmer)
+    server._loop, server._thread = loop, thread
+    try:
+        asyncio.run_coroutine_threadsafe(_start(server, credentials), loop).result()
+    except BaseException:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        raise
     if metrics is not None:
         from prometheus_client import start_http_server
 
@@ -155,30 +218,45 @@ def start(config: ServerConfig) -> Server:
         http, _ = start_http_server(
             config.metrics_port, addr=config.host, registry=metrics.registry
         )
-        metrics_port = http.server_port
-    server.start()
+        server.metrics_port = http.server_port
+    return server
+
+
+async def _start(server: Server, credentials: grpc.ServerCredentials | None) -> None:
+    config = server.config
+    grpc_server = grpc.aio.server(options=config.grpc_options())
+    grpc_server.add_generic_rpc_handlers((service_handler(server.servicer),))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), grpc_server
+    )
+    address = f"{config.host}:{config.port}"
+    if credentials is None:
+        port = grpc_server.add_insecure_port(address)
+    else:
+        port = grpc_server.add_secure_port(address, credentials)
+    if port == 0:
+        raise OSError(f"could not bind {address}")
+    await grpc_server.start()
     for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    running = Server(server, port, store, health_servicer, device, config, metrics, metrics_port)
-    _start_reaper(running)
-    return running
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    server.port, server._grpc, server._health = port, grpc_server, health_servicer
+    server._reaper = asyncio.ensure_future(_reap(server))
 
 
-def _start_reaper(server: Server) -> None:
+async def _reap(server: Server) -> None:
     """Close idle sessions every few seconds until the server stops."""
     period = max(0.05, min(30.0, server.config.session_ttl / 4))
-
-    def reap() -> None:
-        while not server.stopped.wait(period):
-            expired = server.store.expire_idle()
-            if expired:
-                log.info("closed %d idle session(s)", expired)
-
-    threading.Thread(target=reap, name="gradserve-reaper", daemon=True).start()
+    while True:
+        await asyncio.sleep(period)
+        expired = await server.servicer.light.run(server.store.expire_idle)
+        if expired:
+            log.info("closed %d idle session(s)", expired)
 
 
 @contextlib.contextmanager
-def run_server(config: ServerConfig | None = None, **overrides) -> Iterator[Server]:
+def run_server(config: ServerConfig | None = None, **overrides: Any) -> Iterator[Server]:
     """Start a server (``port=0`` by default: any free port) and stop it on exit."""
     config = dataclasses.replace(config or ServerConfig(port=0), **overrides)
     server = start(config)
@@ -197,6 +275,6 @@ def serve(config: ServerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
     stop.wait()
-    log.info("shutting down: health NOT_SERVING, no new sessions, %.1fs grace", config.grace)
+    log.info("draining: health NOT_SERVING, new calls refused, %.1fs grace", config.grace)
     server.stop()
     return 0

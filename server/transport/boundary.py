@@ -3,28 +3,35 @@
 ``rpc_status_for`` builds a ``google.rpc.Status`` with details (``ErrorInfo``
 carrying the reason, ``BadRequest`` naming the field at fault); ``grpc_code``
 maps the domain's ``errors.Code`` to ``grpc.StatusCode``; ``guarded`` wraps
-every servicer method — unary or server-streaming response, unary or streamed
-request — so that every exception leaves through it: typed errors with their
-own code, anything unexpected as INTERNAL (logged with its traceback). No
-handler picks a status code itself.
+every servicer coroutine — unary or streamed request or response — so that every
+call is admitted, authenticated and observed the same way and every exception
+leaves through it: typed errors with their own code, a request that does not
+parse as INVALID_ARGUMENT, anything unexpected as INTERNAL (logged with its
+traceback). No handler picks a status code itself.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
-import inspect
 import logging
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from gradserve.errors import Code, GradserveError, InternalError, ResourceExhaustedError
+from gradserve.errors import (
+    Code,
+    GradserveError,
+    InternalError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+)
 from gradserve.protocol import REQUEST_ID_KEY
-from gradserve.server.transport.observability import CallRecord
+from gradserve.server.transport.auth import current_principal
 
 log = logging.getLogger(__name__)
 
@@ -76,55 +83,83 @@ def rpc_status_for(err: GradserveError) -> status_pb2.Status:
     return status_pb2.Status(code=int(err.code), message=err.message, details=details)
 
 
-def abort(context: grpc.ServicerContext, err: GradserveError, request_id: str = "") -> None:
-    """End the RPC with ``err``'s status and details (raises, as context.abort does)."""
-    status = rpc_status.to_status(rpc_status_for(err))
-    if request_id:
-        status = status._replace(
-            trailing_metadata=(*status.trailing_metadata, (REQUEST_ID_KEY, request_id))
-        )
-    context.abort_with_status(status)
+class Unparsed:
+    """A request (or stream message) that did not parse: the handler's call ends with
+    INVALID_ARGUMENT naming why, where gRPC would log a traceback and answer INTERNAL."""
+
+    def __init__(self, what: str, error: Exception) -> None:
+        self.message = f"the request does not parse as {what}: {type(error).__name__}: {error}"
+
+
+def lenient(parse: Callable[[bytes], Any], what: str) -> Callable[[bytes], Any]:
+    """A request deserializer that returns ``Unparsed`` instead of raising."""
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as error:  # noqa: BLE001 - any parse failure is the client's
+            return Unparsed(what, error)
+
+    return deserialize
+
+
+def check_parsed(message: Any) -> None:
+    """Raise INVALID_ARGUMENT for a message that did not parse."""
+    if isinstance(message, Unparsed):
+        raise InvalidArgumentError(message.message, reason="MALFORMED_REQUEST")
 
 
 def guarded(handler: H) -> H:
-    """Wrap a servicer method of any RPC kind: observe it, map every error once.
+    """Wrap a servicer coroutine of any RPC kind: the one door every GradServe call
+    goes through.
 
-    Generator methods (server streaming) are wrapped as generators; the others
-    return one response. A message request's size is counted here; a streamed
-    request's chunks are counted by the handler (``observability.current_call``).
-    The servicer provides ``observer`` (``observability.Observer``).
+    In order: observe the call (metrics, logs, request id); admit it (refused with
+    UNAVAILABLE while draining, RESOURCE_EXHAUSTED past ``--max-concurrent-rpcs``);
+    authenticate its bearer token (when the server has a token file) and set
+    ``current_principal``; refuse a request that did not parse; run the handler; map
+    every exception to its status, once. A call its client cancelled is recorded as
+    CANCELLED and not reported as an error.
+
+    The servicer provides ``observer``, ``admission`` and ``principal(context)``.
+    A message request's size is counted here; streamed chunks by the handler.
     """
     name = handler.__name__
 
-    if inspect.isgeneratorfunction(handler):
-
-        @functools.wraps(handler)
-        def streaming(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            with self.observer.call(name, context) as call:
-                call.bytes_in = _size(request)
-                try:
-                    for message in handler(self, request, context):
-                        call.bytes_out += message.ByteSize()
-                        yield message
-                except Exception as exc:  # noqa: BLE001 - the boundary: nothing escapes
-                    fail(call, exc, context)
-
-        return streaming  # type: ignore[return-value]
-
     @functools.wraps(handler)
-    def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
-        observer = self.observer
-        with observer.call(name, context) as call:
+    async def call(self: Any, request: Any, context: Any) -> Any:
+        error: GradserveError | None = None
+        response = None
+        with self.observer.call(name, context) as record:
             try:
-                response = handler(self, request, context)
-            except Exception as exc:  # noqa: BLE001 - the boundary: nothing escapes
-                fail(call, exc, context)
-            if observer.counts_bytes:
-                call.bytes_in += _size(request)
-                call.bytes_out = response.ByteSize()
-            return response
+                self.admission.enter()
+            except GradserveError as exc:
+                error = exc
+            else:
+                try:
+                    token = current_principal.set(self.principal(context))
+                    try:
+                        check_parsed(request)
+                        response = await handler(self, request, context)
+                    finally:
+                        current_principal.reset(token)
+                except asyncio.CancelledError:
+                    record.code, record.message = Code.CANCELLED, "cancelled by the client"
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the boundary: nothing escapes
+                    error = as_gradserve_error(exc)
+                finally:
+                    self.admission.exit()
+            if error is not None:
+                record.code, record.message = error.code, error.message
+            elif self.observer.counts_bytes:
+                record.bytes_in += _size(request)
+                if response is not None:
+                    record.bytes_out = response.ByteSize()
+        if error is not None:  # counted and logged above, before the client can see it
+            await abort(context, error, record.request_id)
+        return response
 
-    return unary  # type: ignore[return-value]
+    return call  # type: ignore[return-value]
 
 
 def _size(request: Any) -> int:
@@ -132,17 +167,9 @@ def _size(request: Any) -> int:
     return request.ByteSize() if hasattr(request, "ByteSize") else 0
 
 
-def fail(call: CallRecord, exc: Exception, context: Any) -> None:
-    """Record ``exc`` on the call and end the RPC with its status (always raises)."""
-    if _is_abort(exc, context):
-        call.code = Code[context.code().name]
-        call.message = str(context.details() or "")
-        raise exc
-    err = as_gradserve_error(exc)
-    call.code, call.message = err.code, err.message
-    abort(context, err, call.request_id)
-
-
-def _is_abort(exc: Exception, context: Any) -> bool:
-    # context.abort raises a bare Exception after setting the code.
-    return type(exc) is Exception and context.code() not in (None, grpc.StatusCode.OK)
+async def abort(context: Any, err: GradserveError, request_id: str) -> NoReturn:
+    """End the RPC with ``err``'s status and details (raises, as ``context.abort`` does)."""
+    status = rpc_status.to_status(rpc_status_for(err))
+    trailing = (*status.trailing_metadata, (REQUEST_ID_KEY, request_id))
+    await context.abort(status.code, status.details, trailing)
+    raise AssertionError("context.abort returned")  # pragma: no cover

@@ -12,6 +12,9 @@ import os
 from gradserve import protocol
 from gradserve.kernels.cuda_graphs import DEFAULT_CACHE_BYTES
 
+#: ``max_principal_bytes`` default: this share of ``max_server_bytes``.
+SERVER_FRACTION = -1
+
 
 def _half_of_memory() -> int | None:
     try:
@@ -30,7 +33,7 @@ class ServerConfig:
     #: most this many GPU bytes in captured plans.
     cuda_graphs: bool = False
     cuda_graph_cache_bytes: int = DEFAULT_CACHE_BYTES
-    #: Threads serving RPCs.
+    #: Threads computing light ops (TensorArray ops, copies); waiting calls take none.
     workers: int = 16
 
     # --- security
@@ -54,15 +57,24 @@ class ServerConfig:
     max_session_bytes: int | None = 8 * 1024**3
     #: Bytes all sessions together may hold: half the machine's memory by default.
     max_server_bytes: int | None = dataclasses.field(default_factory=_half_of_memory)
+    #: Bytes all sessions of one principal may hold; by default half of
+    #: ``max_server_bytes`` (``SERVER_FRACTION``), so one tenant cannot starve another.
+    max_principal_bytes: int | None = SERVER_FRACTION
     #: Idle sessions are closed after this many seconds.
     session_ttl: float = 3600.0
 
     # --- admission control and connections
-    #: RPCs in flight at once; more are refused with RESOURCE_EXHAUSTED by gRPC.
+    #: GradServe calls in flight at once (health excluded); more are refused with
+    #: RESOURCE_EXHAUSTED.
     max_concurrent_rpcs: int | None = 256
     #: Heavy ops (LSTM) computing at once, and how many may wait for a slot.
     compute_slots: int = max(1, os.cpu_count() or 1)
     max_queued_compute: int = 64
+    #: A stream (PutTensor, GetTensor) ends when no chunk moves for this long, or when
+    #: after ``stream_rate_grace`` seconds it averages under ``stream_min_rate`` bytes/s.
+    stream_idle_timeout: float | None = 30.0
+    stream_min_rate: float | None = 256 * 1024
+    stream_rate_grace: float = 10.0
     keepalive_time: float = 60.0
     keepalive_timeout: float = 20.0
     #: Connections are recycled after this long (None: never), with this grace.
@@ -70,10 +82,16 @@ class ServerConfig:
     max_connection_age_grace: float = 30.0
 
     # --- lifecycle and observability
-    #: Seconds in-flight RPCs get to finish on SIGTERM/SIGINT.
+    #: Seconds calls in flight get to finish on SIGTERM/SIGINT (new ones are refused).
     grace: float = 10.0
     #: Serve Prometheus metrics on this port (None: off).
     metrics_port: int | None = None
+
+    def principal_bytes(self) -> int | None:
+        """``max_principal_bytes`` resolved: half the server's budget by default."""
+        if self.max_principal_bytes != SERVER_FRACTION:
+            return self.max_principal_bytes
+        return None if self.max_server_bytes is None else self.max_server_bytes // 2
 
     def grpc_options(self) -> list[tuple[str, int]]:
         options = protocol.channel_options(self.max_message_bytes) + [

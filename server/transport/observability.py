@@ -24,8 +24,8 @@ import logging
 import secrets
 import time
 from collections.abc import Iterator
+from typing import Any
 
-import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
@@ -148,7 +148,7 @@ class Observer:
         self.metrics = metrics
 
     @contextlib.contextmanager
-    def call(self, method: str, context: grpc.ServicerContext) -> Iterator[CallRecord]:
+    def call(self, method: str, context: Any) -> Iterator[CallRecord]:
         request_id = _request_id(context)
         record = CallRecord(method, request_id, time.perf_counter())
         token = current_call.set(record)
@@ -156,23 +156,14 @@ class Observer:
             yield record
         finally:
             current_call.reset(token)
-            self._finish(record, context)
-
-    def refused(self, method: str, code: Code, message: str) -> None:
-        """Count and log a call refused before it reached a handler (e.g. by the
-        authentication interceptor), so refusals show in the same metrics."""
-        if self.metrics is not None:
-            self.metrics.rpcs.labels(method, code.name).inc()
-        log.info(
-            "rpc refused: %s", message, extra={"fields": {"method": method, "code": code.name}}
-        )
+            self._finish(record)
 
     @property
     def counts_bytes(self) -> bool:
         """Whether anyone (metrics, DEBUG logs) reads the byte counts: they cost a pass."""
         return self.metrics is not None or log.isEnabledFor(logging.DEBUG)
 
-    def _finish(self, record: CallRecord, context) -> None:
+    def _finish(self, record: CallRecord) -> None:
         code, message = record.code, record.message
         ok = code is Code.OK
         if ok and self.metrics is None and not log.isEnabledFor(logging.DEBUG):
@@ -213,7 +204,7 @@ def add_encode_time(seconds: float) -> None:
         record.encode_seconds += seconds
 
 
-def _request_id(context) -> str:
+def _request_id(context: Any) -> str:
     for key, value in context.invocation_metadata() or ():
         if key == REQUEST_ID_KEY and isinstance(value, str) and 0 < len(value) <= 128:
             return value

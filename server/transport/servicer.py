@@ -1,32 +1,46 @@
-"""The GradServe servicer: sessions, resident tensors, op RPCs and Batch.
+"""The GradServe servicer (asyncio): sessions, resident tensors, op RPCs and Batch.
 
-Every method finds its session from the ``x-gradserve-session`` metadata,
-translates, and delegates to the core; every method, whatever its kind, is
-wrapped by ``boundary.guarded``, the one place errors become statuses. The op
-RPCs come from the ``handlers.OPS`` table: each is served by the handler
-function of its name (``tensor_array_handlers``, ``lstm_handlers``).
+Every method is a coroutine wrapped by ``boundary.guarded`` (admission,
+authentication, observation, the one place errors become statuses). It finds its
+session from the ``x-gradserve-session`` metadata and translates; work that
+computes runs on a lane (``admission.Lane``): light ops on ``light``, LSTM ops on
+``compute``, so the event loop only waits. The op RPCs come from the
+``handlers.OPS`` table: each is served by the handler function of its name
+(``tensor_array_handlers``, ``lstm_handlers``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import functools
+import threading
+import time
+from collections.abc import AsyncIterable
 from typing import Any
 
-import grpc
 from google.protobuf.message import Message
 
 from gradserve import codec, protocol
-from gradserve.errors import CancelledError, DeadlineExceededError, InvalidArgumentError
+from gradserve.errors import (
+    CancelledError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    UnauthenticatedError,
+)
 from gradserve.kernels.compute import Compute
-from gradserve.server.core.sessions import Session, SessionStore, TensorReservation
+from gradserve.server.core.sessions import ANONYMOUS, Session, SessionStore, TensorReservation
 from gradserve.server.transport import boundary
-from gradserve.server.transport.admission import ComputeGate
-from gradserve.server.transport.auth import current_principal
+from gradserve.server.transport.admission import Admission, Lane
+from gradserve.server.transport.auth import REFUSAL, TokenTable, current_principal, principal_of
 from gradserve.server.transport.handlers import OPS, OPS_BY_BATCH_FIELD, Op
 from gradserve.server.transport.observability import Observer, current_call
+from gradserve.server.transport.streams import END, Pace, StreamLimits, next_item
 from gradserve.server.transport.wire import CallIO, host_array
 from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_pb2
+
+#: Streamed chunks are at least this large (the last one aside): a client asking for
+#: one-byte chunks would make the server send a message per byte.
+MIN_CHUNK_BYTES = 64 * 1024
 
 
 class GradServeServicer(service_pb2_grpc.GradServeServicer):
@@ -35,20 +49,38 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
         store: SessionStore,
         *,
         compute: Compute,
-        compute_gate: ComputeGate,
+        light: Lane,
+        heavy: Lane,
+        admission: Admission | None = None,
+        tokens: TokenTable | None = None,
         observer: Observer | None = None,
+        stream_limits: StreamLimits | None = None,
         max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
         chunk_bytes: int = protocol.DEFAULT_CHUNK_BYTES,
     ) -> None:
         self.store = store
         self.compute = compute
-        self.compute_gate = compute_gate
+        self.light = light
+        self.heavy = heavy
+        self.admission = admission or Admission(None)
+        self.tokens = tokens
         self.observer = observer or Observer()
+        self.stream_limits = stream_limits or StreamLimits()
         self.max_message_bytes = max_message_bytes
         self.chunk_bytes = chunk_bytes
 
     # ---------------------------------------------------------------- helpers
-    def _session(self, context: grpc.ServicerContext) -> Session:
+    def principal(self, context: Any) -> str:
+        """The caller (``ANONYMOUS`` without a token file); UNAUTHENTICATED without a
+        valid bearer token."""
+        if self.tokens is None:
+            return ANONYMOUS
+        principal = principal_of(self.tokens, context.invocation_metadata() or ())
+        if principal is None:
+            raise UnauthenticatedError(REFUSAL, reason="UNAUTHENTICATED")
+        return principal
+
+    def _session(self, context: Any) -> Session:
         session_id = _metadata(context).get(protocol.SESSION_METADATA_KEY)
         if not session_id:
             raise InvalidArgumentError(
@@ -58,7 +90,7 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
             )
         return self.store.get(session_id, current_principal.get())
 
-    def _io(self, context: grpc.ServicerContext) -> CallIO:
+    def _io(self, context: Any) -> CallIO:
         """The call's inputs and outputs: the whole response carries at most
         ``--max-message-bytes`` (less room for its other fields) of inline tensors, or
         less where the client's channel takes less."""
@@ -72,31 +104,36 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
             self.compute,
             inline_budget=max(0, budget),
             inline_limit=_int_metadata(metadata, protocol.INLINE_LIMIT_METADATA_KEY),
-            check_alive=lambda: _check_call_alive(context),
+            check_alive=Liveness(context),
         )
 
-    def _run(self, op: Op, io: CallIO, request: Message) -> Message:
-        """Run one op; heavy ones wait for a compute slot (or are refused when the queue is full)."""
-        if not op.heavy:
-            return op.handler(io, request)
-        with self.compute_gate.slot(io.check_alive):
-            return op.handler(io, request)
+    async def _run(self, op: Op, io: CallIO, request: Message) -> Message:
+        """Run one op on its lane (heavy ones wait for a compute slot, or are refused
+        when the queue is full)."""
+        lane = self.heavy if op.heavy else self.light
+        return await lane.run(functools.partial(op.handler, io, request))
+
+    def _chunk_bytes(self, asked: int) -> int:
+        """A chunk size within [64 KiB, what one message carries]."""
+        ceiling = max(1, self.max_message_bytes - protocol.MESSAGE_OVERHEAD_BYTES)
+        return min(max(asked or self.chunk_bytes, MIN_CHUNK_BYTES), ceiling)
 
     # ---------------------------------------------------------------- sessions
     @boundary.guarded
-    def CreateSession(self, request: Any, context: grpc.ServicerContext) -> Message:
+    async def CreateSession(self, request: Any, context: Any) -> Message:
         session = self.store.create(current_principal.get())
         return service_pb2.CreateSessionResponse(
             session_id=session.id, idle_timeout_seconds=self.store.idle_timeout
         )
 
     @boundary.guarded
-    def CloseSession(self, request: Any, context: grpc.ServicerContext) -> Message:
-        self.store.close(self._session(context).id, current_principal.get())
+    async def CloseSession(self, request: Any, context: Any) -> Message:
+        session = self._session(context)
+        await self.light.run(functools.partial(self.store.close, session.id, session.principal))
         return service_pb2.CloseSessionResponse()
 
     @boundary.guarded
-    def KeepAlive(self, request: Any, context: grpc.ServicerContext) -> Message:
+    async def KeepAlive(self, request: Any, context: Any) -> Message:
         self._session(context)  # finding it refreshes its idle timer
         return service_pb2.KeepAliveResponse(
             idle_timeout_seconds=self.store.idle_timeout, max_message_bytes=self.max_message_bytes
@@ -104,55 +141,65 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
 
     # ---------------------------------------------------------------- resident tensors
     @boundary.guarded
-    def PutTensor(
-        self, request_iterator: Iterable[tensor_pb2.TensorChunk], context: grpc.ServicerContext
+    async def PutTensor(
+        self, request_iterator: AsyncIterable[Any], context: Any
     ) -> tensor_pb2.ResidentTensor:
-        """Stream chunks into one array, its bytes reserved in the session's budget
-        before the buffer is allocated (and released if the stream fails)."""
+        """Stream chunks into one array. Its bytes are reserved in the session's budget
+        from the first chunk, before the buffer exists, and released if the stream
+        fails, stalls (``--stream-idle-timeout``), trickles (``--stream-min-rate``) or
+        its session closes."""
         session = self._session(context)
         call = current_call.get()
-
-        def count(nbytes: int) -> None:
-            if call is not None:
-                call.bytes_in += nbytes
-
+        pace = Pace(self.stream_limits, session, "PutTensor")
         with contextlib.ExitStack() as held:
             reservations: list[TensorReservation] = []
 
             def reserve(nbytes: int) -> None:
                 reservations.append(held.enter_context(session.reserve_tensor(nbytes)))
 
-            array = codec.decode_chunks(
-                request_iterator, before_allocating=reserve, on_data=count, field="PutTensor"
-            )
+            assembler = codec.ChunkAssembler(before_allocating=reserve, field="PutTensor")
+            chunks = request_iterator.__aiter__()
+            while (chunk := await pace.wait(next_item(chunks))) is not END:
+                boundary.check_parsed(chunk)
+                assembler.add(chunk)
+                pace.moved_bytes(len(chunk.data))
+                if call is not None:
+                    call.bytes_in += len(chunk.data)
+            array = assembler.finish()
             tensor_id = reservations[0].keep(array)
         return tensor_pb2.ResidentTensor(
             id=tensor_id, dtype=codec.dtype_to_enum(array.dtype), shape=array.shape
         )
 
     @boundary.guarded
-    def GetTensor(
-        self, request: service_pb2.GetTensorRequest, context: grpc.ServicerContext
-    ) -> Iterator[tensor_pb2.TensorChunk]:
-        """The tensor in chunks; with ``delete_after``, deleted once the last chunk is
-        sent, so a stream that breaks off leaves it to be fetched again."""
+    async def GetTensor(self, request: service_pb2.GetTensorRequest, context: Any) -> None:
+        """The tensor in chunks. Its bytes stay charged until the stream ends, even if
+        it is deleted meanwhile; with ``delete_after`` it is deleted once the last
+        chunk is sent, so a stream that breaks off leaves it to be fetched again. A
+        reader that stalls or trickles is ended as an uploader is."""
         session = self._session(context)
-        array = host_array(self.compute, session.get(request.id))
-        chunk = request.chunk_bytes if request.chunk_bytes > 0 else self.chunk_bytes
-        chunk = min(chunk, self.max_message_bytes - 1024)
-        yield from codec.encode_chunks(array, chunk)
+        call = current_call.get()
+        pace = Pace(self.stream_limits, session, "GetTensor")
+        with session.reading(request.id) as kept:
+            array = await self.light.run(functools.partial(host_array, self.compute, kept))
+            for chunk in codec.encode_chunks(array, self._chunk_bytes(request.chunk_bytes)):
+                await pace.wait(context.write(chunk))
+                pace.moved_bytes(len(chunk.data))
+                if call is not None:
+                    call.bytes_out += len(chunk.data)
         if request.delete_after:
             session.delete([request.id])
+        return None
 
     @boundary.guarded
-    def DeleteTensor(self, request: Any, context: grpc.ServicerContext) -> Message:
+    async def DeleteTensor(self, request: Any, context: Any) -> Message:
         deleted = self._session(context).delete(request.ids)
         return service_pb2.DeleteTensorResponse(deleted=deleted)
 
     # ---------------------------------------------------------------- Batch
     @boundary.guarded
-    def Batch(
-        self, request: service_pb2.BatchRequest, context: grpc.ServicerContext
+    async def Batch(
+        self, request: service_pb2.BatchRequest, context: Any
     ) -> service_pb2.BatchResponse:
         """Run the steps in order in one call; stop at the first failure, which is
         reported in the response with the results of the steps before it. The
@@ -163,11 +210,11 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
         for index, step in enumerate(request.steps):
             which = step.WhichOneof("op")
             try:
-                _check_call_alive(context)
+                io.check_alive()
                 if which is None:
                     raise InvalidArgumentError(f"Batch step {index} names no op")
                 op = OPS_BY_BATCH_FIELD[which]
-                result = self._run(op, io, getattr(step, which))
+                result = await self._run(op, io, getattr(step, which))
                 getattr(response.results.add(), which).CopyFrom(result)
             except Exception as exc:  # noqa: BLE001 - reported in the response
                 err = boundary.as_gradserve_error(exc)
@@ -181,8 +228,8 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
 
 
 def _op_rpc(op: Op) -> Any:
-    def method(self: GradServeServicer, request: Message, context: grpc.ServicerContext) -> Any:
-        return self._run(op, self._io(context), request)
+    async def method(self: GradServeServicer, request: Message, context: Any) -> Any:
+        return await self._run(op, self._io(context), request)
 
     method.__name__ = method.__qualname__ = op.rpc
     method.__doc__ = f"Serves {op.rpc} with ``{op.handler.__module__}.{op.rpc}``."
@@ -193,7 +240,24 @@ for _op in OPS:
     setattr(GradServeServicer, _op.rpc, _op_rpc(_op))
 
 
-def _metadata(context: grpc.ServicerContext) -> dict[str, str]:
+class Liveness:
+    """A long op's ``check_alive``, callable from a lane's thread: raises once the
+    call's deadline has passed or the call has ended (its client cancelled)."""
+
+    def __init__(self, context: Any) -> None:
+        remaining = context.time_remaining()
+        self.deadline = None if remaining is None else time.monotonic() + remaining
+        self.ended = threading.Event()
+        context.add_done_callback(lambda _: self.ended.set())
+
+    def __call__(self) -> None:
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise DeadlineExceededError("deadline exceeded")
+        if self.ended.is_set():
+            raise CancelledError("the call was cancelled")
+
+
+def _metadata(context: Any) -> dict[str, str]:
     """The call's text metadata."""
     return {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
 
@@ -204,12 +268,3 @@ def _int_metadata(metadata: dict[str, str], key: str) -> int | None:
         return int(raw) if raw else None
     except ValueError:
         raise InvalidArgumentError(f"'{key}' must be an integer, got {raw!r}") from None
-
-
-def _check_call_alive(context: grpc.ServicerContext) -> None:
-    """Between steps of long work: stop if the client cancelled or the deadline passed."""
-    remaining = context.time_remaining()
-    if remaining is not None and remaining <= 0:
-        raise DeadlineExceededError("deadline exceeded")
-    if not context.is_active():
-        raise CancelledError("the call was cancelled")

@@ -49,12 +49,16 @@ def server_still_answers(client):
 
 
 @pytest.mark.parametrize("garbage", [b"\xff\xff\xff", b"\x0a\x05abc", b"\x08" + b"\xff" * 11])
-def test_malformed_proto_bytes(stub_call, garbage):
+def test_malformed_proto_bytes(stub_call, garbage, caplog):
+    # A client's mistake: INVALID_ARGUMENT naming the message, no traceback logged
+    # (gRPC's own deserializer answered INTERNAL with a traceback per request).
     for rpc in ("TensorArrayWriteV3", "StopGradient", "Batch"):
-        assert_code(
+        details = assert_code(
             lambda rpc=rpc: stub_call(rpc, garbage, service_pb2.BatchResponse),
-            grpc.StatusCode.INTERNAL,  # grpc's own: "Exception deserializing request!"
+            grpc.StatusCode.INVALID_ARGUMENT,
         )
+        assert "does not parse as gradserve.v1." in details
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
 
 
 def test_unknown_dtype_enum(stub_call):

@@ -3,6 +3,7 @@ other clients still served, memory back to zero when sessions close."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -13,7 +14,7 @@ import gradserve
 from gradserve.errors import ResourceExhaustedError
 from gradserve.server import run_server
 from gradserve.server.core.budget import MemoryBudget
-from gradserve.server.transport.admission import ComputeGate
+from gradserve.server.transport.admission import Lane
 
 KIB = 1024
 
@@ -34,6 +35,7 @@ def small(tokens):
         max_sessions_per_principal=2,
         max_session_bytes=1024 * KIB,
         max_server_bytes=1536 * KIB,
+        max_principal_bytes=None,  # these tests are about the session and server limits
         max_tensor_bytes=600 * KIB,
         max_tensor_array_size=100,
         max_message_bytes=2048 * KIB,
@@ -137,15 +139,33 @@ def test_memory_budget_nesting():
     assert (a.used, server.used) == (0, 0)
 
 
-def test_compute_gate_refuses_past_the_queue():
-    gate = ComputeGate(slots=1, max_waiting=0)
-    with gate.slot():
+def test_compute_lane_refuses_past_the_queue_and_never_runs_more_than_its_threads():
+    async def scenario():
+        lane = Lane("compute", threads=1, max_waiting=1)
+        release = threading.Event()
+        running = []
+
+        def work():
+            running.append(1)
+            assert len(running) == 1, "two calls ran on a one-thread lane"
+            release.wait(5)
+            running.pop()
+            return "done"
+
+        first = asyncio.ensure_future(lane.run(work))
+        second = asyncio.ensure_future(lane.run(work))  # waits for the slot
+        await asyncio.sleep(0.1)
         with pytest.raises(ResourceExhaustedError, match="compute queue full") as info:
-            with gate.slot():
-                pass
+            await lane.run(work)
         assert info.value.reason == "COMPUTE_QUEUE_FULL"
-    with gate.slot():
-        pass
+        first.cancel()  # its client went away: the work still holds the thread
+        await asyncio.sleep(0.1)
+        assert not second.done()
+        release.set()
+        assert await second == "done"
+        lane.shutdown()
+
+    asyncio.run(scenario())
 
 
 def long_lstm_args(steps=150_000):

@@ -123,7 +123,7 @@ def test_the_server_keeps_to_the_clients_response_budget(server):
 def test_get_tensor_with_delete_after_keeps_the_tensor_until_the_last_chunk(server, client):
     # A reader that breaks off keeps its result: the tensor is deleted only after the
     # last chunk was sent, so it can be fetched again.
-    value = np.arange(4 * MIB // 4, dtype=np.float32)
+    value = np.arange(64 * MIB // 4, dtype=np.float32)  # more than HTTP/2 windows buffer
     ref = client.put(value)
     metadata = ((protocol.SESSION_METADATA_KEY, client.session_id),)
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:

@@ -1,0 +1,65 @@
+"""Returning freed memory to the operating system.
+
+glibc's allocator keeps the pages of freed arrays for reuse, so a server whose
+sessions came and went shows the high-water mark in its RSS long after the bytes
+were released — an orchestrator sees a leak. ``Trimmer`` counts released bytes
+(``SessionStore``'s server budget tells it of every release) and, once at least
+``threshold`` bytes were freed, asks glibc to hand free pages back
+(``malloc_trim(0)``), on a thread of its own so no call waits for it. Where libc
+is not glibc nothing is done.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import threading
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+#: Freed bytes that make a trim worth its few milliseconds.
+DEFAULT_THRESHOLD = 64 * 1024 * 1024
+
+
+def _malloc_trim() -> Callable[[], None] | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return lambda: trim(0)
+
+
+class Trimmer:
+    def __init__(self, threshold: int = DEFAULT_THRESHOLD) -> None:
+        self.threshold = threshold
+        self.trims = 0
+        self._trim = _malloc_trim()
+        self._lock = threading.Lock()
+        self._freed = 0
+        self._running = False
+
+    def released(self, nbytes: int) -> None:
+        """Count ``nbytes`` released; trims (in the background) past the threshold."""
+        if self._trim is None:
+            return
+        with self._lock:
+            self._freed += nbytes
+            if self._freed < self.threshold or self._running:
+                return
+            self._freed = 0
+            self._running = True
+        threading.Thread(target=self._run, name="gradserve-trim", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            assert self._trim is not None
+            self._trim()
+            self.trims += 1
+        finally:
+            with self._lock:
+                self._running = False
