@@ -124,4 +124,3 @@ class Admission:
             self._idle = asyncio.Event()
             self._idle.set()
         return self._idle
-

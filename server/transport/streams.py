@@ -49,7 +49,8 @@ class Pace:
 
     async def wait(self, step: Awaitable[T]) -> T:
         """``step`` (the next chunk read or written), within the idle timeout, while
-        the session stays open; raises otherwise (``step`` is cancelled)."""
+        the session stays open; raises otherwise (``step`` is left to end with the
+        call)."""
         task = asyncio.ensure_future(step)
         idle = self.limits.idle_timeout
         deadline = None if idle is None else time.monotonic() + idle
@@ -71,7 +72,9 @@ class Pace:
                     )
         finally:
             if not task.done():
-                task.cancel()
+                # Not cancelled: a write cancelled half-way leaves the call unable to
+                # send its status. The call's end completes it; its outcome is moot.
+                task.add_done_callback(_discard)
 
     def moved_bytes(self, nbytes: int) -> None:
         """Count ``nbytes`` more; raises once the average rate is below the minimum."""
@@ -84,6 +87,11 @@ class Pace:
                 f"rate of {rate:g} bytes/s (--stream-min-rate)",
                 reason="STREAM_TOO_SLOW",
             )
+
+
+def _discard(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 async def next_item(iterator: AsyncIterator[T]) -> T:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import gradserve
-from gradserve.errors import CancelledError, GradserveError, UnavailableError
+from gradserve.errors import GradserveError, UnavailableError
 from tests.server_process import ServerProcess
 
 
@@ -77,9 +77,9 @@ def test_sigterm_under_load():
                         v = np.full(8, k, np.float32)
                         assert c.stop_gradient(v).tobytes() == v.tobytes()
                         key = "ok"
-                    except (UnavailableError, CancelledError):
-                        # The server stopped taking new calls; a call racing with the
-                        # shutdown is cancelled before it ran.
+                    except UnavailableError:
+                        # The server stopped taking new calls (refused before it ran:
+                        # safe to repeat elsewhere). Nothing is ever CANCELLED.
                         key = "refused"
                     except GradserveError as e:
                         key = type(e).__name__
@@ -91,7 +91,7 @@ def test_sigterm_under_load():
             with lock:
                 outcomes[type(e).__name__] = outcomes.get(type(e).__name__, 0) + 1
 
-    threads = [threading.Thread(target=load, args=(k,)) for k in range(8)]
+    threads = [threading.Thread(target=load, args=(k,)) for k in range(32)]
     for t in threads:
         t.start()
     long_result = {}
@@ -125,4 +125,4 @@ def test_sigterm_under_load():
         t.join(30)
     assert server.proc.wait(30) == 0
     assert outcomes.get("ok", 0) > 0
-    assert set(outcomes) <= {"ok", "refused", "UnavailableError"}, outcomes
+    assert set(outcomes) <= {"ok", "refused", "UnavailableError"}, outcomes  # no CANCELLED

@@ -9,6 +9,7 @@ examples per test (default 150); the count of cases that ran is printed.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import grpc
@@ -103,8 +104,24 @@ def _class_of(descriptor):
     return message_factory.GetMessageClass(descriptor)
 
 
+class Tracebacks(logging.Handler):
+    """Counts log records that carry a traceback (an unexpected error)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info:
+            self.records.append(record)
+
+
+TRACEBACKS = Tracebacks()
+
+
 @pytest.fixture(scope="module")
 def fuzz_target():
+    logging.getLogger().addHandler(TRACEBACKS)
     with run_server(
         device="cpu",
         max_tensor_bytes=64 << 20,
@@ -119,6 +136,7 @@ def fuzz_target():
             channel = grpc.insecure_channel(target)
             yield server, client, channel
             channel.close()
+    logging.getLogger().removeHandler(TRACEBACKS)
     print(f"\nfuzz: {COUNT['cases']} cases ran against every RPC")
 
 
@@ -128,10 +146,8 @@ def check_reply(call):
         call()
     except grpc.RpcError as e:
         code, details = e.code(), e.details() or ""
-        assert code != grpc.StatusCode.UNKNOWN, details
-        if code == grpc.StatusCode.INTERNAL:
-            # Only gRPC's own refusal of bytes that do not parse.
-            assert "deserializ" in details.lower(), details
+        # Garbage is the client's mistake (INVALID_ARGUMENT), never the server's.
+        assert code not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL), details
 
 
 def metadata_for(server, valid: bool):
@@ -209,3 +225,4 @@ def test_server_survived_the_fuzzing(fuzz_target):
     client = gradserve.Client(f"127.0.0.1:{server.port}")
     np.testing.assert_array_equal(client.stop_gradient(np.arange(4)), np.arange(4))
     assert client.health() == "SERVING"
+    assert not TRACEBACKS.records, [r.getMessage() for r in TRACEBACKS.records[:3]]

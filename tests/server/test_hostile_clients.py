@@ -1,0 +1,293 @@
+"""Slow and hostile clients: stalls and trickles cost no thread and end by the stream
+limits, one principal cannot take another's bytes, bytes stay counted while read,
+client mistakes and cancellations are reported as such, chunk sizes are clamped.
+
+Timing figures (p99 under load) are in ``make bench`` (bench_hostile); these tests
+check outcomes, with bounds loose enough for a busy 2-core machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+import gradserve
+from gradserve import protocol
+from gradserve.errors import ResourceExhaustedError
+from gradserve.server import run_server
+from gradserve.server.transport.memory import Trimmer
+from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_pb2
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hostile") / "tokens"
+    path.write_text("alice:token-alice\nbob:token-bob\n")
+    return str(path)
+
+
+def metadata(session_id: str, principal: str | None = None) -> tuple:
+    md = ((protocol.SESSION_METADATA_KEY, session_id),)
+    if principal:
+        md += (("authorization", f"Bearer token-{principal}"),)
+    return md
+
+
+class StalledUpload:
+    """A PutTensor that sends its first chunk (declaring ``nbytes``) and then nothing."""
+
+    def __init__(self, channel, md, nbytes: int) -> None:
+        self.release = threading.Event()
+        self.outcome: grpc.StatusCode | None = None
+        put = service_pb2_grpc.GradServeStub(channel).PutTensor
+
+        def chunks():
+            yield tensor_pb2.TensorChunk(
+                dtype=tensor_pb2.DT_UINT8, shape=[nbytes], data=b"\0" * 1024
+            )
+            self.release.wait(60)
+
+        def run():
+            try:
+                put(chunks(), metadata=md, timeout=60)
+                self.outcome = grpc.StatusCode.OK
+            except grpc.RpcError as e:
+                self.outcome = e.code()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def join(self, timeout: float) -> grpc.StatusCode | None:
+        self.thread.join(timeout)
+        self.release.set()
+        return self.outcome
+
+
+class StalledReader:
+    """A GetTensor that reads one chunk and then stops reading."""
+
+    def __init__(self, channel, md, tensor_id: str, delete_after: bool = False) -> None:
+        self.outcome: grpc.StatusCode | None = None
+        self.first = threading.Event()
+        stub = service_pb2_grpc.GradServeStub(channel)
+        request = service_pb2.GetTensorRequest(
+            id=tensor_id, chunk_bytes=MIB, delete_after=delete_after
+        )
+        self.stream = stub.GetTensor(request, metadata=md, timeout=60)
+
+        def run():
+            try:
+                next(self.stream)
+                self.first.set()
+                time.sleep(60)  # never reads again; the call is cancelled at the end
+            except grpc.RpcError as e:
+                self.outcome = e.code()
+
+        threading.Thread(target=run, daemon=True).start()
+
+    def close(self) -> None:
+        self.stream.cancel()
+
+
+@pytest.fixture
+def short_streams():
+    """A server whose streams end after 1.5 s idle, with few light threads."""
+    with run_server(device="cpu", stream_idle_timeout=1.5, workers=2) as server:
+        yield server
+
+
+def wait_until(predicate, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_stalled_streams_cost_no_thread_and_end_by_the_idle_timeout(short_streams):
+    server = short_streams
+    target = f"127.0.0.1:{server.port}"
+    with gradserve.Client(target, timeout=30) as good, grpc.insecure_channel(target) as channel:
+        big = good.put(np.zeros(64 * MIB, np.uint8))  # more than HTTP/2 windows buffer
+        md = metadata(good.session_id)
+        uploads = [StalledUpload(channel, md, 4 * MIB) for _ in range(30)]
+        readers = [StalledReader(channel, md, big.id) for _ in range(10)]
+        assert all(r.first.wait(10) for r in readers)
+        time.sleep(0.2)
+        # 40 stalled streams on a server with 2 light threads: calls still answer.
+        started = time.monotonic()
+        for _ in range(20):
+            assert good.health() == "SERVING"
+            assert good.stop_gradient(np.ones(3))[0] == 1
+        assert time.monotonic() - started < 10
+        assert good.delete(big) == 1  # deleted while read: still counted until they end
+        session = server.store.get(good.session_id)
+        assert session.budget.used >= big.nbytes
+        outcomes = [u.join(10) for u in uploads]
+        assert outcomes == [grpc.StatusCode.DEADLINE_EXCEEDED] * 30
+        assert wait_until(lambda: session.budget.used == 0), session.budget.used
+        for r in readers:
+            r.close()
+
+
+def test_a_stalled_upload_of_one_principal_does_not_starve_another(tokens):
+    with run_server(device="cpu", token_file=tokens, max_server_bytes=64 * MIB) as server:
+        target = f"127.0.0.1:{server.port}"
+        quota = server.config.principal_bytes()
+        assert quota == 32 * MIB  # half the server's budget by default
+        alice = gradserve.Client(target, token="token-alice")
+        bob = gradserve.Client(target, token="token-bob")
+        with alice, bob, grpc.insecure_channel(target) as channel:
+            md = metadata(alice.session_id, "alice")
+            greedy = StalledUpload(channel, md, 1 << 30)  # 1 GiB: more than her quota
+            assert greedy.join(10) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            stalled = StalledUpload(channel, md, 30 * MIB)  # within it, then stalls
+            assert wait_until(lambda: server.store.principal_budget("alice").used >= 30 * MIB)
+            bob.put(np.ones(1024, np.uint8))
+            bob.put(np.ones(30 * MIB, np.uint8))  # Bob gets his share too
+            with pytest.raises(ResourceExhaustedError, match="principal 'alice'"):
+                alice.put(np.ones(4 * MIB, np.uint8))
+            assert server.store.principal_budget("alice").used <= quota
+            alice.close()  # closing her session ends her stream and frees its bytes
+            assert stalled.join(5) == grpc.StatusCode.NOT_FOUND
+            assert wait_until(lambda: server.store.principal_budget("alice").used == 0)
+
+
+def test_delete_after_readers_keep_their_bytes_counted():
+    with run_server(
+        device="cpu",
+        max_server_bytes=64 * MIB,
+        max_principal_bytes=None,
+        stream_idle_timeout=2,
+        metrics_port=0,
+    ) as server:
+        target = f"127.0.0.1:{server.port}"
+        with gradserve.Client(target) as client, grpc.insecure_channel(target) as channel:
+            ref = client.put(np.zeros(48 * MIB, np.uint8))
+            reader = StalledReader(channel, metadata(client.session_id), ref.id, True)
+            assert reader.first.wait(10)
+            # The stalled reader holds the tensor: it is neither gone nor uncounted.
+            assert server.store.budget.used == 48 * MIB
+            with pytest.raises(ResourceExhaustedError, match="--max-server-bytes"):
+                client.put(np.zeros(48 * MIB, np.uint8))
+
+            def ended() -> float | None:
+                return server.metrics.registry.get_sample_value(
+                    "gradserve_rpcs_total", {"method": "GetTensor", "code": "DEADLINE_EXCEEDED"}
+                )
+
+            # The idle timeout ends the reader; the tensor stays (it was not all sent).
+            assert wait_until(lambda: ended() == 1, 10)
+            np.testing.assert_array_equal(client.get(ref)[:4], np.zeros(4, np.uint8))
+            assert client.delete(ref) == 1
+            assert server.store.budget.used == 0
+            reader.close()
+
+
+def test_a_trickling_upload_ends_below_the_minimum_rate():
+    with run_server(device="cpu", stream_min_rate=1 * MIB, stream_rate_grace=0.5) as server:
+        target = f"127.0.0.1:{server.port}"
+        with gradserve.Client(target) as client, grpc.insecure_channel(target) as channel:
+            put = service_pb2_grpc.GradServeStub(channel).PutTensor
+
+            def trickle():
+                yield tensor_pb2.TensorChunk(dtype=tensor_pb2.DT_UINT8, shape=[MIB], data=b"")
+                for _ in range(100):
+                    time.sleep(0.05)
+                    yield tensor_pb2.TensorChunk(data=b"\0" * 1024)
+
+            with pytest.raises(grpc.RpcError) as info:
+                put(trickle(), metadata=metadata(client.session_id), timeout=30)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--stream-min-rate" in info.value.details()
+            assert wait_until(lambda: server.store.budget.used == 0)
+
+
+def test_chunk_size_is_clamped(client, target):
+    ref = client.put(np.zeros(256 * 1024, np.uint8))
+    with grpc.insecure_channel(target) as channel:
+        stub = service_pb2_grpc.GradServeStub(channel)
+        request = service_pb2.GetTensorRequest(id=ref.id, chunk_bytes=1)
+        chunks = list(stub.GetTensor(request, metadata=metadata(client.session_id)))
+    assert [len(c.data) for c in chunks] == [64 * 1024] * 4  # not 262,144 one-byte messages
+
+
+def test_a_client_cancelling_its_upload_is_cancelled_not_internal(caplog):
+    with run_server(device="cpu", metrics_port=0) as server:
+        target = f"127.0.0.1:{server.port}"
+        with gradserve.Client(target) as client, grpc.insecure_channel(target) as channel:
+            put = service_pb2_grpc.GradServeStub(channel).PutTensor
+            sent = threading.Event()
+
+            def chunks():
+                yield tensor_pb2.TensorChunk(dtype=tensor_pb2.DT_UINT8, shape=[MIB], data=b"")
+                sent.set()
+                time.sleep(30)
+
+            with caplog.at_level(logging.INFO):
+                call = put.future(chunks(), metadata=metadata(client.session_id))
+                assert sent.wait(5)
+                time.sleep(0.3)
+                call.cancel()
+                assert wait_until(lambda: server.store.budget.used == 0)
+                time.sleep(0.2)
+        text = server.metrics.registry.get_sample_value(
+            "gradserve_rpcs_total", {"method": "PutTensor", "code": "CANCELLED"}
+        )
+        assert text == 1
+        assert not server.metrics.registry.get_sample_value(
+            "gradserve_rpcs_total", {"method": "PutTensor", "code": "INTERNAL"}
+        )
+        assert not [r for r in caplog.records if r.exc_info]
+
+
+def test_lstm_calls_leave_small_ops_and_health_answering():
+    rng = np.random.default_rng(0)
+    r = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    steps = 3000
+    lstm = [np.int64(steps), r(steps, 4, 8), r(4, 8), r(4, 8), r(16, 32), r(8), r(8), r(8), r(32)]
+    with run_server(device="cpu", compute_slots=1) as server:
+        target = f"127.0.0.1:{server.port}"
+        stop = threading.Event()
+
+        def loop_lstm():
+            with gradserve.Client(target, timeout=60) as c:
+                while not stop.is_set():
+                    c.raw_ops.BlockLSTMV2(*lstm)
+
+        workers = [threading.Thread(target=loop_lstm) for _ in range(6)]
+        for w in workers:
+            w.start()
+        try:
+            time.sleep(0.5)
+            latencies = []
+            with gradserve.Client(target, timeout=10) as c:
+                for _ in range(30):
+                    started = time.perf_counter()
+                    c.stop_gradient(np.ones(3))
+                    c.health()
+                    latencies.append(time.perf_counter() - started)
+        finally:
+            stop.set()
+            for w in workers:
+                w.join(60)
+        # Behind 6 LSTM loops on one compute slot a small op waits for no LSTM.
+        assert sorted(latencies)[len(latencies) // 2] < 0.5, latencies
+
+
+def test_the_trimmer_returns_memory_after_large_frees():
+    trimmer = Trimmer(threshold=MIB)
+    if trimmer._trim is None:
+        pytest.skip("not glibc: malloc_trim does not exist")
+    trimmer.released(MIB // 2)
+    assert wait_until(lambda: trimmer.trims == 0, 0.2)
+    trimmer.released(MIB)
+    assert wait_until(lambda: trimmer.trims == 1, 5)
