@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import logging
 import os
 import random
@@ -94,7 +94,10 @@ class Client:
         #: Tensor bytes one message may carry (the rest of it: field tags, names): a
         #: response (this channel's receive limit), and a request (the smaller of this
         #: channel's and the server's limits, learnt from KeepAlive).
+        self.max_message_bytes = max_message_bytes
         self.inline_budget = max(0, max_message_bytes - protocol.MESSAGE_OVERHEAD_BYTES)
+        #: The largest request both ends take (the server's limit comes with KeepAlive).
+        self.request_limit = max_message_bytes
         self.request_budget = self.inline_budget
         self.chunk_bytes = chunk_bytes
         self.retries = retries
@@ -167,8 +170,8 @@ class Client:
         md = (*self._auth, (protocol.SESSION_METADATA_KEY, self.session_id))
         reply = self._call("KeepAlive", service_pb2.KeepAliveRequest(), metadata=md)
         if reply.max_message_bytes:
-            server_budget = reply.max_message_bytes - protocol.MESSAGE_OVERHEAD_BYTES
-            self.request_budget = max(0, min(self.inline_budget, server_budget))
+            self.request_limit = min(self.max_message_bytes, reply.max_message_bytes)
+            self.request_budget = max(0, self.request_limit - protocol.MESSAGE_OVERHEAD_BYTES)
         return reply.idle_timeout_seconds
 
     def _start_keepalive(self, idle_timeout: float) -> None:
@@ -235,17 +238,30 @@ class Client:
 
     def _run_op(self, rpc: str, request: Message, parse: Callable[[Any], Any], temps: list[str]):
         try:
-            return parse(self._call(rpc, request))
+            reply = self._call(rpc, request)
         finally:
             if temps:
                 self._delete_ids(temps)
+        return self._parse(reply, parse)
+
+    def _parse(self, reply: Message, parse: Callable[[Any], Any]) -> Any:
+        """``parse(reply)``; if it fails (a transient output could not be fetched), the
+        reply's transient outputs are deleted rather than left holding bytes."""
+        try:
+            return parse(reply)
+        except BaseException:
+            leftover = transient_ids(reply)
+            if leftover:
+                with contextlib.suppress(GradserveError):
+                    self._delete_ids(leftover)
+            raise
 
     # ---------------------------------------------------------------- tensors in/out
     def encode_input(
         self,
         value: ArrayLike,
         msg: tensor_pb2.TensorInput,
-        temps: list[str],
+        temps: Staging,
         dtype: dtypes.DTypeLike | None = None,
     ) -> None:
         """Fill ``msg`` with ``value``: a ref, inline bytes, or a temporary upload when
@@ -256,14 +272,13 @@ class Client:
         array = np.asarray(value)
         if dtype is not None:
             array = _as_integer_input(array, dtypes.normalize(dtype))
-        inline_left = getattr(temps, "inline_left", self.request_budget)
-        if array.nbytes >= self.stream_threshold or array.nbytes > inline_left:
+        size = array.nbytes + 32 + 11 * array.ndim  # with its encoding, at most
+        if array.nbytes >= self.stream_threshold or size > temps.inline_left:
             ref = self.put(array)
             temps.append(ref.id)
             msg.ref = ref.id
         else:
-            if isinstance(temps, Staging):
-                temps.inline_left -= array.nbytes
+            temps.inline_left -= size
             codec.encode(array, msg.value)
 
     def decode_output(self, msg: tensor_pb2.TensorOutput) -> np.ndarray | TensorRef:
@@ -278,7 +293,9 @@ class Client:
     def put(self, array: ArrayLike) -> TensorRef:
         """Keep ``array`` in the session (streamed in chunks); returns its reference."""
         array = np.asarray(array)
-        chunk_bytes = max(1, min(self.chunk_bytes, self.request_budget))
+        chunk_bytes = max(
+            1, min(self.chunk_bytes, self.request_limit - protocol.CHUNK_HEADER_BYTES)
+        )
         reply = self._call("PutTensor", codec.encode_chunks(array, chunk_bytes))
         return TensorRef(self, reply.id, dtypes.normalize(array.dtype), tuple(reply.shape))
 
@@ -295,25 +312,23 @@ class Client:
         return reply.deleted
 
     def _fetch(self, tensor_id: str, *, delete_after: bool) -> np.ndarray:
+        """The whole stream, repeated on UNAVAILABLE even with ``delete_after``: the
+        server deletes only after sending the last chunk."""
+        chunk = max(1, min(self.chunk_bytes, self.max_message_bytes - protocol.CHUNK_HEADER_BYTES))
         request = service_pb2.GetTensorRequest(
-            id=tensor_id,
-            chunk_bytes=max(1, min(self.chunk_bytes, self.inline_budget)),
-            delete_after=delete_after,
+            id=tensor_id, chunk_bytes=chunk, delete_after=delete_after
         )
-        stream = self._with_retries(
-            lambda: _peek(
-                self._stub.GetTensor(
-                    request, metadata=(*self._metadata, _request_id()), timeout=self.timeout
-                )
-            ),
-            safe=True,  # even with delete_after: the server deletes only after the last chunk
-        )
-        try:
-            return codec.decode_chunks(stream, field="GetTensor")
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
-        except InvalidArgumentError as e:  # the server sent a broken stream
-            raise DataLossError(str(e)) from None
+
+        def attempt() -> np.ndarray:
+            stream = self._stub.GetTensor(
+                request, metadata=(*self._metadata, _request_id()), timeout=self.timeout
+            )
+            try:
+                return codec.decode_chunks(stream, field="GetTensor")
+            except InvalidArgumentError as e:  # the server sent a broken stream
+                raise DataLossError(str(e)) from None
+
+        return self._with_retries(attempt, safe=True)
 
     # ---------------------------------------------------------------- Pythonic layer
     def tensor_array(self, dtype: dtypes.DTypeLike, size: int = 0, **kwargs):
@@ -352,10 +367,20 @@ def _request_id() -> tuple[str, str]:
     return (protocol.REQUEST_ID_KEY, os.urandom(8).hex())
 
 
-def _peek(stream):
-    """Wait for a stream's first message (so a failure to connect raises here)."""
-    first = next(stream)
-    return itertools.chain((first,), stream)
+def transient_ids(message: Message) -> list[str]:
+    """The ids of the transient outputs anywhere in a reply (a Batch's included)."""
+    ids = []
+    for field, value in message.ListFields():
+        if field.message_type is None:
+            continue
+        values = [value] if isinstance(value, Message) else value
+        for item in values:
+            if isinstance(item, tensor_pb2.TensorOutput):
+                if item.WhichOneof("result") == "ref" and item.ref.transient:
+                    ids.append(item.ref.id)
+            else:
+                ids.extend(transient_ids(item))
+    return ids
 
 
 def _as_integer_input(array: np.ndarray, target: np.dtype) -> np.ndarray:

@@ -74,6 +74,8 @@ class RawOps:
     """The ops, called the way ``tf.raw_ops`` calls them."""
 
     def __init__(self, client, submit: Submit, staging: Callable[[], Staging]) -> None:
+        """``submit(rpc, request, parse, temps)`` runs (or records) an op; ``staging()``
+        gives each op's request its temporary uploads and inline budget."""
         self._client = client
         self._submit = submit
         self._staging = staging

@@ -20,6 +20,10 @@ RESPONSE_BUDGET_METADATA_KEY = "x-gradserve-response-budget"
 #: refs, handles, an error message), when budgeting inline bytes.
 MESSAGE_OVERHEAD_BYTES = 64 * 1024
 
+#: Room in a streamed chunk's message for everything but its data (dtype, shape,
+#: tags): chunks carry at most the message limit less this.
+CHUNK_HEADER_BYTES = 1024
+
 #: Default ceiling of one unary message, each direction.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 

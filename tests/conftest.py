@@ -5,10 +5,17 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import settings
 
 import gradserve
 from gradserve.errors import DeadlineExceededError
 from gradserve.server import run_server
+
+# Property tests draw the same examples on every run (derandomized): a CI failure
+# reproduces, and no run passes by luck. `--hypothesis-profile explore` draws afresh.
+settings.register_profile("ci", derandomize=True, database=None)
+settings.register_profile("explore")
+settings.load_profile("ci")
 
 #: The device the test server computes on; `make gpu-check` sets it to "cuda".
 DEVICE = os.environ.get("GRADSERVE_TEST_DEVICE", "cpu")

@@ -25,6 +25,7 @@ from gradserve.errors import (
     CancelledError,
     DeadlineExceededError,
     InvalidArgumentError,
+    ResourceExhaustedError,
     UnauthenticatedError,
 )
 from gradserve.kernels.compute import Compute
@@ -41,6 +42,10 @@ from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_pb2
 #: Streamed chunks are at least this large (the last one aside): a client asking for
 #: one-byte chunks would make the server send a message per byte.
 MIN_CHUNK_BYTES = 64 * 1024
+#: A Batch runs its next step only with this much room left in the response: the
+#: most a step's result takes when every output of it goes transient (8 refs), with
+#: room to spare; what the step's outputs cannot fit inline goes transient.
+RESPONSE_RESERVE_BYTES = 4096
 
 
 class GradServeServicer(service_pb2_grpc.GradServeServicer):
@@ -111,11 +116,11 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
         """Run one op on its lane (heavy ones wait for a compute slot, or are refused
         when the queue is full)."""
         lane = self.heavy if op.heavy else self.light
-        return await lane.run(functools.partial(op.handler, io, request))
+        return await lane.run(functools.partial(io.run, op.handler, request))
 
     def _chunk_bytes(self, asked: int) -> int:
         """A chunk size within [64 KiB, what one message carries]."""
-        ceiling = max(1, self.max_message_bytes - protocol.MESSAGE_OVERHEAD_BYTES)
+        ceiling = max(1, self.max_message_bytes - protocol.CHUNK_HEADER_BYTES)
         return min(max(asked or self.chunk_bytes, MIN_CHUNK_BYTES), ceiling)
 
     # ---------------------------------------------------------------- sessions
@@ -202,9 +207,11 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
         self, request: service_pb2.BatchRequest, context: Any
     ) -> service_pb2.BatchResponse:
         """Run the steps in order in one call; stop at the first failure, which is
-        reported in the response with the results of the steps before it. The
-        inline budget is the whole response's: no result of a step that ran is lost
-        to the message limit."""
+        reported in the response with the results of the steps before it. The budget
+        is the whole response's: outputs that do not fit go transient, and once the
+        response is full the next step is not run (RESOURCE_EXHAUSTED, reason
+        ``RESPONSE_FULL``; the SDK sends the rest in another Batch), so no result of a
+        step that ran is lost to the message limit."""
         io = self._io(context)
         response = service_pb2.BatchResponse()
         for index, step in enumerate(request.steps):
@@ -213,9 +220,17 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
                 io.check_alive()
                 if which is None:
                     raise InvalidArgumentError(f"Batch step {index} names no op")
+                if io.response_left < RESPONSE_RESERVE_BYTES:
+                    raise ResourceExhaustedError(
+                        "not run: the response holds all it may (--max-message-bytes); "
+                        "send the steps from here in another Batch",
+                        reason="RESPONSE_FULL",
+                    )
                 op = OPS_BY_BATCH_FIELD[which]
+                before = io.response_left
                 result = await self._run(op, io, getattr(step, which))
                 getattr(response.results.add(), which).CopyFrom(result)
+                io.settle(before, result.ByteSize())
             except Exception as exc:  # noqa: BLE001 - reported in the response
                 err = boundary.as_gradserve_error(exc)
                 name = OPS_BY_BATCH_FIELD[which].rpc if which else "no op"

@@ -36,14 +36,30 @@ def _never_stop() -> None:
     return None
 
 
+#: Encoded size of a ``TensorOutput`` beyond its content bytes: tags, lengths,
+#: dtype, and up to 11 bytes per dimension (an upper bound).
+OUTPUT_HEADER_BYTES = 32
+#: Encoded size of a ``TensorOutput`` holding a ref (id, dtype, shape): an upper bound
+#: for ranks up to 8.
+REF_BYTES = 160
+
+
+def inline_size(array: Any) -> int:
+    """What an output encoded inline adds to a response, at most."""
+    return int(array.nbytes) + OUTPUT_HEADER_BYTES + 11 * array.ndim
+
+
 class CallIO:
     """Inputs and outputs of one call (one op, or every step of a Batch) in ``session``.
 
-    ``inline_budget`` is how many tensor bytes the response may still carry inline;
-    an output is also sent transient when it alone is larger than ``inline_limit``
-    (the client's ``x-gradserve-inline-limit``: it streams large tensors instead).
-    ``check_alive`` raises once the call is cancelled or past its deadline (long
-    ops call it between steps).
+    ``response_left`` is how many bytes the response may still grow by: an output
+    goes inline only if it fits (counting its encoding), and is sent transient
+    otherwise; ``settle`` replaces the estimates of a finished Batch step by its
+    result's exact size. An output is also sent transient when it alone is at least
+    ``inline_limit`` bytes (the client's ``x-gradserve-inline-limit``: it streams
+    large tensors). ``check_alive`` raises once the call is cancelled or past its
+    deadline (long ops call it between steps). ``run`` runs one op so that a failure
+    leaves no output of it behind.
     """
 
     def __init__(
@@ -57,9 +73,28 @@ class CallIO:
     ) -> None:
         self.session = session
         self.compute = compute
-        self.inline_budget = inline_budget
+        self.response_left = inline_budget
         self.inline_limit = inline_budget if inline_limit is None else inline_limit
         self.check_alive = check_alive
+        self._kept: list[str] = []  # ids stored by the op running now
+
+    def run(self, handler: Callable[[CallIO, Any], Any], request: Any) -> Any:
+        """``handler(self, request)``; if it raises, the outputs it already stored in the
+        session (kept or transient) are deleted: a failed op hands out no id, so none
+        may stay behind holding bytes."""
+        self._kept = []
+        try:
+            return handler(self, request)
+        except BaseException:
+            self.session.delete(self._kept)
+            raise
+        finally:
+            self._kept = []
+
+    def settle(self, before: int, result_bytes: int) -> None:
+        """After a Batch step: the response grew by ``result_bytes`` (its result, and
+        the few bytes that wrap it) since ``response_left`` was ``before``."""
+        self.response_left = before - result_bytes - 8
 
     def tensor(self, msg: tensor_pb2.TensorInput, field: str) -> TensorArg:
         """An op argument: the inline value decoded, or the resident tensor's id."""
@@ -82,16 +117,20 @@ class CallIO:
         the response, else transient."""
         if not hasattr(array, "__cuda_array_interface__"):  # scalars, lists: as NumPy
             array = np.asarray(array)
-        nbytes = array.nbytes
-        transient = not keep and (nbytes > self.inline_limit or nbytes > self.inline_budget)
+        size = inline_size(array)
+        transient = not keep and (
+            array.nbytes >= self.inline_limit or size > self.response_left - REF_BYTES
+        )
         if keep or transient:
             ref = out.ref
             ref.id = self.session.put(array)
+            self._kept.append(ref.id)
             ref.dtype = codec.dtype_to_enum(array.dtype)
             ref.shape[:] = array.shape
             ref.transient = transient
+            self.response_left -= REF_BYTES
             return
-        self.inline_budget -= nbytes
+        self.response_left -= size
         array = host_array(self.compute, array)
         started = time.perf_counter()
         codec.encode(array, out.value)

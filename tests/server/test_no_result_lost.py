@@ -51,7 +51,8 @@ def test_batch_of_clearing_reads_over_the_limit_returns_every_value(small_messag
         for index in range(4):
             batch.raw_ops.TensorArrayReadV3(ta.handle, index, ta.flow, np.float32)
         got = batch.run()
-        assert client.delete() == 0  # nothing transient left behind
+        held = small_messages.store.get(client.session_id).budget.used
+    assert held == 0  # the values left the array, and nothing transient stayed behind
     for want, value in zip(written, got):
         np.testing.assert_array_equal(value, want)
 
@@ -138,3 +139,68 @@ def test_get_tensor_with_delete_after_keeps_the_tensor_until_the_last_chunk(serv
         chunks = list(stub.GetTensor(request, metadata=metadata))
     assert sum(len(c.data) for c in chunks) == value.nbytes
     assert client.delete(ref) == 0  # read to the end: deleted
+
+
+def test_many_small_results_past_the_limit_all_come_back(small_messages):
+    # Thousands of 100-byte clearing reads: the tensors fit, their encoding does
+    # not. The server stops before the step that would not fit (RESPONSE_FULL) and
+    # the SDK sends the rest in another Batch; the writes were split the same way.
+    written = [np.full(25, k, np.float32) for k in range(9800)]
+    with connect(small_messages, max_message_bytes=MIB) as client:
+        ta = client.tensor_array(np.float32, size=len(written))
+        batch = client.batch()
+        for index, value in enumerate(written):
+            batch.raw_ops.TensorArrayWriteV3(ta.handle, index, value, ta.flow)
+        assert len(batch.run()) == len(written)
+        for index in range(len(written)):
+            batch.raw_ops.TensorArrayReadV3(ta.handle, index, ta.flow, np.float32)
+        got = batch.run()
+        assert small_messages.store.get(client.session_id).budget.used == 0
+    assert len(got) == len(written)
+    for want, value in zip(written, got):
+        np.testing.assert_array_equal(value, want)
+
+
+def test_a_batch_of_handles_past_the_limit_returns_every_handle(small_messages):
+    with connect(small_messages, max_message_bytes=MIB) as client:
+        batch = client.batch()
+        for _ in range(25_000):  # ~50 bytes of handle each: 1.2 MB of results
+            batch.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
+        handles = [out.handle for out in batch.run()]
+        assert len(set(h.id for h in handles)) == 25_000
+        # Every handle names a live array.
+        assert client.raw_ops.TensorArraySizeV3(handles[-1], 0.0) == 1
+
+
+def test_an_op_that_fails_on_its_outputs_leaves_none_behind():
+    # Seven 256 kB outputs must go transient (1 MiB messages), but the session may
+    # hold only two of them: the op fails and keeps none of the ones it stored.
+    case = random_case(
+        np.random.default_rng(3), steps=16, batch=16, inputs=8, units=256, dtype=np.float32
+    )
+    with run_server(device="cpu", max_message_bytes=MIB, max_session_bytes=MIB) as server:
+        with connect(server) as client:
+            with pytest.raises(gradserve.errors.ResourceExhaustedError, match="session"):
+                client.raw_ops.BlockLSTMV2(np.int64(16), *(case[k] for k in INPUTS))
+            assert server.store.get(client.session_id).budget.used == 0
+
+
+def test_transient_outputs_left_by_a_failed_parse_are_deleted(server, client):
+    # A reply whose transient outputs cannot all be fetched (the fetch broke off for
+    # good) does not leave them holding the session's bytes.
+    from gradserve.client._client import transient_ids
+
+    kept = client.put(np.ones(10, np.float32))
+    left = client.put(np.ones(10, np.float32))
+    reply = service_pb2.BatchResponse()
+    for ref, transient in ((kept, False), (left, True)):
+        out = reply.results.add().tensor_array_read_v3.value.ref
+        out.id, out.transient = ref.id, transient
+    assert transient_ids(reply) == [left.id]
+
+    def fails(_reply):
+        raise gradserve.errors.UnavailableError("the fetch broke off")
+
+    with pytest.raises(gradserve.errors.UnavailableError):
+        client._parse(reply, fails)
+    assert client.delete(left) == 0 and client.delete(kept) == 1

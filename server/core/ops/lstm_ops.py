@@ -195,7 +195,7 @@ def forward(
 
     The seven outputs are backend arrays (GPU arrays on CUDA: the caller keeps them
     there or copies them to the host). Resident inputs move to the device only once
-    every input is valid and the outputs' size is within the session's limit.
+    every input is valid and no output is over the server's max tensor size.
     ``check`` (deadline, cancellation) runs between time steps and may raise.
     """
     values = LSTMInputs(*(session.resolve(a) for a in inputs))
