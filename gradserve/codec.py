@@ -37,8 +37,10 @@ __all__ = [
 
 #: Wire enum <-> NumPy dtype, from the proto's names: DT_FLOAT32 is float32.
 _ENUM_BY_DTYPE: dict[np.dtype[Any], Any] = {  # values: tensor_pb2.DType
-    dt: tensor_pb2.DType.Value(f"DT_{str(dt).upper()}") for dt in dtypes.SUPPORTED
+    dt: tensor_pb2.DType.Value(f"DT_{dtypes.name(dt).upper()}") for dt in dtypes.SUPPORTED
 }
+#: A string element's length prefix on the wire.
+_LENGTH_BYTES = 8
 _DTYPE_BY_ENUM: dict[int, np.dtype[Any]] = {enum: dt for dt, enum in _ENUM_BY_DTYPE.items()}
 
 
@@ -70,16 +72,70 @@ def encode(array: np.ndarray, out: tensor_pb2.Tensor | None = None) -> tensor_pb
     msg = out if out is not None else tensor_pb2.Tensor()
     msg.dtype = _ENUM_BY_DTYPE[dtype]
     msg.shape[:] = array.shape
+    msg.content = _content(array, dtype)
+    return msg
+
+
+def _content(array: np.ndarray, dtype: np.dtype[Any]) -> bytes:
+    """The wire bytes of ``array``: little-endian C-order elements, or for strings
+    each element's 8-byte little-endian length and bytes."""
+    if dtype == dtypes.STRING:
+        parts = []
+        for element in array.flat:
+            data = _string_bytes(element)
+            parts += (len(data).to_bytes(_LENGTH_BYTES, "little"), data)
+        return b"".join(parts)
     if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and _BIG_ENDIAN_HOST):
         array = array.astype(dtype.newbyteorder("<"))
-    msg.content = array.tobytes(order="C")
-    return msg
+    return array.tobytes(order="C")
+
+
+def _string_bytes(element: Any) -> bytes:
+    if isinstance(element, bytes):
+        return element
+    if isinstance(element, str):
+        return element.encode()
+    raise InvalidArgumentError(
+        f"a string tensor holds bytes or str, not {type(element).__name__}: {element!r}"
+    )
+
+
+def _strings(content: bytes | memoryview, shape: tuple[int, ...], field: str) -> np.ndarray:
+    """The read-only object array of ``bytes`` that string ``content`` encodes."""
+    count = element_count(shape, field=field)
+    view = memoryview(content)
+    if len(view) < count * _LENGTH_BYTES:  # before allocating ``count`` references
+        raise InvalidArgumentError(
+            f"{field}: shape {list(shape)} of strings needs at least "
+            f"{count * _LENGTH_BYTES} bytes but the content has {len(view)}",
+            field=field,
+        )
+    out = np.empty(count, dtypes.STRING)
+    pos = 0
+    for index in range(count):
+        length = int.from_bytes(view[pos : pos + _LENGTH_BYTES], "little")
+        pos += _LENGTH_BYTES
+        if pos + length > len(view):
+            raise InvalidArgumentError(
+                f"{field}: string element {index} runs past the content", field=field
+            )
+        out[index] = bytes(view[pos : pos + length])
+        pos += length
+    if pos != len(view):
+        raise InvalidArgumentError(
+            f"{field}: {len(view) - pos} bytes after the last string element", field=field
+        )
+    array = out.reshape(shape)
+    array.flags.writeable = False
+    return array
 
 
 def decode(msg: tensor_pb2.Tensor, *, field: str = "tensor") -> np.ndarray:
     """A read-only array viewing the message's bytes; validates dtype and size."""
     dtype = dtype_from_enum(msg.dtype, field=field)
     shape = tuple(msg.shape)
+    if dtype == dtypes.STRING:
+        return _strings(msg.content, shape, field)
     count = element_count(shape, field=field, itemsize=dtype.itemsize)
     content = msg.content
     expected = count * dtype.itemsize
@@ -99,11 +155,21 @@ def encode_chunks(array: np.ndarray, chunk_bytes: int) -> Iterator[tensor_pb2.Te
     """
     array = np.asarray(array)
     dtype = dtypes.normalize(array.dtype)
-    little = np.ascontiguousarray(array.astype(dtype.newbyteorder("<"), copy=False))
-    raw = memoryview(little.reshape(-1).view(np.uint8).data) if little.size else memoryview(b"")
+    content_bytes = 0
+    if dtype == dtypes.STRING:
+        raw = memoryview(_content(array, dtype))
+        content_bytes = len(raw)
+    elif array.size:
+        little = np.ascontiguousarray(array.astype(dtype.newbyteorder("<"), copy=False))
+        raw = memoryview(little.reshape(-1).view(np.uint8).data)
+    else:
+        raw = memoryview(b"")
     step = max(1, chunk_bytes)
     yield tensor_pb2.TensorChunk(
-        dtype=_ENUM_BY_DTYPE[dtype], shape=array.shape, data=bytes(raw[:step])
+        dtype=_ENUM_BY_DTYPE[dtype],
+        shape=array.shape,
+        data=bytes(raw[:step]),
+        content_bytes=content_bytes,
     )
     for start in range(step, len(raw), step):
         yield tensor_pb2.TensorChunk(data=bytes(raw[start : start + step]))
@@ -137,8 +203,21 @@ class ChunkAssembler:
         if self._buffer is None:
             self._dtype = dtype_from_enum(chunk.dtype, field=field)
             self._shape = tuple(chunk.shape)
-            itemsize = self._dtype.itemsize
-            self.nbytes = element_count(self._shape, field=field, itemsize=itemsize) * itemsize
+            if self._dtype == dtypes.STRING:
+                # The content's length (which is what the strings hold: their bytes
+                # and a reference each, as ``dtypes.nbytes`` counts them).
+                count = element_count(self._shape, field=field)
+                self.nbytes = chunk.content_bytes
+                if self.nbytes < count * _LENGTH_BYTES:
+                    raise InvalidArgumentError(
+                        f"{field}: {count} strings need at least {count * _LENGTH_BYTES} "
+                        f"bytes of content, the stream declares {self.nbytes}",
+                        field=field,
+                    )
+            else:
+                itemsize = self._dtype.itemsize
+                count = element_count(self._shape, field=field, itemsize=itemsize)
+                self.nbytes = count * itemsize
             self._before_allocating(self.nbytes)
             self._buffer = np.empty(self.nbytes, np.uint8)
         data = chunk.data
@@ -162,6 +241,8 @@ class ChunkAssembler:
                 f"{field}: the stream ended after {self.filled} of {self.nbytes} bytes",
                 field=field,
             )
+        if self._dtype == dtypes.STRING:
+            return _strings(self._buffer.data, self._shape, field)
         array = self._buffer.view(self._dtype.newbyteorder("<")).reshape(self._shape)
         array.flags.writeable = False
         return array

@@ -1,5 +1,11 @@
 """The one table of element types: NumPy dtype and TensorFlow name.
 
+``bfloat16`` is ``ml_dtypes.bfloat16`` (TensorFlow's and JAX's NumPy type: its
+arithmetic rounds each float32 result, as TensorFlow's does). ``string`` tensors
+are NumPy object arrays of ``bytes`` (``str`` is stored UTF-8 encoded), as
+``tf.Tensor.numpy()`` returns them; their bytes are ``nbytes`` below, not
+``ndarray.nbytes`` (which counts only the pointers).
+
 No wire types here (the domain imports this module): the codec derives the wire
 enum of each dtype from ``tensor.proto``'s ``DataType`` names (``DT_FLOAT32`` is
 ``float32``), and a test checks that every entry has one.
@@ -9,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from gradserve.errors import UnsupportedDTypeError
@@ -31,19 +38,34 @@ _TABLE: tuple[tuple[np.dtype[Any], str], ...] = (
     (np.dtype(np.float64), "double"),
     (np.dtype(np.complex64), "complex64"),
     (np.dtype(np.complex128), "complex128"),
+    (np.dtype(ml_dtypes.bfloat16), "bfloat16"),
+    (np.dtype(object), "string"),
 )
+
+#: The dtype of string tensors: NumPy object arrays of ``bytes``.
+STRING: np.dtype[Any] = np.dtype(object)
+
+#: Bytes charged per string element besides its content (the reference to it).
+STRING_ELEMENT_BYTES = 8
 
 #: The range of TensorFlow's int32 indices, sizes and lengths.
 INT32_MIN, INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
 
 SUPPORTED: tuple[np.dtype[Any], ...] = tuple(dt for dt, _ in _TABLE)
 _TF_NAME = dict(_TABLE)
-_ALIASES = {name: dt for dt, name in _TABLE} | {str(dt): dt for dt in SUPPORTED}
+_ALIASES = (
+    {name: dt for dt, name in _TABLE}
+    | {str(dt): dt for dt in SUPPORTED}
+    | {"float16": np.dtype(np.float16), "str": STRING, "bytes": STRING}
+)
 
 __all__ = [
     "INT32_MAX",
     "INT32_MIN",
+    "STRING",
     "SUPPORTED",
+    "name",
+    "nbytes",
     "DTypeLike",
     "UnsupportedDTypeError",
     "normalize",
@@ -63,6 +85,8 @@ def normalize(dtype: DTypeLike) -> np.dtype[Any]:
         dt = np.dtype(dtype)
     except TypeError:
         raise UnsupportedDTypeError(f"not a dtype: {dtype!r}") from None
+    if dt.kind in "SUO":  # bytes, str and object arrays all become byte strings
+        return STRING
     dt = dt.newbyteorder("=")
     if dt not in _TF_NAME:
         raise UnsupportedDTypeError(f"dtype {dt} is not supported")
@@ -72,3 +96,18 @@ def normalize(dtype: DTypeLike) -> np.dtype[Any]:
 def tf_name(dtype: DTypeLike) -> str:
     """TensorFlow's DataTypeString ("float", "double", "half", ...) for messages."""
     return _TF_NAME.get(np.dtype(dtype), str(dtype))
+
+
+def name(dtype: DTypeLike) -> str:
+    """gradserve's name of a supported dtype: NumPy's ("float32", "bfloat16"), and
+    "string" for the object arrays of strings."""
+    dt = normalize(dtype)
+    return "string" if dt == STRING else str(dt)
+
+
+def nbytes(array: Any) -> int:
+    """The bytes a tensor holds: its buffer, or for strings their content plus a
+    reference each (what a budget must charge)."""
+    if array.dtype != STRING:
+        return int(array.nbytes)
+    return int(array.size) * STRING_ELEMENT_BYTES + sum(len(x) for x in array.flat)

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from gradserve import dtypes
 from gradserve.errors import (
     InvalidArgumentError,
     NotFoundError,
@@ -195,7 +196,7 @@ class Session:
 
         Its size is checked and its bytes charged to the session's budget.
         """
-        with self.reserve_tensor(array.nbytes) as reservation:
+        with self.reserve_tensor(dtypes.nbytes(array)) as reservation:
             return reservation.keep(array)
 
     def reserve_tensor(self, nbytes: int) -> TensorReservation:
@@ -268,7 +269,7 @@ class Session:
                 kept.readers -= 1
                 release = kept.dropped and kept.readers == 0
             if release:
-                self.budget.release(kept.array.nbytes)
+                self.budget.release(dtypes.nbytes(kept.array))
 
     def get_placed(self, tensor_id: str, place: Callable[[Any], Any]) -> Any:
         """The tensor as ``place`` puts it (on the GPU, for a CUDA server's ops), and
@@ -306,7 +307,7 @@ class Session:
             if kept.readers:
                 kept.dropped = True
             else:
-                freed += kept.array.nbytes
+                freed += dtypes.nbytes(kept.array)
         return freed
 
     # ---------------------------------------------------------------- lifecycle
@@ -349,8 +350,10 @@ class TensorReservation:
 
     def keep(self, array: Array) -> str:
         """Keep ``array`` (of the reserved size) in the session under a new id."""
-        if array.nbytes != self.nbytes:
-            raise ValueError(f"reserved {self.nbytes} bytes, got an array of {array.nbytes}")
+        if dtypes.nbytes(array) != self.nbytes:
+            raise ValueError(
+                f"reserved {self.nbytes} bytes, got an array of {dtypes.nbytes(array)}"
+            )
         tensor_id = self.session._keep_reserved(self, array)
         self._open = False
         return tensor_id

@@ -182,8 +182,8 @@ class TensorArray:
 
     def _set_value(self, slot: _Slot, value: np.ndarray | None) -> None:
         """Store ``value`` in ``slot``, keeping the byte count."""
-        old = slot.value.nbytes if slot.value is not None else 0
-        self._nbytes += (value.nbytes if value is not None else 0) - old
+        old = dtypes.nbytes(slot.value) if slot.value is not None else 0
+        self._nbytes += (dtypes.nbytes(value) if value is not None else 0) - old
         slot.value = value
 
     def _grow_to(self, size: int) -> None:
@@ -298,7 +298,7 @@ class TensorArray:
                 f"the new input shape is {shapes.debug_string(value.shape)}."
             )
         adds = existing is not None and existing.written and existing.holds_values
-        if adds and value.dtype.kind == "b":
+        if adds and (value.dtype.kind == "b" or value.dtype == dtypes.STRING):
             # TensorFlow sums repeated gradient writes of number types only.
             raise InvalidArgumentError(
                 f"tensor_array::AddToTensor type not supported: {dtypes.tf_name(value.dtype)}"
@@ -364,6 +364,10 @@ class TensorArray:
                     f"TensorArray was passed element_shape {shapes.debug_string(element_shape)} "
                     f"which does not match the Tensor at index 0: {shapes.debug_string(first)}"
                 )
+            if len(values) * int(np.prod(first)) == 0:
+                # TensorFlow allocates the output from element 0's shape and, when it
+                # holds no element, returns it before comparing the other shapes.
+                return self._zeros((len(values), *first))
             for i, v in enumerate(values[1:], start=1):
                 if v.shape != first:
                     raise InvalidArgumentError(
@@ -431,7 +435,7 @@ class TensorArray:
             if check is not None and count % CHECK_EVERY == 0:
                 check()
             value = self._read_locked(int(index), spent)
-            spent += value.nbytes
+            spent += dtypes.nbytes(value)
             self._check_output_bytes((spent // self.dtype.itemsize,))
             values.append(value)
         return values
@@ -488,6 +492,8 @@ class TensorArray:
         """Zeros of ``shape``, once ``shapes.num_elements`` accepts it (a shape NumPy
         cannot represent, even with no elements, is the caller's error)."""
         shapes.num_elements(shape, self.dtype.itemsize, what=f"TensorArray {self.name}")
+        if self.dtype == dtypes.STRING:
+            return np.full(shape, b"", dtypes.STRING)  # TensorFlow's zeros of strings
         return np.zeros(shape, self.dtype)
 
     def _check_output_bytes(self, shape: Sequence[int], spent: int = 0) -> None:

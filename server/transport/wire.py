@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from gradserve import codec
+from gradserve import codec, dtypes
 from gradserve.errors import InvalidArgumentError
 from gradserve.kernels.compute import Compute
 from gradserve.server.core.sessions import Resident, Session, TensorArg
@@ -46,7 +46,7 @@ REF_BYTES = 160
 
 def inline_size(array: Any) -> int:
     """What an output encoded inline adds to a response, at most."""
-    return int(array.nbytes) + OUTPUT_HEADER_BYTES + 11 * array.ndim
+    return dtypes.nbytes(array) + OUTPUT_HEADER_BYTES + 11 * array.ndim
 
 
 class CallIO:
@@ -119,7 +119,7 @@ class CallIO:
             array = np.asarray(array)
         size = inline_size(array)
         transient = not keep and (
-            array.nbytes >= self.inline_limit or size > self.response_left - REF_BYTES
+            dtypes.nbytes(array) >= self.inline_limit or size > self.response_left - REF_BYTES
         )
         if keep or transient:
             ref = out.ref

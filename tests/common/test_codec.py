@@ -12,6 +12,11 @@ from gradserve.v1 import tensor_pb2
 
 def sample(dtype: np.dtype, shape) -> np.ndarray:
     rng = np.random.default_rng(0)
+    if dtype == dtypes.STRING:  # byte strings of 0-4 bytes, any byte values
+        count = int(np.prod(shape))
+        return np.array([rng.bytes(k % 5) for k in range(count)] + [None], object)[:-1].reshape(
+            shape
+        )
     raw = rng.integers(0, 256, size=int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
     if dtype == np.bool_:
         raw = raw % 2
@@ -25,7 +30,41 @@ def test_round_trip_is_bit_exact(dtype, shape):
     msg = tensor_pb2.Tensor.FromString(codec.encode(x).SerializeToString())
     y = codec.decode(msg)
     assert y.dtype == x.dtype and y.shape == x.shape
-    assert y.tobytes() == x.tobytes()
+    if dtype == dtypes.STRING:
+        assert y.tolist() == x.tolist()
+    else:
+        assert y.tobytes() == x.tobytes()
+
+
+def test_strings_travel_as_utf8_bytes_in_chunks_of_any_size():
+    x = np.array([["é", b"\0\xff"], ["", "tensor"]], object)
+    want = [[b"\xc3\xa9", b"\0\xff"], [b"", b"tensor"]]
+    assert codec.decode(codec.encode(x)).tolist() == want
+    for chunk in (1, 3, 64):
+        chunks = list(codec.encode_chunks(x, chunk))
+        assert chunks[0].content_bytes == 4 * 8 + 2 + 2 + 0 + 6
+        assert codec.decode_chunks(chunks).tolist() == want
+    assert dtypes.nbytes(codec.decode(codec.encode(x))) == chunks[0].content_bytes
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (b"", "needs at least 16 bytes"),
+        ((3).to_bytes(8, "little") + b"ab" + (0).to_bytes(8, "little"), "runs past"),
+        ((0).to_bytes(8, "little") * 2 + b"x", "after the last string"),
+    ],
+)
+def test_malformed_string_content_is_refused(content, match):
+    msg = tensor_pb2.Tensor(dtype=tensor_pb2.DT_STRING, shape=[2], content=content)
+    with pytest.raises(InvalidArgumentError, match=match):
+        codec.decode(msg)
+
+
+def test_a_string_stream_declaring_too_little_content_is_refused_before_allocating():
+    first = tensor_pb2.TensorChunk(dtype=tensor_pb2.DT_STRING, shape=[10**9], content_bytes=8)
+    with pytest.raises(InvalidArgumentError, match="need at least"):
+        codec.decode_chunks([first])
 
 
 def test_decode_is_a_read_only_view():
@@ -71,8 +110,9 @@ def test_malformed_tensors_are_invalid_argument(msg, match):
 
 
 def test_unsupported_dtype_is_refused_on_encode():
-    with pytest.raises(dtypes.UnsupportedDTypeError):
-        codec.encode(np.array(["a"]))
+    # An error of gradserve.errors (INVALID_ARGUMENT), not a bare ValueError.
+    with pytest.raises(InvalidArgumentError, match="not supported"):
+        codec.encode(np.array([1], "datetime64[D]"))
 
 
 @pytest.mark.parametrize("shape", [None, (), (2, None, 3)])

@@ -24,6 +24,8 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DT_FLOAT64: _ClassVar[DType]
     DT_COMPLEX64: _ClassVar[DType]
     DT_COMPLEX128: _ClassVar[DType]
+    DT_BFLOAT16: _ClassVar[DType]
+    DT_STRING: _ClassVar[DType]
 DT_INVALID: DType
 DT_BOOL: DType
 DT_INT8: DType
@@ -39,6 +41,8 @@ DT_FLOAT32: DType
 DT_FLOAT64: DType
 DT_COMPLEX64: DType
 DT_COMPLEX128: DType
+DT_BFLOAT16: DType
+DT_STRING: DType
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "content")
@@ -87,11 +91,13 @@ class PartialShape(_message.Message):
     def __init__(self, unknown_rank: _Optional[bool] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
-    __slots__ = ("dtype", "shape", "data")
+    __slots__ = ("dtype", "shape", "data", "content_bytes")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    content_bytes: int
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., content_bytes: _Optional[int] = ...) -> None: ...
