@@ -80,7 +80,7 @@ def _content(array: np.ndarray, dtype: np.dtype[Any]) -> bytes:
     """The wire bytes of ``array``: little-endian C-order elements, or for strings
     each element's 8-byte little-endian length and bytes."""
     if dtype == dtypes.STRING:
-        parts = []
+        parts: list[bytes] = []
         for element in array.flat:
             data = _string_bytes(element)
             parts += (len(data).to_bytes(_LENGTH_BYTES, "little"), data)
