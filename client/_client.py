@@ -16,6 +16,7 @@ import numpy as np
 from google.protobuf.message import Message
 
 from gradserve import codec, dtypes, protocol
+from gradserve.client._convert import to_array
 from gradserve.client._errors import from_rpc_error
 from gradserve.client._raw_ops import RawOps, Staging
 from gradserve.client._types import TensorRef
@@ -269,11 +270,12 @@ class Client:
         if isinstance(value, TensorRef):
             msg.ref = value.id
             return
-        array = np.asarray(value)
+        array = to_array(value, dtype)  # as tf.convert_to_tensor converts it
         if dtype is not None:
             array = _as_integer_input(array, dtypes.normalize(dtype))
-        size = array.nbytes + 32 + 11 * array.ndim  # with its encoding, at most
-        if array.nbytes >= self.stream_threshold or size > temps.inline_left:
+        nbytes = dtypes.nbytes(array)
+        size = nbytes + 32 + 11 * array.ndim  # with its encoding, at most
+        if nbytes >= self.stream_threshold or size > temps.inline_left:
             ref = self.put(array)
             temps.append(ref.id)
             msg.ref = ref.id
@@ -292,7 +294,7 @@ class Client:
 
     def put(self, array: ArrayLike) -> TensorRef:
         """Keep ``array`` in the session (streamed in chunks); returns its reference."""
-        array = np.asarray(array)
+        array = to_array(array)
         chunk_bytes = max(
             1, min(self.chunk_bytes, self.request_limit - protocol.CHUNK_HEADER_BYTES)
         )

@@ -21,6 +21,7 @@ import asyncio
 import concurrent.futures
 import contextvars
 import functools
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -78,46 +79,100 @@ class Lane:
 
 
 class Admission:
-    """Calls in flight, their limit, and draining. Used from the event loop only."""
+    """Calls in flight, their limits, and draining. Used from the event loop only.
 
-    def __init__(self, max_calls: int | None) -> None:
+    Unary calls count against ``max_calls`` (``--max-concurrent-rpcs``). Streams
+    (PutTensor, GetTensor) count apart, against ``max_streams`` and
+    ``max_streams_per_principal``: a stalled stream costs no thread but holds a call,
+    so streams — however many stall — never take the slots of small calls, and one
+    principal's streams never take all of another's.
+    """
+
+    #: A drain waits for this long without any new call before it stops the server:
+    #: calls gRPC has received but not yet handed over are refused, not cancelled.
+    QUIET_SECONDS = 0.25
+
+    def __init__(
+        self,
+        max_calls: int | None,
+        max_streams: int | None = None,
+        max_streams_per_principal: int | None = None,
+    ) -> None:
         self.max_calls = max_calls
+        self.max_streams = max_streams
+        self.max_streams_per_principal = max_streams_per_principal
         self.in_flight = 0
+        self.streams = 0
+        self._streams_of: dict[str, int] = {}
         self.draining = False
+        self._last_arrival = 0.0
         self._idle: asyncio.Event | None = None
 
-    def enter(self) -> None:
+    def enter(self, principal: str, *, stream: bool = False) -> None:
         """Admit a call, or refuse it (changing nothing)."""
+        self._last_arrival = time.monotonic()
         if self.draining:
             raise UnavailableError(
                 "the server is shutting down: call another replica (or retry)",
                 reason="DRAINING",
             )
-        if self.max_calls is not None and self.in_flight >= self.max_calls:
-            raise ResourceExhaustedError(
-                f"{self.in_flight} calls in flight, the server's limit "
-                "(--max-concurrent-rpcs); retry later",
-                reason="TOO_MANY_CALLS",
-            )
+        if stream:
+            owned = self._streams_of.get(principal, 0)
+            if self.max_streams is not None and self.streams >= self.max_streams:
+                raise ResourceExhaustedError(
+                    f"{self.streams} streams open, the server's limit (--max-streams); retry later",
+                    reason="TOO_MANY_STREAMS",
+                )
+            limit = self.max_streams_per_principal
+            if limit is not None and owned >= limit:
+                raise ResourceExhaustedError(
+                    f"principal {principal!r} has {owned} streams open, its limit "
+                    "(--max-streams-per-principal); retry later",
+                    reason="TOO_MANY_STREAMS_FOR_PRINCIPAL",
+                )
+            self.streams += 1
+            self._streams_of[principal] = owned + 1
+        else:
+            if self.max_calls is not None and self.in_flight - self.streams >= self.max_calls:
+                raise ResourceExhaustedError(
+                    f"{self.in_flight - self.streams} calls in flight, the server's limit "
+                    "(--max-concurrent-rpcs); retry later",
+                    reason="TOO_MANY_CALLS",
+                )
         self.in_flight += 1
         self._event().clear()
 
-    def exit(self) -> None:
+    def exit(self, principal: str, *, stream: bool = False) -> None:
+        if stream:
+            self.streams -= 1
+            left = self._streams_of[principal] - 1
+            if left:
+                self._streams_of[principal] = left
+            else:
+                del self._streams_of[principal]
         self.in_flight -= 1
         if self.in_flight == 0:
             self._event().set()
 
     async def drain(self, timeout: float) -> bool:
-        """Refuse new calls; wait up to ``timeout`` s for those in flight to finish.
-        Returns True when none is left."""
+        """Refuse new calls; wait up to ``timeout`` s for those in flight to finish and
+        for ``QUIET_SECONDS`` without a new arrival. Returns True when none is left."""
         self.draining = True
-        if self.in_flight == 0:
-            return True
-        try:
-            await asyncio.wait_for(self._event().wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return self.in_flight == 0
+            if self.in_flight:
+                try:
+                    await asyncio.wait_for(self._event().wait(), left)
+                except TimeoutError:
+                    return False
+                continue
+            quiet = time.monotonic() - self._last_arrival
+            if quiet >= self.QUIET_SECONDS:
+                return True
+            await asyncio.sleep(min(self.QUIET_SECONDS - quiet, left))
 
     def _event(self) -> asyncio.Event:
         if self._idle is None:

@@ -192,7 +192,9 @@ def start(config: ServerConfig) -> Server:
         compute=compute,
         light=Lane("light", config.workers),
         heavy=Lane("compute", config.compute_slots, config.max_queued_compute),
-        admission=Admission(config.max_concurrent_rpcs),
+        admission=Admission(
+            config.max_concurrent_rpcs, config.max_streams, config.max_streams_per_principal
+        ),
         tokens=tokens,
         observer=Observer(metrics),
         stream_limits=StreamLimits(

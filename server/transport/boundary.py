@@ -32,6 +32,9 @@ from gradserve.errors import (
 )
 from gradserve.protocol import REQUEST_ID_KEY
 from gradserve.server.transport.auth import current_principal
+from gradserve.v1 import service_pb2
+
+SERVICE = service_pb2.DESCRIPTOR.services_by_name["GradServe"]
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +116,9 @@ def guarded(handler: H) -> H:
     """Wrap a servicer coroutine of any RPC kind: the one door every GradServe call
     goes through.
 
-    In order: observe the call (metrics, logs, request id); admit it (refused with
-    UNAVAILABLE while draining, RESOURCE_EXHAUSTED past ``--max-concurrent-rpcs``);
-    authenticate its bearer token (when the server has a token file) and set
+    In order: observe the call (metrics, logs, request id); authenticate its bearer
+    token (when the server has a token file); admit it (refused with UNAVAILABLE
+    while draining, RESOURCE_EXHAUSTED past the call or stream limits); set
     ``current_principal``; refuse a request that did not parse; run the handler; map
     every exception to its status, once. A call its client cancelled is recorded as
     CANCELLED and not reported as an error.
@@ -124,6 +127,8 @@ def guarded(handler: H) -> H:
     A message request's size is counted here; streamed chunks by the handler.
     """
     name = handler.__name__
+    method = SERVICE.methods_by_name[name]
+    stream = method.client_streaming or method.server_streaming
 
     @functools.wraps(handler)
     async def call(self: Any, request: Any, context: Any) -> Any:
@@ -131,12 +136,13 @@ def guarded(handler: H) -> H:
         response = None
         with self.observer.call(name, context) as record:
             try:
-                self.admission.enter()
+                principal = self.principal(context)
+                self.admission.enter(principal, stream=stream)
             except GradserveError as exc:
                 error = exc
             else:
                 try:
-                    token = current_principal.set(self.principal(context))
+                    token = current_principal.set(principal)
                     try:
                         check_parsed(request)
                         response = await handler(self, request, context)
@@ -148,7 +154,7 @@ def guarded(handler: H) -> H:
                 except Exception as exc:  # noqa: BLE001 - the boundary: nothing escapes
                     error = as_gradserve_error(exc)
                 finally:
-                    self.admission.exit()
+                    self.admission.exit(principal, stream=stream)
             if error is not None:
                 record.code, record.message = error.code, error.message
             elif self.observer.counts_bytes:

@@ -67,6 +67,8 @@ SERVE_FLAGS = [
     ),
     ("session_ttl", float, "seconds before an idle session is closed"),
     ("max_concurrent_rpcs", _optional(int), "calls in flight; more get RESOURCE_EXHAUSTED"),
+    ("max_streams", _optional(int), "PutTensor/GetTensor streams open, all principals"),
+    ("max_streams_per_principal", _optional(int), "streams open of one principal"),
     ("compute_slots", int, "heavy ops (LSTM) computing at once"),
     ("max_queued_compute", int, "heavy ops waiting for a slot; more get RESOURCE_EXHAUSTED"),
     ("stream_idle_timeout", _optional(float), "end a stream after this many idle seconds"),

@@ -20,7 +20,7 @@ from collections.abc import Callable
 log = logging.getLogger(__name__)
 
 #: Freed bytes that make a trim worth its few milliseconds.
-DEFAULT_THRESHOLD = 64 * 1024 * 1024
+DEFAULT_THRESHOLD = 16 * 1024 * 1024
 
 
 def _malloc_trim() -> Callable[[], None] | None:
