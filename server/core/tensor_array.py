@@ -493,7 +493,9 @@ class TensorArray:
         cannot represent, even with no elements, is the caller's error)."""
         shapes.num_elements(shape, self.dtype.itemsize, what=f"TensorArray {self.name}")
         if self.dtype == dtypes.STRING:
-            return np.full(shape, b"", dtypes.STRING)  # TensorFlow's zeros of strings
+            if int(np.prod(shape)) > 0:  # TensorFlow has no zeros of strings
+                raise InvalidArgumentError("tensor_array::TensorSetZero type not supported: string")
+            return np.empty(shape, dtypes.STRING)
         return np.zeros(shape, self.dtype)
 
     def _check_output_bytes(self, shape: Sequence[int], spent: int = 0) -> None:

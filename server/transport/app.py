@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import pathlib
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -50,6 +51,10 @@ log = logging.getLogger(__name__)
 
 SERVICE = service_pb2.DESCRIPTOR.services_by_name["GradServe"]
 SERVICE_NAME = SERVICE.full_name
+
+
+#: The interpreter's thread switch interval while serving (Python's default: 5 ms).
+SWITCH_INTERVAL_SECONDS = 0.001
 
 
 class ConfigError(ValueError):
@@ -270,6 +275,9 @@ def run_server(config: ServerConfig | None = None, **overrides: Any) -> Iterator
 
 def serve(config: ServerConfig) -> int:
     """Run until SIGTERM or SIGINT; returns the process exit code (0)."""
+    # Compute threads run Python between NumPy calls while holding the GIL; a short
+    # switch interval lets the event loop (health, small calls) in sooner.
+    sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
     server = start(config)
     extra = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
     print(f"listening on {config.host}:{server.port} (device: {server.device}{extra})", flush=True)

@@ -36,9 +36,10 @@ ELEMENT_SHAPES = [None, [2], [None], [2, None], [], [0], [1, 2]]
 class _TraceMaker:
     """One random trace: a forward array, then ops on it and on its grad arrays."""
 
-    def __init__(self, rng: np.random.Generator) -> None:
+    def __init__(self, rng: np.random.Generator, dtype: str | None = None) -> None:
         self.rng = rng
-        self.dtype = str(rng.choice(DTYPES))
+        # ``dtype`` given (``record_tensor_array_dtype_traces``): no draw for it.
+        self.dtype = str(rng.choice(DTYPES)) if dtype is None else dtype
         self.size = int(rng.integers(0, 4))
         self.element_shape = ELEMENT_SHAPES[rng.integers(len(ELEMENT_SHAPES))]
         # The element shape most writes use: the declared one, unknown dims as 3.

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 
-from trace_format import tensor_value
+from trace_format import STRING, encode, result, tensor_value
 
 
 def run_step(tf, step: dict, env: dict) -> dict:
@@ -25,7 +25,9 @@ def run_step(tf, step: dict, env: dict) -> dict:
         if isinstance(value, str) and value.startswith("$"):
             args[key] = env[value[1:]]
         elif isinstance(value, dict):
-            args[key] = tf.constant(tensor_value(value))
+            # An empty object array has no dtype of its own: strings are named.
+            dtype = tf.string if value["dtype"] == STRING else None
+            args[key] = tf.constant(tensor_value(value), dtype=dtype)
         elif key == "dtype":
             args[key] = tf.as_dtype(value)
         elif key in ("element_shape", "element_shape_except0"):
@@ -33,19 +35,19 @@ def run_step(tf, step: dict, env: dict) -> dict:
         else:
             args[key] = value
     try:
-        result = getattr(tf.raw_ops, step["op"])(**args)
+        outputs = getattr(tf.raw_ops, step["op"])(**args)
     except tf.errors.OpError as e:
         return {"error": type(e).__name__, "message": e.message}
     outs = step.get("out", [])
-    results = list(result) if isinstance(result, (list, tuple)) else [result]
+    results = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     env.update(zip(outs, results))
+    # TensorFlow's dtype names are the format's ("bfloat16", "string"); values by
+    # ``trace_format.encode`` (for number types, ``tolist()``).
     if step["op"] == "TensorArrayConcatV3":
-        value, lengths = result
-        return {"value": value.numpy().tolist(), "dtype": value.dtype.name,
-                "shape": list(value.shape), "lengths": lengths.numpy().tolist()}  # fmt: skip
+        value, lengths = outputs
+        return {**result(value.numpy(), value.dtype.name), "lengths": encode(lengths.numpy())}
     if step["op"] in ("TensorArrayReadV3", "TensorArrayGatherV3", "TensorArraySizeV3"):
-        return {"value": result.numpy().tolist(), "dtype": result.dtype.name,
-                "shape": list(result.shape)}  # fmt: skip
+        return result(outputs.numpy(), outputs.dtype.name)
     return {"ok": True}
 
 
