@@ -70,7 +70,7 @@ class ServerConfig:
     #: Streams (PutTensor, GetTensor) open at once, all principals and one principal:
     #: a stalled stream costs no thread, but a call and the data gRPC buffers for it.
     max_streams: int | None = 1024
-    max_streams_per_principal: int | None = 256
+    max_streams_per_principal: int | None = 512
     #: Heavy ops (LSTM) computing at once, and how many may wait for a slot.
     compute_slots: int = max(1, os.cpu_count() or 1)
     max_queued_compute: int = 64
