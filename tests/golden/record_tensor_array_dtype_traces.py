@@ -21,14 +21,13 @@ re-record, e.g.
 
 from __future__ import annotations
 
-import json
 import pathlib
 import sys
 
 import ml_dtypes
 import numpy as np
 from record_tensor_array_traces import _TraceMaker
-from tf_record import record, worker
+from tf_record import record_to, worker
 from trace_format import tensor
 
 OUT = pathlib.Path(__file__).parent / "tensor_array_traces_dtypes.json"
@@ -499,13 +498,7 @@ def make_traces(seed: int) -> dict[str, list[dict]]:
 
 
 def main() -> None:
-    import tensorflow as tf
-
-    recorded = record(make_traces(SEED))
-    crashed = sum("tf_crashed" in t[-1]["expect"] for t in recorded.values())
-    meta = {"recorded_with": f"tensorflow {tf.__version__}", "seed": SEED, "traces": recorded}
-    OUT.write_text(json.dumps(meta, separators=(",", ":")) + "\n")
-    print(f"{len(recorded)} traces ({crashed} crashed TensorFlow) written to {OUT}")
+    record_to(OUT, SEED, make_traces(SEED))
 
 
 if __name__ == "__main__":

@@ -18,12 +18,11 @@ and ends a trace that killed it with that step, marked ``{"tf_crashed": true}``.
 
 from __future__ import annotations
 
-import json
 import pathlib
 import sys
 
 import numpy as np
-from tf_record import record, worker
+from tf_record import record_to, worker
 from trace_format import tensor
 
 OUT = pathlib.Path(__file__).parent / "tensor_array_traces_random.json"
@@ -263,13 +262,7 @@ def make_traces(seed: int, count: int) -> dict[str, list[dict]]:
 
 
 def main() -> None:
-    import tensorflow as tf
-
-    recorded = record(make_traces(SEED, TRACES))
-    crashed = sum("tf_crashed" in t[-1]["expect"] for t in recorded.values())
-    meta = {"recorded_with": f"tensorflow {tf.__version__}", "seed": SEED, "traces": recorded}
-    OUT.write_text(json.dumps(meta, separators=(",", ":")) + "\n")
-    print(f"{len(recorded)} traces ({crashed} crashed TensorFlow) written to {OUT}")
+    record_to(OUT, SEED, make_traces(SEED, TRACES))
 
 
 if __name__ == "__main__":

@@ -106,3 +106,15 @@ def record(traces: dict[str, list[dict]]) -> dict[str, list[dict]]:
         proc.stdin.close()
         proc.wait()
     return recorded
+
+
+def record_to(out, seed: int, traces: dict[str, list[dict]]) -> None:
+    """Record ``traces`` (made from ``seed``) and write them to ``out`` (a path), with the
+    TensorFlow version and seed: the same traces give the same bytes."""
+    import tensorflow as tf
+
+    recorded = record(traces)
+    crashed = sum("tf_crashed" in t[-1]["expect"] for t in recorded.values())
+    meta = {"recorded_with": f"tensorflow {tf.__version__}", "seed": seed, "traces": recorded}
+    out.write_text(json.dumps(meta, separators=(",", ":")) + "\n")
+    print(f"{len(recorded)} traces ({crashed} crashed TensorFlow) written to {out}")
