@@ -70,8 +70,7 @@ class Batch:
                     results=results,
                 )
         finally:
-            if temps:
-                self._client._delete_ids(temps)
+            self._client._clean_up(temps)
         return results
 
     def _request(self, steps: list, start: int) -> service_pb2.BatchRequest:

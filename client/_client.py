@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import random
@@ -241,8 +240,7 @@ class Client:
         try:
             reply = self._call(rpc, request)
         finally:
-            if temps:
-                self._delete_ids(temps)
+            self._clean_up(temps)
         return self._parse(reply, parse)
 
     def _parse(self, reply: Message, parse: Callable[[Any], Any]) -> Any:
@@ -251,10 +249,7 @@ class Client:
         try:
             return parse(reply)
         except BaseException:
-            leftover = transient_ids(reply)
-            if leftover:
-                with contextlib.suppress(GradserveError):
-                    self._delete_ids(leftover)
+            self._clean_up(transient_ids(reply))
             raise
 
     # ---------------------------------------------------------------- tensors in/out
@@ -310,8 +305,30 @@ class Client:
         return self._delete_ids([r.id if isinstance(r, TensorRef) else r for r in refs])
 
     def _delete_ids(self, ids: Iterable[str]) -> int:
-        reply = self._call("DeleteTensor", service_pb2.DeleteTensorRequest(ids=list(ids)))
-        return reply.deleted
+        """Delete tensors by id, in as many requests as the message limit needs."""
+        deleted, size = 0, 0
+        batch: list[str] = []
+        for tensor_id in [*ids, None]:
+            if tensor_id is None or size + len(tensor_id) + 8 > self.request_budget:
+                if batch or tensor_id is None:
+                    request = service_pb2.DeleteTensorRequest(ids=batch)
+                    deleted += self._call("DeleteTensor", request).deleted
+                batch, size = [], 0
+            if tensor_id is not None:
+                batch.append(tensor_id)
+                size += len(tensor_id) + 8
+        return deleted
+
+    def _clean_up(self, ids: list[str]) -> None:
+        """Delete temporary uploads after a call; a failure here is logged, not raised,
+        so it never hides the call's own result or error (the session's idle timeout
+        frees what could not be deleted)."""
+        if not ids:
+            return
+        try:
+            self._delete_ids(ids)
+        except GradserveError as e:
+            log.warning("could not delete %d temporary tensor(s): %s", len(ids), e)
 
     def _fetch(self, tensor_id: str, *, delete_after: bool) -> np.ndarray:
         """The whole stream, repeated on UNAVAILABLE even with ``delete_after``: the

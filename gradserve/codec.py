@@ -27,6 +27,7 @@ __all__ = [
     "encode",
     "decode",
     "encode_chunks",
+    "WireContent",
     "decode_chunks",
     "ChunkAssembler",
     "element_count",
@@ -102,7 +103,7 @@ def _string_bytes(element: Any) -> bytes:
 
 def _strings(content: bytes | memoryview, shape: tuple[int, ...], field: str) -> np.ndarray:
     """The read-only object array of ``bytes`` that string ``content`` encodes."""
-    count = element_count(shape, field=field)
+    count = element_count(shape, field=field, itemsize=dtypes.STRING_ELEMENT_BYTES)
     view = memoryview(content)
     if len(view) < count * _LENGTH_BYTES:  # before allocating ``count`` references
         raise InvalidArgumentError(
@@ -148,31 +149,42 @@ def decode(msg: tensor_pb2.Tensor, *, field: str = "tensor") -> np.ndarray:
     return np.frombuffer(content, dtype=dtype.newbyteorder("<"), count=count).reshape(shape)
 
 
-def encode_chunks(array: np.ndarray, chunk_bytes: int) -> Iterator[tensor_pb2.TensorChunk]:
-    """``array`` as a stream of chunks of ``chunk_bytes``; the first carries dtype and shape.
+class WireContent:
+    """A tensor's wire bytes, ready to be cut into chunks (``chunks``): building them
+    is the costly part (a pass over every string), cutting them is cheap."""
 
-    One copy per chunk (the ``bytes`` of a slice of the little-endian array).
-    """
-    array = np.asarray(array)
-    dtype = dtypes.normalize(array.dtype)
-    content_bytes = 0
-    if dtype == dtypes.STRING:
-        raw = memoryview(_content(array, dtype))
-        content_bytes = len(raw)
-    elif array.size:
-        little = np.ascontiguousarray(array.astype(dtype.newbyteorder("<"), copy=False))
-        raw = memoryview(little.reshape(-1).view(np.uint8).data)
-    else:
-        raw = memoryview(b"")
-    step = max(1, chunk_bytes)
-    yield tensor_pb2.TensorChunk(
-        dtype=_ENUM_BY_DTYPE[dtype],
-        shape=array.shape,
-        data=bytes(raw[:step]),
-        content_bytes=content_bytes,
-    )
-    for start in range(step, len(raw), step):
-        yield tensor_pb2.TensorChunk(data=bytes(raw[start : start + step]))
+    def __init__(self, array: np.ndarray) -> None:
+        array = np.asarray(array)
+        dtype = dtypes.normalize(array.dtype)
+        self.dtype = _ENUM_BY_DTYPE[dtype]
+        self.shape = array.shape
+        self.content_bytes = 0
+        if dtype == dtypes.STRING:
+            self.data = memoryview(_content(array, dtype))
+            self.content_bytes = len(self.data)
+        elif array.size:
+            little = np.ascontiguousarray(array.astype(dtype.newbyteorder("<"), copy=False))
+            self.data = memoryview(little.reshape(-1).view(np.uint8).data)
+        else:
+            self.data = memoryview(b"")
+
+    def chunks(self, chunk_bytes: int) -> Iterator[tensor_pb2.TensorChunk]:
+        """Chunks of ``chunk_bytes``; the first carries dtype and shape. One copy per
+        chunk (the ``bytes`` of a slice)."""
+        step, raw = max(1, chunk_bytes), self.data
+        yield tensor_pb2.TensorChunk(
+            dtype=self.dtype,
+            shape=self.shape,
+            data=bytes(raw[:step]),
+            content_bytes=self.content_bytes,
+        )
+        for start in range(step, len(raw), step):
+            yield tensor_pb2.TensorChunk(data=bytes(raw[start : start + step]))
+
+
+def encode_chunks(array: np.ndarray, chunk_bytes: int) -> Iterator[tensor_pb2.TensorChunk]:
+    """``array`` as a stream of chunks of ``chunk_bytes`` (see ``WireContent``)."""
+    return WireContent(array).chunks(chunk_bytes)
 
 
 class ChunkAssembler:
@@ -181,7 +193,8 @@ class ChunkAssembler:
     dtype or shape, too little or too much data) is an InvalidArgumentError.
 
     ``before_allocating(nbytes)`` runs once the size is known (from the first chunk)
-    and before the buffer exists: a memory budget can refuse the stream there.
+    and before the buffer exists, with the bytes the finished array will hold
+    (``dtypes.nbytes``): a memory budget can refuse the stream there.
     """
 
     def __init__(
@@ -204,9 +217,9 @@ class ChunkAssembler:
             self._dtype = dtype_from_enum(chunk.dtype, field=field)
             self._shape = tuple(chunk.shape)
             if self._dtype == dtypes.STRING:
-                # The content's length (which is what the strings hold: their bytes
-                # and a reference each, as ``dtypes.nbytes`` counts them).
-                count = element_count(self._shape, field=field)
+                count = element_count(
+                    self._shape, field=field, itemsize=dtypes.STRING_ELEMENT_BYTES
+                )
                 self.nbytes = chunk.content_bytes
                 if self.nbytes < count * _LENGTH_BYTES:
                     raise InvalidArgumentError(
@@ -214,17 +227,21 @@ class ChunkAssembler:
                         f"bytes of content, the stream declares {self.nbytes}",
                         field=field,
                     )
+                # What the strings will hold (``dtypes.nbytes``): their bytes (the
+                # content less its length prefixes) and each element's own cost.
+                charge = self.nbytes + count * (dtypes.STRING_ELEMENT_BYTES - _LENGTH_BYTES)
             else:
                 itemsize = self._dtype.itemsize
                 count = element_count(self._shape, field=field, itemsize=itemsize)
-                self.nbytes = count * itemsize
-            self._before_allocating(self.nbytes)
+                self.nbytes = charge = count * itemsize
+            self._before_allocating(charge)
             self._buffer = np.empty(self.nbytes, np.uint8)
         data = chunk.data
         end = self.filled + len(data)
         if end > self.nbytes:
+            kind = "?" if self._dtype is None else dtypes.name(self._dtype)
             raise InvalidArgumentError(
-                f"{field}: more data than shape {list(self._shape)} of {self._dtype} holds "
+                f"{field}: more data than shape {list(self._shape)} of {kind} holds "
                 f"({self.nbytes} bytes)",
                 field=field,
             )

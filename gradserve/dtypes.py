@@ -13,6 +13,7 @@ enum of each dtype from ``tensor.proto``'s ``DataType`` names (``DT_FLOAT32`` is
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import ml_dtypes
@@ -45,8 +46,9 @@ _TABLE: tuple[tuple[np.dtype[Any], str], ...] = (
 #: The dtype of string tensors: NumPy object arrays of ``bytes``.
 STRING: np.dtype[Any] = np.dtype(object)
 
-#: Bytes charged per string element besides its content (the reference to it).
-STRING_ELEMENT_BYTES = 8
+#: Bytes charged per string element besides its content: the array's reference to it
+#: and the ``bytes`` object's own header (what an element really costs in memory).
+STRING_ELEMENT_BYTES = 8 + sys.getsizeof(b"")
 
 #: The range of TensorFlow's int32 indices, sizes and lengths.
 INT32_MIN, INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)

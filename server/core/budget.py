@@ -43,8 +43,9 @@ class MemoryBudget:
 
     def reserve(self, nbytes: int) -> None:
         """Count ``nbytes`` more, or raise (changing nothing) if a limit would pass."""
-        if nbytes <= 0:
-            self.release(-nbytes)
+        if nbytes < 0:
+            raise ValueError(f"reserve({nbytes}): a negative reservation (use adjust)")
+        if nbytes == 0:
             return
         with self._lock:
             if self.limit is not None and self._used + nbytes > self.limit:

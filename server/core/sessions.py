@@ -64,6 +64,8 @@ class _Kept:
     """A resident tensor and the streams reading it."""
 
     array: Array
+    #: The bytes charged for it (``dtypes.nbytes``, counted once: for strings, a pass).
+    nbytes: int
     #: Streams (GetTensor) reading it now: its bytes stay charged while any does.
     readers: int = 0
     #: Deleted (or its session closed) while read: the last reader releases its bytes.
@@ -218,7 +220,7 @@ class Session:
         with self._lock:
             self._check_open()
             self._reservations.discard(reservation)
-            self._resident[tensor_id] = _Kept(array)
+            self._resident[tensor_id] = _Kept(array, reservation.nbytes)
         return tensor_id
 
     def _give_up(self, reservation: TensorReservation) -> None:
@@ -269,7 +271,7 @@ class Session:
                 kept.readers -= 1
                 release = kept.dropped and kept.readers == 0
             if release:
-                self.budget.release(dtypes.nbytes(kept.array))
+                self.budget.release(kept.nbytes)
 
     def get_placed(self, tensor_id: str, place: Callable[[Any], Any]) -> Any:
         """The tensor as ``place`` puts it (on the GPU, for a CUDA server's ops), and
@@ -307,7 +309,7 @@ class Session:
             if kept.readers:
                 kept.dropped = True
             else:
-                freed += dtypes.nbytes(kept.array)
+                freed += kept.nbytes
         return freed
 
     # ---------------------------------------------------------------- lifecycle
@@ -350,10 +352,8 @@ class TensorReservation:
 
     def keep(self, array: Array) -> str:
         """Keep ``array`` (of the reserved size) in the session under a new id."""
-        if dtypes.nbytes(array) != self.nbytes:
-            raise ValueError(
-                f"reserved {self.nbytes} bytes, got an array of {dtypes.nbytes(array)}"
-            )
+        if array.dtype != dtypes.STRING and array.nbytes != self.nbytes:
+            raise ValueError(f"reserved {self.nbytes} bytes, got an array of {array.nbytes}")
         tensor_id = self.session._keep_reserved(self, array)
         self._open = False
         return tensor_id

@@ -23,7 +23,7 @@ import contextvars
 import functools
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from gradserve.errors import ResourceExhaustedError, UnavailableError
 
@@ -66,7 +66,7 @@ class Lane:
         future = asyncio.get_running_loop().run_in_executor(
             self._executor, functools.partial(context.run, fn)
         )
-        future.add_done_callback(lambda _: slots.release())
+        future.add_done_callback(lambda done: _finished(done, slots))
         return await asyncio.shield(future)
 
     def _semaphore(self) -> asyncio.Semaphore:
@@ -76,6 +76,13 @@ class Lane:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _finished(future: asyncio.Future[Any], slots: asyncio.Semaphore) -> None:
+    """Free the slot; read the outcome, which nobody awaits if the caller went away."""
+    slots.release()
+    if not future.cancelled():
+        future.exception()
 
 
 class Admission:
@@ -88,8 +95,9 @@ class Admission:
     principal's streams never take all of another's.
     """
 
-    #: A drain waits for this long without any new call before it stops the server:
-    #: calls gRPC has received but not yet handed over are refused, not cancelled.
+    #: A drain waits for this long after the last call it admitted before it stops the
+    #: server: calls gRPC has received but not yet handed over are refused, not
+    #: cancelled.
     QUIET_SECONDS = 0.25
 
     def __init__(
@@ -110,7 +118,6 @@ class Admission:
 
     def enter(self, principal: str, *, stream: bool = False) -> None:
         """Admit a call, or refuse it (changing nothing)."""
-        self._last_arrival = time.monotonic()
         if self.draining:
             raise UnavailableError(
                 "the server is shutting down: call another replica (or retry)",
@@ -140,6 +147,7 @@ class Admission:
                     reason="TOO_MANY_CALLS",
                 )
         self.in_flight += 1
+        self._last_arrival = time.monotonic()
         self._event().clear()
 
     def exit(self, principal: str, *, stream: bool = False) -> None:

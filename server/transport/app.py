@@ -45,11 +45,10 @@ from gradserve.server.transport.memory import Trimmer
 from gradserve.server.transport.observability import Metrics, Observer
 from gradserve.server.transport.servicer import GradServeServicer
 from gradserve.server.transport.streams import StreamLimits
-from gradserve.v1 import service_pb2
 
 log = logging.getLogger(__name__)
 
-SERVICE = service_pb2.DESCRIPTOR.services_by_name["GradServe"]
+SERVICE = boundary.SERVICE
 SERVICE_NAME = SERVICE.full_name
 
 
@@ -109,7 +108,7 @@ class Server:
         if self._reaper is not None:
             self._reaper.cancel()
         # Calls that returned may still be sending their responses: let them finish.
-        await self._grpc.stop(max(1.0, grace - (time.monotonic() - started)))
+        await self._grpc.stop(max(0.1, grace - (time.monotonic() - started)))
 
 
 def _store(config: ServerConfig, trimmer: Trimmer) -> SessionStore:
@@ -198,7 +197,7 @@ def start(config: ServerConfig) -> Server:
         light=Lane("light", config.workers),
         heavy=Lane("compute", config.compute_slots, config.max_queued_compute),
         admission=Admission(
-            config.max_concurrent_rpcs, config.max_streams, config.max_streams_per_principal
+            config.max_concurrent_rpcs, config.max_streams, config.streams_per_principal()
         ),
         tokens=tokens,
         observer=Observer(metrics),

@@ -65,7 +65,20 @@ def as_gradserve_error(exc: BaseException) -> GradserveError:
     return InternalError(f"internal error: {type(exc).__name__}: {exc}", reason="INTERNAL")
 
 
+#: Longest error message sent: messages echo names and inputs, and a status travels in
+#: trailing metadata, which gRPC bounds far below the message limit.
+MAX_MESSAGE_CHARS = 2048
+
+
+def bounded(message: str) -> str:
+    """``message``, cut to ``MAX_MESSAGE_CHARS``."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return message[: MAX_MESSAGE_CHARS - 20] + f"… ({len(message)} chars)"
+
+
 def rpc_status_for(err: GradserveError) -> status_pb2.Status:
+    message = bounded(err.message)
     details = []
     if err.reason:
         info = any_pb2.Any()
@@ -77,13 +90,13 @@ def rpc_status_for(err: GradserveError) -> status_pb2.Status:
             error_details_pb2.BadRequest(
                 field_violations=[
                     error_details_pb2.BadRequest.FieldViolation(
-                        field=err.field, description=err.message
+                        field=err.field, description=message
                     )
                 ]
             )
         )
         details.append(bad)
-    return status_pb2.Status(code=int(err.code), message=err.message, details=details)
+    return status_pb2.Status(code=int(err.code), message=message, details=details)
 
 
 class Unparsed:

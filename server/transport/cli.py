@@ -63,7 +63,8 @@ SERVE_FLAGS = [
     (
         "max_principal_bytes",
         _optional(int),
-        "bytes all sessions of one principal may hold (-1: half of --max-server-bytes)",
+        "bytes all sessions of one principal may hold (-1: half of --max-server-bytes "
+        "with --token-file, else none)",
     ),
     ("session_ttl", float, "seconds before an idle session is closed"),
     ("max_concurrent_rpcs", _optional(int), "calls in flight; more get RESOURCE_EXHAUSTED"),

@@ -92,10 +92,18 @@ class ServerConfig:
     metrics_port: int | None = None
 
     def principal_bytes(self) -> int | None:
-        """``max_principal_bytes`` resolved: half the server's budget by default."""
+        """``max_principal_bytes`` resolved: by default half the server's budget where
+        there are principals (a token file); without one every session is the same
+        anonymous principal, whose quota would only halve the server."""
         if self.max_principal_bytes != SERVER_FRACTION:
             return self.max_principal_bytes
-        return None if self.max_server_bytes is None else self.max_server_bytes // 2
+        if self.token_file is None or self.max_server_bytes is None:
+            return None
+        return self.max_server_bytes // 2
+
+    def streams_per_principal(self) -> int | None:
+        """``max_streams_per_principal`` where there are principals (a token file)."""
+        return self.max_streams_per_principal if self.token_file else None
 
     def grpc_options(self) -> list[tuple[str, int]]:
         options = protocol.channel_options(self.max_message_bytes) + [

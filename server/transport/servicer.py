@@ -25,6 +25,7 @@ from gradserve.errors import (
     CancelledError,
     DeadlineExceededError,
     InvalidArgumentError,
+    NotFoundError,
     ResourceExhaustedError,
     UnauthenticatedError,
 )
@@ -104,13 +105,19 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
         client_budget = _int_metadata(metadata, protocol.RESPONSE_BUDGET_METADATA_KEY)
         if client_budget is not None:
             budget = min(budget, client_budget)
-        return CallIO(
-            self._session(context),
+        session = self._session(context)
+        io = CallIO(
+            session,
             self.compute,
             inline_budget=max(0, budget),
             inline_limit=_int_metadata(metadata, protocol.INLINE_LIMIT_METADATA_KEY),
-            check_alive=Liveness(context),
+            check_alive=Liveness(context, session),
         )
+        # Outputs stored for a response that never arrives (the deadline passed or the
+        # client cancelled after the op's last check) would hold bytes under ids
+        # nobody knows: the call's end deletes them.
+        context.add_done_callback(functools.partial(_forget_if_cancelled, io))
+        return io
 
     async def _run(self, op: Op, io: CallIO, request: Message) -> Message:
         """Run one op on its lane (heavy ones wait for a compute slot, or are refused
@@ -155,7 +162,7 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
         its session closes."""
         session = self._session(context)
         call = current_call.get()
-        pace = Pace(self.stream_limits, session, "PutTensor")
+        pace = Pace(self.stream_limits, session, "PutTensor", self._draining)
         with contextlib.ExitStack() as held:
             reservations: list[TensorReservation] = []
 
@@ -170,7 +177,8 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
                 pace.moved_bytes(len(chunk.data))
                 if call is not None:
                     call.bytes_in += len(chunk.data)
-            array = assembler.finish()
+            # Building the array is a pass over every string: off the event loop.
+            array = await self.light.run(assembler.finish)
             tensor_id = reservations[0].keep(array)
         return tensor_pb2.ResidentTensor(
             id=tensor_id, dtype=codec.dtype_to_enum(array.dtype), shape=array.shape
@@ -184,10 +192,10 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
         reader that stalls or trickles is ended as an uploader is."""
         session = self._session(context)
         call = current_call.get()
-        pace = Pace(self.stream_limits, session, "GetTensor")
+        pace = Pace(self.stream_limits, session, "GetTensor", self._draining)
         with session.reading(request.id) as kept:
-            array = await self.light.run(functools.partial(host_array, self.compute, kept))
-            for chunk in codec.encode_chunks(array, self._chunk_bytes(request.chunk_bytes)):
+            content = await self.light.run(functools.partial(self._wire_content, kept))
+            for chunk in content.chunks(self._chunk_bytes(request.chunk_bytes)):
                 await pace.wait(context.write(chunk))
                 pace.moved_bytes(len(chunk.data))
                 if call is not None:
@@ -196,9 +204,16 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
             session.delete([request.id])
         return None
 
+    def _wire_content(self, kept: Any) -> codec.WireContent:
+        return codec.WireContent(host_array(self.compute, kept))
+
+    def _draining(self) -> bool:
+        return self.admission.draining
+
     @boundary.guarded
     async def DeleteTensor(self, request: Any, context: Any) -> Message:
-        deleted = self._session(context).delete(request.ids)
+        session = self._session(context)
+        deleted = await self.light.run(functools.partial(session.delete, request.ids))
         return service_pb2.DeleteTensorResponse(deleted=deleted)
 
     # ---------------------------------------------------------------- Batch
@@ -220,7 +235,7 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
                 io.check_alive()
                 if which is None:
                     raise InvalidArgumentError(f"Batch step {index} names no op")
-                if io.response_left < RESPONSE_RESERVE_BYTES:
+                if index and io.response_left < RESPONSE_RESERVE_BYTES:
                     raise ResourceExhaustedError(
                         "not run: the response holds all it may (--max-message-bytes); "
                         "send the steps from here in another Batch",
@@ -236,7 +251,9 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
                 name = OPS_BY_BATCH_FIELD[which].rpc if which else "no op"
                 response.failed_step = index
                 response.error.code = int(err.code)
-                response.error.message = f"Batch step {index} ({name}): {err.message}"
+                response.error.message = boundary.bounded(
+                    f"Batch step {index} ({name}): {err.message}"
+                )
                 response.error.reason = err.reason
                 break
         return response
@@ -259,9 +276,10 @@ class Liveness:
     """A long op's ``check_alive``, callable from a lane's thread: raises once the
     call's deadline has passed or the call has ended (its client cancelled)."""
 
-    def __init__(self, context: Any) -> None:
+    def __init__(self, context: Any, session: Session) -> None:
         remaining = context.time_remaining()
         self.deadline = None if remaining is None else time.monotonic() + remaining
+        self.session = session
         self.ended = threading.Event()
         context.add_done_callback(lambda _: self.ended.set())
 
@@ -270,6 +288,13 @@ class Liveness:
             raise DeadlineExceededError("deadline exceeded")
         if self.ended.is_set():
             raise CancelledError("the call was cancelled")
+        if self.session.closed:
+            raise NotFoundError("the session was closed", reason="SESSION_NOT_FOUND")
+
+
+def _forget_if_cancelled(io: CallIO, context: Any) -> None:
+    if context.cancelled():
+        io.forget_outputs()
 
 
 def _metadata(context: Any) -> dict[str, str]:

@@ -5,7 +5,8 @@ A stream (PutTensor's chunks in, GetTensor's chunks out) ends when
 - no chunk moves for ``idle_timeout`` seconds: DEADLINE_EXCEEDED;
 - after ``rate_grace`` seconds it has moved fewer than ``min_rate`` bytes per second
   on average: RESOURCE_EXHAUSTED (a trickle that never stalls is as costly);
-- its session is closed or expires: NOT_FOUND.
+- its session is closed or expires: NOT_FOUND;
+- the server drains while it is idle: UNAVAILABLE (a stream that moves finishes).
 
 In each case what the stream reserved is released (the session's reservation, or
 the read it holds open).
@@ -16,10 +17,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-from gradserve.errors import DeadlineExceededError, NotFoundError, ResourceExhaustedError
+from gradserve.errors import (
+    DeadlineExceededError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from gradserve.server.core.sessions import Session
 
 T = TypeVar("T")
@@ -40,41 +46,51 @@ class StreamLimits:
 class Pace:
     """One stream's progress against its limits."""
 
-    def __init__(self, limits: StreamLimits, session: Session, what: str) -> None:
+    def __init__(
+        self,
+        limits: StreamLimits,
+        session: Session,
+        what: str,
+        draining: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.limits = limits
         self.session = session
         self.what = what
+        self.draining = draining
         self.started = time.monotonic()
         self.moved = 0
 
     async def wait(self, step: Awaitable[T]) -> T:
         """``step`` (the next chunk read or written), within the idle timeout, while
-        the session stays open; raises otherwise (``step`` is left to end with the
-        call)."""
+        the session stays open and, once the server drains, while the stream moves;
+        raises otherwise. ``step`` is never cancelled: a write cancelled half-way
+        leaves the call unable to send its status; the call's end completes it."""
         task = asyncio.ensure_future(step)
+        task.add_done_callback(_discard)  # its outcome is read below, or moot
+        self._check_session()
         idle = self.limits.idle_timeout
         deadline = None if idle is None else time.monotonic() + idle
-        try:
-            while True:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise DeadlineExceededError(
-                        f"{self.what}: no data for {idle:g} s (--stream-idle-timeout)",
-                        reason="STREAM_IDLE",
-                    )
-                timeout = _POLL_SECONDS if left is None else min(_POLL_SECONDS, left)
-                done, _ = await asyncio.wait((task,), timeout=timeout)
-                if done:
-                    return task.result()
-                if self.session.closed:
-                    raise NotFoundError(
-                        f"{self.what}: the session was closed", reason="SESSION_NOT_FOUND"
-                    )
-        finally:
-            if not task.done():
-                # Not cancelled: a write cancelled half-way leaves the call unable to
-                # send its status. The call's end completes it; its outcome is moot.
-                task.add_done_callback(_discard)
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise DeadlineExceededError(
+                    f"{self.what}: no data for {idle:g} s (--stream-idle-timeout)",
+                    reason="STREAM_IDLE",
+                )
+            timeout = _POLL_SECONDS if left is None else min(_POLL_SECONDS, left)
+            done, _ = await asyncio.wait((task,), timeout=timeout)
+            if done:
+                return task.result()
+            self._check_session()
+            if self.draining():
+                raise UnavailableError(
+                    f"{self.what}: the server is shutting down and this stream is idle",
+                    reason="DRAINING",
+                )
+
+    def _check_session(self) -> None:
+        if self.session.closed:
+            raise NotFoundError(f"{self.what}: the session was closed", reason="SESSION_NOT_FOUND")
 
     def moved_bytes(self, nbytes: int) -> None:
         """Count ``nbytes`` more; raises once the average rate is below the minimum."""

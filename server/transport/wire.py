@@ -18,6 +18,7 @@ StopGradient), is copied to host memory, through ``host_array``.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -77,6 +78,12 @@ class CallIO:
         self.inline_limit = inline_budget if inline_limit is None else inline_limit
         self.check_alive = check_alive
         self._kept: list[str] = []  # ids stored by the op running now
+        #: Every id this call stored (kept or transient outputs): if the call ends
+        #: without its response reaching the client, they are deleted
+        #: (``forget_outputs``), since nobody else knows them.
+        self.stored: list[str] = []
+        self._over = False  # the call ended without its response: store nothing more
+        self._lock = threading.Lock()
 
     def run(self, handler: Callable[[CallIO, Any], Any], request: Any) -> Any:
         """``handler(self, request)``; if it raises, the outputs it already stored in the
@@ -84,12 +91,28 @@ class CallIO:
         may stay behind holding bytes."""
         self._kept = []
         try:
-            return handler(self, request)
+            response = handler(self, request)
+            with self._lock:
+                if not self._over:
+                    self.stored += self._kept
+                    return response
+            # The call ended while the op ran: no one will learn these ids.
+            self.session.delete(self._kept)
+            return response
         except BaseException:
             self.session.delete(self._kept)
             raise
         finally:
             self._kept = []
+
+    def forget_outputs(self) -> None:
+        """Delete what this call stored, and what its op still stores: its response did
+        not reach the client."""
+        with self._lock:
+            self._over = True
+            stored, self.stored = self.stored, []
+        if stored:
+            self.session.delete(stored)
 
     def settle(self, before: int, result_bytes: int) -> None:
         """After a Batch step: the response grew by ``result_bytes`` (its result, and

@@ -44,7 +44,20 @@ def test_strings_travel_as_utf8_bytes_in_chunks_of_any_size():
         chunks = list(codec.encode_chunks(x, chunk))
         assert chunks[0].content_bytes == 4 * 8 + 2 + 2 + 0 + 6
         assert codec.decode_chunks(chunks).tolist() == want
-    assert dtypes.nbytes(codec.decode(codec.encode(x))) == chunks[0].content_bytes
+    # Charged: each element's bytes and its cost as an object (not the 8-byte prefix).
+    content = chunks[0].content_bytes
+    assert dtypes.nbytes(codec.decode(codec.encode(x))) == content + 4 * (
+        dtypes.STRING_ELEMENT_BYTES - 8
+    )
+    reserved = []
+    codec.decode_chunks(chunks, before_allocating=reserved.append)
+    assert reserved == [dtypes.nbytes(codec.decode(codec.encode(x)))]
+
+
+def test_a_huge_empty_string_shape_is_invalid_argument_not_a_crash():
+    msg = tensor_pb2.Tensor(dtype=tensor_pb2.DT_STRING, shape=[0, 2**62], content=b"")
+    with pytest.raises(InvalidArgumentError, match="too large"):
+        codec.decode(msg)
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ import pytest
 import gradserve
 from gradserve import protocol
 from gradserve.errors import ResourceExhaustedError
-from gradserve.server import run_server
+from gradserve.server import ServerConfig, run_server, start
 from gradserve.server.transport.memory import Trimmer
 from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_pb2
 
@@ -291,3 +291,62 @@ def test_the_trimmer_returns_memory_after_large_frees():
     assert wait_until(lambda: trimmer.trims == 0, 0.2)
     trimmer.released(MIB)
     assert wait_until(lambda: trimmer.trims == 1, 5)
+
+
+def test_outputs_of_a_call_that_ended_while_computing_are_not_kept():
+    # The deadline passes while the LSTM computes on its lane; it then stores its
+    # (transient) outputs for a response nobody receives: they must not stay charged.
+    rng = np.random.default_rng(0)
+    r = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    steps = 20_000
+    lstm = [np.int64(steps), r(steps, 2, 4), r(2, 4), r(2, 4), r(8, 16), r(4), r(4), r(4), r(16)]
+    with run_server(device="cpu") as server:
+        target = f"127.0.0.1:{server.port}"
+        with gradserve.Client(target, timeout=0.3, stream_threshold=1) as client:
+            refs = [client.put(a) for a in lstm[1:]]
+            held = server.store.budget.used
+            with pytest.raises(gradserve.errors.DeadlineExceededError):
+                client.raw_ops.BlockLSTMV2(lstm[0], *refs)
+            # The op runs on after the deadline (its next check stops it, or it ends).
+            assert wait_until(lambda: server.store.budget.used == held, 20)
+            time.sleep(1.0)
+            assert server.store.budget.used == held
+
+
+def test_names_are_bounded(client):
+    with pytest.raises(gradserve.errors.InvalidArgumentError, match="at most 1024"):
+        client.raw_ops.TensorArrayV3(size=1, dtype=np.float32, tensor_array_name="n" * 2000)
+    h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
+    with pytest.raises(gradserve.errors.InvalidArgumentError, match="at most 1024"):
+        client.raw_ops.TensorArrayGradV3(h, flow, source="s" * 2000)
+
+
+def test_deleting_more_ids_than_one_message_holds(target):
+    with gradserve.Client(target, max_message_bytes=128 * 1024) as client:
+        ids = [f"no-such-tensor-{k:06d}" for k in range(20_000)]  # ~600 kB of ids
+        assert client._delete_ids(ids) == 0
+
+
+def test_a_drain_ends_idle_streams_at_once():
+    server = start(ServerConfig(port=0, device="cpu", grace=10))
+    target = f"127.0.0.1:{server.port}"
+    client = gradserve.Client(target, keepalive=False)
+    with grpc.insecure_channel(target) as channel:
+        stalled = StalledUpload(channel, metadata(client.session_id), MIB)
+        time.sleep(0.3)
+        started = time.monotonic()
+        server.stop()  # grace 10 s: an idle stream must not hold the drain that long
+        assert time.monotonic() - started < 3
+        assert stalled.join(5) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_without_principals_the_server_budget_is_not_halved():
+    with run_server(device="cpu", max_server_bytes=64 * MIB) as server:
+        target = f"127.0.0.1:{server.port}"
+        clients = [gradserve.Client(target) for _ in range(3)]
+        try:
+            for c in clients:
+                c.put(np.zeros(20 * MIB, np.uint8))  # 60 MiB of 64, all "anonymous"
+        finally:
+            for c in clients:
+                c.close()

@@ -38,3 +38,18 @@ def int_vector(x: np.ndarray, what: str, message: str, *, bits: int = 32) -> lis
         if not lo <= v <= hi:
             raise InvalidArgumentError(f"{what} value {v} does not fit in int{bits}", field=what)
     return values
+
+
+#: Longest ``tensor_array_name`` or gradient ``source``. TensorFlow has no limit; a
+#: service needs one, since names are kept, echoed in messages and grow (a grad
+#: array is named ``name@source``).
+MAX_NAME_CHARS = 1024
+
+
+def short_name(name: str, what: str) -> None:
+    """Refuse a name longer than ``MAX_NAME_CHARS``."""
+    if len(name) > MAX_NAME_CHARS:
+        raise InvalidArgumentError(
+            f"{what} has {len(name)} characters; at most {MAX_NAME_CHARS} are allowed",
+            field=what,
+        )

@@ -47,6 +47,7 @@ def create(
     tensor_array_name: str,
 ) -> tuple[str, TensorArray]:
     """TensorArrayV3 -> (handle id, array). Flow out is always 0.0."""
+    args.short_name(tensor_array_name, "tensor_array_name")
     n = args.int32_scalar(size, "size", "TensorArray size must be scalar, but had shape: ")
     if n < 0:
         raise InvalidArgumentError("Size should be >= 0.", field="size")
@@ -153,6 +154,7 @@ def grad(
     session: Session, handle: str, source: str, shape_to_prepend: np.ndarray | None = None
 ) -> tuple[str, TensorArray]:
     """TensorArrayGradV3 (``shape_to_prepend`` None) or TensorArrayGradWithShape."""
+    args.short_name(source, "source")
     prepend: tuple[int, ...] = ()
     if shape_to_prepend is not None:
         # TensorFlow's TensorShapeUtils::MakeShape, and its words.
