@@ -269,7 +269,7 @@ class Client:
         if dtype is not None:
             array = _as_integer_input(array, dtypes.normalize(dtype))
         nbytes = dtypes.nbytes(array)
-        size = nbytes + 32 + 11 * array.ndim  # with its encoding, at most
+        size = protocol.encoded_size(nbytes, array.ndim)
         if nbytes >= self.stream_threshold or size > temps.inline_left:
             ref = self.put(array)
             temps.append(ref.id)

@@ -27,7 +27,8 @@ class Staging(list):
     """The temporary uploads of one request (a list of tensor ids to delete after
     it) and the inline bytes its message may still carry: an input that does not
     fit is uploaded first (``PutTensor``) and passed by reference, so no request
-    grows past the channel's message limit. A Batch shares one for all its steps."""
+    grows past the message limit. Each op has its own (a Batch then sends its steps
+    in as many requests as they need)."""
 
     def __init__(self, inline_bytes: int) -> None:
         super().__init__()

@@ -24,6 +24,14 @@ MESSAGE_OVERHEAD_BYTES = 64 * 1024
 #: tags): chunks carry at most the message limit less this.
 CHUNK_HEADER_BYTES = 1024
 
+
+def encoded_size(nbytes: int, ndim: int) -> int:
+    """At most what a tensor of ``nbytes`` content and ``ndim`` dims adds to a message
+    (its content, dtype, tags and lengths, up to 11 bytes per dim): both ends budget
+    inline tensors with it."""
+    return nbytes + 32 + 11 * ndim
+
+
 #: Default ceiling of one unary message, each direction.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 

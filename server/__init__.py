@@ -4,7 +4,7 @@
   TensorArray state machine, op semantics. NumPy and the shared error, dtype and
   shape modules only: no gRPC, no protobuf (``make lint`` enforces it).
 - ``gradserve.server.transport``: gRPC — servicer, op handlers, error boundary,
-  interceptors, app and CLI; it translates messages and calls the core.
+  admission, auth, app and CLI; it translates messages and calls the core.
 
 ``run_server`` (embedding, tests), ``start``, ``serve``, ``Server`` and
 ``ServerConfig`` are loaded from the transport on first use.

@@ -193,12 +193,14 @@ class Session:
                 reason="TENSOR_TOO_LARGE",
             )
 
-    def put(self, array: Array) -> str:
+    def put(self, array: Array, nbytes: int | None = None) -> str:
         """Keep ``array`` (never mutated afterwards) in the session; returns its id.
 
-        Its size is checked and its bytes charged to the session's budget.
+        Its size (``nbytes``: ``dtypes.nbytes(array)``, if the caller has it) is
+        checked and its bytes charged to the session's budget.
         """
-        with self.reserve_tensor(dtypes.nbytes(array)) as reservation:
+        nbytes = dtypes.nbytes(array) if nbytes is None else nbytes
+        with self.reserve_tensor(nbytes) as reservation:
             return reservation.keep(array)
 
     def reserve_tensor(self, nbytes: int) -> TensorReservation:

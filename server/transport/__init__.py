@@ -1,1 +1,1 @@
-"""The gRPC transport: servicer, op handlers, error boundary, interceptors, app, CLI."""
+"""The gRPC transport: servicer, op handlers, error boundary, admission, auth, app, CLI."""

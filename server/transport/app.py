@@ -11,8 +11,9 @@ and pass through no lane and no admission limit.
 ``run_server`` is a context manager (tests and embedding): it yields the running
 ``Server`` with its bound port and stops it on exit. ``serve`` runs until
 SIGTERM/SIGINT, then drains: health NOT_SERVING, every new call refused with
-UNAVAILABLE, calls in flight get ``--grace`` seconds to finish (none is
-cancelled unless it is still running then), and returns (exit code 0).
+UNAVAILABLE, idle streams ended with UNAVAILABLE, calls in flight get ``--grace``
+seconds to finish (only one still running then is cancelled), and returns (exit
+code 0).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ class Op:
     """An op as served: its handler (named as the RPC) and how it is scheduled."""
 
     handler: Handler
-    #: Compute-bound: runs only with a slot of the server's compute gate.
+    #: Compute-bound: runs on the compute lane (admission.Lane), not the light one.
     heavy: bool = False
 
     @property

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from gradserve import codec, dtypes
+from gradserve import codec, dtypes, protocol
 from gradserve.errors import InvalidArgumentError
 from gradserve.kernels.compute import Compute
 from gradserve.server.core.sessions import Resident, Session, TensorArg
@@ -37,17 +37,9 @@ def _never_stop() -> None:
     return None
 
 
-#: Encoded size of a ``TensorOutput`` beyond its content bytes: tags, lengths,
-#: dtype, and up to 11 bytes per dimension (an upper bound).
-OUTPUT_HEADER_BYTES = 32
 #: Encoded size of a ``TensorOutput`` holding a ref (id, dtype, shape): an upper bound
 #: for ranks up to 8.
 REF_BYTES = 160
-
-
-def inline_size(array: Any) -> int:
-    """What an output encoded inline adds to a response, at most."""
-    return dtypes.nbytes(array) + OUTPUT_HEADER_BYTES + 11 * array.ndim
 
 
 class CallIO:
@@ -140,13 +132,14 @@ class CallIO:
         the response, else transient."""
         if not hasattr(array, "__cuda_array_interface__"):  # scalars, lists: as NumPy
             array = np.asarray(array)
-        size = inline_size(array)
+        nbytes = dtypes.nbytes(array)  # a pass over a string tensor: once
+        size = protocol.encoded_size(nbytes, array.ndim)
         transient = not keep and (
-            dtypes.nbytes(array) >= self.inline_limit or size > self.response_left - REF_BYTES
+            nbytes >= self.inline_limit or size > self.response_left - REF_BYTES
         )
         if keep or transient:
             ref = out.ref
-            ref.id = self.session.put(array)
+            ref.id = self.session.put(array, nbytes)
             self._kept.append(ref.id)
             ref.dtype = codec.dtype_to_enum(array.dtype)
             ref.shape[:] = array.shape
