@@ -78,4 +78,5 @@ BATCH_FIELDS: dict[str, str] = {
     "BlockLSTMGradV2": "block_lstm_grad_v2",
     "BlockLSTM": "block_lstm",
     "BlockLSTMGrad": "block_lstm_grad",
+    "Gradients": "gradients",
 }

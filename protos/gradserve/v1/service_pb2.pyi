@@ -1,6 +1,7 @@
 from gradserve.v1 import tensor_pb2 as _tensor_pb2
 from gradserve.v1 import lstm_pb2 as _lstm_pb2
 from gradserve.v1 import tensor_array_pb2 as _tensor_array_pb2
+from gradserve.v1 import tape_pb2 as _tape_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -64,7 +65,7 @@ class DeleteTensorResponse(_message.Message):
     def __init__(self, deleted: _Optional[int] = ...) -> None: ...
 
 class BatchStep(_message.Message):
-    __slots__ = ("tensor_array_v3", "tensor_array_write_v3", "tensor_array_read_v3", "tensor_array_gather_v3", "tensor_array_scatter_v3", "tensor_array_concat_v3", "tensor_array_split_v3", "tensor_array_size_v3", "tensor_array_close_v3", "tensor_array_grad_v3", "tensor_array_grad_with_shape", "stop_gradient", "block_lstm_v2", "block_lstm_grad_v2", "block_lstm", "block_lstm_grad")
+    __slots__ = ("tensor_array_v3", "tensor_array_write_v3", "tensor_array_read_v3", "tensor_array_gather_v3", "tensor_array_scatter_v3", "tensor_array_concat_v3", "tensor_array_split_v3", "tensor_array_size_v3", "tensor_array_close_v3", "tensor_array_grad_v3", "tensor_array_grad_with_shape", "stop_gradient", "block_lstm_v2", "block_lstm_grad_v2", "block_lstm", "block_lstm_grad", "gradients")
     TENSOR_ARRAY_V3_FIELD_NUMBER: _ClassVar[int]
     TENSOR_ARRAY_WRITE_V3_FIELD_NUMBER: _ClassVar[int]
     TENSOR_ARRAY_READ_V3_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +82,7 @@ class BatchStep(_message.Message):
     BLOCK_LSTM_GRAD_V2_FIELD_NUMBER: _ClassVar[int]
     BLOCK_LSTM_FIELD_NUMBER: _ClassVar[int]
     BLOCK_LSTM_GRAD_FIELD_NUMBER: _ClassVar[int]
+    GRADIENTS_FIELD_NUMBER: _ClassVar[int]
     tensor_array_v3: _tensor_array_pb2.TensorArrayV3Request
     tensor_array_write_v3: _tensor_array_pb2.TensorArrayWriteV3Request
     tensor_array_read_v3: _tensor_array_pb2.TensorArrayReadV3Request
@@ -97,10 +99,11 @@ class BatchStep(_message.Message):
     block_lstm_grad_v2: _lstm_pb2.BlockLSTMGradRequest
     block_lstm: _lstm_pb2.BlockLSTMRequest
     block_lstm_grad: _lstm_pb2.BlockLSTMGradRequest
-    def __init__(self, tensor_array_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayV3Request, _Mapping]] = ..., tensor_array_write_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayWriteV3Request, _Mapping]] = ..., tensor_array_read_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayReadV3Request, _Mapping]] = ..., tensor_array_gather_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayGatherV3Request, _Mapping]] = ..., tensor_array_scatter_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayScatterV3Request, _Mapping]] = ..., tensor_array_concat_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayConcatV3Request, _Mapping]] = ..., tensor_array_split_v3: _Optional[_Union[_tensor_array_pb2.TensorArraySplitV3Request, _Mapping]] = ..., tensor_array_size_v3: _Optional[_Union[_tensor_array_pb2.TensorArraySizeV3Request, _Mapping]] = ..., tensor_array_close_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayCloseV3Request, _Mapping]] = ..., tensor_array_grad_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayGradV3Request, _Mapping]] = ..., tensor_array_grad_with_shape: _Optional[_Union[_tensor_array_pb2.TensorArrayGradWithShapeRequest, _Mapping]] = ..., stop_gradient: _Optional[_Union[_tensor_array_pb2.StopGradientRequest, _Mapping]] = ..., block_lstm_v2: _Optional[_Union[_lstm_pb2.BlockLSTMV2Request, _Mapping]] = ..., block_lstm_grad_v2: _Optional[_Union[_lstm_pb2.BlockLSTMGradRequest, _Mapping]] = ..., block_lstm: _Optional[_Union[_lstm_pb2.BlockLSTMRequest, _Mapping]] = ..., block_lstm_grad: _Optional[_Union[_lstm_pb2.BlockLSTMGradRequest, _Mapping]] = ...) -> None: ...
+    gradients: _tape_pb2.GradientsRequest
+    def __init__(self, tensor_array_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayV3Request, _Mapping]] = ..., tensor_array_write_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayWriteV3Request, _Mapping]] = ..., tensor_array_read_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayReadV3Request, _Mapping]] = ..., tensor_array_gather_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayGatherV3Request, _Mapping]] = ..., tensor_array_scatter_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayScatterV3Request, _Mapping]] = ..., tensor_array_concat_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayConcatV3Request, _Mapping]] = ..., tensor_array_split_v3: _Optional[_Union[_tensor_array_pb2.TensorArraySplitV3Request, _Mapping]] = ..., tensor_array_size_v3: _Optional[_Union[_tensor_array_pb2.TensorArraySizeV3Request, _Mapping]] = ..., tensor_array_close_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayCloseV3Request, _Mapping]] = ..., tensor_array_grad_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayGradV3Request, _Mapping]] = ..., tensor_array_grad_with_shape: _Optional[_Union[_tensor_array_pb2.TensorArrayGradWithShapeRequest, _Mapping]] = ..., stop_gradient: _Optional[_Union[_tensor_array_pb2.StopGradientRequest, _Mapping]] = ..., block_lstm_v2: _Optional[_Union[_lstm_pb2.BlockLSTMV2Request, _Mapping]] = ..., block_lstm_grad_v2: _Optional[_Union[_lstm_pb2.BlockLSTMGradRequest, _Mapping]] = ..., block_lstm: _Optional[_Union[_lstm_pb2.BlockLSTMRequest, _Mapping]] = ..., block_lstm_grad: _Optional[_Union[_lstm_pb2.BlockLSTMGradRequest, _Mapping]] = ..., gradients: _Optional[_Union[_tape_pb2.GradientsRequest, _Mapping]] = ...) -> None: ...
 
 class BatchResult(_message.Message):
-    __slots__ = ("tensor_array_v3", "tensor_array_write_v3", "tensor_array_read_v3", "tensor_array_gather_v3", "tensor_array_scatter_v3", "tensor_array_concat_v3", "tensor_array_split_v3", "tensor_array_size_v3", "tensor_array_close_v3", "tensor_array_grad_v3", "tensor_array_grad_with_shape", "stop_gradient", "block_lstm_v2", "block_lstm_grad_v2", "block_lstm", "block_lstm_grad")
+    __slots__ = ("tensor_array_v3", "tensor_array_write_v3", "tensor_array_read_v3", "tensor_array_gather_v3", "tensor_array_scatter_v3", "tensor_array_concat_v3", "tensor_array_split_v3", "tensor_array_size_v3", "tensor_array_close_v3", "tensor_array_grad_v3", "tensor_array_grad_with_shape", "stop_gradient", "block_lstm_v2", "block_lstm_grad_v2", "block_lstm", "block_lstm_grad", "gradients")
     TENSOR_ARRAY_V3_FIELD_NUMBER: _ClassVar[int]
     TENSOR_ARRAY_WRITE_V3_FIELD_NUMBER: _ClassVar[int]
     TENSOR_ARRAY_READ_V3_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +120,7 @@ class BatchResult(_message.Message):
     BLOCK_LSTM_GRAD_V2_FIELD_NUMBER: _ClassVar[int]
     BLOCK_LSTM_FIELD_NUMBER: _ClassVar[int]
     BLOCK_LSTM_GRAD_FIELD_NUMBER: _ClassVar[int]
+    GRADIENTS_FIELD_NUMBER: _ClassVar[int]
     tensor_array_v3: _tensor_array_pb2.TensorArrayV3Response
     tensor_array_write_v3: _tensor_array_pb2.TensorArrayWriteV3Response
     tensor_array_read_v3: _tensor_array_pb2.TensorArrayReadV3Response
@@ -133,7 +137,8 @@ class BatchResult(_message.Message):
     block_lstm_grad_v2: _lstm_pb2.BlockLSTMGradResponse
     block_lstm: _lstm_pb2.BlockLSTMResponse
     block_lstm_grad: _lstm_pb2.BlockLSTMGradResponse
-    def __init__(self, tensor_array_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayV3Response, _Mapping]] = ..., tensor_array_write_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayWriteV3Response, _Mapping]] = ..., tensor_array_read_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayReadV3Response, _Mapping]] = ..., tensor_array_gather_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayGatherV3Response, _Mapping]] = ..., tensor_array_scatter_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayScatterV3Response, _Mapping]] = ..., tensor_array_concat_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayConcatV3Response, _Mapping]] = ..., tensor_array_split_v3: _Optional[_Union[_tensor_array_pb2.TensorArraySplitV3Response, _Mapping]] = ..., tensor_array_size_v3: _Optional[_Union[_tensor_array_pb2.TensorArraySizeV3Response, _Mapping]] = ..., tensor_array_close_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayCloseV3Response, _Mapping]] = ..., tensor_array_grad_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayGradV3Response, _Mapping]] = ..., tensor_array_grad_with_shape: _Optional[_Union[_tensor_array_pb2.TensorArrayGradWithShapeResponse, _Mapping]] = ..., stop_gradient: _Optional[_Union[_tensor_array_pb2.StopGradientResponse, _Mapping]] = ..., block_lstm_v2: _Optional[_Union[_lstm_pb2.BlockLSTMResponse, _Mapping]] = ..., block_lstm_grad_v2: _Optional[_Union[_lstm_pb2.BlockLSTMGradResponse, _Mapping]] = ..., block_lstm: _Optional[_Union[_lstm_pb2.BlockLSTMResponse, _Mapping]] = ..., block_lstm_grad: _Optional[_Union[_lstm_pb2.BlockLSTMGradResponse, _Mapping]] = ...) -> None: ...
+    gradients: _tape_pb2.GradientsResponse
+    def __init__(self, tensor_array_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayV3Response, _Mapping]] = ..., tensor_array_write_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayWriteV3Response, _Mapping]] = ..., tensor_array_read_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayReadV3Response, _Mapping]] = ..., tensor_array_gather_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayGatherV3Response, _Mapping]] = ..., tensor_array_scatter_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayScatterV3Response, _Mapping]] = ..., tensor_array_concat_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayConcatV3Response, _Mapping]] = ..., tensor_array_split_v3: _Optional[_Union[_tensor_array_pb2.TensorArraySplitV3Response, _Mapping]] = ..., tensor_array_size_v3: _Optional[_Union[_tensor_array_pb2.TensorArraySizeV3Response, _Mapping]] = ..., tensor_array_close_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayCloseV3Response, _Mapping]] = ..., tensor_array_grad_v3: _Optional[_Union[_tensor_array_pb2.TensorArrayGradV3Response, _Mapping]] = ..., tensor_array_grad_with_shape: _Optional[_Union[_tensor_array_pb2.TensorArrayGradWithShapeResponse, _Mapping]] = ..., stop_gradient: _Optional[_Union[_tensor_array_pb2.StopGradientResponse, _Mapping]] = ..., block_lstm_v2: _Optional[_Union[_lstm_pb2.BlockLSTMResponse, _Mapping]] = ..., block_lstm_grad_v2: _Optional[_Union[_lstm_pb2.BlockLSTMGradResponse, _Mapping]] = ..., block_lstm: _Optional[_Union[_lstm_pb2.BlockLSTMResponse, _Mapping]] = ..., block_lstm_grad: _Optional[_Union[_lstm_pb2.BlockLSTMGradResponse, _Mapping]] = ..., gradients: _Optional[_Union[_tape_pb2.GradientsResponse, _Mapping]] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("code", "message", "reason")

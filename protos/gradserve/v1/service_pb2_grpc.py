@@ -5,6 +5,7 @@ import warnings
 
 from gradserve.v1 import lstm_pb2 as gradserve_dot_v1_dot_lstm__pb2
 from gradserve.v1 import service_pb2 as gradserve_dot_v1_dot_service__pb2
+from gradserve.v1 import tape_pb2 as gradserve_dot_v1_dot_tape__pb2
 from gradserve.v1 import tensor_array_pb2 as gradserve_dot_v1_dot_tensor__array__pb2
 from gradserve.v1 import tensor_pb2 as gradserve_dot_v1_dot_tensor__pb2
 
@@ -146,6 +147,26 @@ class GradServeStub:
                 '/gradserve.v1.GradServe/BlockLSTMGrad',
                 request_serializer=gradserve_dot_v1_dot_lstm__pb2.BlockLSTMGradRequest.SerializeToString,
                 response_deserializer=gradserve_dot_v1_dot_lstm__pb2.BlockLSTMGradResponse.FromString,
+                _registered_method=True)
+        self.StartTape = channel.unary_unary(
+                '/gradserve.v1.GradServe/StartTape',
+                request_serializer=gradserve_dot_v1_dot_tape__pb2.StartTapeRequest.SerializeToString,
+                response_deserializer=gradserve_dot_v1_dot_tape__pb2.StartTapeResponse.FromString,
+                _registered_method=True)
+        self.WatchTensors = channel.unary_unary(
+                '/gradserve.v1.GradServe/WatchTensors',
+                request_serializer=gradserve_dot_v1_dot_tape__pb2.WatchTensorsRequest.SerializeToString,
+                response_deserializer=gradserve_dot_v1_dot_tape__pb2.WatchTensorsResponse.FromString,
+                _registered_method=True)
+        self.ReleaseTape = channel.unary_unary(
+                '/gradserve.v1.GradServe/ReleaseTape',
+                request_serializer=gradserve_dot_v1_dot_tape__pb2.ReleaseTapeRequest.SerializeToString,
+                response_deserializer=gradserve_dot_v1_dot_tape__pb2.ReleaseTapeResponse.FromString,
+                _registered_method=True)
+        self.Gradients = channel.unary_unary(
+                '/gradserve.v1.GradServe/Gradients',
+                request_serializer=gradserve_dot_v1_dot_tape__pb2.GradientsRequest.SerializeToString,
+                response_deserializer=gradserve_dot_v1_dot_tape__pb2.GradientsResponse.FromString,
                 _registered_method=True)
         self.Batch = channel.unary_unary(
                 '/gradserve.v1.GradServe/Batch',
@@ -293,6 +314,31 @@ class GradServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartTape(self, request, context):
+        """Gradient tapes (tape.proto): start, watch, differentiate, release.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchTensors(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseTape(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Gradients(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Batch(self, request, context):
         """Runs ops in order in one round trip; stops at the first failure.
         """
@@ -412,6 +458,26 @@ def add_GradServeServicer_to_server(servicer, server):
                     servicer.BlockLSTMGrad,
                     request_deserializer=gradserve_dot_v1_dot_lstm__pb2.BlockLSTMGradRequest.FromString,
                     response_serializer=gradserve_dot_v1_dot_lstm__pb2.BlockLSTMGradResponse.SerializeToString,
+            ),
+            'StartTape': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartTape,
+                    request_deserializer=gradserve_dot_v1_dot_tape__pb2.StartTapeRequest.FromString,
+                    response_serializer=gradserve_dot_v1_dot_tape__pb2.StartTapeResponse.SerializeToString,
+            ),
+            'WatchTensors': grpc.unary_unary_rpc_method_handler(
+                    servicer.WatchTensors,
+                    request_deserializer=gradserve_dot_v1_dot_tape__pb2.WatchTensorsRequest.FromString,
+                    response_serializer=gradserve_dot_v1_dot_tape__pb2.WatchTensorsResponse.SerializeToString,
+            ),
+            'ReleaseTape': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseTape,
+                    request_deserializer=gradserve_dot_v1_dot_tape__pb2.ReleaseTapeRequest.FromString,
+                    response_serializer=gradserve_dot_v1_dot_tape__pb2.ReleaseTapeResponse.SerializeToString,
+            ),
+            'Gradients': grpc.unary_unary_rpc_method_handler(
+                    servicer.Gradients,
+                    request_deserializer=gradserve_dot_v1_dot_tape__pb2.GradientsRequest.FromString,
+                    response_serializer=gradserve_dot_v1_dot_tape__pb2.GradientsResponse.SerializeToString,
             ),
             'Batch': grpc.unary_unary_rpc_method_handler(
                     servicer.Batch,
@@ -1013,6 +1079,114 @@ class GradServe:
             '/gradserve.v1.GradServe/BlockLSTMGrad',
             gradserve_dot_v1_dot_lstm__pb2.BlockLSTMGradRequest.SerializeToString,
             gradserve_dot_v1_dot_lstm__pb2.BlockLSTMGradResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartTape(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradserve.v1.GradServe/StartTape',
+            gradserve_dot_v1_dot_tape__pb2.StartTapeRequest.SerializeToString,
+            gradserve_dot_v1_dot_tape__pb2.StartTapeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchTensors(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradserve.v1.GradServe/WatchTensors',
+            gradserve_dot_v1_dot_tape__pb2.WatchTensorsRequest.SerializeToString,
+            gradserve_dot_v1_dot_tape__pb2.WatchTensorsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseTape(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradserve.v1.GradServe/ReleaseTape',
+            gradserve_dot_v1_dot_tape__pb2.ReleaseTapeRequest.SerializeToString,
+            gradserve_dot_v1_dot_tape__pb2.ReleaseTapeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Gradients(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradserve.v1.GradServe/Gradients',
+            gradserve_dot_v1_dot_tape__pb2.GradientsRequest.SerializeToString,
+            gradserve_dot_v1_dot_tape__pb2.GradientsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,12 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TensorArrayHandle(_message.Message):
-    __slots__ = ("id", "name")
+    __slots__ = ("id", "name", "from_step")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    FROM_STEP_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+    from_step: _tensor_pb2.StepOutput
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., from_step: _Optional[_Union[_tensor_pb2.StepOutput, _Mapping]] = ...) -> None: ...
 
 class TensorArrayV3Request(_message.Message):
     __slots__ = ("size", "dtype", "element_shape", "dynamic_size", "clear_after_read", "identical_element_shapes", "tensor_array_name")

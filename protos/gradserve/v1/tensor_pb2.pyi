@@ -67,20 +67,32 @@ class ResidentTensor(_message.Message):
     def __init__(self, id: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., transient: _Optional[bool] = ...) -> None: ...
 
 class TensorInput(_message.Message):
-    __slots__ = ("value", "ref")
+    __slots__ = ("value", "ref", "step_output")
     VALUE_FIELD_NUMBER: _ClassVar[int]
     REF_FIELD_NUMBER: _ClassVar[int]
+    STEP_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     value: Tensor
     ref: str
-    def __init__(self, value: _Optional[_Union[Tensor, _Mapping]] = ..., ref: _Optional[str] = ...) -> None: ...
+    step_output: StepOutput
+    def __init__(self, value: _Optional[_Union[Tensor, _Mapping]] = ..., ref: _Optional[str] = ..., step_output: _Optional[_Union[StepOutput, _Mapping]] = ...) -> None: ...
+
+class StepOutput(_message.Message):
+    __slots__ = ("step", "field")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    field: str
+    def __init__(self, step: _Optional[int] = ..., field: _Optional[str] = ...) -> None: ...
 
 class TensorOutput(_message.Message):
-    __slots__ = ("value", "ref")
+    __slots__ = ("value", "ref", "tape_id")
     VALUE_FIELD_NUMBER: _ClassVar[int]
     REF_FIELD_NUMBER: _ClassVar[int]
+    TAPE_ID_FIELD_NUMBER: _ClassVar[int]
     value: Tensor
     ref: ResidentTensor
-    def __init__(self, value: _Optional[_Union[Tensor, _Mapping]] = ..., ref: _Optional[_Union[ResidentTensor, _Mapping]] = ...) -> None: ...
+    tape_id: str
+    def __init__(self, value: _Optional[_Union[Tensor, _Mapping]] = ..., ref: _Optional[_Union[ResidentTensor, _Mapping]] = ..., tape_id: _Optional[str] = ...) -> None: ...
 
 class PartialShape(_message.Message):
     __slots__ = ("unknown_rank", "dims")
