@@ -29,6 +29,8 @@ bench: $(STAMP)  ## benchmarks (figures, not pass/fail)
 	$(PY) -m tests.benchmarks.bench_lstm
 	$(PY) -m tests.benchmarks.bench_load
 	$(PY) -m tests.benchmarks.bench_hostile
+	$(PY) -m tests.benchmarks.bench_wire
+	$(PY) -m tests.benchmarks.bench_tape
 
 # TensorFlow is never a dependency: install it by hand into its own venv, then e.g.
 #   make bench-tf TF_PYTHON=/tmp/tf/bin/python
@@ -70,7 +72,7 @@ golden:  ## re-record our own TensorFlow vectors in tests/golden/ (V1 LSTM, trac
 	@test -n "$(TF_PYTHON)" || { echo "set TF_PYTHON to a python with tensorflow-cpu"; exit 2; }
 	cd tests/golden && for s in record_lstm_v1.py record_tensor_array_traces.py record_tensor_array_dtype_traces.py \
 		record_lstm_errors.py record_raw_ops_signatures.py record_tf_registered_gradient.py \
-		record_python_conversions.py; do TF_CPP_MIN_LOG_LEVEL=3 $(TF_PYTHON) $$s || exit 1; done
+		record_python_conversions.py record_tape_programs.py; do TF_CPP_MIN_LOG_LEVEL=3 $(TF_PYTHON) $$s || exit 1; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache results .whl

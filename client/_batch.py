@@ -5,6 +5,12 @@ called; the server stops at the first failing step. Steps before it stay
 applied (each step is atomic); the raised error carries ``.step`` (its
 index) and ``.results`` (the results of the steps that ran). A batch too large
 for one message goes in several, in order, with the same semantics.
+
+Dataflow: recording an op returns placeholders for its outputs (``StepOutput``:
+step index and output name), which later ops of the same batch take as inputs,
+TensorArray handles included, so a whole forward pass (and its ``gradient``)
+is one round trip. The server resolves them; nothing crosses the wire between
+steps.
 """
 
 from __future__ import annotations
@@ -15,9 +21,28 @@ from typing import Any
 from google.protobuf.message import Message
 
 from gradserve.client._raw_ops import RawOps
+from gradserve.client._types import StepOutput
 from gradserve.errors import error_class_for
+from gradserve.lstm_signature import LSTMActivations, LSTMGrads
 from gradserve.protocol import BATCH_FIELDS
-from gradserve.v1 import service_pb2
+from gradserve.v1 import service_pb2, tensor_array_pb2, tensor_pb2
+
+_METHODS = service_pb2.DESCRIPTOR.services_by_name["GradServe"].methods_by_name
+_NAMED_OUTPUTS = (tensor_pb2.TensorOutput.DESCRIPTOR, tensor_array_pb2.TensorArrayHandle.DESCRIPTOR)
+
+
+def placeholders(rpc: str, step: int) -> Any:
+    """What recording ``rpc`` as step ``step`` returns: its outputs as ``StepOutput``s
+    in the order the typed call returns them (one output: the output itself)."""
+    fields = _METHODS[rpc].output_type.fields
+    outs = [StepOutput(step, f.name) if f.message_type in _NAMED_OUTPUTS else 0.0 for f in fields]
+    if rpc in ("BlockLSTMV2", "BlockLSTM"):
+        return LSTMActivations(*outs)
+    if rpc in ("BlockLSTMGradV2", "BlockLSTMGrad"):
+        return LSTMGrads(*outs)
+    if rpc == "Gradients":
+        return None  # see Batch.gradient
+    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 class Batch:
@@ -26,7 +51,9 @@ class Batch:
     Steps go in one request while they fit both ends' message limits, in more
     otherwise, in order; a server whose response fills up stops before a step
     (reason ``RESPONSE_FULL``) and the rest goes in the next request. Either way the
-    steps run in order and stop at the first failure, as in one RPC.
+    steps run in order and stop at the first failure, as in one RPC. A step that
+    names an output of a step sent in an earlier request gets that output as the
+    earlier reply carried it (by id, or its value).
     """
 
     def __init__(self, client) -> None:
@@ -35,10 +62,35 @@ class Batch:
         self._temps: list[str] = []
         self.raw_ops = RawOps(client, self._record, client._staging)
 
-    def _record(self, rpc: str, request: Message, parse, temps: list[str]) -> int:
+    def _record(self, rpc: str, request: Message, parse, temps: list[str]) -> Any:
         self._steps.append((rpc, request, parse))
         self._temps.extend(temps)
-        return len(self._steps) - 1
+        return placeholders(rpc, len(self._steps) - 1)
+
+    def gradient(
+        self,
+        tape,
+        target,
+        sources,
+        output_gradients=None,
+        unconnected_gradients="none",
+        *,
+        keep: bool = False,
+    ) -> list[StepOutput]:
+        """``tape.gradient`` as a step: targets, sources and output gradients may be
+        outputs of earlier steps. Returns one placeholder per source; ``run()``
+        returns the gradients (a list) as this step's result."""
+        tape._require_id()
+        built = tape.gradients_request(
+            target, sources, output_gradients, unconnected_gradients, keep=keep
+        )
+        self._temps.extend(built["temps"])
+        request = built["message"]
+        self._steps.append(("Gradients", request, lambda r: [tape.decode(g) for g in r.gradients]))
+        step = len(self._steps) - 1
+        if not tape.persistent:
+            tape.released = True
+        return [StepOutput(step, f"gradients[{n}]") for n in range(len(request.sources))]
 
     def __len__(self) -> int:
         return len(self._steps)
@@ -48,15 +100,17 @@ class Batch:
         steps, self._steps = self._steps, []
         temps, self._temps = self._temps, []
         results: list[Any] = []
+        replies: list[Message] = []  # each step's typed result, for later requests
         try:
             start = 0
             while start < len(steps):
-                request = self._request(steps, start)
+                request = self._request(steps, start, replies)
                 reply = self._client._call("Batch", request)
                 parsers = [parse for _, _, parse in steps[start:]]
                 results += self._client._parse(
                     reply, lambda r, ps=parsers: [self._one(p, x) for p, x in zip(ps, r.results)]
                 )
+                replies += [getattr(r, r.WhichOneof("op")) for r in reply.results]
                 if not reply.HasField("failed_step"):
                     start += len(request.steps)
                     continue
@@ -73,15 +127,19 @@ class Batch:
             self._client._clean_up(temps)
         return results
 
-    def _request(self, steps: list, start: int) -> service_pb2.BatchRequest:
-        """The steps from ``start`` that fit in one request (at least one)."""
+    def _request(self, steps: list, start: int, replies: list[Message]) -> service_pb2.BatchRequest:
+        """The steps from ``start`` that fit in one request (at least one), their step
+        references made relative to the request."""
         request = service_pb2.BatchRequest()
         left = self._client.request_budget
         for rpc, op_request, _ in steps[start:]:
             size = op_request.ByteSize() + 16
             if request.steps and size > left:
                 break
-            getattr(request.steps.add(), BATCH_FIELDS[rpc]).CopyFrom(op_request)
+            step = getattr(request.steps.add(), BATCH_FIELDS[rpc])
+            step.CopyFrom(op_request)
+            if start:
+                _rebase(step, start, replies)
             left -= size
         return request
 
@@ -89,3 +147,42 @@ class Batch:
     def _one(parse: Callable[[Any], Any], result: Any) -> Any:
         """``parse`` of a step's result (the oneof inside ``BatchResult``)."""
         return parse(getattr(result, result.WhichOneof("op")))
+
+
+def _rebase(message: Message, start: int, replies: list[Message]) -> None:
+    """Make the step references in ``message`` relative to a request that begins at
+    step ``start``; one naming a step of an earlier request becomes what that
+    step's reply carried (a tensor id, the value, a handle id)."""
+    for field, value in message.ListFields():
+        if field.message_type is None:
+            continue
+        for item in [value] if isinstance(value, Message) else value:
+            if isinstance(item, tensor_pb2.TensorInput) and item.HasField("step_output"):
+                ref = item.step_output
+                if ref.step >= start:
+                    ref.step -= start
+                    continue
+                out = _output(replies[ref.step], ref.field)
+                if out.tape_id or out.WhichOneof("result") == "ref":
+                    item.ref = out.tape_id or out.ref.id
+                else:
+                    item.value.CopyFrom(out.value)
+            elif isinstance(item, tensor_array_pb2.TensorArrayHandle) and item.HasField(
+                "from_step"
+            ):
+                ref = item.from_step
+                if ref.step >= start:
+                    ref.step -= start
+                    continue
+                made = _output(replies[ref.step], ref.field)
+                item.ClearField("from_step")
+                item.id, item.name = made.id, made.name
+            else:
+                _rebase(item, start, replies)
+
+
+def _output(reply: Message, field: str) -> Any:
+    """``reply.field``, or an element for a name like ``gradients[2]``."""
+    name, _, index = field.partition("[")
+    value = getattr(reply, name)
+    return value[int(index.rstrip("]"))] if index else value

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -15,16 +16,20 @@ import numpy as np
 from google.protobuf.message import Message
 
 from gradserve import codec, dtypes, protocol
+from gradserve.client import _shm
 from gradserve.client._convert import to_array
 from gradserve.client._errors import from_rpc_error
+from gradserve.client._prefetch import Prefetcher
 from gradserve.client._raw_ops import RawOps, Staging
-from gradserve.client._types import TensorRef
+from gradserve.client._tape import GradientTape, Recording
+from gradserve.client._types import StepOutput, TapedArray, TensorRef
 from gradserve.errors import (
     DataLossError,
     GradserveError,
     InvalidArgumentError,
     NotFoundError,
     UnavailableError,
+    UnimplementedError,
 )
 from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_pb2
 
@@ -65,6 +70,13 @@ class Client:
     keepalive:
         Refresh the session in the background while the client is open, so
         that the server's idle timeout does not close it.
+    shared_memory:
+        Same-host shared memory (``/dev/shm``) instead of the network for inputs of
+        at least ``shared_memory_min_bytes``, ``put``/``get`` and the outputs of op
+        calls: "auto" uses it once the server proves it shares this host (it reads
+        back a nonce written into a fresh region) and the wire otherwise; True
+        raises if it cannot be used; False never uses it. String tensors always
+        travel on the wire.
 
     Every call carries an ``x-request-id`` (also on raised errors as
     ``.request_id``) that the server logs. Use as a context manager: the
@@ -87,6 +99,8 @@ class Client:
         certificate_chain: bytes | None = None,
         retries: int = 3,
         keepalive: bool = True,
+        shared_memory: bool | str = "auto",
+        shared_memory_min_bytes: int = _shm.DEFAULT_MIN_BYTES,
     ) -> None:
         self.target = target
         self.timeout = timeout
@@ -113,11 +127,23 @@ class Client:
                 channel = grpc.insecure_channel(target, options=options)
         self._channel = channel
         self._stub = service_pb2_grpc.GradServeStub(self._channel)
+        # PutTensor's chunks come serialized (``WireContent.encoded_chunks``): one copy.
+        self._stub.PutTensor = self._channel.stream_unary(
+            "/gradserve.v1.GradServe/PutTensor",
+            request_serializer=codec.serialize,
+            response_deserializer=tensor_pb2.ResidentTensor.FromString,
+        )
         self._auth: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {token}"),) if token else ()
         )
         self._closed = False
         self._stop_keepalive = threading.Event()
+        self._shm: _shm.ClientSharedMemory | None = None
+        self._prefetcher = Prefetcher(functools.partial(self._fetch, delete_after=True))
+        #: The server has PutTensorInline/GetTensorInline (until one says UNIMPLEMENTED).
+        self._unary_tensors = True
+        #: The gradient tapes recording on each thread (``gradient_tape``).
+        self._recording = Recording()
         if session_id is None:
             reply = self._call("CreateSession", service_pb2.CreateSessionRequest(), session=False)
             self.session_id: str = reply.session_id
@@ -135,6 +161,13 @@ class Client:
         if keepalive:
             self._start_keepalive(idle_timeout)
         self.raw_ops = RawOps(self, self._run_op, self._staging)
+        try:
+            self._shm = _shm.ClientSharedMemory.connect(
+                self._call, shared_memory, shared_memory_min_bytes
+            )
+        except BaseException:
+            self.close()
+            raise
 
     # ---------------------------------------------------------------- lifecycle
     def __enter__(self) -> Client:
@@ -150,6 +183,8 @@ class Client:
         self._closed = True
         self._stop_keepalive.set()
         try:
+            if self._shm is not None:  # the session's close unregisters its regions
+                self._shm.close(unregister=not self.owns_session)
             if self.owns_session:
                 try:
                     self._call("CloseSession", service_pb2.CloseSessionRequest())
@@ -159,6 +194,7 @@ class Client:
                     # The server is unreachable; its idle timeout frees the session.
                     log.warning("could not close session %s…: %s", self.session_id[:8], e)
         finally:
+            self._prefetcher.close()
             if self._own_channel:
                 self._channel.close()
 
@@ -211,43 +247,75 @@ class Client:
         """Invoke ``rpc``; a failure raises its ``gradserve.errors`` class."""
         if metadata is None:
             metadata = self._metadata if session else self._auth
+        recorded = session and rpc in _RECORDED and bool(self._recording.tapes)
+        if recorded:
+            metadata = (*metadata, (protocol.TAPE_METADATA_KEY, self._recording.ids()))
         method = getattr(self._stub, rpc)
         timeout = timeout if timeout is not None else self.timeout
 
         def attempt():
             return method(request, metadata=(*metadata, _request_id()), timeout=timeout)
 
-        return self._with_retries(attempt, safe=_safe_to_repeat(rpc, request))
+        # A call that records on a tape is not repeated blindly: it would record twice.
+        safe = _safe_to_repeat(rpc, request) and not recorded
+        return self._with_retries(attempt, safe=safe)
 
     def _with_retries(self, attempt: Callable[[], Any], *, safe: bool) -> Any:
-        """Run ``attempt``; repeat it on UNAVAILABLE with exponential backoff when ``safe``."""
+        """Run ``attempt``; repeat it on UNAVAILABLE with exponential backoff when ``safe``,
+        or whatever it is when the server refused it unrun (reason ``DRAINING``: a
+        replica shutting down; the repeat reaches it again once restarted, or another
+        replica for a new session). An unsafe call that failed UNAVAILABLE otherwise may
+        or may not have been applied: it is never repeated, and its error says so."""
         delay = 0.1
-        for remaining in range(self.retries if safe else 0, -1, -1):
+        for remaining in range(self.retries, -1, -1):
             try:
                 return attempt()
             except grpc.RpcError as e:
-                if remaining and e.code() == grpc.StatusCode.UNAVAILABLE:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise from_rpc_error(e) from None
+                err = from_rpc_error(e)
+                unrun = err.reason == DRAINING_REASON
+                if remaining and (safe or unrun):
                     time.sleep(delay * (1 + random.random()))
                     delay = min(2 * delay, 5.0)
                     continue
-                raise from_rpc_error(e) from None
+                if not (safe or unrun):
+                    err.message = OUTCOME_UNKNOWN + err.message
+                    err.args = (err.message,)
+                raise err from None
 
     def _staging(self) -> Staging:
         """A new request's temporary uploads and inline budget."""
         return Staging(self.request_budget)
 
     def _run_op(self, rpc: str, request: Message, parse: Callable[[Any], Any], temps: list[str]):
+        shm = self._shm  # outputs into a leased region, when on the same host
+        out = shm.output_lease() if shm is not None else None
         try:
-            reply = self._call(rpc, request)
+            metadata = shm.output_metadata(out, self._metadata) if shm and out else None
+            try:
+                try:
+                    reply = self._call(rpc, request, metadata=metadata)
+                except NotFoundError as e:  # regions lost (a restarted server): again
+                    if shm is None or not shm.recover(e):
+                        raise
+                    reply = self._call(rpc, request, metadata=metadata)
+            finally:
+                self._clean_up(temps)
+            result = self._parse(reply, parse)
+            if shm is not None:
+                shm.note_reply(reply)
+            return result
         finally:
-            self._clean_up(temps)
-        return self._parse(reply, parse)
+            if out is not None:
+                out.release()
 
     def _parse(self, reply: Message, parse: Callable[[Any], Any]) -> Any:
         """``parse(reply)``; if it fails (a transient output could not be fetched), the
         reply's transient outputs are deleted rather than left holding bytes."""
         try:
-            return parse(reply)
+            with self._prefetcher.prefetching(reply):  # transient outputs, 2 at a time
+                return parse(reply)
         except BaseException:
             self._clean_up(transient_ids(reply))
             raise
@@ -265,11 +333,19 @@ class Client:
         if isinstance(value, TensorRef):
             msg.ref = value.id
             return
+        if isinstance(value, StepOutput):
+            msg.step_output.step, msg.step_output.field = value.step, value.field
+            return
+        if isinstance(value, TapedArray) and value.tape_id is not None and value.held:
+            msg.ref = value.tape_id  # the tensor the tape holds: differentiable onwards
+            return
         array = to_array(value, dtype)  # as tf.convert_to_tensor converts it
         if dtype is not None:
             array = _as_integer_input(array, dtypes.normalize(dtype))
         nbytes = dtypes.nbytes(array)
         size = protocol.encoded_size(nbytes, array.ndim)
+        if self._shm is not None and self._shm.encode_input(array, msg, temps):
+            return
         if nbytes >= self.stream_threshold or size > temps.inline_left:
             ref = self.put(array)
             temps.append(ref.id)
@@ -279,25 +355,69 @@ class Client:
             codec.encode(array, msg.value)
 
     def decode_output(self, msg: tensor_pb2.TensorOutput) -> np.ndarray | TensorRef:
-        """An array for inline or transient outputs; a ``TensorRef`` for kept ones."""
+        """An array for inline or transient outputs; a ``TensorRef`` for kept ones. An
+        output computed under a gradient tape comes as a ``TapedArray``."""
         if msg.WhichOneof("result") == "value":
-            return codec.decode(msg.value, field="output")
-        ref = msg.ref
-        if ref.transient:
-            return self._fetch(ref.id, delete_after=True)
-        return TensorRef(self, ref.id, codec.dtype_from_enum(ref.dtype), tuple(ref.shape))
+            value = codec.decode(msg.value, field="output")
+        elif msg.WhichOneof("result") == "shared" and self._shm is not None:
+            value = self._shm.read_output(msg)
+        elif msg.ref.transient:
+            prefetched = self._prefetcher.take(msg.ref.id)
+            value = (
+                prefetched if prefetched is not None else self._fetch(msg.ref.id, delete_after=True)
+            )
+        else:
+            ref = msg.ref
+            return TensorRef(self, ref.id, codec.dtype_from_enum(ref.dtype), tuple(ref.shape))
+        if msg.tape_id:
+            return TapedArray.wrap(value, msg.tape_id, tuple(self._recording.tapes))
+        return value
 
     def put(self, array: ArrayLike) -> TensorRef:
-        """Keep ``array`` in the session (streamed in chunks); returns its reference."""
+        """Keep ``array`` in the session (one message below ``stream_threshold``, else
+        streamed in chunks; by shared memory on the same host); returns its reference."""
         array = to_array(array)
+        if self._shm is not None and (reply := self._shm.put(array)) is not None:
+            return TensorRef(self, reply.id, dtypes.normalize(array.dtype), tuple(reply.shape))
+        nbytes = dtypes.nbytes(array)
+        if (
+            self._unary_tensors
+            and nbytes < min(self.stream_threshold, _UNARY_PUT_BYTES)
+            and protocol.encoded_size(nbytes, array.ndim) <= self.request_budget
+        ):  # one unary call: cheaper than a stream
+            try:
+                reply = self._call("PutTensorInline", codec.encode(array))
+                return TensorRef(self, reply.id, dtypes.normalize(array.dtype), tuple(reply.shape))
+            except UnimplementedError:  # an older server: streams only
+                self._unary_tensors = False
         chunk_bytes = max(
             1, min(self.chunk_bytes, self.request_limit - protocol.CHUNK_HEADER_BYTES)
         )
-        reply = self._call("PutTensor", codec.encode_chunks(array, chunk_bytes))
+        # At least 4 chunks (of 64 KiB or more): the server takes in one while the next
+        # is on its way, and gRPC Python receives one 1 MiB message slower than four.
+        chunk_bytes = min(chunk_bytes, max(_MIN_CHUNK_BYTES, nbytes // 4))
+        chunks = codec.WireContent(array).encoded_chunks(chunk_bytes)
+        reply = self._call("PutTensor", chunks)
         return TensorRef(self, reply.id, dtypes.normalize(array.dtype), tuple(reply.shape))
 
     def get(self, ref: TensorRef | str) -> np.ndarray:
-        """Fetch a resident tensor (streamed in chunks)."""
+        """Fetch a resident tensor (as ``put`` sends one)."""
+        if self._shm is not None and isinstance(ref, TensorRef):
+            value = self._shm.get(ref.id, ref.dtype, ref.shape, delete_after=False)
+            if value is not None:
+                return value
+        if (
+            self._unary_tensors
+            and isinstance(ref, TensorRef)
+            and ref.dtype != dtypes.STRING
+            and ref.nbytes < min(self.stream_threshold, self.inline_budget)
+        ):  # one unary call: cheaper than a stream
+            request = service_pb2.GetTensorRequest(id=ref.id)
+            try:
+                reply = self._call("GetTensorInline", request)
+                return codec.decode(reply, field="GetTensorInline")
+            except UnimplementedError:  # an older server: streams only
+                self._unary_tensors = False
         return self._fetch(ref.id if isinstance(ref, TensorRef) else ref, delete_after=False)
 
     def delete(self, *refs: TensorRef | str) -> int:
@@ -323,6 +443,8 @@ class Client:
         """Delete temporary uploads after a call; a failure here is logged, not raised,
         so it never hides the call's own result or error (the session's idle timeout
         frees what could not be deleted)."""
+        if self._shm is not None:
+            ids = self._shm.release_temps(ids)  # shared-memory leases among them
         if not ids:
             return
         try:
@@ -360,6 +482,13 @@ class Client:
         """``tf.stop_gradient``: returns ``x`` unchanged, bit for bit."""
         return self.raw_ops.StopGradient(input=x)
 
+    def gradient_tape(
+        self, persistent: bool = False, watch_accessed_variables: bool = True
+    ) -> GradientTape:
+        """A gradient tape recording on the server: ``with client.gradient_tape() as
+        tape: ...`` then ``tape.gradient(target, sources)`` (``tf.GradientTape``)."""
+        return GradientTape(self, persistent, watch_accessed_variables)
+
     def batch(self):
         """Collect ops (``b.raw_ops.X(...)``) and run them in one round trip with ``b.run()``."""
         from gradserve.client._batch import Batch
@@ -370,8 +499,27 @@ class Client:
         return f"Client({self.target!r}, session_id={self.session_id[:8]}…)"
 
 
+#: The reason of an UNAVAILABLE that the server sent before doing anything (it drains).
+DRAINING_REASON = "DRAINING"
+#: The start of the message of an unsafe call that failed UNAVAILABLE in flight.
+OUTCOME_UNKNOWN = (
+    "outcome unknown: the server became unreachable while this call was in flight, so "
+    "it may or may not have been applied; it was not repeated (repeating a write could "
+    "apply it twice). Check the state (e.g. read the element back) before writing again. "
+)
+
+#: RPCs that record on the gradient tapes active when they are called.
+_RECORDED = (set(protocol.BATCH_FIELDS) | {"Batch"}) - {"Gradients"}
+
+#: ``put`` sends smaller tensors in one unary message: above this, gRPC Python (its
+#: asyncio server) takes a message in slower than a stream of smaller ones
+#: (bench_wire: a 1 MiB put at 0.4 GB/s unary, 0.6-0.8 streamed in 256 KiB chunks).
+_UNARY_PUT_BYTES = 256 * 1024
+#: The smallest chunk ``put`` cuts (the server's floor as well).
+_MIN_CHUNK_BYTES = 64 * 1024
+
 #: RPCs that change nothing on the server, or change it the same way twice.
-_IDEMPOTENT = {"KeepAlive", "TensorArraySizeV3", "DeleteTensor"}
+_IDEMPOTENT = {"KeepAlive", "TensorArraySizeV3", "DeleteTensor", "GetTensorInline"}
 #: Pure computations: safe unless they keep their outputs in the session.
 _PURE = {"StopGradient", "BlockLSTMV2", "BlockLSTMGradV2", "BlockLSTM", "BlockLSTMGrad"}
 

@@ -8,8 +8,11 @@ import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from gradserve.errors import Code, GradserveError, error_class_for
+from gradserve.errors import Code, GradserveError, SessionLostError, error_class_for
 from gradserve.protocol import REQUEST_ID_KEY
+
+#: The reason of a NOT_FOUND for the session itself (not an array or tensor in it).
+SESSION_LOST_REASON = "SESSION_NOT_FOUND"
 
 
 def from_rpc_error(error: grpc.RpcError) -> GradserveError:
@@ -32,7 +35,10 @@ def from_rpc_error(error: grpc.RpcError) -> GradserveError:
             if bad.field_violations:
                 field = bad.field_violations[0].field
     trailing: Any = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
-    return error_class_for(Code[code.name])(
+    cls = error_class_for(Code[code.name])
+    if code == grpc.StatusCode.NOT_FOUND and reason == SESSION_LOST_REASON:
+        cls, message = SessionLostError, SessionLostError.EXPLANATION + (message or "")
+    return cls(
         message or str(code),
         reason=reason,
         field=field,

@@ -15,7 +15,7 @@ import numpy as np
 from google.protobuf.message import Message
 
 from gradserve import codec, shapes
-from gradserve.client._types import TensorArrayHandle
+from gradserve.client._types import StepOutput, TensorArrayHandle
 from gradserve.lstm_signature import GRAD_ARGUMENTS, LSTMActivations, LSTMGrads, LSTMInputs
 from gradserve.v1 import lstm_pb2
 from gradserve.v1 import tensor_array_pb2 as pb
@@ -58,6 +58,10 @@ class TensorArrayConcatV3Output(NamedTuple):
 
 def _handle_msg(handle: Any) -> pb.TensorArrayHandle:
     handle = getattr(handle, "handle", handle)  # a gradserve.TensorArray
+    if isinstance(handle, StepOutput):  # made by an earlier step of a batch
+        msg = pb.TensorArrayHandle()
+        msg.from_step.step, msg.from_step.field = handle.step, handle.field
+        return msg
     return pb.TensorArrayHandle(id=handle.id, name=handle.name)
 
 
@@ -263,7 +267,11 @@ class RawOps:
         self, seq_len_max, x, cs_prev, h_prev, w, wci, wcf, wco, b, i, cs, f, o, ci, co, h,
         cs_grad, h_grad, use_peephole, name=None, *, keep=False,
     ) -> LSTMGrads:  # fmt: skip
-        """Backward over the whole sequence (IFCO). Any input may be a ``TensorRef``."""
+        """Backward over the whole sequence (IFCO). Any input may be a ``TensorRef``.
+
+        TensorFlow's kernel semantics: it has no ``cell_clip`` attribute, so a cell the
+        forward clipped passes gradient as if unclipped (``client.gradient_tape()``
+        masks clipped cells: the true derivative)."""
         values = dict(locals())
         req = lstm_pb2.BlockLSTMGradRequest(use_peephole=use_peephole, keep_outputs=keep)
         return self._lstm("BlockLSTMGradV2", req, values, _LSTM_GRAD_INPUTS, self._lstm_grad_out)
@@ -272,7 +280,8 @@ class RawOps:
         self, seq_len_max, x, cs_prev, h_prev, w, wci, wcf, wco, b, i, cs, f, o, ci, co, h,
         cs_grad, h_grad, use_peephole, name=None, *, keep=False,
     ) -> LSTMGrads:  # fmt: skip
-        """The V1 backward (ICFO)."""
+        """The V1 backward (ICFO), with TensorFlow's kernel semantics: the forward's
+        ``cell_clip`` is ignored (the gradient tape masks clipped cells)."""
         values = dict(locals())
         req = lstm_pb2.BlockLSTMGradRequest(use_peephole=use_peephole, keep_outputs=keep)
         return self._lstm("BlockLSTMGrad", req, values, _LSTM_GRAD_INPUTS, self._lstm_grad_out)

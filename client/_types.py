@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -43,3 +43,45 @@ class TensorRef:
 
     def __repr__(self) -> str:
         return f"TensorRef(id={self.id[:8]}…, dtype={self.dtype}, shape={self.shape})"
+
+
+class TapedArray(np.ndarray):
+    """An op output computed under a gradient tape: the value, plus the id by which
+    the tape holds it (``tape_id``).
+
+    It is a NumPy array in every respect; passed to another op while its tape is
+    alive, the SDK sends the id instead of the value, so the tape sees the same
+    tensor flow on (as a ``tf.Tensor`` does) and the value does not travel back.
+    Arrays computed from it locally are plain values (the id is not inherited).
+    """
+
+    tape_id: str | None = None
+    _tapes: tuple[Any, ...] = ()
+
+    @classmethod
+    def wrap(cls, value: np.ndarray, tape_id: str, tapes: tuple[Any, ...]) -> TapedArray:
+        out = np.asarray(value).view(cls)
+        out.tape_id = tape_id
+        out._tapes = tapes
+        return out
+
+    def __array_finalize__(self, obj: Any) -> None:
+        # Views, slices and results of arithmetic are new values: no tape id.
+        self.tape_id = None
+        self._tapes = ()
+
+    def __reduce__(self) -> Any:  # pickles as a plain array
+        return np.asarray(self).__reduce__()
+
+    @property
+    def held(self) -> bool:
+        """True while a tape that recorded it still holds it on the server."""
+        return self.tape_id is not None and any(not t.released for t in self._tapes)
+
+
+class StepOutput(NamedTuple):
+    """In a ``client.batch()``: output ``field`` of the batch's step ``step``, usable
+    as an input of a later step of the same batch (it never crosses the wire)."""
+
+    step: int
+    field: str

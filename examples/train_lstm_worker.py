@@ -1,19 +1,17 @@
 """A training worker whose LSTM runs in gradserve: learn to predict noisy sine waves.
 
-Per training step:
+Per training step, two round trips besides uploading the weights:
 
-1. The step's inputs (batch, initial state, weights) are put in the session
-   once, and both LSTM calls name them by id. ``BlockLSTMV2`` runs the forward
-   in the service and keeps its seven outputs there (``keep=True``), so the
-   activations never cross the wire.
-2. The per-step hidden states go into a TensorArray on the server (unstacked
-   from the resident ``h``), and the worker stacks them once to run its dense
-   head and the loss.
-3. The worker writes each step's dL/dh into the TensorArray's gradient array
-   (``ta.grad("gradients")``) in one ``Batch`` round trip, then gathers them
-   into a resident tensor on the server.
-4. ``BlockLSTMGradV2`` takes the kept activations and that gradient by id and
-   returns the weight gradients; the worker applies SGD with momentum.
+1. Under a gradient tape, one ``Batch`` runs the whole forward in the service:
+   ``BlockLSTMV2`` on the step's inputs, its hidden states unstacked into a
+   TensorArray and stacked back for the worker's dense head (the TensorArray is
+   there to show that gradients flow through it; a worker could read ``acts.h``
+   directly). Later steps of the batch name earlier steps' outputs, so nothing
+   crosses the wire between them; the tape records every op on the server.
+2. The worker computes its head and loss, then asks the tape for the gradients
+   of the weights given dL/dh: the server runs TensorFlow's registered
+   gradients backwards (gather -> scatter -> BlockLSTMGradV2) and frees what the
+   tape held.
 
 Run ``make demo`` (starts a local server), or point it at one:
 ``python examples/train_lstm_worker.py --target 127.0.0.1:50051``.
@@ -52,46 +50,28 @@ def init_params(rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 def train_step(client: gradserve.Client, params: dict, x: np.ndarray, y: np.ndarray) -> tuple:
     """One forward/backward through the service; returns (loss, grads)."""
-    raw = client.raw_ops
-    # Sent once, read by the forward and the backward (on a GPU server they move
-    # to GPU memory at the first read, and stay there).
-    zeros = client.put(np.zeros((BATCH, UNITS), np.float32))
-    peep = client.put(np.zeros(UNITS, np.float32))
-    x_ref, w, b = client.put(x), client.put(params["w"]), client.put(params["b"])
-    lstm_args = [np.int64(STEPS), x_ref, zeros, zeros, w, peep, peep, peep, b]
-    acts = raw.BlockLSTMV2(*lstm_args, keep=True)  # seven TensorRefs
-
-    # Hidden states into a TensorArray, server-side; the head reads them once.
-    ta = client.tensor_array(
-        np.float32, size=STEPS, clear_after_read=False, element_shape=[BATCH, UNITS]
-    ).unstack(acts.h)
-    h = ta.stack()  # [T, B, H]
+    w, b = client.put(params["w"]), client.put(params["b"])  # the sources
+    zeros, peep = np.zeros((BATCH, UNITS), np.float32), np.zeros(UNITS, np.float32)
+    with client.gradient_tape() as tape:
+        forward = client.batch()
+        ops = forward.raw_ops
+        acts = ops.BlockLSTMV2(np.int64(STEPS), x, zeros, zeros, w, peep, peep, peep, b)
+        ta, flow = ops.TensorArrayV3(size=STEPS, dtype=np.float32, element_shape=[BATCH, UNITS])
+        flow = ops.TensorArrayScatterV3(ta, np.arange(STEPS), acts.h, flow)
+        ops.TensorArrayGatherV3(ta, np.arange(STEPS), flow, np.float32)
+        results = forward.run()
+    ta_handle, _ = results[1]
+    h = results[-1]  # [T, B, H], held by the tape
     pred = h @ params["w_out"] + params["b_out"]
     err = pred - y
     loss = float(np.mean(err**2))
     d_pred = 2 * err / err.size
     grads = {"w_out": np.einsum("tb,tbh->h", d_pred, h), "b_out": d_pred.sum()}
-
-    # dL/dh per step into the gradient TensorArray, one round trip for all steps.
-    grad_ta = ta.grad("gradients")
-    batch = client.batch()
-    for t in range(STEPS):
-        d_h = (d_pred[t][:, None] * params["w_out"][None, :]).astype(np.float32)
-        batch.raw_ops.TensorArrayWriteV3(grad_ta.handle, t, d_h, grad_ta.flow)
-    batch.run()
-    h_grad = raw.TensorArrayGatherV3(
-        grad_ta.handle, np.arange(STEPS, dtype=np.int32), grad_ta.flow, np.float32, keep=True
-    )
-
-    lstm_grads = raw.BlockLSTMGradV2(
-        *lstm_args, *acts, np.zeros_like(h), h_grad, use_peephole=False
-    )
-    grads["w"], grads["b"] = lstm_grads.w_grad, lstm_grads.b_grad
-
-    # Free this step's server-side state.
-    client.delete(*acts, h_grad, zeros, peep, x_ref, w, b)
-    ta.close()
-    grad_ta.close()
+    d_h = (d_pred[..., None] * params["w_out"]).astype(np.float32)
+    grads["w"], grads["b"] = tape.gradient(h, [w, b], output_gradients=d_h)
+    # The tape let go of everything when it answered; free the step's own state.
+    client.raw_ops.TensorArrayCloseV3(ta_handle)
+    client.delete(w, b)
     return loss, grads
 
 

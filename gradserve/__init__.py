@@ -18,18 +18,39 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from gradserve import errors
-    from gradserve.client import Client, TensorArray, TensorArrayHandle, TensorRef
+    from gradserve.client import (
+        Client,
+        GradientTape,
+        StepOutput,
+        TapedArray,
+        TensorArray,
+        TensorArrayHandle,
+        TensorRef,
+    )
 
 #: Public name -> the module that defines it.
 _LAZY = {
     "Client": "gradserve.client",
+    "GradientTape": "gradserve.client",
+    "StepOutput": "gradserve.client",
+    "TapedArray": "gradserve.client",
     "TensorArray": "gradserve.client",
     "TensorArrayHandle": "gradserve.client",
     "TensorRef": "gradserve.client",
     "errors": "gradserve.errors",
 }
 
-__all__ = ["Client", "TensorArray", "TensorArrayHandle", "TensorRef", "errors", "__version__"]
+__all__ = [
+    "Client",
+    "GradientTape",
+    "StepOutput",
+    "TapedArray",
+    "TensorArray",
+    "TensorArrayHandle",
+    "TensorRef",
+    "errors",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:

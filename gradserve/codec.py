@@ -27,6 +27,7 @@ __all__ = [
     "encode",
     "decode",
     "encode_chunks",
+    "serialize",
     "WireContent",
     "decode_chunks",
     "ChunkAssembler",
@@ -181,6 +182,36 @@ class WireContent:
         for start in range(step, len(raw), step):
             yield tensor_pb2.TensorChunk(data=bytes(raw[start : start + step]))
 
+    def encoded_chunks(self, chunk_bytes: int) -> Iterator[bytes]:
+        """The same chunks as ``chunks``, already serialized: each is its header (the
+        first chunk's dtype, shape and content length) and its data field, joined in
+        one copy of the data, with no message object in between (a ``TensorChunk``
+        costs two more copies: its ``bytes`` slice and ``SerializeToString``). Send
+        them with an identity serializer; they parse as ``TensorChunk``."""
+        step, raw = max(1, chunk_bytes), self.data
+        head = tensor_pb2.TensorChunk(
+            dtype=self.dtype, shape=self.shape, content_bytes=self.content_bytes
+        ).SerializeToString()
+        yield _with_data(head, raw[:step])
+        for start in range(step, len(raw), step):
+            yield _with_data(b"", raw[start : start + step])
+
+
+#: ``TensorChunk.data``'s tag: field 3, length-delimited.
+_DATA_TAG = bytes([3 << 3 | 2])
+
+
+def _with_data(head: bytes, data: memoryview) -> bytes:
+    """``head`` followed by the serialized field ``data = data``."""
+    if not len(data):
+        return head
+    length, size = bytearray(), len(data)
+    while size >= 0x80:
+        length.append(size & 0x7F | 0x80)
+        size >>= 7
+    length.append(size)
+    return b"".join((head, _DATA_TAG, length, data))
+
 
 def encode_chunks(array: np.ndarray, chunk_bytes: int) -> Iterator[tensor_pb2.TensorChunk]:
     """``array`` as a stream of chunks of ``chunk_bytes`` (see ``WireContent``)."""
@@ -263,6 +294,12 @@ class ChunkAssembler:
         array = self._buffer.view(self._dtype.newbyteorder("<")).reshape(self._shape)
         array.flags.writeable = False
         return array
+
+
+def serialize(message: Any) -> bytes:
+    """A message's wire bytes; ``bytes`` pass as they are (already serialized, as
+    ``WireContent.encoded_chunks`` makes them)."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 def decode_chunks(

@@ -30,6 +30,7 @@ __all__ = [
     "DataLossError",
     "UnauthenticatedError",
     "UnsupportedDTypeError",
+    "SessionLostError",
     "Code",
     "error_class_for",
 ]
@@ -174,6 +175,26 @@ class UnauthenticatedError(GradserveError):
 
 class UnsupportedDTypeError(InvalidArgumentError, ValueError):
     """A dtype (or wire dtype number) gradserve does not carry."""
+
+
+class SessionLostError(NotFoundError):
+    """The session's state is gone from the server (reason ``SESSION_NOT_FOUND``).
+
+    Its replica restarted without its state (no ``--state-dir``, or a crash since the
+    last snapshot), it sat idle past ``--session-ttl``, it was closed, or the call was
+    routed to a replica that does not hold it (a stale proxy map). Nothing the client
+    repeats brings it back: open a new session and start the step over.
+    """
+
+    #: What the SDK says before the server's own message.
+    EXPLANATION = (
+        "session lost: its state (TensorArrays, gradient arrays, resident tensors) is gone "
+        "from the server. This happens when the replica that held it restarted without "
+        "its state (no --state-dir) or crashed since its last snapshot, when the session "
+        "sat idle past --session-ttl or was closed, or when the call was routed to a "
+        "replica that does not hold it (a stale proxy map). Open a new session and redo "
+        "the work since its start. Server said: "
+    )
 
 
 _BY_CODE: dict[Code, type[GradserveError]] = {

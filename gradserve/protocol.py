@@ -10,11 +10,19 @@ REQUEST_ID_KEY = "x-request-id"
 #: Request metadata: outputs larger than this many bytes are kept in the session
 #: (transient) and streamed back with GetTensor instead of sent inline.
 INLINE_LIMIT_METADATA_KEY = "x-gradserve-inline-limit"
+#: The gradient tapes an op call records on: comma-separated tape ids (StartTape).
+#: Without it nothing is recorded.
+TAPE_METADATA_KEY = "x-gradserve-tape"
 
 #: Request metadata: the most tensor bytes the client takes inline in one response
 #: (its channel's receive limit, less room for the rest of the message); the server
 #: sends what does not fit as transient tensors.
 RESPONSE_BUDGET_METADATA_KEY = "x-gradserve-response-budget"
+
+#: Request metadata: the name of a shared-memory region of the session (same-host
+#: workers, ``RegisterSharedMemory``) into which the call writes the outputs it
+#: returns, one after another from its start; what does not fit comes as usual.
+OUTPUT_REGION_METADATA_KEY = "x-gradserve-output-region"
 
 #: Room in a message for everything but its tensors' bytes (field tags, lengths,
 #: refs, handles, an error message), when budgeting inline bytes.

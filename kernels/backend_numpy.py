@@ -10,6 +10,9 @@ from typing import Any
 
 import numpy as np
 
+# The whole-sequence forward (``lstm.block_lstm_forward`` hands the recurrence over).
+from gradserve.kernels.lstm_cpu import forward_sequence as forward_sequence
+
 #: The arrays of this backend (NumPy's); ``Any`` because NumPy's own annotations of
 #: in-place ufuncs are looser than this code's use of them.
 Array = Any

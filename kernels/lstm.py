@@ -26,7 +26,9 @@ float32 (every GEMM accumulates in float32) and is returned as float16.
 
 Cost: the input projection of all steps is one GEMM per gate block, written
 into the gate outputs; each step is one ``h @ W_h`` GEMM plus one fused pass
-that adds it (and the bias) and overwrites the outputs with the activations. The backward is, per step, one fused
+that adds it (and the bias) and overwrites the outputs with the activations (the
+CPU runs its own forward recurrence, ``lstm_cpu``: the GEMM formulation measured per
+shape, warm workspaces). The backward is, per step, one fused
 pass and one ``dgates @ W_h^T`` GEMM; then x_grad is one GEMM, w_grad two,
 and b_grad and the peephole gradients are reductions.
 """
@@ -113,7 +115,16 @@ def block_lstm_forward(
     units = cs_prev.shape[1]
     length = seq_len_max
     outs = LSTMActivations(*(xp.zeros((steps, batch, units), ct) for _ in range(7)))
-    if length > 0:
+    # A backend may run the whole recurrence its own way (the CPU: ``lstm_cpu``, which
+    # picks its GEMM formulation per shape by measuring); the loop below is the rest's.
+    sequence = getattr(backend, "forward_sequence", None)
+    if length > 0 and sequence is not None:
+        sequence(
+            x, cs_prev, h_prev, w, wci, wcf, wco, b, outs, length=length,
+            offsets=layout.offsets(units), forget_bias=forget_bias, cell_clip=cell_clip,
+            use_peephole=use_peephole, check=check,
+        )  # fmt: skip
+    elif length > 0:
         w_x, w_h = w[:input_size], w[input_size:]
         offsets = layout.offsets(units)
         x_flat = x[:length].reshape(length * batch, input_size)
@@ -149,12 +160,17 @@ def block_lstm_backward(
     seq_len_max: int,
     use_peephole: bool = False,
     layout: GateLayout = GateLayout.IFCO,
+    cell_clip: float = 0.0,
     check: Callable[[], None] | None = None,
 ) -> LSTMGrads[Array]:
     """Gradients of the whole sequence (TensorFlow's BlockLSTMGrad recursion).
 
     ``output_grads.h_grad[t]`` and ``.cs_grad[t]`` add to the recurrent carries at
-    step t; the forward's cell clip is ignored, as TensorFlow ignores it.
+    step t. With ``cell_clip`` 0 (the raw ``BlockLSTMGrad*`` ops, which have no such
+    attribute) the forward's clip is ignored, exactly as TensorFlow's kernels ignore
+    it. With the forward's ``cell_clip`` > 0 (the gradient tape) a cell whose state
+    was clipped passes no gradient to its gates or its past (``_mask_clipped``):
+    the true derivative, which TensorFlow's registered gradient gets wrong.
     """
     xp = backend.xp
     out_dtype = inputs.x.dtype
@@ -178,6 +194,8 @@ def block_lstm_backward(
         w_h_t = xp.ascontiguousarray(w_h.T)
         dgates = xp.empty((length, batch, 4 * units), ct)
         offsets = layout.offsets(units)
+        # A clipped cell holds exactly the clip value as stored in the output dtype.
+        clip_at = float(np.asarray(cell_clip, out_dtype))
         for t in reversed(range(length)):
             if check is not None:
                 check()
@@ -186,6 +204,8 @@ def block_lstm_backward(
                 c_prev, i[t], f[t], o[t], ci[t], co[t], cs_grad[t], h_grad[t],
                 dh, dcs, wci, wcf, wco, dgates[t], offsets, use_peephole,
             )  # fmt: skip
+            if cell_clip > 0:
+                _mask_clipped(xp, cs[t], clip_at, dgates[t], dcs, offsets, units)
             xp.matmul(dgates[t], w_h_t, out=dh)
         flat = dgates.reshape(length * batch, 4 * units)
         # GEMMs write straight into (contiguous views of) the outputs: no temporaries.
@@ -205,6 +225,29 @@ def block_lstm_backward(
     wci_grad, wcf_grad, wco_grad = peephole_grads
     grads = LSTMGrads(x_grad, dcs, dh, w_grad, wci_grad, wcf_grad, wco_grad, b_grad)
     return LSTMGrads(*(backend.cast(a, out_dtype) for a in grads))
+
+
+def _mask_clipped(
+    xp: Any,
+    cs: Array,
+    clip_at: float,
+    dgates: Array,
+    dcs_carry: Array,
+    offsets: tuple[int, int, int, int],
+    units: int,
+) -> None:
+    """Zero the gradient through cells clipped at this step.
+
+    ``cs = clip(i * ci + f * cs_prev)`` has derivative 0 where it clipped, so
+    there the gradients of ``i``, ``f``, ``ci`` and of ``cs_prev`` (the carry) —
+    each a multiple of d loss / d cs — are 0. The ``o`` gate's is not: it reaches
+    ``o`` through ``h = o * tanh(cs)``, after the clip.
+    """
+    unclipped = ((cs < clip_at) & (cs > -clip_at)).astype(dgates.dtype)
+    off_i, off_f, off_c, _ = offsets
+    for off in (off_i, off_f, off_c):
+        dgates[:, off : off + units] *= unclipped
+    dcs_carry *= unclipped
 
 
 def _shifted(xp: Any, first: Array, seq: Array, length: int) -> Array:

@@ -21,9 +21,14 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-        self.first_line = self.proc.stdout.readline()
-        match = re.search(r"listening on 127\.0\.0\.1:(\d+).*metrics on :(\d+)", self.first_line)
-        assert match, self.first_line
+        # Log lines may come first (a restore from --state-dir): read up to "listening".
+        pattern = re.compile(r"listening on 127\.0\.0\.1:(\d+).*metrics on :(\d+)")
+        self.log_head: list[str] = []
+        while (line := self.proc.stdout.readline()) and not pattern.search(line):
+            self.log_head.append(line)
+        self.first_line = line
+        match = pattern.search(line)
+        assert match, "".join(self.log_head) + line
         self.target = f"127.0.0.1:{match.group(1)}"
         self.metrics_port = int(match.group(2))
         threading.Thread(target=self.proc.stdout.read, daemon=True).start()  # drain logs

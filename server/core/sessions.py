@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import secrets
 import threading
 import time
@@ -27,13 +28,16 @@ import numpy as np
 
 from gradserve import dtypes
 from gradserve.errors import (
+    FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
     UnavailableError,
 )
 from gradserve.server.core.budget import MemoryBudget
-from gradserve.server.core.tensor_array import TensorArray
+from gradserve.server.core.regions import RegionTable
+from gradserve.server.core.tape import MAX_TAPES_PER_SESSION, Tape
+from gradserve.server.core.tensor_array import TensorArray, TensorArrayState
 
 #: The principal of every session when authentication is off.
 ANONYMOUS = "anonymous"
@@ -59,22 +63,47 @@ class Resident:
 TensorArg = np.ndarray | Resident
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Kept:
-    """A resident tensor and the streams reading it."""
+    """A tensor the session holds, and how many hold it.
+
+    Its bytes are charged once, however many hold it, and released when the last
+    holder lets go: its entry in the id table (a resident tensor), a stream reading
+    it out (GetTensor), each gradient tape that keeps it for a backward pass.
+    """
 
     array: Array
     #: The bytes charged for it (``dtypes.nbytes``, counted once: for strings, a pass).
     nbytes: int
-    #: Streams (GetTensor) reading it now: its bytes stay charged while any does.
-    readers: int = 0
-    #: Deleted (or its session closed) while read: the last reader releases its bytes.
-    dropped: bool = False
+    #: Holders: 1 for the id table entry, +1 per stream reading it, +1 per tape.
+    refs: int = 1
 
 
 def new_token(nbytes: int = 16) -> str:
     """An unguessable id: ``nbytes`` random bytes, URL-safe text."""
     return secrets.token_urlsafe(nbytes)
+
+
+#: A replica identity: a DNS label (what a StatefulSet pod name or a compose service
+#: name is), so that it can name a proxy's upstream; no dot, which ends it in an id.
+_REPLICA_ID = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+
+
+def check_replica_id(replica_id: str) -> str:
+    """``replica_id`` if it is a DNS label (lowercase letters, digits, inner dashes,
+    at most 63), else ``InvalidArgumentError``."""
+    if not _REPLICA_ID.fullmatch(replica_id):
+        raise InvalidArgumentError(
+            f"replica id {replica_id!r} is not a DNS label: lowercase letters, digits and "
+            "inner dashes, 1 to 63 of them (it prefixes session ids, up to a dot)"
+        )
+    return replica_id
+
+
+def replica_of(session_id: str) -> str | None:
+    """The replica a session id names (the part before the first dot), if any."""
+    head, dot, _ = session_id.partition(".")
+    return head if dot else None
 
 
 class Session:
@@ -108,6 +137,16 @@ class Session:
         self._resident: dict[str, _Kept] = {}
         #: Bytes held for tensors still arriving (``reserve_tensor``).
         self._reservations: set[TensorReservation] = set()
+        #: Live gradient tapes by id, and the ids of released ones (for a clear error).
+        self._tapes: dict[str, Tape] = {}
+        self._released_tapes: dict[str, None] = {}
+        #: Gradients computations so far: each gets its own grad-array ``source``.
+        self._gradient_sources = 0
+        #: Same-host shared-memory regions the worker registered (``regions``), each at
+        #: most the session's byte limit; closed with the session.
+        self.regions = RegionTable(
+            session_id, max_region_bytes=self.budget.limit, max_tensor_bytes=max_tensor_bytes
+        )
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
@@ -248,9 +287,13 @@ class Session:
             return self._kept(tensor_id).array
 
     def _kept(self, tensor_id: str) -> _Kept:
-        """(caller holds ``_lock``)"""
+        """A resident tensor, or one a tape holds (caller holds ``_lock``)."""
         kept = self._resident.get(tensor_id)
         if kept is None:
+            for tape in self._tapes.values():
+                kept = tape.held.get(tensor_id)
+                if kept is not None:
+                    return kept  # type: ignore[no-any-return]
             raise NotFoundError(
                 f"resident tensor {tensor_id!r} does not exist in this session",
                 reason="TENSOR_NOT_FOUND",
@@ -265,15 +308,11 @@ class Session:
         because the stream keeps the memory alive until then."""
         with self._lock:
             kept = self._kept(tensor_id)
-            kept.readers += 1
+            kept.refs += 1
         try:
             yield kept.array
         finally:
-            with self._lock:
-                kept.readers -= 1
-                release = kept.dropped and kept.readers == 0
-            if release:
-                self.budget.release(kept.nbytes)
+            self.let_go([kept])
 
     def get_placed(self, tensor_id: str, place: Callable[[Any], Any]) -> Any:
         """The tensor as ``place`` puts it (on the GPU, for a CUDA server's ops), and
@@ -290,8 +329,8 @@ class Session:
         placed = place(array)
         if placed is not array:
             with self._lock:
-                if self._resident.get(tensor_id) is kept and kept.array is array:
-                    kept.array = placed  # not deleted or placed meanwhile
+                if kept.refs > 0 and kept.array is array:
+                    kept.array = placed  # not let go of or placed meanwhile
         return placed
 
     def delete(self, tensor_ids: Iterable[str]) -> int:
@@ -305,14 +344,279 @@ class Session:
 
     @staticmethod
     def _drop(dropped: Iterable[_Kept]) -> int:
-        """Mark tensors gone; returns the bytes free now (caller holds ``_lock``)."""
+        """One holder fewer for each; returns the bytes free now (caller holds
+        ``_lock``): a tensor still read out, or kept by a tape, stays charged."""
         freed = 0
         for kept in dropped:
-            if kept.readers:
-                kept.dropped = True
-            else:
+            kept.refs -= 1
+            if kept.refs == 0:
                 freed += kept.nbytes
         return freed
+
+    def let_go(self, held: Iterable[_Kept]) -> int:
+        """A holder other than the id table (a stream, a tape) lets go of ``held``;
+        returns the bytes released."""
+        with self._lock:
+            freed = self._drop(held)
+        self.budget.release(freed)
+        return freed
+
+    # ---------------------------------------------------------------- tapes
+    def start_tape(
+        self, *, persistent: bool, watch_accessed_variables: bool, tape_id: str | None = None
+    ) -> Tape:
+        """A new tape; with ``tape_id`` (a client's proposal, so that its first op
+        starts the tape without a round trip of its own) the tape of that id, made
+        if it does not exist yet. A released id is FAILED_PRECONDITION."""
+        if tape_id is not None:
+            _check_proposed_id(tape_id)
+            with self._lock:
+                existing = self._tapes.get(tape_id)
+            if existing is not None:
+                return existing
+            if tape_id in self._released_tapes:
+                return self.tape(tape_id)  # raises: released
+        with self._lock:
+            self._check_open()
+            if tape_id is not None and tape_id in self._tapes:
+                return self._tapes[tape_id]
+            if len(self._tapes) >= MAX_TAPES_PER_SESSION:
+                raise ResourceExhaustedError(
+                    f"the session has {MAX_TAPES_PER_SESSION} live gradient tapes, the most "
+                    "it may; release one (a non-persistent tape is released by its first "
+                    "gradient call)",
+                    reason="TOO_MANY_TAPES",
+                )
+            tape = Tape(
+                tape_id or new_token(),
+                persistent=persistent,
+                watch_accessed_variables=watch_accessed_variables,
+            )
+            self._tapes[tape.id] = tape
+            return tape
+
+    def tape(self, tape_id: str) -> Tape:
+        """A live tape; FAILED_PRECONDITION for a released one."""
+        with self._lock:
+            tape = self._tapes.get(tape_id)
+            released = tape_id in self._released_tapes
+        if tape is not None:
+            return tape
+        if released:
+            raise FailedPreconditionError(
+                f"gradient tape {tape_id!r} was released: a non-persistent tape is released "
+                "by its first gradient call (use persistent=True for several), a persistent "
+                "one when it is released or its session ends",
+                reason="TAPE_RELEASED",
+                field="tape_id",
+            )
+        raise NotFoundError(
+            f"gradient tape {tape_id!r} does not exist in this session",
+            reason="TAPE_NOT_FOUND",
+            field="tape_id",
+        )
+
+    def release_tape(self, tape_id: str) -> int:
+        """Let go of everything the tape holds; returns the bytes that freed."""
+        tape = self.tape(tape_id)
+        with self._lock:
+            if self._tapes.pop(tape_id, None) is None:
+                return 0  # released meanwhile
+            self._released_tapes[tape_id] = None
+            while len(self._released_tapes) > 4 * MAX_TAPES_PER_SESSION:
+                del self._released_tapes[next(iter(self._released_tapes))]
+            freed = self._release_tape_locked(tape)
+        self.budget.release(freed)
+        return freed
+
+    def _release_tape_locked(self, tape: Tape) -> int:
+        tape.released = True
+        held, tape.held = list(tape.held.values()), {}
+        tape.records.clear()
+        return self._drop(held)
+
+    def hold_for_tape(self, tape: Tape, tensor_id: str) -> bool:
+        """``tape`` holds the tensor ``tensor_id`` (resident, or held by a tape) until
+        it is released; False if it held it already."""
+        with self._lock:
+            self._check_tape_live(tape)
+            if tensor_id in tape.held:
+                return False
+            kept = self._kept(tensor_id)
+            kept.refs += 1
+            tape.held[tensor_id] = kept
+            return True
+
+    def keep_for_tapes(self, tapes: list[Tape], array: Array) -> str:
+        """Hold ``array`` on every tape of ``tapes`` under a new id, charged once to the
+        session's budget (RESOURCE_EXHAUSTED past a limit)."""
+        if not hasattr(array, "__cuda_array_interface__"):
+            array = np.asarray(array)
+        nbytes = dtypes.nbytes(array)
+        with self._lock:
+            self._check_open()
+            for tape in tapes:
+                self._check_tape_live(tape)
+            self.budget.reserve(nbytes)
+            kept = _Kept(array, nbytes, refs=len(tapes))
+            tensor_id = new_token()
+            for tape in tapes:
+                tape.held[tensor_id] = kept
+            return tensor_id
+
+    def release_held(self, held: list[tuple[Tape, str]]) -> None:
+        """Tapes let go of tensors they held for an op that failed."""
+        with self._lock:
+            dropped = [k for k in (t.held.pop(i, None) for t, i in held) if k is not None]
+            freed = self._drop(dropped)
+        self.budget.release(freed)
+
+    def commit_records(self, tapes: list[Tape], records: list[Any], watch: set[str]) -> None:
+        """An op's records join the tapes it ran under (those not released meanwhile)."""
+        with self._lock:
+            for tape in tapes:
+                if tape.released:
+                    continue
+                for op, inputs, outputs, saved in records:
+                    tape.commit(op, inputs, outputs, saved)
+                if tape.watch_accessed_variables:
+                    tape.watched.update(watch)
+
+    def watch(self, tape: Tape, tensor_ids: Iterable[str]) -> None:
+        """``tape.watch``: the tensors (which must exist) become differentiable sources."""
+        with self._lock:
+            self._check_tape_live(tape)
+            for tensor_id in tensor_ids:
+                self._kept(tensor_id)
+            tape.watched.update(tensor_ids)
+
+    def publish(self, tensor_id: str) -> None:
+        """Give a tensor a tape holds an entry in the id table as well (a kept or
+        transient output of an op run under a tape): one tensor, charged once."""
+        with self._lock:
+            self._check_open()
+            kept = self._kept(tensor_id)
+            if self._resident.get(tensor_id) is not kept:
+                kept.refs += 1
+                self._resident[tensor_id] = kept
+
+    def new_gradient_source(self) -> str:
+        """TensorArrayGradV3's ``source`` for one gradient computation: "gradients",
+        then "gradients_1", ... (TensorFlow's name scopes), skipping any in use."""
+        with self._lock:
+            in_use = {source for _, source in self._grads}
+            while True:
+                n = self._gradient_sources
+                self._gradient_sources += 1
+                source = "gradients" if n == 0 else f"gradients_{n}"
+                if source not in in_use:
+                    return source
+
+    def drop_grad_arrays(self, source: str) -> None:
+        """Remove every gradient array made for ``source`` (and free its bytes)."""
+        with self._lock:
+            keys = [key for key in self._grads if key[1] == source]
+            arrays = [self._arrays.pop(self._grads.pop(key), None) for key in keys]
+        for ta in arrays:
+            if ta is not None:
+                ta.close()
+
+    def tape_snapshot(self, tape: Tape) -> tuple[list[Any], set[str], set[str]]:
+        """A live tape's records, produced keys and watched ids, as of now."""
+        with self._lock:
+            self._check_tape_live(tape)
+            return list(tape.records), set(tape.outputs), set(tape.watched)
+
+    def gradient_done(self, tape: Tape) -> None:
+        """A gradient computation on ``tape`` succeeded: a non-persistent tape is
+        released (TensorFlow's tapes allow one ``gradient`` call unless persistent)."""
+        tape.gradient_calls += 1
+        if not tape.persistent:
+            self.release_tape(tape.id)
+
+    def unfreeze_tensor_array(self, handle: str, dynamic_size: bool) -> None:
+        """Give a forward array back the dynamic sizing a failed gradient computation
+        switched off by making its grad array."""
+        with self._lock:
+            ta = self._arrays.get(handle)
+        if ta is not None:
+            ta.restore_dynamic_size(dynamic_size)
+
+    def _check_tape_live(self, tape: Tape) -> None:
+        """(caller holds ``_lock``)"""
+        self._check_open()
+        if tape.released:
+            raise FailedPreconditionError(
+                f"gradient tape {tape.id!r} was released while the op ran",
+                reason="TAPE_RELEASED",
+            )
+
+    # ---------------------------------------------------------------- snapshots
+    def export_state(self, idle_timeout: float, now: float | None = None) -> SessionState:
+        """Everything this session holds, for a snapshot (``server.core.persistence``).
+
+        Tensors still arriving are not part of it (their upload fails and is repeated).
+        Gradient tapes are not persisted (a restored session has none; a call naming
+        one gets the tape's NOT_FOUND): they are counted in ``tapes_dropped`` so that
+        the snapshot can say so.
+        """
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            arrays = dict(self._arrays)
+            grads = dict(self._grads)
+            resident = {t: kept.array for t, kept in self._resident.items()}
+            counter = self._name_counter
+            remaining = max(0.0, idle_timeout - (now - self.last_used))
+            tapes = len(self._tapes)
+        return SessionState(
+            id=self.id,
+            principal=self.principal,
+            name_counter=counter,
+            idle_seconds_left=remaining,
+            arrays={h: ta.export_state() for h, ta in arrays.items()},
+            grads=grads,
+            resident=resident,
+            tapes_dropped=tapes,
+        )
+
+    @classmethod
+    def from_state(
+        cls,
+        state: SessionState,
+        *,
+        idle_timeout: float,
+        max_tensor_bytes: int | None,
+        max_tensor_array_size: int | None,
+        budget: MemoryBudget,
+    ) -> Session:
+        """The session ``state`` describes, by the same id, owner and handles, every
+        byte charged to ``budget``; raises (charging nothing) past a limit."""
+        session = cls(
+            state.id,
+            principal=state.principal,
+            max_tensor_bytes=max_tensor_bytes,
+            max_tensor_array_size=max_tensor_array_size,
+            budget=budget,
+        )
+        session._name_counter = state.name_counter
+        session.last_used = time.monotonic() - max(0.0, idle_timeout - state.idle_seconds_left)
+        try:
+            for handle, ta_state in state.arrays.items():
+                session._arrays[handle] = TensorArray.from_state(
+                    ta_state,
+                    max_output_bytes=max_tensor_bytes,
+                    max_size=max_tensor_array_size,
+                    budget=budget,
+                )
+            for tensor_id, array in state.resident.items():
+                nbytes = dtypes.nbytes(array)
+                budget.reserve(nbytes)
+                session._resident[tensor_id] = _Kept(array, nbytes)
+        except BaseException:
+            session.close()  # releases what was charged
+            raise
+        session._grads = dict(state.grads)
+        return session
 
     # ---------------------------------------------------------------- lifecycle
     @property
@@ -327,12 +631,16 @@ class Session:
             self._closed = True
             arrays = list(self._arrays.values())
             freed = self._drop(self._resident.values())
+            for tape in self._tapes.values():
+                freed += self._release_tape_locked(tape)
+            self._tapes.clear()
             freed += sum(r.nbytes for r in self._reservations)
             self._arrays.clear()
             self._grads.clear()
             self._resident.clear()
             self._reservations.clear()
         self.budget.release(freed)
+        self.regions.close()
         for ta in arrays:  # each releases its own bytes
             freed += ta.nbytes()
             ta.close()
@@ -341,6 +649,35 @@ class Session:
     def _check_open(self) -> None:
         if self._closed:
             raise NotFoundError(f"session {self.id!r} is closed", reason="SESSION_NOT_FOUND")
+
+
+@dataclasses.dataclass
+class SessionState:
+    """A session's whole state (``Session.export_state``), what a snapshot holds."""
+
+    id: str
+    principal: str
+    #: The counter that numbers TensorArray names ("TensorArrayV3_7").
+    name_counter: int
+    #: Seconds left before the idle timeout would have closed it.
+    idle_seconds_left: float
+    arrays: dict[str, TensorArrayState]
+    #: (forward handle, source) -> gradient array handle.
+    grads: dict[tuple[str, str], str]
+    #: Resident tensors (host arrays in a snapshot) by id.
+    resident: dict[str, Array]
+    #: Gradient tapes the session had, which snapshots do not keep.
+    tapes_dropped: int = 0
+
+
+def _check_proposed_id(tape_id: str) -> None:
+    """A client-proposed id: URL-safe characters, long enough to be unguessable."""
+    if not 16 <= len(tape_id) <= 64 or not all(c.isalnum() or c in "-_" for c in tape_id):
+        raise InvalidArgumentError(
+            f"tape id {tape_id[:70]!r} is not 16 to 64 URL-safe characters "
+            "(letters, digits, '-', '_')",
+            field="tape_id",
+        )
 
 
 class TensorReservation:
@@ -389,7 +726,13 @@ class SessionStore:
         max_principal_bytes: int | None = None,
         max_server_bytes: int | None = None,
         on_release: Callable[[int], None] | None = None,
+        replica_id: str | None = None,
     ):
+        #: This replica's identity, stamped into every session id it creates
+        #: (``<replica>.<random>``) so that a proxy routes a session's calls to the
+        #: replica that made it (``check_replica_id``); None: bare random ids.
+        self.replica_id = check_replica_id(replica_id) if replica_id else None
+        self.restored = 0  # sessions restored from snapshots (start or adoption), for metrics
         self.idle_timeout = idle_timeout
         self.max_tensor_bytes = max_tensor_bytes
         self.max_tensor_array_size = max_tensor_array_size
@@ -431,6 +774,8 @@ class SessionStore:
                     reason="TOO_MANY_SESSIONS_FOR_PRINCIPAL",
                 )
             session_id = new_token(24)
+            if self.replica_id:
+                session_id = f"{self.replica_id}.{session_id}"
             session = Session(
                 session_id,
                 principal=principal,
@@ -470,9 +815,12 @@ class SessionStore:
         if session is None or not secrets.compare_digest(
             session.principal.encode(), principal.encode()
         ):
+            here = f" on replica {self.replica_id!r}" if self.replica_id else ""
             raise NotFoundError(
-                "session not found: it was closed, expired, or never existed "
-                "(pass the id CreateSession returned in 'x-gradserve-session' metadata)",
+                f"session not found{here}: it was closed, expired, or never existed here "
+                "(its replica restarted without its state, or the call was routed to a "
+                "replica that does not hold it; pass the id CreateSession returned in "
+                "'x-gradserve-session' metadata)",
                 reason="SESSION_NOT_FOUND",
             )
         session.touch()
@@ -495,6 +843,43 @@ class SessionStore:
         for s in stale:
             s.close()
         return len(stale)
+
+    def sessions(self) -> list[Session]:
+        """The open sessions, now."""
+        with self._lock:
+            return list(self._sessions.values())
+
+    def export_states(self) -> list[SessionState]:
+        """Every open session's state (``Session.export_state``), for a snapshot."""
+        return [s.export_state(self.idle_timeout) for s in self.sessions()]
+
+    def restore(self, state: SessionState) -> Session:
+        """Serve the session ``state`` describes under its own id (whatever replica made
+        it: a survivor adopts a removed replica's sessions), its bytes charged again to
+        its principal and the server. Refused, changing nothing, if the id is taken or
+        a byte limit would pass; the session and principal counts are not enforced, so
+        that a restart under lower limits loses nothing it can hold."""
+        with self._lock:
+            if state.id in self._sessions:
+                raise InvalidArgumentError(f"session {state.id[:12]}… is already open here")
+        session = Session.from_state(
+            state,
+            idle_timeout=self.idle_timeout,
+            max_tensor_bytes=self.max_tensor_bytes,
+            max_tensor_array_size=self.max_tensor_array_size,
+            budget=MemoryBudget(
+                self.max_session_bytes,
+                "session (--max-session-bytes)",
+                parent=self.principal_budget(state.principal),
+            ),
+        )
+        with self._lock:
+            if state.id in self._sessions:  # restored twice at once
+                session.close()
+                raise InvalidArgumentError(f"session {state.id[:12]}… is already open here")
+            self._sessions[state.id] = session
+            self.restored += 1
+        return session
 
     def close_all(self) -> None:
         with self._lock:

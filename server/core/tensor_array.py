@@ -63,6 +63,10 @@ class _Slot:
         return self.value is not None and self.value.size > 0
 
 
+#: A slot record, by its public name (snapshots build them).
+Slot = _Slot
+
+
 class TensorArray:
     """One TensorArray or gradient TensorArray.
 
@@ -578,9 +582,94 @@ class TensorArray:
             register(grad)
             return grad
 
+    # ------------------------------------------------------------------ snapshots
+    def export_state(self) -> TensorArrayState:
+        """Everything this array is, for a snapshot (``server.core.persistence``): its
+        attributes and every slot record. Values are shared, not copied (they are
+        never mutated)."""
+        with self._lock:
+            return TensorArrayState(
+                name=self.name,
+                dtype=self.dtype,
+                size=self._size,
+                element_shape=self._element_shape,
+                identical_element_shapes=self.identical_element_shapes,
+                dynamic_size=self._dynamic_size,
+                clear_after_read=self.clear_after_read,
+                multiple_writes_aggregate=self.multiple_writes_aggregate,
+                is_grad=self.is_grad,
+                marked_size=self._marked_size,
+                gradients_disallowed=self._gradients_disallowed,
+                closed=self._closed,
+                slots={i: dataclasses.replace(slot) for i, slot in self._slots.items()},
+            )
+
+    @classmethod
+    def from_state(
+        cls,
+        state: TensorArrayState,
+        *,
+        max_output_bytes: int | None = None,
+        max_size: int | None = None,
+        budget: MemoryBudget | None = None,
+    ) -> TensorArray:
+        """The array ``state`` describes, its values' bytes charged to ``budget`` (which
+        raises, charging nothing, past a limit)."""
+        ta = cls(
+            name=state.name,
+            dtype=state.dtype,
+            size=0,
+            element_shape=state.element_shape,
+            identical_element_shapes=state.identical_element_shapes,
+            dynamic_size=state.dynamic_size,
+            clear_after_read=state.clear_after_read,
+            multiple_writes_aggregate=state.multiple_writes_aggregate,
+            is_grad=state.is_grad,
+            marked_size=state.marked_size,
+            max_output_bytes=max_output_bytes,
+            max_size=max_size,
+            budget=budget,
+        )
+        ta._size = state.size  # as it was, even past a since-lowered --max-tensor-array-size
+        ta._gradients_disallowed = state.gradients_disallowed
+        ta._closed = state.closed
+        ta._slots = {i: dataclasses.replace(slot) for i, slot in state.slots.items()}
+        nbytes = sum(dtypes.nbytes(s.value) for s in ta._slots.values() if s.value is not None)
+        if budget is not None:
+            budget.reserve(nbytes)
+        ta._nbytes = nbytes
+        return ta
+
+    def restore_dynamic_size(self, dynamic_size: bool) -> None:
+        """Undo ``make_grad``'s switching off of dynamic sizing: a gradient
+        computation that failed rolls back what it changed."""
+        with self._lock:
+            self._dynamic_size = dynamic_size
+
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidArgumentError(f"TensorArray {self.name} has already been closed.")
+
+
+@dataclasses.dataclass
+class TensorArrayState:
+    """A TensorArray's whole state (``TensorArray.export_state``): what a snapshot
+    writes and ``TensorArray.from_state`` rebuilds. ``slots`` maps an index to its
+    record (value, shape and the written/read/cleared flags)."""
+
+    name: str
+    dtype: np.dtype
+    size: int
+    element_shape: shapes.PartialShape
+    identical_element_shapes: bool
+    dynamic_size: bool
+    clear_after_read: bool
+    multiple_writes_aggregate: bool
+    is_grad: bool
+    marked_size: int
+    gradients_disallowed: bool
+    closed: bool
+    slots: dict[int, _Slot]
 
 
 def _too_many_elements(name: str, size: int, limit: int) -> ResourceExhaustedError:

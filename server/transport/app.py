@@ -35,6 +35,8 @@ from google.protobuf import message_factory
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gradserve import codec
+from gradserve.errors import InvalidArgumentError
 from gradserve.kernels.compute import Compute, compute_for
 from gradserve.kernels.device import select_device
 from gradserve.server.core.sessions import SessionStore
@@ -44,6 +46,7 @@ from gradserve.server.transport.auth import TokenTable, is_loopback
 from gradserve.server.transport.config import ServerConfig
 from gradserve.server.transport.memory import Trimmer
 from gradserve.server.transport.observability import Metrics, Observer
+from gradserve.server.transport.replicas import StateKeeper, register_metrics
 from gradserve.server.transport.servicer import GradServeServicer
 from gradserve.server.transport.streams import StreamLimits
 
@@ -79,6 +82,8 @@ class Server:
     _grpc: Any = None
     _health: Any = None
     _reaper: Any = None
+    keeper: StateKeeper | None = None
+    _stop_snapshots: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def stop(self, grace: float | None = None) -> None:
         """Drain (new calls refused with UNAVAILABLE, health NOT_SERVING), give calls
@@ -93,6 +98,9 @@ class Server:
             self._thread.join(timeout=10)
         self.servicer.light.shutdown()
         self.servicer.heavy.shutdown()
+        self._stop_snapshots.set()
+        if self.keeper is not None and self.keeper.enabled:
+            self.keeper.snapshot()  # drained: every session as its last call left it
         self.store.close_all()
 
     async def _stop(self, grace: float) -> None:
@@ -123,6 +131,7 @@ def _store(config: ServerConfig, trimmer: Trimmer) -> SessionStore:
         max_principal_bytes=config.principal_bytes(),
         max_server_bytes=config.max_server_bytes,
         on_release=trimmer.released,
+        replica_id=config.replica_id,
     )
 
 
@@ -168,7 +177,6 @@ def service_handler(servicer: GradServeServicer) -> grpc.GenericRpcHandler:
     handlers = {}
     for method in SERVICE.methods:
         request = message_factory.GetMessageClass(method.input_type)
-        response = message_factory.GetMessageClass(method.output_type)
         kind = "_".join(
             "stream" if streaming else "unary"
             for streaming in (method.client_streaming, method.server_streaming)
@@ -177,7 +185,8 @@ def service_handler(servicer: GradServeServicer) -> grpc.GenericRpcHandler:
         handlers[method.name] = make(
             getattr(servicer, method.name),
             request_deserializer=boundary.lenient(request.FromString, method.input_type.full_name),
-            response_serializer=response.SerializeToString,
+            # Messages, or bytes already serialized (GetTensor's chunks): as they are.
+            response_serializer=codec.serialize,
         )
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
@@ -189,8 +198,13 @@ def start(config: ServerConfig) -> Server:
     tokens = _tokens(config)
     device = select_device(config.device)
     trimmer = Trimmer()
-    store = _store(config, trimmer)
+    try:
+        store = _store(config, trimmer)
+    except InvalidArgumentError as e:
+        raise ConfigError(f"--replica-id: {e}") from None
     compute = _compute(config, device)
+    keeper = StateKeeper(config, store, compute)
+    keeper.restore()  # before serving: a restored session is never reported missing
     metrics = Metrics(store, compute) if config.metrics_port is not None else None
     servicer = GradServeServicer(
         store,
@@ -210,7 +224,9 @@ def start(config: ServerConfig) -> Server:
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="gradserve-loop", daemon=True)
     thread.start()
-    server = Server(0, store, device, config, servicer, metrics, None, trimmer)
+    server = Server(0, store, device, config, servicer, metrics, None, trimmer, keeper=keeper)
+    if metrics is not None:
+        register_metrics(metrics.registry, keeper, servicer)
     server._loop, server._thread = loop, thread
     try:
         asyncio.run_coroutine_threadsafe(_start(server, credentials), loop).result()
@@ -226,6 +242,13 @@ def start(config: ServerConfig) -> Server:
             config.metrics_port, addr=config.host, registry=metrics.registry
         )
         server.metrics_port = http.server_port
+    if config.snapshot_interval is not None and config.state_dir is not None:
+        threading.Thread(
+            target=keeper.run_periodically,
+            args=(server._stop_snapshots,),
+            name="gradserve-snapshots",
+            daemon=True,
+        ).start()
     return server
 
 
@@ -274,7 +297,8 @@ def run_server(config: ServerConfig | None = None, **overrides: Any) -> Iterator
 
 
 def serve(config: ServerConfig) -> int:
-    """Run until SIGTERM or SIGINT; returns the process exit code (0)."""
+    """Run until SIGTERM or SIGINT; returns the process exit code (0; 1 when the
+    snapshot to ``--state-dir`` could not save every session)."""
     # Compute threads run Python between NumPy calls while holding the GIL; a short
     # switch interval lets the event loop (health, small calls) in sooner.
     sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
@@ -284,7 +308,14 @@ def serve(config: ServerConfig) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
-    stop.wait()
+    if server.keeper is not None:  # SIGHUP: adopt the sessions in --adopt-dir
+        adopt = server.keeper.adopt
+        signal.signal(signal.SIGHUP, lambda signum, frame: threading.Thread(target=adopt).start())
+    # Wake up now and then: a signal that lands on another thread (gRPC's) runs its
+    # Python handler only once the main thread runs Python again.
+    while not stop.wait(0.2):
+        pass
     log.info("draining: health NOT_SERVING, new calls refused, %.1fs grace", config.grace)
     server.stop()
-    return 0
+    last = server.keeper.last if server.keeper is not None else None
+    return 1 if last is not None and last.failed else 0  # 1: sessions were not saved

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from typing import Any
 
@@ -81,7 +82,35 @@ SERVE_FLAGS = [
     ("max_connection_age_grace", float, "grace for in-flight RPCs when a connection is recycled"),
     ("grace", float, "seconds in-flight RPCs get on SIGTERM/SIGINT"),
     ("metrics_port", _optional(int), "serve Prometheus metrics on this port"),
+    (
+        "replica_id",
+        _optional(str),
+        "this replica's identity (a DNS label), stamped into its session ids for a proxy "
+        "to route on; default: $GRADSERVE_REPLICA_ID, else $HOSTNAME's first label",
+    ),
+    ("state_dir", _optional(str), "write sessions here on SIGTERM, restore them on start"),
+    ("snapshot_interval", _optional(float), "also snapshot every this many seconds"),
+    ("adopt_dir", _optional(str), "on SIGHUP adopt the session files here (<state-dir>/adopt)"),
 ]
+
+
+#: ``--replica-id``'s default: read from the environment (``default_replica_id``).
+_FROM_ENVIRONMENT = "$HOSTNAME"
+
+
+def default_replica_id() -> str | None:
+    """``$GRADSERVE_REPLICA_ID``, else the first label of ``$HOSTNAME`` (a StatefulSet
+    pod's name, ``gradserve-2``), lowercased; None when neither is a DNS label."""
+    from gradserve.errors import InvalidArgumentError
+    from gradserve.server.core.sessions import check_replica_id
+
+    for raw in (os.environ.get("GRADSERVE_REPLICA_ID"), os.environ.get("HOSTNAME")):
+        if raw:
+            try:
+                return check_replica_id(raw.split(".")[0].lower())
+            except InvalidArgumentError:
+                continue
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the gRPC server until SIGTERM/SIGINT")
     for field, kind, text in SERVE_FLAGS:
-        default = getattr(defaults, field)
+        default = _FROM_ENVIRONMENT if field == "replica_id" else getattr(defaults, field)
         extra: dict[str, Any] = {"choices": ("auto", "cpu", "cuda")} if field == "device" else {}
         serve.add_argument(
             f"--{field.replace('_', '-')}",
@@ -151,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level, args.log_format)
     fields = {f.name for f in dataclasses.fields(ServerConfig)}
     config = ServerConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    if args.replica_id == _FROM_ENVIRONMENT:
+        config.replica_id = default_replica_id()
     from gradserve.server.transport.app import ConfigError, serve
 
     try:

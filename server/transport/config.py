@@ -91,6 +91,24 @@ class ServerConfig:
     #: Serve Prometheus metrics on this port (None: off).
     metrics_port: int | None = None
 
+    # --- replicas and state (README, "Running several replicas")
+    #: This replica's identity, stamped into the ids of the sessions it creates
+    #: (``<replica>.<random>``) for a proxy to route on; None: bare random ids.
+    replica_id: str | None = None
+    #: Write every session here on SIGTERM (after the drain) and restore them on start.
+    state_dir: str | None = None
+    #: Also snapshot every this many seconds while serving (None: only on SIGTERM).
+    snapshot_interval: float | None = None
+    #: On SIGHUP, adopt (restore and serve) the session files found here, such as a
+    #: removed replica's; default ``<state_dir>/adopt``.
+    adopt_dir: str | None = None
+
+    def adopt_path(self) -> str | None:
+        """Where SIGHUP looks for sessions to adopt."""
+        if self.adopt_dir is not None:
+            return self.adopt_dir
+        return os.path.join(self.state_dir, "adopt") if self.state_dir else None
+
     def principal_bytes(self) -> int | None:
         """``max_principal_bytes`` resolved: by default half the server's budget where
         there are principals (a token file); without one every session is the same

@@ -13,8 +13,10 @@ from typing import Any
 from google.protobuf.message import Message
 
 from gradserve.protocol import BATCH_FIELDS
+from gradserve.server.core.ops import recording
 from gradserve.server.core.ops.stop_gradient import stop_gradient
 from gradserve.server.transport import lstm_handlers as lstm
+from gradserve.server.transport import tape_handlers as tape
 from gradserve.server.transport import tensor_array_handlers as ta
 from gradserve.server.transport.wire import CallIO
 from gradserve.v1 import tensor_array_pb2
@@ -26,8 +28,10 @@ def StopGradient(
     io: CallIO, req: tensor_array_pb2.StopGradientRequest
 ) -> tensor_array_pb2.StopGradientResponse:
     resp = tensor_array_pb2.StopGradientResponse()
-    output = stop_gradient(io.session, io.tensor(req.input, "input"))
-    io.output(output, resp.output, req.keep_outputs)
+    value = io.tensor(req.input, "input")
+    output = stop_gradient(io.session, value)
+    tape_id = recording.stop_gradient(io.recorder, value, output) if io.recorder else None
+    io.output(output, resp, "output", req.keep_outputs, tape_id)
     return resp
 
 
@@ -65,6 +69,7 @@ OPS: tuple[Op, ...] = (
     Op(lstm.BlockLSTMGradV2, heavy=True),
     Op(lstm.BlockLSTM, heavy=True),
     Op(lstm.BlockLSTMGrad, heavy=True),
+    Op(tape.Gradients, heavy=True),
 )
 
 OPS_BY_BATCH_FIELD = {op.batch_field: op for op in OPS}

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, TypeVar
 from google.protobuf.message import Message
 
 from gradserve.lstm_signature import LSTMActivations, LSTMInputs, LSTMOutputGrads
-from gradserve.server.core.ops import lstm_ops
+from gradserve.server.core.ops import lstm_ops, recording
 from gradserve.server.core.sessions import TensorArg
 from gradserve.server.transport.wire import CallIO
 from gradserve.v1 import lstm_pb2
@@ -26,9 +26,11 @@ def _args(io: CallIO, req: Any, part: type[Part]) -> Part:
     return part(*values)  # type: ignore[call-overload]
 
 
-def _respond(io: CallIO, result: NamedTuple, resp: Message, keep: bool) -> Message:
-    for field, value in result._asdict().items():
-        io.output(value, getattr(resp, field), keep)
+def _respond(
+    io: CallIO, result: NamedTuple, resp: Message, keep: bool, tape_ids: Any = None
+) -> Message:
+    for n, (field, value) in enumerate(result._asdict().items()):
+        io.output(value, resp, field, keep, tape_ids[n] if tape_ids else None)
     return resp
 
 
@@ -38,32 +40,52 @@ def _optional(req: Message, field: str) -> Any:
 
 
 def _forward(io: CallIO, variant: lstm_ops.LSTMVariant, req: Any, **attrs: Any) -> Message:
+    inputs = _args(io, req, LSTMInputs)
+    seq_len_max = io.input(req.seq_len_max, "seq_len_max")
     outputs = lstm_ops.forward(
         io.session,
         io.compute,
         variant,
-        _args(io, req, LSTMInputs),
-        io.input(req.seq_len_max, "seq_len_max"),
+        inputs,
+        seq_len_max,
         use_peephole=req.use_peephole,
         check=io.check_alive,
         **attrs,
     )
-    return _respond(io, outputs, lstm_pb2.BlockLSTMResponse(), req.keep_outputs)
+    tape_ids = None
+    if io.recorder:
+        tape_ids = recording.lstm(
+            io.recorder,
+            variant,
+            inputs,
+            seq_len_max,
+            outputs,
+            use_peephole=req.use_peephole,
+            cell_clip=attrs.get("cell_clip"),
+        )
+    return _respond(io, outputs, lstm_pb2.BlockLSTMResponse(), req.keep_outputs, tape_ids)
 
 
 def _backward(io: CallIO, variant: lstm_ops.LSTMVariant, req: Any) -> Message:
+    parts = (
+        _args(io, req, LSTMInputs),
+        _args(io, req, LSTMActivations),
+        _args(io, req, LSTMOutputGrads),
+    )
     grads = lstm_ops.backward(
         io.session,
         io.compute,
         variant,
-        _args(io, req, LSTMInputs),
-        _args(io, req, LSTMActivations),
-        _args(io, req, LSTMOutputGrads),
+        *parts,
         io.input(req.seq_len_max, "seq_len_max"),
         use_peephole=req.use_peephole,
         check=io.check_alive,
     )
-    return _respond(io, grads, lstm_pb2.BlockLSTMGradResponse(), req.keep_outputs)
+    tape_ids = None
+    if io.recorder:
+        inputs = [arg for part in parts for arg in part]
+        tape_ids = recording.no_gradient(io.recorder, variant.grad_op, inputs, list(grads))
+    return _respond(io, grads, lstm_pb2.BlockLSTMGradResponse(), req.keep_outputs, tape_ids)
 
 
 def BlockLSTMV2(io: CallIO, req: lstm_pb2.BlockLSTMV2Request) -> Message:

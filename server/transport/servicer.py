@@ -31,12 +31,15 @@ from gradserve.errors import (
 )
 from gradserve.kernels.compute import Compute
 from gradserve.server.core.sessions import ANONYMOUS, Session, SessionStore, TensorReservation
-from gradserve.server.transport import boundary
+from gradserve.server.core.tape import MAX_TAPES_PER_SESSION, Tape
+from gradserve.server.transport import boundary, shm_wire, tape_handlers
 from gradserve.server.transport.admission import Admission, Lane
 from gradserve.server.transport.auth import REFUSAL, TokenTable, current_principal, principal_of
 from gradserve.server.transport.handlers import OPS, OPS_BY_BATCH_FIELD, Op
 from gradserve.server.transport.observability import Observer, current_call
+from gradserve.server.transport.shm_handlers import SharedMemoryRPCs
 from gradserve.server.transport.streams import END, Pace, StreamLimits, next_item
+from gradserve.server.transport.tensor_handlers import InlineTensorRPCs
 from gradserve.server.transport.wire import CallIO, host_array
 from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_pb2
 
@@ -49,7 +52,7 @@ MIN_CHUNK_BYTES = 64 * 1024
 RESPONSE_RESERVE_BYTES = 4096
 
 
-class GradServeServicer(service_pb2_grpc.GradServeServicer):
+class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.GradServeServicer):
     def __init__(
         self,
         store: SessionStore,
@@ -112,7 +115,9 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
             inline_budget=max(0, budget),
             inline_limit=_int_metadata(metadata, protocol.INLINE_LIMIT_METADATA_KEY),
             check_alive=Liveness(context, session),
+            tapes=_tapes(session, metadata),
         )
+        io.shared_out = shm_wire.output_arena(session, metadata)
         # Outputs stored for a response that never arrives (the deadline passed or the
         # client cancelled after the op's last check) would hold bytes under ids
         # nobody knows: the call's end deletes them.
@@ -195,11 +200,12 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
         pace = Pace(self.stream_limits, session, "GetTensor", self._draining)
         with session.reading(request.id) as kept:
             content = await self.light.run(functools.partial(self._wire_content, kept))
-            for chunk in content.chunks(self._chunk_bytes(request.chunk_bytes)):
+            # Serialized here, one copy per chunk (the handler's serializer passes bytes).
+            for chunk in content.encoded_chunks(self._chunk_bytes(request.chunk_bytes)):
                 await pace.wait(context.write(chunk))
-                pace.moved_bytes(len(chunk.data))
+                pace.moved_bytes(len(chunk))
                 if call is not None:
-                    call.bytes_out += len(chunk.data)
+                    call.bytes_out += len(chunk)
         if request.delete_after:
             session.delete([request.id])
         return None
@@ -216,6 +222,27 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
         deleted = await self.light.run(functools.partial(session.delete, request.ids))
         return service_pb2.DeleteTensorResponse(deleted=deleted)
 
+    # ---------------------------------------------------------------- gradient tapes
+    @boundary.guarded
+    async def StartTape(self, request: Any, context: Any) -> Message:
+        session = self._session(context)
+        return await self.light.run(functools.partial(tape_handlers.start_tape, session, request))
+
+    @boundary.guarded
+    async def WatchTensors(self, request: Any, context: Any) -> Message:
+        session = self._session(context)
+        _tapes(session, _metadata(context))  # a tape proposed by the client starts here
+        return await self.light.run(
+            functools.partial(tape_handlers.watch_tensors, session, request)
+        )
+
+    @boundary.guarded
+    async def ReleaseTape(self, request: Any, context: Any) -> Message:
+        session = self._session(context)
+        return await self.light.run(
+            functools.partial(tape_handlers.release_tape, session, request)
+        )
+
     # ---------------------------------------------------------------- Batch
     @boundary.guarded
     async def Batch(
@@ -231,6 +258,7 @@ class GradServeServicer(service_pb2_grpc.GradServeServicer):
         response = service_pb2.BatchResponse()
         for index, step in enumerate(request.steps):
             which = step.WhichOneof("op")
+            io.step = index
             try:
                 io.check_alive()
                 if which is None:
@@ -300,6 +328,42 @@ def _forget_if_cancelled(io: CallIO, context: Any) -> None:
 def _metadata(context: Any) -> dict[str, str]:
     """The call's text metadata."""
     return {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+
+
+def _tapes(session: Session, metadata: dict[str, str]) -> list[Tape]:
+    """The live tapes the call records on (``x-gradserve-tape``): ids of started
+    tapes, or ``+ID.PW`` to start tape ID if it does not exist yet (P, W: 1 or 0 for
+    persistent and watch_accessed_variables), so a tape costs no round trip."""
+    raw = metadata.get(protocol.TAPE_METADATA_KEY)
+    if not raw:
+        return []
+    entries = list(dict.fromkeys(t for t in raw.split(",") if t))
+    if len(entries) > MAX_TAPES_PER_SESSION:
+        raise InvalidArgumentError(
+            f"'{protocol.TAPE_METADATA_KEY}' names {len(entries)} tapes; a session has at "
+            f"most {MAX_TAPES_PER_SESSION}",
+            field=protocol.TAPE_METADATA_KEY,
+        )
+    tapes = []
+    for entry in entries:
+        if not entry.startswith("+"):
+            tapes.append(session.tape(entry))
+            continue
+        tape_id, _, flags = entry[1:].partition(".")
+        if len(flags) != 2 or set(flags) - {"0", "1"}:
+            raise InvalidArgumentError(
+                f"'{protocol.TAPE_METADATA_KEY}' entry {entry[:80]!r}: expected +ID.PW with "
+                "P and W each 0 or 1",
+                field=protocol.TAPE_METADATA_KEY,
+            )
+        tapes.append(
+            session.start_tape(
+                tape_id=tape_id,
+                persistent=flags[0] == "1",
+                watch_accessed_variables=flags[1] == "1",
+            )
+        )
+    return tapes
 
 
 def _int_metadata(metadata: dict[str, str], key: str) -> int | None:

@@ -29,7 +29,8 @@ from gradserve import codec, dtypes, protocol
 from gradserve.errors import InvalidArgumentError
 from gradserve.kernels.compute import Compute
 from gradserve.server.core.sessions import Resident, Session, TensorArg
-from gradserve.server.transport import observability
+from gradserve.server.core.tape import Recorder, Tape
+from gradserve.server.transport import observability, shm_wire
 from gradserve.v1 import tensor_array_pb2, tensor_pb2
 
 
@@ -53,7 +54,17 @@ class CallIO:
     large tensors). ``check_alive`` raises once the call is cancelled or past its
     deadline (long ops call it between steps). ``run`` runs one op so that a failure
     leaves no output of it behind.
+
+    ``tapes`` are the gradient tapes the call records on (``x-gradserve-tape``):
+    each op then gets a ``recorder`` that commits with it or rolls back with it.
+    In a Batch, ``step`` is the running step's index and every step's outputs stay
+    at hand (``produced``), so a later step's input can name them
+    (``StepOutput``) without a round trip.
     """
+
+    #: Same-host workers: the region this call writes its returned outputs into
+    #: (``x-gradserve-output-region``), set by the servicer.
+    shared_out: shm_wire.OutputArena | None = None
 
     def __init__(
         self,
@@ -63,6 +74,7 @@ class CallIO:
         inline_budget: int,
         inline_limit: int | None = None,
         check_alive: Callable[[], None] = _never_stop,
+        tapes: list[Tape] | None = None,
     ) -> None:
         self.session = session
         self.compute = compute
@@ -76,14 +88,24 @@ class CallIO:
         self.stored: list[str] = []
         self._over = False  # the call ended without its response: store nothing more
         self._lock = threading.Lock()
+        self.tapes = tapes or []
+        #: The running op's recording, when the call names tapes.
+        self.recorder: Recorder | None = None
+        #: In a Batch: the running step, and each step's outputs by field name (an
+        #: op argument, or a TensorArray handle id).
+        self.step: int | None = None
+        self.produced: dict[int, dict[str, TensorArg | str]] = {}
 
     def run(self, handler: Callable[[CallIO, Any], Any], request: Any) -> Any:
         """``handler(self, request)``; if it raises, the outputs it already stored in the
         session (kept or transient) are deleted: a failed op hands out no id, so none
         may stay behind holding bytes."""
         self._kept = []
+        recorder = self.recorder = Recorder(self.session, self.tapes) if self.tapes else None
         try:
             response = handler(self, request)
+            if recorder is not None:
+                recorder.commit()
             with self._lock:
                 if not self._over:
                     self.stored += self._kept
@@ -92,10 +114,15 @@ class CallIO:
             self.session.delete(self._kept)
             return response
         except BaseException:
+            if recorder is not None:
+                recorder.rollback()
             self.session.delete(self._kept)
+            if self.step is not None:
+                self.produced.pop(self.step, None)
             raise
         finally:
             self._kept = []
+            self.recorder = None
 
     def forget_outputs(self) -> None:
         """Delete what this call stored, and what its op still stores: its response did
@@ -121,17 +148,102 @@ class CallIO:
             return array
         if which == "ref":
             return Resident(msg.ref)
+        if which == "shared":  # a copy: the worker may overwrite its region afterwards
+            return shm_wire.read_tensor(self.session, msg.shared, field)
+        if which == "step_output":
+            value = self._step_output(msg.step_output, field)
+            if isinstance(value, str):
+                raise InvalidArgumentError(
+                    f"input '{field}' names step {msg.step_output.step}'s "
+                    f"'{msg.step_output.field}', a TensorArray handle, not a tensor",
+                    field=field,
+                )
+            return value
         raise InvalidArgumentError(f"input '{field}' is required", field=field)
+
+    def _step_output(self, ref: tensor_pb2.StepOutput, field: str) -> TensorArg | str:
+        """What an earlier step of this Batch produced as ``ref.field``."""
+        if self.step is None:
+            raise InvalidArgumentError(
+                f"input '{field}' names a step's output: only a Batch step may",
+                field=field,
+            )
+        if not 0 <= ref.step < self.step:
+            raise InvalidArgumentError(
+                f"input '{field}' names step {ref.step}: a step may name only earlier steps "
+                f"(this is step {self.step})",
+                field=field,
+            )
+        outputs = self.produced.get(ref.step, {})
+        if ref.field not in outputs:
+            names = ", ".join(sorted(outputs)) or "none"
+            raise InvalidArgumentError(
+                f"input '{field}' names output '{ref.field}' of step {ref.step}, which has "
+                f"no such output (its outputs: {names})",
+                field=field,
+            )
+        return outputs[ref.field]
+
+    def host(self, arg: TensorArg) -> np.ndarray:
+        """An op argument's value in host memory."""
+        return host_array(self.compute, self.session.resolve(arg))
+
+    def handle(self, msg: tensor_array_pb2.TensorArrayHandle, field: str = "handle") -> str:
+        """A TensorArray handle id: as sent, or (in a Batch) made by an earlier step."""
+        if msg.HasField("from_step"):
+            value = self._step_output(msg.from_step, field)
+            if not isinstance(value, str):
+                raise InvalidArgumentError(
+                    f"'{field}' names step {msg.from_step.step}'s '{msg.from_step.field}', "
+                    "a tensor, not a TensorArray handle",
+                    field=field,
+                )
+            return value
+        return handle_id(msg, field)
+
+    def produce(self, field: str, value: TensorArg | str) -> None:
+        """In a Batch, remember the running step's output ``field`` for later steps."""
+        if self.step is not None:
+            self.produced.setdefault(self.step, {})[field] = value
 
     def input(self, msg: tensor_pb2.TensorInput, field: str) -> np.ndarray:
         """The input as a host array (for ops that compute on the host)."""
         return host_array(self.compute, self.session.resolve(self.tensor(msg, field)))
 
-    def output(self, array: Any, out: tensor_pb2.TensorOutput, keep: bool) -> None:
-        """Kept (as it is, host or device array), inline (from host memory) when it fits
-        the response, else transient."""
+    def output(
+        self,
+        array: Any,
+        response: Any,
+        field: str,
+        keep: bool,
+        tape_id: str | None = None,
+    ) -> None:
+        """``response.field``: kept (as it is, host or device array), inline (from host
+        memory) when it fits the response, else transient. ``tape_id``: a tape holds
+        the output under that id, which the response carries and a kept or transient
+        ref shares (one tensor, charged once)."""
+        self.emit(array, getattr(response, field), field, keep, tape_id)
+
+    def emit(
+        self,
+        array: Any,
+        out: tensor_pb2.TensorOutput,
+        field: str,
+        keep: bool,
+        tape_id: str | None = None,
+    ) -> None:
+        """``output`` into the message ``out`` (an element of a repeated field), which
+        later Batch steps name ``field``."""
         if not hasattr(array, "__cuda_array_interface__"):  # scalars, lists: as NumPy
             array = np.asarray(array)
+        self.produce(field, Resident(tape_id) if tape_id else array)
+        if tape_id:
+            out.tape_id = tape_id
+            self.response_left -= len(tape_id) + 4
+        if not keep and self.shared_out is not None:  # into the call's output region
+            if self.shared_out.write(host_array(self.compute, array), out):
+                self.response_left -= REF_BYTES
+                return
         nbytes = dtypes.nbytes(array)  # a pass over a string tensor: once
         size = protocol.encoded_size(nbytes, array.ndim)
         transient = not keep and (
@@ -139,8 +251,14 @@ class CallIO:
         )
         if keep or transient:
             ref = out.ref
-            ref.id = self.session.put(array, nbytes)
+            if tape_id:
+                self.session.publish(tape_id)
+                ref.id = tape_id
+            else:
+                ref.id = self.session.put(array, nbytes)
             self._kept.append(ref.id)
+            if keep and self.step is not None and not tape_id:
+                self.produce(field, Resident(ref.id))
             ref.dtype = codec.dtype_to_enum(array.dtype)
             ref.shape[:] = array.shape
             ref.transient = transient

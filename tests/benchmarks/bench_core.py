@@ -111,7 +111,10 @@ def run(target: str, echo_target: str, rounds: int) -> None:
     options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
     echo_channel = grpc.insecure_channel(echo_target, options=options)
     echo = echo_channel.unary_unary(ECHO_METHOD)  # bytes in, bytes out: no serialisation at all
-    client = gradserve.Client(target, max_message_bytes=limit, stream_threshold=32 << 20)
+    # The wire: same-host shared memory (the SDK's default here) is bench_wire's.
+    client = gradserve.Client(
+        target, max_message_bytes=limit, stream_threshold=32 << 20, shared_memory=False
+    )
 
     # (a) small write + read
     value = np.arange(64, dtype=np.float32)  # 256 bytes
@@ -250,8 +253,9 @@ def run(target: str, echo_target: str, rounds: int) -> None:
 
 def stream_threshold_section(target: str, limit: int, rounds: int) -> None:
     """(d) where streaming starts to pay: one op's tensor inline vs by stream, by size."""
-    inline = gradserve.Client(target, max_message_bytes=limit, stream_threshold=limit)
-    streamed = gradserve.Client(target, max_message_bytes=limit, stream_threshold=1)
+    wire = {"max_message_bytes": limit, "shared_memory": False}
+    inline = gradserve.Client(target, stream_threshold=limit, **wire)
+    streamed = gradserve.Client(target, stream_threshold=1, **wire)
     clients = {"inline": inline, "streamed": streamed}
     print(
         "\n(d) StopGradient, one tensor inline in the op's messages vs by PutTensor/GetTensor "

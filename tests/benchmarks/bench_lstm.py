@@ -2,9 +2,10 @@
 
 float32, (T, B, I=H) = (50, 32, 256) and (100, 64, 512), forward and backward:
 
-* ours: ``gradserve.kernels.lstm`` on the NumPy backend (the input projection
-  of all steps written into the gate outputs, per-step h GEMM + fused pass;
-  backward with batched x/w GEMMs);
+* ours: ``gradserve.kernels.lstm`` on the NumPy backend (the forward in the
+  formulation ``kernels/lstm_cpu.py`` measured fastest for the shape: hoisted
+  input projection + per-step h GEMM, or per-step [x, h] GEMM; backward with
+  batched x/w GEMMs);
 * baseline: TensorFlow's structure, written here: per step concatenate [x, h],
   one xh @ W GEMM, elementwise; backward per step dgates @ W^T and an
   xh^T @ dgates accumulation into w_grad;

@@ -1,20 +1,33 @@
 """Our CPU LSTM against TensorFlow's own C++ kernels (``make bench-tf``, by hand: TensorFlow
 is never a dependency).
 
-What a team gives up or gains by calling gradserve's LSTM math instead of running
-``BlockLSTMV2`` / ``BlockLSTMGradV2`` in process: float32, no peepholes, the sizes of
-``make bench``, on the same inputs. TensorFlow runs in a worker process of a Python that
-has it (``--tf-python``), timing each call itself (no IPC in its figure); ours runs here
-on the NumPy backend. The two are interleaved call by call (ours fwd, TF fwd, ours bwd,
-TF bwd, ...) and reported as medians, with both limited to the same number of threads
-(TF's intra-op pool; our BLAS, by threadpoolctl). Before timing, the outputs of both are
-compared (max abs error over max(1, max abs value)), so the figures are of the same
-computation.
+What a team gives up or gains by calling gradserve instead of running ``BlockLSTMV2`` /
+``BlockLSTMGradV2`` in process: float32, peepholes (``--no-peephole``: without), the sizes
+of ``make bench``, on the same inputs. TensorFlow runs in a worker process of a Python
+that has it (``--tf-python``), timing each call itself (no IPC in its figure). Ours is
+timed two ways: the math in this process (NumPy backend, BLAS limited by threadpoolctl),
+and through the SDK against a real server process (``python -m gradserve.server``,
+``OPENBLAS_NUM_THREADS`` set to the same count), with the weights and the forward's
+inputs resident in the session:
+
+* forward, outputs kept: ``BlockLSTMV2(..., keep=True)`` (the outputs stay on the server;
+  deleted between rounds, untimed);
+* forward, outputs to the worker: the seven outputs returned, over TCP loopback
+  (``shared_memory=False``) and through same-host shared memory (``shared_memory=True``,
+  where the SDK has it);
+* backward, inputs resident: ``BlockLSTMGradV2`` on resident inputs, activations and
+  output gradients, the eight gradients returned.
+
+All are interleaved call by call and reported as medians, with TensorFlow's intra-op
+pool at the same thread count. Before timing, the outputs of both are compared (max abs
+error over max(1, max abs value)), so the figures are of the same computation. The last
+lines are a Markdown table of ratios ("x TF" = TensorFlow's time / ours).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -34,7 +47,7 @@ GRADS = ("x_grad", "cs_prev_grad", "h_prev_grad", "w_grad", "wci_grad", "wcf_gra
 
 
 # ------------------------------------------------------------- the TensorFlow worker
-def tf_calls(tf, path: str) -> dict:
+def tf_calls(tf, path: str, peephole: bool) -> dict:
     """TensorFlow's forward and backward on the inputs saved at ``path``; their outputs
     and gradients are saved next to it, at ``path + ".tf.npz"``."""
     with np.load(path) as data:
@@ -44,7 +57,7 @@ def tf_calls(tf, path: str) -> dict:
 
     def fwd():
         return tf.raw_ops.BlockLSTMV2(
-            seq_len_max=length, **inputs, cell_clip=0.0, use_peephole=False
+            seq_len_max=length, **inputs, cell_clip=0.0, use_peephole=peephole
         )
 
     outs = dict(zip(OUTPUTS, fwd()))
@@ -52,7 +65,7 @@ def tf_calls(tf, path: str) -> dict:
     def bwd():
         return tf.raw_ops.BlockLSTMGradV2(
             seq_len_max=length, **inputs, **outs, cs_grad=case["cs_grad"],
-            h_grad=case["h_grad"], use_peephole=False,
+            h_grad=case["h_grad"], use_peephole=peephole,
         )  # fmt: skip
 
     results = outs | dict(zip(GRADS, bwd()))
@@ -72,7 +85,7 @@ def worker(threads: int) -> None:
     for line in sys.stdin:
         request = json.loads(line)
         if "load" in request:
-            calls = tf_calls(tf, request["load"])
+            calls = tf_calls(tf, request["load"], request["peephole"])
             print(json.dumps({"outputs": request["load"] + ".tf.npz"}), flush=True)
         else:
             fn = calls[request["time"]]
@@ -111,18 +124,99 @@ class TensorFlowWorker:
 
 
 # ------------------------------------------------------------------ the comparison
-def compare(threads: int, tf_python: str, rounds: int) -> None:
-    """Every size at ``threads`` threads, against a fresh TensorFlow worker."""
-    tf = TensorFlowWorker(tf_python, threads)
+#: The table's columns: (label, our sample, TensorFlow's sample).
+ROWS = [
+    ("forward, in process", "ours fwd", "tf fwd"),
+    ("forward, outputs kept", "rpc fwd kept", "tf fwd"),
+    ("forward, outputs to the worker (TCP)", "rpc fwd tcp", "tf fwd"),
+    ("forward, outputs to the worker (shared memory)", "rpc fwd shm", "tf fwd"),
+    ("backward, in process", "ours bwd", "tf bwd"),
+    ("backward, inputs resident", "rpc bwd", "tf bwd"),
+]
+
+
+@contextlib.contextmanager
+def server_process(threads: int):
+    """A gradserve server in its own process, its BLAS at ``threads`` threads."""
+    from tests.server_process import ServerProcess
+
+    saved = os.environ.get("OPENBLAS_NUM_THREADS")
+    os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
     try:
-        print(f"\n## {threads} thread(s): TensorFlow {tf.version} intra-op pool, our BLAS")
-        for size in SIZES:
-            compare_size(tf, threads, rounds, *size)
+        server = ServerProcess("--max-message-bytes", str(1 << 30))
+    finally:
+        if saved is None:
+            del os.environ["OPENBLAS_NUM_THREADS"]
+        else:
+            os.environ["OPENBLAS_NUM_THREADS"] = saved
+    try:
+        yield server.target
+    finally:
+        server.stop()
+
+
+def clients(target: str) -> dict:
+    """An SDK client on TCP, and one through shared memory where the SDK can (else the
+    reason it cannot, as a string)."""
+    import gradserve
+
+    out = {}
+    try:
+        out["tcp"] = gradserve.Client(target, shared_memory=False)
+    except TypeError:  # an SDK without shared memory
+        out["tcp"] = gradserve.Client(target)
+    try:
+        out["shm"] = gradserve.Client(target, shared_memory=True)
+    except TypeError:
+        out["shm"] = "pending: this SDK has no shared_memory option"
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        out["shm"] = f"n/a: {type(exc).__name__}: {str(exc)[:120]}"
+    return out
+
+
+def compare(threads: int, tf_python: str, rounds: int, peephole: bool, rpc: bool) -> list:
+    """Every size at ``threads`` threads, against a fresh TensorFlow worker and server."""
+    tf = TensorFlowWorker(tf_python, threads)
+    results = []
+    try:
+        with contextlib.ExitStack() as stack:
+            sdk = {}
+            if rpc:
+                target = stack.enter_context(server_process(threads))
+                sdk = clients(target)
+                for c in sdk.values():
+                    if not isinstance(c, str):
+                        stack.callback(c.close)
+            print(f"\n## {threads} thread(s): TensorFlow {tf.version} intra-op pool, our BLAS")
+            for size in SIZES:
+                results.append(compare_size(tf, sdk, threads, rounds, peephole, *size))
     finally:
         tf.close()
+    return results
 
 
-def compare_size(tf: TensorFlowWorker, threads: int, rounds: int, steps, batch, units) -> None:
+def rpc_calls(client, weights, cs_grad, h_grad, steps: int, peephole: bool) -> dict:
+    """The timed RPCs of one client, on resident inputs (put here, untimed)."""
+    raw = client.raw_ops
+    length = np.int64(steps)
+    w_refs = [client.put(a) for a in weights]
+    acts = raw.BlockLSTMV2(length, *w_refs, use_peephole=peephole, keep=True)
+    grad_refs = [client.put(cs_grad), client.put(h_grad)]
+
+    def fwd_kept():
+        refs = raw.BlockLSTMV2(length, *w_refs, use_peephole=peephole, keep=True)
+        return lambda: client.delete(*refs)  # untimed clean-up
+
+    return {
+        "fwd kept": fwd_kept,
+        "fwd": lambda: raw.BlockLSTMV2(length, *w_refs, use_peephole=peephole),
+        "bwd": lambda: raw.BlockLSTMGradV2(
+            length, *w_refs, *acts, *grad_refs, use_peephole=peephole
+        ),
+    }
+
+
+def compare_size(tf, sdk, threads, rounds, peephole, steps, batch, units) -> dict:
     from gradserve.kernels import backend_numpy, lstm
     from tests.benchmarks.bench_lstm import blas_threads, make_inputs
     from tests.kernels.lstm_cases import scaled_error
@@ -132,43 +226,113 @@ def compare_size(tf: TensorFlowWorker, threads: int, rounds: int, steps, batch, 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "case.npz")
         np.savez(path, **case)
-        with np.load(tf.ask({"load": path})["outputs"]) as data:
+        with np.load(tf.ask({"load": path, "peephole": peephole})["outputs"]) as data:
             want = {k: data[k] for k in data.files}
+    attrs = {"seq_len_max": steps, "use_peephole": peephole}
     with blas_threads(threads):
-        outs = lstm.block_lstm_forward(backend_numpy, lstm.LSTMInputs(*weights), seq_len_max=steps)
-        ours = {
-            "fwd": lambda: lstm.block_lstm_forward(
-                backend_numpy, lstm.LSTMInputs(*weights), seq_len_max=steps
+        outs = lstm.block_lstm_forward(backend_numpy, lstm.LSTMInputs(*weights), **attrs)
+        fns = {
+            "ours fwd": lambda: lstm.block_lstm_forward(
+                backend_numpy, lstm.LSTMInputs(*weights), **attrs
             ),
-            "bwd": lambda: lstm.block_lstm_backward(
+            "tf fwd": lambda: tf.ask({"time": "fwd"})["seconds"],
+            "ours bwd": lambda: lstm.block_lstm_backward(
                 backend_numpy,
                 lstm.LSTMInputs(*weights),
                 outs,
                 lstm.LSTMOutputGrads(cs_grad, h_grad),
-                seq_len_max=steps,
+                **attrs,
             ),
+            "tf bwd": lambda: tf.ask({"time": "bwd"})["seconds"],
         }
-        grads = ours["bwd"]()
-        samples: dict[str, list[float]] = {
-            f"{who} {d}": [] for d in ("fwd", "bwd") for who in ("ours", "tf")
-        }
+        grads = fns["ours bwd"]()
+        got = dict(zip(OUTPUTS, outs)) | dict(zip(GRADS, grads))
+        errors = {"in process": max(scaled_error(got[k], want[k]) for k in (*OUTPUTS, *GRADS))}
+        skipped = {}
+        for name, client in sdk.items():
+            if isinstance(client, str):
+                skipped[f"rpc fwd {name}"] = client
+                continue
+            calls = rpc_calls(client, weights, cs_grad, h_grad, steps, peephole)
+            rpc_outs, rpc_grads = calls["fwd"](), calls["bwd"]()
+            rpc_got = dict(zip(OUTPUTS, rpc_outs)) | dict(zip(GRADS, rpc_grads))
+            errors[name] = max(scaled_error(rpc_got[k], want[k]) for k in (*OUTPUTS, *GRADS))
+            fns[f"rpc fwd {name}"] = calls["fwd"]
+            if name == "tcp":
+                fns["rpc fwd kept"], fns["rpc bwd"] = calls["fwd kept"], calls["bwd"]
+        samples: dict[str, list[float]] = {k: [] for k in fns}
         for _ in range(rounds + 1):  # the first round warms up, not counted
-            for direction, fn in ours.items():
+            for name, fn in fns.items():
                 t0 = time.perf_counter()
-                fn()
-                samples[f"ours {direction}"].append(time.perf_counter() - t0)
-                samples[f"tf {direction}"].append(tf.ask({"time": direction})["seconds"])
-    got = dict(zip(OUTPUTS, outs)) | dict(zip(GRADS, grads))
-    error = max(scaled_error(got[k], want[k]) for k in (*OUTPUTS, *GRADS))
+                result = fn()
+                elapsed = time.perf_counter() - t0
+                samples[name].append(result if name.startswith("tf ") else elapsed)
+                if name == "rpc fwd kept":
+                    result()  # delete the kept outputs
     t = {k: statistics.median(v[1:]) * 1e3 for k, v in samples.items()}
+    print(f"(T, B, I=H) = ({steps}, {batch}, {units}):", flush=True)
+    for label, ours, theirs in ROWS:
+        if ours in t:
+            print(
+                f"  {label:48s} ours {t[ours]:7.1f} ms, TF {t[theirs]:7.1f} ms "
+                f"({t[theirs] / t[ours]:.2f}x TF)",
+                flush=True,
+            )
+        elif ours in skipped:
+            print(f"  {label:48s} {skipped[ours]}", flush=True)
     print(
-        f"(T, B, I=H) = ({steps}, {batch}, {units}): "
-        f"forward ours {t['ours fwd']:7.1f} ms, TF {t['tf fwd']:7.1f} ms "
-        f"({t['tf fwd'] / t['ours fwd']:.2f}x) | backward ours {t['ours bwd']:7.1f} ms, "
-        f"TF {t['tf bwd']:7.1f} ms ({t['tf bwd'] / t['ours bwd']:.2f}x) | "
-        f"outputs and gradients agree to {error:.1e}",
+        "  outputs and gradients agree with TensorFlow's to "
+        + ", ".join(f"{e:.1e} ({k})" for k, e in errors.items()),
         flush=True,
     )
+    return {"size": (steps, batch, units), "threads": threads, "t": t, "skipped": skipped}
+
+
+def plan_summary() -> str:
+    """The formulations this process's planner chose (the server's choose alike)."""
+    try:
+        from gradserve.kernels import lstm_cpu
+    except ImportError:  # a tree from before the planner
+        return "#   (one formulation: this tree has no planner)"
+    lines = []
+    for key, timings in lstm_cpu.PLANNER.measured.items():
+        batch, inputs, units, _, threads, _ = key
+        chosen = min(timings, key=lambda f: timings[f])
+        probe = ", ".join(f"{f.value} {s * 1e3:.2f} ms" for f, s in timings.items())
+        lines.append(
+            f"#   B={batch} I={inputs} H={units}, {threads} BLAS thread(s): "
+            f"{chosen.value} (probe: {probe})"
+        )
+    return "\n".join(lines)
+
+
+def table(results: list) -> str:
+    """The Markdown table of ratios: one row per case, one column per (size, threads)."""
+    cols = [(r["size"], r["threads"]) for r in results]
+    head = "| | " + " | ".join(f"{s} {n} thr" for s, n in cols) + " |"
+    lines = [head, "|---" * (len(cols) + 1) + "|"]
+    for label, ours, theirs in ROWS:
+        cells = []
+        for r in results:
+            t = r["t"]
+            if ours in t:
+                cells.append(f"{t[theirs] / t[ours]:.2f}× ({t[ours]:.1f} ms)")
+            else:
+                cells.append("pending" if "pending" in r["skipped"].get(ours, "") else "n/a")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def commit() -> str:
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], capture_output=True, text=True, check=False
+        ).stdout.strip()
+
+    dirty = (
+        " with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else ""
+    )
+    return f"{git('rev-parse', '--short', 'HEAD') or '(not a git checkout)'}{dirty}"
 
 
 def main() -> None:
@@ -177,6 +341,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, action="append",
                         help="threads for both (repeatable; default 1 and all)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--no-peephole", action="store_true")
+    parser.add_argument("--no-rpc", action="store_true", help="only the in-process rows")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -184,13 +350,23 @@ def main() -> None:
         return
     if not args.tf_python:
         parser.error("--tf-python is required (a Python with tensorflow-cpu installed)")
+    from tests.benchmarks.bench_lstm import blas_info
+
+    peephole = not args.no_peephole
     print(
         f"# ours (NumPy {np.__version__}) vs TensorFlow's BlockLSTMV2 / BlockLSTMGradV2 C++ "
-        f"kernels, CPU, float32, no peepholes; {os.cpu_count()} CPUs; medians of "
-        f"{args.rounds} interleaved rounds; 'Nx' = TF time / ours"
+        f"kernels, CPU, float32, {'with' if peephole else 'no'} peepholes; {os.cpu_count()} "
+        f"CPUs; medians of {args.rounds} interleaved rounds; 'Nx TF' = TF time / ours\n"
+        f"# commit {commit()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n"
+        f"# BLAS here: {blas_info()}; OPENBLAS_CORETYPE="
+        f"{os.environ.get('OPENBLAS_CORETYPE')} (the server inherits it)"
     )
+    results = []
     for threads in args.threads or [1, os.cpu_count()]:
-        compare(threads, args.tf_python, args.rounds)
+        results += compare(threads, args.tf_python, args.rounds, peephole, not args.no_rpc)
+    print("\n# the CPU forward's formulation per shape (measured on the first call):")
+    print(plan_summary())
+    print("\n" + table(results))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@ from gradserve.v1 import tensor_pb2 as _tensor_pb2
 from gradserve.v1 import lstm_pb2 as _lstm_pb2
 from gradserve.v1 import tensor_array_pb2 as _tensor_array_pb2
 from gradserve.v1 import tape_pb2 as _tape_pb2
+from gradserve.v1 import shared_memory_pb2 as _shared_memory_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message

@@ -5,6 +5,7 @@ import warnings
 
 from gradserve.v1 import lstm_pb2 as gradserve_dot_v1_dot_lstm__pb2
 from gradserve.v1 import service_pb2 as gradserve_dot_v1_dot_service__pb2
+from gradserve.v1 import shared_memory_pb2 as gradserve_dot_v1_dot_shared__memory__pb2
 from gradserve.v1 import tape_pb2 as gradserve_dot_v1_dot_tape__pb2
 from gradserve.v1 import tensor_array_pb2 as gradserve_dot_v1_dot_tensor__array__pb2
 from gradserve.v1 import tensor_pb2 as gradserve_dot_v1_dot_tensor__pb2
@@ -67,6 +68,36 @@ class GradServeStub:
                 '/gradserve.v1.GradServe/DeleteTensor',
                 request_serializer=gradserve_dot_v1_dot_service__pb2.DeleteTensorRequest.SerializeToString,
                 response_deserializer=gradserve_dot_v1_dot_service__pb2.DeleteTensorResponse.FromString,
+                _registered_method=True)
+        self.PutTensorInline = channel.unary_unary(
+                '/gradserve.v1.GradServe/PutTensorInline',
+                request_serializer=gradserve_dot_v1_dot_tensor__pb2.Tensor.SerializeToString,
+                response_deserializer=gradserve_dot_v1_dot_tensor__pb2.ResidentTensor.FromString,
+                _registered_method=True)
+        self.GetTensorInline = channel.unary_unary(
+                '/gradserve.v1.GradServe/GetTensorInline',
+                request_serializer=gradserve_dot_v1_dot_service__pb2.GetTensorRequest.SerializeToString,
+                response_deserializer=gradserve_dot_v1_dot_tensor__pb2.Tensor.FromString,
+                _registered_method=True)
+        self.RegisterSharedMemory = channel.unary_unary(
+                '/gradserve.v1.GradServe/RegisterSharedMemory',
+                request_serializer=gradserve_dot_v1_dot_shared__memory__pb2.RegisterSharedMemoryRequest.SerializeToString,
+                response_deserializer=gradserve_dot_v1_dot_shared__memory__pb2.RegisterSharedMemoryResponse.FromString,
+                _registered_method=True)
+        self.UnregisterSharedMemory = channel.unary_unary(
+                '/gradserve.v1.GradServe/UnregisterSharedMemory',
+                request_serializer=gradserve_dot_v1_dot_shared__memory__pb2.UnregisterSharedMemoryRequest.SerializeToString,
+                response_deserializer=gradserve_dot_v1_dot_shared__memory__pb2.UnregisterSharedMemoryResponse.FromString,
+                _registered_method=True)
+        self.PutSharedTensor = channel.unary_unary(
+                '/gradserve.v1.GradServe/PutSharedTensor',
+                request_serializer=gradserve_dot_v1_dot_shared__memory__pb2.PutSharedTensorRequest.SerializeToString,
+                response_deserializer=gradserve_dot_v1_dot_tensor__pb2.ResidentTensor.FromString,
+                _registered_method=True)
+        self.GetSharedTensor = channel.unary_unary(
+                '/gradserve.v1.GradServe/GetSharedTensor',
+                request_serializer=gradserve_dot_v1_dot_shared__memory__pb2.GetSharedTensorRequest.SerializeToString,
+                response_deserializer=gradserve_dot_v1_dot_shared__memory__pb2.GetSharedTensorResponse.FromString,
                 _registered_method=True)
         self.TensorArrayV3 = channel.unary_unary(
                 '/gradserve.v1.GradServe/TensorArrayV3',
@@ -212,6 +243,46 @@ class GradServeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DeleteTensor(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutTensorInline(self, request, context):
+        """The same for a tensor small enough for one message (the SDK: under its stream
+        threshold): one unary call costs less than a stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTensorInline(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterSharedMemory(self, request, context):
+        """Same-host shared memory (shared_memory.proto): regions of the session, and
+        resident tensors copied in from and out to them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterSharedMemory(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutSharedTensor(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSharedTensor(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -378,6 +449,36 @@ def add_GradServeServicer_to_server(servicer, server):
                     servicer.DeleteTensor,
                     request_deserializer=gradserve_dot_v1_dot_service__pb2.DeleteTensorRequest.FromString,
                     response_serializer=gradserve_dot_v1_dot_service__pb2.DeleteTensorResponse.SerializeToString,
+            ),
+            'PutTensorInline': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutTensorInline,
+                    request_deserializer=gradserve_dot_v1_dot_tensor__pb2.Tensor.FromString,
+                    response_serializer=gradserve_dot_v1_dot_tensor__pb2.ResidentTensor.SerializeToString,
+            ),
+            'GetTensorInline': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTensorInline,
+                    request_deserializer=gradserve_dot_v1_dot_service__pb2.GetTensorRequest.FromString,
+                    response_serializer=gradserve_dot_v1_dot_tensor__pb2.Tensor.SerializeToString,
+            ),
+            'RegisterSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterSharedMemory,
+                    request_deserializer=gradserve_dot_v1_dot_shared__memory__pb2.RegisterSharedMemoryRequest.FromString,
+                    response_serializer=gradserve_dot_v1_dot_shared__memory__pb2.RegisterSharedMemoryResponse.SerializeToString,
+            ),
+            'UnregisterSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterSharedMemory,
+                    request_deserializer=gradserve_dot_v1_dot_shared__memory__pb2.UnregisterSharedMemoryRequest.FromString,
+                    response_serializer=gradserve_dot_v1_dot_shared__memory__pb2.UnregisterSharedMemoryResponse.SerializeToString,
+            ),
+            'PutSharedTensor': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutSharedTensor,
+                    request_deserializer=gradserve_dot_v1_dot_shared__memory__pb2.PutSharedTensorRequest.FromString,
+                    response_serializer=gradserve_dot_v1_dot_tensor__pb2.ResidentTensor.SerializeToString,
+            ),
+            'GetSharedTensor': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSharedTensor,
+                    request_deserializer=gradserve_dot_v1_dot_shared__memory__pb2.GetSharedTensorRequest.FromString,
+                    response_serializer=gradserve_dot_v1_dot_shared__memory__pb2.GetSharedTensorResponse.SerializeToString,
             ),
             'TensorArrayV3': grpc.unary_unary_rpc_method_handler(
                     servicer.TensorArrayV3,
@@ -647,6 +748,168 @@ class GradServe:
             '/gradserve.v1.GradServe/DeleteTensor',
             gradserve_dot_v1_dot_service__pb2.DeleteTensorRequest.SerializeToString,
             gradserve_dot_v1_dot_service__pb2.DeleteTensorResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutTensorInline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradserve.v1.GradServe/PutTensorInline',
+            gradserve_dot_v1_dot_tensor__pb2.Tensor.SerializeToString,
+            gradserve_dot_v1_dot_tensor__pb2.ResidentTensor.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTensorInline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradserve.v1.GradServe/GetTensorInline',
+            gradserve_dot_v1_dot_service__pb2.GetTensorRequest.SerializeToString,
+            gradserve_dot_v1_dot_tensor__pb2.Tensor.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradserve.v1.GradServe/RegisterSharedMemory',
+            gradserve_dot_v1_dot_shared__memory__pb2.RegisterSharedMemoryRequest.SerializeToString,
+            gradserve_dot_v1_dot_shared__memory__pb2.RegisterSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradserve.v1.GradServe/UnregisterSharedMemory',
+            gradserve_dot_v1_dot_shared__memory__pb2.UnregisterSharedMemoryRequest.SerializeToString,
+            gradserve_dot_v1_dot_shared__memory__pb2.UnregisterSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutSharedTensor(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradserve.v1.GradServe/PutSharedTensor',
+            gradserve_dot_v1_dot_shared__memory__pb2.PutSharedTensorRequest.SerializeToString,
+            gradserve_dot_v1_dot_tensor__pb2.ResidentTensor.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSharedTensor(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradserve.v1.GradServe/GetSharedTensor',
+            gradserve_dot_v1_dot_shared__memory__pb2.GetSharedTensorRequest.SerializeToString,
+            gradserve_dot_v1_dot_shared__memory__pb2.GetSharedTensorResponse.FromString,
             options,
             channel_credentials,
             insecure,

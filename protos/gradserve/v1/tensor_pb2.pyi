@@ -67,14 +67,16 @@ class ResidentTensor(_message.Message):
     def __init__(self, id: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., transient: _Optional[bool] = ...) -> None: ...
 
 class TensorInput(_message.Message):
-    __slots__ = ("value", "ref", "step_output")
+    __slots__ = ("value", "ref", "step_output", "shared")
     VALUE_FIELD_NUMBER: _ClassVar[int]
     REF_FIELD_NUMBER: _ClassVar[int]
     STEP_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     value: Tensor
     ref: str
     step_output: StepOutput
-    def __init__(self, value: _Optional[_Union[Tensor, _Mapping]] = ..., ref: _Optional[str] = ..., step_output: _Optional[_Union[StepOutput, _Mapping]] = ...) -> None: ...
+    shared: SharedTensor
+    def __init__(self, value: _Optional[_Union[Tensor, _Mapping]] = ..., ref: _Optional[str] = ..., step_output: _Optional[_Union[StepOutput, _Mapping]] = ..., shared: _Optional[_Union[SharedTensor, _Mapping]] = ...) -> None: ...
 
 class StepOutput(_message.Message):
     __slots__ = ("step", "field")
@@ -85,14 +87,16 @@ class StepOutput(_message.Message):
     def __init__(self, step: _Optional[int] = ..., field: _Optional[str] = ...) -> None: ...
 
 class TensorOutput(_message.Message):
-    __slots__ = ("value", "ref", "tape_id")
+    __slots__ = ("value", "ref", "shared", "tape_id")
     VALUE_FIELD_NUMBER: _ClassVar[int]
     REF_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     TAPE_ID_FIELD_NUMBER: _ClassVar[int]
     value: Tensor
     ref: ResidentTensor
+    shared: SharedTensor
     tape_id: str
-    def __init__(self, value: _Optional[_Union[Tensor, _Mapping]] = ..., ref: _Optional[_Union[ResidentTensor, _Mapping]] = ..., tape_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, value: _Optional[_Union[Tensor, _Mapping]] = ..., ref: _Optional[_Union[ResidentTensor, _Mapping]] = ..., shared: _Optional[_Union[SharedTensor, _Mapping]] = ..., tape_id: _Optional[str] = ...) -> None: ...
 
 class PartialShape(_message.Message):
     __slots__ = ("unknown_rank", "dims")
@@ -113,3 +117,15 @@ class TensorChunk(_message.Message):
     data: bytes
     content_bytes: int
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., content_bytes: _Optional[int] = ...) -> None: ...
+
+class SharedTensor(_message.Message):
+    __slots__ = ("region", "offset", "dtype", "shape")
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    offset: int
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...

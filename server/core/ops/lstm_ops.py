@@ -222,9 +222,15 @@ def backward(
     seq_len_max: np.ndarray,
     *,
     use_peephole: bool,
+    cell_clip: float = 0.0,
     check: Callable[[], None] | None = None,
 ) -> LSTMGrads[Any]:
-    """BlockLSTMGradV2 / BlockLSTMGrad: validate, place, compute (as ``forward``)."""
+    """BlockLSTMGradV2 / BlockLSTMGrad: validate, place, compute (as ``forward``).
+
+    ``cell_clip`` is 0 for the raw ops (TensorFlow's kernels, which ignore the
+    forward's clip); the gradient tape passes the forward's, so that clipped cells
+    get the true derivative (``kernels.lstm.block_lstm_backward``).
+    """
     named = {
         name: session.resolve(arg)
         for part in (inputs, activations, output_grads)
@@ -244,5 +250,6 @@ def backward(
         seq_len_max=length,
         use_peephole=use_peephole,
         layout=variant.layout,
+        cell_clip=cell_clip,
         check=check,
     )

@@ -1,0 +1,450 @@
+"""Same-host shared memory for the SDK: regions, their registration, and leases.
+
+A client whose server runs on the same host (``Client(shared_memory="auto")``, the
+default) passes large inputs, ``put``/``get`` and the outputs of op calls through
+POSIX shared memory (``multiprocessing.shared_memory``) instead of the network: it
+copies an array into a region and sends (region, offset, dtype, shape); the server
+copies it out (or writes outputs in) with one system call.
+
+Same host is proven, not assumed: the first region is registered with a random
+nonce written at its start, and the server accepts it only if it reads that nonce
+back from ``/dev/shm/<key>`` (a server elsewhere cannot open the object, or opens
+another one). Until that succeeds — and for string tensors, which stay on the wire —
+everything goes over gRPC as before.
+
+Regions are pooled: a call leases what it needs (``Lease``) and gives it back after
+its reply is read, so concurrent calls of one client never share a region. A region
+is created at its full size with ``posix_fallocate``: a ``/dev/shm`` too small for
+it (Docker's default is 64 MB) fails there, cleanly, and the tensor goes on the wire,
+instead of SIGBUS on a later write. The pool holds at most ``max_bytes`` of regions;
+past that, idle regions are dropped first, then the wire is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import threading
+from collections.abc import Callable
+from multiprocessing import shared_memory
+from typing import Any
+
+import numpy as np
+from google.protobuf.message import Message
+
+from gradserve import codec, dtypes
+from gradserve.errors import AlreadyExistsError, GradserveError, NotFoundError
+from gradserve.protocol import OUTPUT_REGION_METADATA_KEY
+from gradserve.v1 import shared_memory_pb2, tensor_pb2
+
+log = logging.getLogger(__name__)
+
+#: Offsets of tensors in a region are multiples of this.
+ALIGN = 64
+#: The first region (the same-host proof) and the least any region holds.
+FIRST_REGION_BYTES = 1 << 20
+#: A new region is at least this large (unless the tensor needs more), so that a
+#: few regions serve many calls.
+MIN_REGION_BYTES = 4 << 20
+#: Regions one client holds at most (the server allows a session 64).
+MAX_REGIONS = 16
+#: Default ceiling of all regions of one client together.
+DEFAULT_MAX_BYTES = 4 << 30
+NONCE_BYTES = 32
+SHM_DIR = "/dev/shm"
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class Region:
+    """One shared-memory object, registered with the session under ``name``."""
+
+    def __init__(self, size: int) -> None:
+        name = f"gradserve_{secrets.token_hex(12)}"
+        self.shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+        self.name = self.shm.name
+        self.size = size
+        self.last_need = 0
+        try:
+            # Reserve its pages now: ENOSPC here rather than SIGBUS on a write later.
+            fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDWR | os.O_CLOEXEC)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            finally:
+                os.close(fd)
+        except BaseException:
+            self.destroy()
+            raise
+
+    def view(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """The region's bytes at ``offset`` as an array (no copy)."""
+        count = int(np.prod(shape, dtype=np.int64))
+        flat = np.frombuffer(self.buf, dtype.newbyteorder("<"), count, offset)
+        return flat.reshape(shape)
+
+    @property
+    def buf(self) -> memoryview:
+        buf = self.shm.buf
+        assert buf is not None  # until destroyed
+        return buf
+
+    def destroy(self) -> None:
+        with contextlib.suppress(OSError, BufferError):
+            self.shm.close()
+        with contextlib.suppress(OSError):
+            self.shm.unlink()
+
+
+class Lease:
+    """The regions one call uses: inputs placed one after another (``place``), and an
+    output region (``output``). ``release`` gives them back to the pool."""
+
+    def __init__(self, pool: SharedMemoryPool) -> None:
+        self.pool = pool
+        self._inputs: list[tuple[Region, int]] = []  # (region, bytes used)
+        self.out: Region | None = None
+
+    def place(self, array: np.ndarray, msg: tensor_pb2.SharedTensor) -> bool:
+        """Copy ``array`` (not strings) into a leased region and describe it in ``msg``;
+        False when the pool cannot hold it (the caller sends it on the wire)."""
+        nbytes = array.nbytes
+        region, used = self._inputs[-1] if self._inputs else (None, 0)
+        start = _aligned(used)
+        if region is None or start + nbytes > region.size:
+            region = self.pool.acquire(nbytes)
+            if region is None:
+                return False
+            self._inputs.append((region, 0))
+            start = 0
+        if nbytes:
+            region.view(start, array.dtype, array.shape)[...] = array
+        self._inputs[-1] = (region, start + nbytes)
+        msg.region = region.name
+        msg.offset = start
+        msg.dtype = codec.dtype_to_enum(array.dtype)
+        msg.shape[:] = array.shape
+        return True
+
+    def output(self, nbytes: int) -> Region | None:
+        """A region of at least ``nbytes`` for the call's outputs (None: none free)."""
+        if self.out is None:
+            self.out = self.pool.acquire(nbytes)
+        return self.out
+
+    def release(self) -> None:
+        regions = [r for r, _ in self._inputs] + ([self.out] if self.out else [])
+        self._inputs, self.out = [], None
+        self.pool.give_back(regions)
+
+
+class SharedMemoryPool:
+    """A client's regions: created, registered and dropped through ``call``
+    (``call(rpc, request)`` runs one RPC of the session)."""
+
+    def __init__(self, call: Callable[[str, Any], Any], max_bytes: int = DEFAULT_MAX_BYTES):
+        self._call = call
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._free: list[Region] = []
+        self._all: dict[str, Region] = {}
+        self._held = 0
+        #: The most output bytes a call has needed: output regions are leased this big.
+        self.output_hint = FIRST_REGION_BYTES
+        self.closed = False
+
+    def start(self) -> None:
+        """Create and register the first region: raises if the server cannot read it
+        (another host, another /dev/shm, a server without shared memory)."""
+        region = self._create(FIRST_REGION_BYTES)
+        with self._lock:
+            self._free.append(region)
+
+    def _create(self, size: int) -> Region:
+        region = Region(size)
+        try:
+            nonce = os.urandom(NONCE_BYTES)
+            region.buf[:NONCE_BYTES] = nonce
+            request = shared_memory_pb2.RegisterSharedMemoryRequest(
+                name=region.name, key=region.name, byte_size=size, nonce=nonce
+            )
+            self._call("RegisterSharedMemory", request)
+        except BaseException:
+            region.destroy()
+            raise
+        with self._lock:
+            self._all[region.name] = region
+            self._held += size
+        return region
+
+    def acquire(self, nbytes: int) -> Region | None:
+        """A free region of at least ``nbytes``, made if need be; None when the pool's
+        ceiling (after dropping idle regions) or the host cannot hold one."""
+        with self._lock:
+            if self.closed:
+                return None
+            fits = [r for r in self._free if r.size >= nbytes]
+            if fits:
+                region = min(fits, key=lambda r: r.size)
+                self._free.remove(region)
+                return region
+            size = max(_aligned(nbytes), MIN_REGION_BYTES)
+            evict = []
+            while self._free and (
+                self._held + size > self.max_bytes or len(self._all) >= MAX_REGIONS
+            ):
+                victim = self._free.pop(0)
+                evict.append(victim)
+                self._held -= victim.size
+                del self._all[victim.name]
+            room = self._held + size <= self.max_bytes and len(self._all) < MAX_REGIONS
+        self._drop(evict)
+        if not room:
+            return None
+        try:
+            return self._create(size)
+        except (OSError, GradserveError) as e:  # /dev/shm full, a limit of the server
+            log.info("no shared memory region of %d bytes (%s): using the wire", size, e)
+            return None
+
+    def give_back(self, regions: list[Region]) -> None:
+        with self._lock:
+            if not self.closed:
+                self._free.extend(regions)
+                return
+        for region in regions:
+            region.destroy()
+
+    def region(self, name: str) -> Region:
+        with self._lock:
+            return self._all[name]
+
+    def read(self, msg: tensor_pb2.SharedTensor) -> np.ndarray:
+        """A copy of an output the server wrote into one of our regions."""
+        dtype = codec.dtype_from_enum(msg.dtype, field="output")
+        region = self.region(msg.region)
+        shape = tuple(msg.shape)
+        count = int(np.prod(shape, dtype=np.int64))
+        if msg.offset < 0 or msg.offset + count * dtype.itemsize > region.size:
+            raise GradserveError(f"output outside shared memory region {msg.region!r}")
+        out = np.empty(shape, dtype)
+        if count:
+            out[...] = region.view(msg.offset, dtype, shape)
+        return out
+
+    def reregister(self) -> None:
+        """Register every region again (the server lost them: it restarted and
+        restored the session from a snapshot, which holds no descriptors). Its
+        current first bytes are the nonce: this client owns the object."""
+        with self._lock:
+            regions = list(self._all.values())
+        for region in regions:
+            request = shared_memory_pb2.RegisterSharedMemoryRequest(
+                name=region.name,
+                key=region.name,
+                byte_size=region.size,
+                nonce=bytes(region.buf[:NONCE_BYTES]),
+            )
+            with contextlib.suppress(AlreadyExistsError):  # it did keep this one
+                self._call("RegisterSharedMemory", request)
+
+    def note_output_need(self, nbytes: int) -> None:
+        """A call returned ``nbytes`` of outputs: lease output regions that large."""
+        if nbytes > self.output_hint:
+            self.output_hint = min(_aligned(nbytes), self.max_bytes // 2)
+
+    def _drop(self, regions: list[Region]) -> None:
+        if not regions:
+            return
+        for region in regions:
+            with contextlib.suppress(GradserveError):
+                self._call(
+                    "UnregisterSharedMemory",
+                    shared_memory_pb2.UnregisterSharedMemoryRequest(name=region.name),
+                )
+            region.destroy()
+
+    def close(self, unregister: bool) -> None:
+        """Unlink every region (and unregister them, if the session stays open)."""
+        with self._lock:
+            self.closed = True
+            regions = list(self._all.values())
+            free = set(map(id, self._free))
+            self._all.clear()
+            self._free.clear()
+            self._held = 0
+        for region in regions if unregister else ():  # only ours: others may share the session
+            with contextlib.suppress(GradserveError):
+                self._call(
+                    "UnregisterSharedMemory",
+                    shared_memory_pb2.UnregisterSharedMemoryRequest(name=region.name),
+                )
+        for region in regions:
+            if id(region) in free:
+                region.destroy()
+            else:  # leased now: its lease destroys it when given back
+                with contextlib.suppress(OSError):
+                    region.shm.unlink()
+
+
+def usable(array: np.ndarray) -> bool:
+    """Whether ``array`` can travel in shared memory (strings cannot)."""
+    return array.dtype != dtypes.STRING
+
+
+#: Inputs smaller than this go inline even when shared memory is on: copying them
+#: into a region costs about what sending them does.
+DEFAULT_MIN_BYTES = 64 << 10
+
+
+class ClientSharedMemory:
+    """What a ``Client`` does with shared memory: inputs placed in regions, outputs
+    written into one, ``put``/``get`` by region. Every method answers None (or False)
+    where the wire should be used instead."""
+
+    def __init__(self, pool: SharedMemoryPool, min_bytes: int) -> None:
+        self.pool = pool
+        self.min_bytes = min_bytes
+
+    @classmethod
+    def connect(
+        cls, call: Callable[[str, Any], Any], mode: bool | str, min_bytes: int
+    ) -> ClientSharedMemory | None:
+        """Shared memory with the server of ``call``, if ``mode`` asks for it and the
+        server proves it shares this host. ``mode``: "auto" (the wire otherwise),
+        True (raise otherwise) or False (never)."""
+        if mode not in (True, False, "auto"):
+            raise ValueError(f"shared_memory must be 'auto', True or False, not {mode!r}")
+        if mode is False:
+            return None
+        pool = SharedMemoryPool(call)
+        try:
+            pool.start()
+        except (OSError, GradserveError) as e:
+            if mode is True:
+                raise
+            log.info("shared memory unavailable (%s): using the wire", e)
+            return None
+        return cls(pool, min_bytes)
+
+    # ---------------------------------------------------------------- op calls
+    def encode_input(self, array: np.ndarray, msg: tensor_pb2.TensorInput, temps: list) -> bool:
+        """Place ``array`` in a region leased for this request's ``temps`` (the lease
+        is released with them, ``release_temps``)."""
+        if array.nbytes < self.min_bytes or not usable(array):
+            return False
+        lease = next((t for t in temps if isinstance(t, Lease)), None)
+        if lease is None:
+            lease = Lease(self.pool)
+            temps.append(lease)
+        return lease.place(array, msg.shared)
+
+    def recover(self, error: NotFoundError) -> bool:
+        """After a call failed because the server does not know one of our regions
+        (it restarted; nothing ran): register them again; True if the call may be
+        repeated, False (the error stands) otherwise."""
+        if error.reason != "REGION_NOT_FOUND":
+            return False
+        try:
+            self.pool.reregister()
+        except GradserveError as e:
+            log.warning("could not register shared memory again: %s", e)
+            return False
+        return True
+
+    def _call_recovering(self, rpc: str, request: Any) -> Any:
+        try:
+            return self.pool._call(rpc, request)
+        except NotFoundError as e:
+            if not self.recover(e):
+                raise
+            return self.pool._call(rpc, request)
+
+    def output_lease(self) -> Lease:
+        return Lease(self.pool)
+
+    def output_metadata(self, lease: Lease, metadata: tuple) -> tuple | None:
+        """The call's metadata naming its output region (None: no region free)."""
+        region = lease.output(self.pool.output_hint)
+        if region is None:
+            return None
+        return (*metadata, (OUTPUT_REGION_METADATA_KEY, region.name))
+
+    def read_output(self, msg: tensor_pb2.TensorOutput) -> np.ndarray:
+        return self.pool.read(msg.shared)
+
+    def note_reply(self, reply: Any) -> None:
+        """Size output regions for the outputs this reply returned."""
+        self.pool.note_output_need(returned_bytes(reply))
+
+    @staticmethod
+    def release_temps(temps: list) -> list:
+        """Release the leases among a request's temporaries; returns the rest (ids)."""
+        rest = []
+        for item in temps:
+            if isinstance(item, Lease):
+                item.release()
+            else:
+                rest.append(item)
+        return rest
+
+    # ---------------------------------------------------------------- put / get
+    def put(self, array: np.ndarray) -> Any | None:
+        """``PutSharedTensor`` of ``array``: the reply (a ``ResidentTensor``), or None."""
+        if not usable(array):
+            return None
+        lease = Lease(self.pool)
+        try:
+            request = shared_memory_pb2.PutSharedTensorRequest()
+            if not lease.place(array, request.tensor):
+                return None
+            return self._call_recovering("PutSharedTensor", request)
+        finally:
+            lease.release()
+
+    def get(
+        self, tensor_id: str, dtype: np.dtype, shape: tuple[int, ...], *, delete_after: bool
+    ) -> np.ndarray | None:
+        """``GetSharedTensor`` of a resident tensor of known dtype and shape, or None."""
+        if dtype == dtypes.STRING:
+            return None
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        lease = Lease(self.pool)
+        try:
+            region = lease.output(nbytes)
+            if region is None:
+                return None
+            request = shared_memory_pb2.GetSharedTensorRequest(
+                id=tensor_id, region=region.name, offset=0, delete_after=delete_after
+            )
+            reply = self._call_recovering("GetSharedTensor", request)
+            return self.pool.read(reply.tensor)
+        finally:
+            lease.release()
+
+    def close(self, unregister: bool) -> None:
+        self.pool.close(unregister)
+
+
+def returned_bytes(message: Any) -> int:
+    """The bytes of the tensor outputs a reply returned (shared, inline or transient)."""
+    total = 0
+    for field, value in message.ListFields():
+        if field.message_type is None:
+            continue
+        for item in [value] if isinstance(value, Message) else value:
+            if isinstance(item, tensor_pb2.TensorOutput):
+                which = item.WhichOneof("result")
+                if which == "ref" and not item.ref.transient:
+                    continue
+                meta = getattr(item, which) if which else None
+                if meta is not None and meta.dtype:
+                    dtype = codec.dtype_from_enum(meta.dtype)
+                    count = int(np.prod(tuple(meta.shape), dtype=np.int64))
+                    total += _aligned(count * dtype.itemsize)
+            elif isinstance(item, Message):
+                total += returned_bytes(item)
+    return total

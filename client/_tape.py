@@ -1,0 +1,222 @@
+"""``client.gradient_tape()``: ``tf.GradientTape`` whose tape lives in the server.
+
+Inside ``with client.gradient_tape() as tape:`` every op the client runs (through
+``client.raw_ops``, the ``tensor_array`` layer or a ``batch()``) is recorded in
+the session; ``tape.gradient(targets, sources)`` then asks the server for the
+gradients (the ``Gradients`` RPC), which it computes with TensorFlow's
+registered gradients. Op outputs come back as ``TapedArray`` values that also
+carry the tape's id for them; resident tensors (``client.put``) read under the
+tape are watched, as ``tf.Variable``s are.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from gradserve import protocol
+from gradserve.client._types import StepOutput, TapedArray, TensorRef
+from gradserve.errors import FailedPreconditionError
+from gradserve.v1 import tape_pb2, tensor_pb2
+
+_UNCONNECTED = {
+    "none": tape_pb2.UNCONNECTED_NONE,
+    "zero": tape_pb2.UNCONNECTED_ZERO,
+}
+
+
+class Recording(threading.local):
+    """The tapes recording on this thread (TensorFlow's tapes are per thread too)."""
+
+    def __init__(self) -> None:
+        self.tapes: list[GradientTape] = []
+
+    def ids(self) -> str:
+        return ",".join(t.header() for t in self.tapes)
+
+
+class GradientTape:
+    """A gradient tape in the client's session, used the way ``tf.GradientTape`` is.
+
+    ``persistent=False`` (the default): one ``gradient`` call, after which the server
+    releases everything the tape held. ``persistent=True``: any number, until
+    ``release()`` (or the session ends). Everything a tape holds counts against the
+    session's byte budget.
+    """
+
+    def __init__(
+        self, client: Any, persistent: bool = False, watch_accessed_variables: bool = True
+    ):
+        self._client = client
+        self.persistent = persistent
+        self.watch_accessed_variables = watch_accessed_variables
+        self.id: str | None = None
+        self.released = False
+
+    # ---------------------------------------------------------------- recording
+    def __enter__(self) -> GradientTape:
+        if self.released:
+            raise FailedPreconditionError("this gradient tape was released; start a new one")
+        if self.id is None:
+            # Proposed here and started by the server with the first call that names
+            # it (``header``): a tape costs no round trip of its own.
+            self.id = secrets.token_urlsafe(16)
+        self._client._recording.tapes.append(self)
+        return self
+
+    def header(self) -> str:
+        """This tape's entry in ``x-gradserve-tape``: "+ID.PW" starts it if the server
+        does not have it yet (P, W: persistent, watch_accessed_variables)."""
+        return f"+{self.id}.{int(self.persistent)}{int(self.watch_accessed_variables)}"
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        tapes = self._client._recording.tapes
+        if self in tapes:
+            tapes.remove(self)
+
+    @contextmanager
+    def stop_recording(self) -> Iterator[None]:
+        """Ops inside the block are not recorded on this tape."""
+        tapes = self._client._recording.tapes
+        if self not in tapes:
+            raise RuntimeError("stop_recording: the tape is not recording")
+        tapes.remove(self)
+        try:
+            yield
+        finally:
+            tapes.append(self)
+
+    def watch(self, tensor: Any) -> None:
+        """Watch resident tensors (``TensorRef``) or tape outputs (``TapedArray``), one or a
+        list: they become sources one can differentiate with respect to."""
+        self._require_id()
+        items = tensor if _is_list(tensor) else [tensor]
+        ids = [_tensor_id(t, "watch") for t in items]
+        self._client._call(
+            "WatchTensors",
+            tape_pb2.WatchTensorsRequest(tape_id=self.id, ids=ids),
+            metadata=(*self._client._metadata, (protocol.TAPE_METADATA_KEY, self.header())),
+        )
+
+    # ---------------------------------------------------------------- gradients
+    def gradient(
+        self,
+        target: Any,
+        sources: Any,
+        output_gradients: Any = None,
+        unconnected_gradients: Any = "none",
+        *,
+        keep: bool = False,
+    ) -> Any:
+        """d target / d sources, as ``tf.GradientTape.gradient``.
+
+        ``target``: a tape output (``TapedArray`` or kept ``TensorRef``) or a list of them;
+        ``sources``: one tensor or a list (the result has the same structure);
+        ``output_gradients``: one array per target (default: ones, as TensorFlow);
+        ``unconnected_gradients``: "none" (None for a source the targets do not depend
+        on) or "zero". ``keep=True`` keeps the gradients in the session (``TensorRef``).
+        """
+        self._require_id()
+        single = not _is_list(sources)
+        request = self.gradients_request(
+            target, sources, output_gradients, unconnected_gradients, keep=keep
+        )
+        temps = request.pop("temps")
+        try:
+            reply = self._client._call("Gradients", request["message"])
+        finally:
+            self._client._clean_up(temps)
+        if not self.persistent:
+            self.released = True
+            self._stop()
+        grads = self._client._parse(reply, lambda r: [self.decode(g) for g in r.gradients])
+        return grads[0] if single else type(sources)(grads)
+
+    def gradients_request(
+        self,
+        target: Any,
+        sources: Any,
+        output_gradients: Any,
+        unconnected_gradients: Any,
+        *,
+        keep: bool,
+    ) -> dict[str, Any]:
+        """The ``GradientsRequest`` (and its temporary uploads) for ``gradient`` or a
+        ``batch().gradient`` step."""
+        targets = target if _is_list(target) else [target]
+        source_list = sources if _is_list(sources) else [sources]
+        mode = getattr(unconnected_gradients, "value", unconnected_gradients)
+        if mode not in _UNCONNECTED:
+            raise ValueError(f"unconnected_gradients must be 'none' or 'zero', got {mode!r}")
+        msg = tape_pb2.GradientsRequest(
+            tape_id=self.id, unconnected_gradients=_UNCONNECTED[mode], keep_outputs=keep
+        )
+        for t in targets:
+            _name(t, msg.targets.add(), "target")
+        for s in source_list:
+            _name(s, msg.sources.add(), "source")
+        temps = self._client._staging()
+        if output_gradients is not None:
+            seeds = output_gradients if _is_list(output_gradients) else [output_gradients]
+            for seed in seeds:
+                self._client.encode_input(seed, msg.output_gradients.add(), temps)
+        return {"message": msg, "temps": list(temps)}
+
+    def decode(self, out: tensor_pb2.TensorOutput) -> Any:
+        if out.WhichOneof("result") is None:
+            return None
+        return self._client.decode_output(out)
+
+    def release(self) -> int:
+        """Free everything the tape holds on the server; returns the bytes freed."""
+        self._stop()
+        if self.released or self.id is None:
+            self.released = True
+            return 0
+        self.released = True
+        reply = self._client._call("ReleaseTape", tape_pb2.ReleaseTapeRequest(tape_id=self.id))
+        return int(reply.released_bytes)
+
+    def _require_id(self) -> None:
+        if self.id is None:
+            raise RuntimeError("use the tape in a 'with client.gradient_tape() as tape:' block")
+        if self.released:
+            raise FailedPreconditionError(
+                "this gradient tape was released: a non-persistent tape allows one gradient "
+                "call (use persistent=True for several)"
+            )
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "persistent" if self.persistent else "live"
+        return f"GradientTape(id={(self.id or '')[:8]}…, {state})"
+
+
+def _is_list(value: Any) -> bool:
+    """A list or tuple of tensors (a ``StepOutput`` placeholder is one tensor)."""
+    return isinstance(value, (list, tuple)) and not isinstance(value, StepOutput)
+
+
+def _tensor_id(value: Any, what: str) -> str:
+    if isinstance(value, TapedArray) and value.tape_id is not None:
+        return value.tape_id
+    if isinstance(value, TensorRef):
+        return value.id
+    raise TypeError(
+        f"{what}: expected a tensor held by the server (a TensorRef from client.put or an "
+        f"op's keep=True, or an op output computed under a tape), got {type(value).__name__}; "
+        "put a value in the session with client.put first"
+    )
+
+
+def _name(value: Any, msg: tensor_pb2.TensorInput, what: str) -> None:
+    """Fill a target's or source's ``TensorInput``: by id, or by Batch step output."""
+    if isinstance(value, StepOutput):
+        msg.step_output.step, msg.step_output.field = value.step, value.field
+    else:
+        msg.ref = _tensor_id(value, what)

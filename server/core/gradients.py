@@ -1,0 +1,353 @@
+"""Reverse-mode differentiation of what a tape recorded (``tape.gradient``).
+
+The sweep is TensorFlow's ``tf.gradients``: keep the recorded ops that lie
+between the sources and the targets, visit them in reverse order, call each
+op's registered gradient with the gradients of its outputs, and sum the
+gradients of a tensor used more than once. The registered gradients are
+TensorFlow's (``python/ops/tensor_array_grad.py``, ``array_grad.py``,
+``rnn_grad.py``), run on the same core ops a client would drive by hand:
+
+* TensorArray ops route gradients through ``TensorArrayGradV3`` arrays keyed by
+  (forward handle, source), with a source unique to the computation
+  (``Session.new_gradient_source``): read <-> write, gather <-> scatter,
+  concat <-> split (with the recorded lengths). The grad array's rules (size
+  freeze, aggregation, clear after read, zeros for unwritten elements) are the
+  core's, so they are TensorFlow's.
+* ``StopGradient`` records no differentiable input: it blocks.
+* ``BlockLSTM`` -> ``BlockLSTMGrad``, ``BlockLSTMV2`` -> ``BlockLSTMGradV2``.
+
+Where TensorFlow's registration is wrong this is right, and says so: the LSTM
+gradient masks cells the forward clipped (TensorFlow's kernels ignore
+``cell_clip``); TensorFlow registers the V1 kernel for BlockLSTMV2; a gradient
+reaching an LSTM's ``i, f, o, ci, co`` outputs is UNIMPLEMENTED here, where
+TensorFlow silently returns zeros; a split or scatter into a size-0
+TensorArray has an empty gradient here, where TensorFlow raises.
+
+A failed computation changes nothing: the grad arrays it made are dropped and
+the forward arrays it froze get their dynamic size back. A successful one
+drops its grad arrays too (their source is its own; nothing can name them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from gradserve import dtypes
+from gradserve.errors import InvalidArgumentError, UnimplementedError
+from gradserve.kernels.compute import Compute
+from gradserve.lstm_signature import LSTMActivations, LSTMInputs, LSTMOutputGrads
+from gradserve.server.core.ops import lstm_ops
+from gradserve.server.core.ops import tensor_array_ops as ta_ops
+from gradserve.server.core.sessions import Resident, Session, TensorArg
+from gradserve.server.core.tape import Record, Tape
+
+#: The gradient that reached a TensorArray flow key: only its presence matters
+#: (TensorFlow's flow gradients are dummy floats that order the grad ops).
+FLOW = object()
+
+#: dtype kinds one can differentiate: floating point and complex.
+DIFFERENTIABLE_KINDS = "fc"
+
+
+@dataclasses.dataclass
+class Sweep:
+    """One gradient computation in progress."""
+
+    session: Session
+    compute: Compute
+    source: str
+    check: Callable[[], None] | None
+    #: Forward TensorArrays whose grad array this made: handle -> dynamic size before.
+    frozen: dict[str, bool] = dataclasses.field(default_factory=dict)
+
+    def grad_array(self, handle: str) -> str:
+        """``ta.grad(source)``: the grad array's handle (made on first use)."""
+        if handle not in self.frozen:
+            self.frozen[handle] = self.session.tensor_array(handle).dynamic_size
+        grad_handle, _ = ta_ops.grad(self.session, handle, self.source)
+        return grad_handle
+
+    def host(self, value: Any) -> np.ndarray:
+        return self.compute.to_host(value)  # type: ignore[no-any-return]
+
+    def value(self, tensor_id: str) -> Any:
+        return self.session.resolve(Resident(tensor_id))
+
+
+GradFn = Callable[[Sweep, Record, list[Any]], list[Any]]
+
+
+def _index(record: Record, name: str) -> np.ndarray:
+    return record.saved[name]  # type: ignore[no-any-return]
+
+
+def _read_grad(sweep: Sweep, record: Record, grads: list[Any]) -> list[Any]:
+    """TensorArrayReadV3: write the gradient into the grad array at ``index``."""
+    g = sweep.grad_array(record.saved["handle"])
+    ta_ops.write(sweep.session, g, _index(record, "index"), sweep.host(grads[0]))
+    return [FLOW]
+
+
+def _write_grad(sweep: Sweep, record: Record, grads: list[Any]) -> list[Any]:
+    """TensorArrayWriteV3: the value's gradient is the grad array's element."""
+    g = sweep.grad_array(record.saved["handle"])
+    value = ta_ops.read(sweep.session, g, _index(record, "index"), record.saved["dtype"])
+    return [value, FLOW]
+
+
+def _gather_grad(sweep: Sweep, record: Record, grads: list[Any]) -> list[Any]:
+    """TensorArrayGatherV3: scatter the gradient into the grad array."""
+    g = sweep.grad_array(record.saved["handle"])
+    ta_ops.scatter(sweep.session, g, _index(record, "indices"), sweep.host(grads[0]))
+    return [FLOW]
+
+
+def _scatter_grad(sweep: Sweep, record: Record, grads: list[Any]) -> list[Any]:
+    """TensorArrayScatterV3: gather the value's gradient from the grad array."""
+    indices = _index(record, "indices")
+    if record.saved["value_shape"][0] == 0:
+        # TensorFlow raises here although the forward ran; the gradient is empty.
+        return [np.zeros(record.saved["value_shape"], record.saved["dtype"]), FLOW]
+    g = sweep.grad_array(record.saved["handle"])
+    value = ta_ops.gather(
+        sweep.session,
+        g,
+        indices,
+        record.saved["dtype"],
+        record.saved["value_shape"][1:],
+        sweep.check,
+    )
+    return [value, FLOW]
+
+
+def _concat_grad(sweep: Sweep, record: Record, grads: list[Any]) -> list[Any]:
+    """TensorArrayConcatV3: split the gradient into the grad array by ``lengths``."""
+    g = sweep.grad_array(record.saved["handle"])
+    ta_ops.split(sweep.session, g, sweep.host(grads[0]), _index(record, "lengths"))
+    return [FLOW]
+
+
+def _split_grad(sweep: Sweep, record: Record, grads: list[Any]) -> list[Any]:
+    """TensorArraySplitV3: the value's gradient is the grad array concatenated."""
+    if record.saved["value_shape"][0] == 0:  # as for scatter: TensorFlow raises
+        return [np.zeros(record.saved["value_shape"], record.saved["dtype"]), FLOW]
+    g = sweep.grad_array(record.saved["handle"])
+    value, _ = ta_ops.concat(
+        sweep.session, g, record.saved["dtype"], record.saved["value_shape"][1:], sweep.check
+    )
+    return [value, FLOW]
+
+
+def _lstm_grad(sweep: Sweep, record: Record, grads: list[Any]) -> list[Any]:
+    """BlockLSTM(V2): the matching grad op with the forward's ``cell_clip`` (clipped
+    cells pass no gradient). Only ``cs`` and ``h`` take gradients, as in TensorFlow."""
+    outputs = LSTMActivations(*grads)
+    for name in ("i", "f", "o", "ci", "co"):
+        if getattr(outputs, name) is not None:
+            raise UnimplementedError(
+                f"the gradient of {record.op}'s output '{name}' is not implemented: only "
+                "'cs' and 'h' carry gradients into the LSTM (TensorFlow's registered "
+                "gradient silently returns zeros for the others; gradserve refuses)",
+                reason="GRADIENT_NOT_IMPLEMENTED",
+            )
+    held = record.saved["held"]
+    activations = LSTMActivations(*(Resident(k) for k in record.saved["activations"]))
+    output_grads = LSTMOutputGrads(
+        *(
+            g if g is not None else np.zeros_like(sweep.host(sweep.value(k)))
+            for g, k in ((outputs.cs, activations.cs.id), (outputs.h, activations.h.id))
+        )
+    )
+    result = lstm_ops.backward(
+        sweep.session,
+        sweep.compute,
+        record.saved["variant"],
+        LSTMInputs(*(Resident(k) for k in held)),
+        activations,  # type: ignore[arg-type]
+        output_grads,
+        record.saved["seq_len_max"],
+        use_peephole=record.saved["use_peephole"],
+        cell_clip=record.saved["cell_clip"],
+        check=sweep.check,
+    )
+    return list(result)
+
+
+def _second_order(sweep: Sweep, record: Record, grads: list[Any]) -> list[Any]:
+    raise UnimplementedError(
+        f"the gradient of {record.op} (a gradient of a gradient) is not implemented: "
+        "gradserve's tapes are first order only",
+        reason="SECOND_ORDER_GRADIENT",
+    )
+
+
+#: Registered gradients by op. Ops recorded with no differentiable input
+#: (StopGradient, TensorArrayV3, the size of an array) need none.
+GRADIENTS: dict[str, GradFn] = {
+    "TensorArrayReadV3": _read_grad,
+    "TensorArrayWriteV3": _write_grad,
+    "TensorArrayGatherV3": _gather_grad,
+    "TensorArrayScatterV3": _scatter_grad,
+    "TensorArrayConcatV3": _concat_grad,
+    "TensorArraySplitV3": _split_grad,
+    "BlockLSTM": _lstm_grad,
+    "BlockLSTMV2": _lstm_grad,
+    "BlockLSTMGrad": _second_order,
+    "BlockLSTMGradV2": _second_order,
+    "Gradients": _second_order,
+}
+
+
+def _between(records: Sequence[Record], sources: set[str], targets: set[str]) -> list[Record]:
+    """The records on a path from a source to a target, in recorded order (as
+    TensorFlow's ``_PendingCount`` keeps the ops between ``xs`` and ``ys``)."""
+    reached = set(sources)
+    forward = []
+    for record in records:
+        if any(k in reached for k in record.inputs if k is not None):
+            forward.append(record)
+            reached.update(k for k in record.outputs if k is not None)
+    needed = set(targets)
+    between = []
+    for record in reversed(forward):
+        if any(k in needed for k in record.outputs if k is not None):
+            between.append(record)
+            needed.update(k for k in record.inputs if k is not None)
+    between.reverse()
+    return between
+
+
+def _add(a: Any, b: Any, compute: Compute) -> Any:
+    if a is FLOW or b is FLOW:
+        return FLOW
+    if type(a) is not type(b):
+        a, b = compute.to_host(a), compute.to_host(b)
+    return a + b
+
+
+def _describe(tensor_id: str) -> str:
+    return f"{tensor_id[:12]}…" if len(tensor_id) > 12 else tensor_id
+
+
+def check_differentiable(array: Any, what: str, tensor_id: str) -> None:
+    dtype = np.dtype(array.dtype)
+    if dtype.kind not in DIFFERENTIABLE_KINDS or dtype == dtypes.STRING:
+        raise InvalidArgumentError(
+            f"{what} {_describe(tensor_id)!r} has dtype {dtypes.tf_name(dtype)}: gradients "
+            "are defined for floating-point and complex tensors only",
+            field=what,
+        )
+
+
+def gradients(
+    session: Session,
+    compute: Compute,
+    tape: Tape,
+    targets: Sequence[str],
+    sources: Sequence[str],
+    output_gradients: Sequence[TensorArg] | None,
+    *,
+    unconnected_zero: bool,
+    check: Callable[[], None] | None = None,
+) -> tuple[list[Any], str]:
+    """d(sum of targets, weighted by ``output_gradients``)/d(each source) over what
+    ``tape`` recorded; returns (one array or None per source, the grad source used).
+
+    Targets must be tensors the tape produced or watches; sources any tensor of the
+    session or tape (one the targets do not depend on gets None, or zeros with
+    ``unconnected_zero``). INVALID_ARGUMENT for a target not recorded, a dtype that
+    is not floating point, or output gradients that do not match their targets; a
+    released tape is FAILED_PRECONDITION. Nothing changes in the session unless it
+    succeeds; a non-persistent tape is released once it has.
+    """
+    if not targets:
+        raise InvalidArgumentError("Gradients needs at least one target", field="targets")
+    records, produced, watched = session.tape_snapshot(tape)
+    target_values = []
+    for tensor_id in targets:
+        if tensor_id not in produced and tensor_id not in watched:
+            raise InvalidArgumentError(
+                f"target {_describe(tensor_id)!r} was not computed under this tape (nor is "
+                "it watched by it): only outputs of ops recorded on the tape can be "
+                "differentiated",
+                field="targets",
+            )
+        value = session.resolve(Resident(tensor_id))
+        check_differentiable(value, "target", tensor_id)
+        target_values.append(value)
+    source_values = []
+    for tensor_id in sources:
+        value = session.resolve(Resident(tensor_id))
+        check_differentiable(value, "source", tensor_id)
+        source_values.append(value)
+    seeds = _seeds(session, targets, target_values, output_gradients)
+
+    differentiable = {k for k in sources if k in produced or k in watched}
+    between = _between(records, differentiable, set(targets))
+    source = session.new_gradient_source()
+    sweep = Sweep(session, compute, source, check)
+    try:
+        grads: dict[str, Any] = {}
+        for tensor_id, seed in zip(targets, seeds):
+            grads[tensor_id] = _add(grads[tensor_id], seed, compute) if tensor_id in grads else seed
+        for record in reversed(between):
+            if check is not None:
+                check()
+            out_grads = [grads.get(k) if k is not None else None for k in record.outputs]
+            if all(g is None for g in out_grads):
+                continue
+            fn = GRADIENTS.get(record.op)
+            if fn is None:
+                continue  # no differentiable inputs (its inputs are never reached)
+            for key, g in zip(record.inputs, fn(sweep, record, out_grads)):
+                if key is None or g is None:
+                    continue
+                grads[key] = _add(grads[key], g, compute) if key in grads else g
+        results: list[Any] = []
+        for tensor_id, value in zip(sources, source_values):
+            g = grads.get(tensor_id) if tensor_id in differentiable else None
+            if g is None and unconnected_zero:
+                g = np.zeros(value.shape, value.dtype)
+            results.append(g)
+    except BaseException:
+        for handle, dynamic in sweep.frozen.items():
+            session.unfreeze_tensor_array(handle, dynamic)
+        raise
+    finally:
+        session.drop_grad_arrays(source)
+    session.gradient_done(tape)
+    return results, source
+
+
+def _seeds(
+    session: Session,
+    targets: Sequence[str],
+    values: Sequence[Any],
+    output_gradients: Sequence[TensorArg] | None,
+) -> list[Any]:
+    """The output gradients: ones of each target's shape and dtype (as TensorFlow)
+    when none are given, else one per target of its shape and dtype."""
+    if not output_gradients:
+        return [np.ones(v.shape, v.dtype) for v in values]
+    if len(output_gradients) != len(targets):
+        raise InvalidArgumentError(
+            f"{len(output_gradients)} output gradients for {len(targets)} targets: "
+            "give one per target, or none",
+            field="output_gradients",
+        )
+    seeds = []
+    for n, (arg, target, value) in enumerate(zip(output_gradients, targets, values)):
+        seed = session.resolve(arg)
+        if np.dtype(seed.dtype) != np.dtype(value.dtype) or tuple(seed.shape) != tuple(value.shape):
+            raise InvalidArgumentError(
+                f"output_gradients[{n}] is {dtypes.tf_name(seed.dtype)} {list(seed.shape)} but "
+                f"its target {_describe(target)!r} is {dtypes.tf_name(value.dtype)} "
+                f"{list(value.shape)}: they must match",
+                field="output_gradients",
+            )
+        seeds.append(seed)
+    return seeds

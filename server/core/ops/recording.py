@@ -1,0 +1,117 @@
+"""What each op records on a gradient tape (``core.tape``) for ``core.gradients``.
+
+One function per op that has a gradient or whose outputs may be differentiated:
+it holds what the op's registered gradient needs and appends the record. Each
+returns the tape ids of the op's tensor outputs, which the response carries
+(``TensorOutput.tape_id``). Handlers call these only when the call names a tape,
+so recording costs nothing otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from gradserve.lstm_signature import LSTMActivations, LSTMInputs
+from gradserve.server.core.ops.lstm_ops import LSTMVariant
+from gradserve.server.core.sessions import TensorArg
+from gradserve.server.core.tape import FLOW_IN, FLOW_OUT, Recorder, small
+
+
+def tensor_array(rec: Recorder, handle: str) -> None:
+    """TensorArrayV3: version 1 of the array's contents starts here."""
+    rec.record("TensorArrayV3", (), (FLOW_OUT,), {"handle": handle})
+
+
+def write(rec: Recorder, handle: str, index: np.ndarray, value: TensorArg, dtype: Any) -> None:
+    key, _ = rec.arg(value)
+    saved = {"handle": handle, "index": small(index), "dtype": dtype}
+    rec.record("TensorArrayWriteV3", (key, FLOW_IN), (FLOW_OUT,), saved)
+
+
+def read(rec: Recorder, handle: str, index: np.ndarray, dtype: Any, value: Any) -> str:
+    out = rec.output(value)
+    saved = {"handle": handle, "index": small(index), "dtype": dtype}
+    rec.record("TensorArrayReadV3", (FLOW_IN,), (out,), saved)
+    return out
+
+
+def gather(rec: Recorder, handle: str, indices: np.ndarray, value: Any) -> str:
+    out = rec.output(value)
+    rec.record(
+        "TensorArrayGatherV3", (FLOW_IN,), (out,), {"handle": handle, "indices": small(indices)}
+    )
+    return out
+
+
+def scatter(
+    rec: Recorder, handle: str, indices: np.ndarray, value_arg: TensorArg, value: np.ndarray
+) -> None:
+    key, _ = rec.arg(value_arg)
+    saved = {
+        "handle": handle,
+        "indices": small(indices),
+        "dtype": value.dtype,
+        "value_shape": tuple(value.shape),
+    }
+    rec.record("TensorArrayScatterV3", (key, FLOW_IN), (FLOW_OUT,), saved)
+
+
+def concat(rec: Recorder, handle: str, value: Any, lengths: np.ndarray) -> tuple[str, str]:
+    out, out_lengths = rec.output(value), rec.output(lengths)
+    saved = {"handle": handle, "lengths": small(lengths)}
+    rec.record("TensorArrayConcatV3", (FLOW_IN,), (out, out_lengths), saved)
+    return out, out_lengths
+
+
+def split(
+    rec: Recorder, handle: str, value_arg: TensorArg, value: np.ndarray, lengths: np.ndarray
+) -> None:
+    key, _ = rec.arg(value_arg)
+    saved = {"handle": handle, "dtype": value.dtype, "value_shape": tuple(value.shape)}
+    rec.record("TensorArraySplitV3", (key, FLOW_IN), (FLOW_OUT,), saved)
+    del lengths  # the split's gradient is a concat: it needs no lengths
+
+
+def stop_gradient(rec: Recorder, value_arg: TensorArg, value: Any) -> str:
+    """StopGradient: an output with no differentiable input (it blocks)."""
+    rec.arg(value_arg)  # watched if resident, as any input read under the tape
+    out = rec.output(value)
+    rec.record("StopGradient", (), (out,), {})
+    return out
+
+
+def lstm(
+    rec: Recorder,
+    variant: LSTMVariant,
+    inputs: LSTMInputs[TensorArg],
+    seq_len_max: np.ndarray,
+    outputs: LSTMActivations[Any],
+    *,
+    use_peephole: bool,
+    cell_clip: float | None,
+) -> LSTMActivations[str]:
+    """BlockLSTM(V2): every input and output is held, for the backward."""
+    keys, held = zip(*(rec.arg(a, hold=True) for a in inputs))
+    out = LSTMActivations(*(rec.output(v) for v in outputs))
+    saved = {
+        "variant": variant,
+        "held": held,
+        "activations": tuple(out),
+        "seq_len_max": small(seq_len_max),
+        "use_peephole": use_peephole,
+        "cell_clip": variant.cell_clip if cell_clip is None else cell_clip,
+    }
+    rec.record(variant.op, tuple(keys), tuple(out), saved)
+    return out
+
+
+def no_gradient(rec: Recorder, op: str, inputs: list[TensorArg], outputs: list[Any]) -> list[str]:
+    """An op whose gradient is out of scope (a gradient op: second order). It is
+    recorded with its inputs and outputs, so a gradient that reaches it raises
+    UNIMPLEMENTED saying so rather than giving None."""
+    keys = tuple(rec.arg(a)[0] for a in inputs)
+    outs = [rec.output(v) for v in outputs]
+    rec.record(op, keys, tuple(outs), {})
+    return outs

@@ -1,0 +1,396 @@
+"""Session snapshots: every session written to a state directory and read back.
+
+A replica started with ``--state-dir`` writes its sessions there when it stops
+(SIGTERM, after the drain) and, with ``--snapshot-interval``, every so often while it
+serves; on start it restores what it finds and serves those sessions by the same ids,
+owners, handles and tensor ids. A survivor adopts a removed replica's files the same
+way (``restore_dir`` on another directory).
+
+One file per session, ``session-<sha256 of the id>.gss``, written whole or not at
+all: to ``.tmp-<name>``, fsynced, renamed over the old file, the directory fsynced. A
+write that fails (a full disk) removes its temporary file and leaves the session's
+previous file as it was.
+
+File layout (integers little-endian)::
+
+    magic    8 bytes  b"GRADSNAP"
+    version  u32      FORMAT_VERSION
+    flags    u32      0 (reserved)
+    length   u64      bytes of the payload
+    sha256   32 bytes of the payload
+    payload  u64 meta length, meta (UTF-8 JSON), tensor data
+
+The JSON names every tensor by ``{"dtype", "shape", "offset", "nbytes"}`` into the
+tensor data: fixed-size dtypes as their C-order native bytes (``.npy``'s raw data),
+strings as each element's 8-byte length and bytes (as on the wire). No pickle
+anywhere. A file whose magic, version, length, checksum or contents do not check out
+is reported (``SnapshotError``) and skipped, never half-loaded: a session is built
+whole from its file before the store sees it.
+
+Gradient tapes are not persisted: a session that had some is restored without them
+(logged), since a tape's recorded ops refer to a live computation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import struct
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from gradserve import dtypes
+from gradserve.server.core.sessions import SessionState, SessionStore
+from gradserve.server.core.tensor_array import Slot, TensorArrayState
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"GRADSNAP"
+FORMAT_VERSION = 1
+SUFFIX = ".gss"
+TEMP_PREFIX = ".tmp-"
+REJECTED_SUFFIX = ".rejected"
+_HEADER = struct.Struct("<8sIIQ32s")
+_U64 = struct.Struct("<Q")
+#: Data is written to the file in pieces of at most this many bytes.
+_PIECE = 16 << 20
+
+
+class SnapshotError(Exception):
+    """A snapshot file that cannot be written, or read back as a whole session."""
+
+
+@dataclasses.dataclass
+class SnapshotReport:
+    """What one ``write_snapshot`` did."""
+
+    written: int = 0
+    failed: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    tapes_dropped: int = 0
+    errors: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class RestoreReport:
+    """What one ``restore_dir`` did."""
+
+    restored: int = 0
+    rejected: int = 0
+    errors: list[str] = dataclasses.field(default_factory=list)
+
+
+def file_name(session_id: str) -> str:
+    """The file of one session (the id hashed: any id is a safe name)."""
+    return f"session-{hashlib.sha256(session_id.encode()).hexdigest()[:40]}{SUFFIX}"
+
+
+# ----------------------------------------------------------------------------- encode
+class _Blobs:
+    """Tensor data laid out one after another, described in the JSON."""
+
+    def __init__(self, to_host: Callable[[Any], Any]) -> None:
+        self.to_host = to_host
+        self.pieces: list[bytes | memoryview] = []
+        self.size = 0
+
+    def add(self, array: Any) -> dict[str, Any]:
+        host = np.asarray(self.to_host(array))
+        dtype = dtypes.normalize(host.dtype)
+        if dtype == dtypes.STRING:
+            parts: list[bytes] = []
+            for element in host.reshape(-1):
+                raw = element.encode() if isinstance(element, str) else bytes(element)
+                parts += [_U64.pack(len(raw)), raw]
+            data: bytes | memoryview = b"".join(parts)
+        else:
+            # Bytes through a uint8 view: bfloat16 has no buffer-protocol format.
+            flat = np.ascontiguousarray(host, dtype=dtype).reshape(-1)
+            data = flat.view(np.uint8).data
+        ref = {
+            "dtype": dtypes.name(dtype),
+            "shape": list(host.shape),
+            "offset": self.size,
+            "nbytes": len(data),
+        }
+        self.pieces.append(data)
+        self.size += len(data)
+        return ref
+
+
+def _shape_json(shape: Any) -> Any:
+    return None if shape is None else [None if d is None else int(d) for d in shape]
+
+
+def _encode(state: SessionState, to_host: Callable[[Any], Any]) -> tuple[bytes, list[Any]]:
+    """The JSON and the tensor pieces of one session."""
+    blobs = _Blobs(to_host)
+    arrays = []
+    for handle, ta in state.arrays.items():
+        slots = []
+        for index, slot in sorted(ta.slots.items()):
+            slots.append(
+                {
+                    "index": index,
+                    "shape": list(slot.shape),
+                    "written": slot.written,
+                    "read": slot.read,
+                    "cleared": slot.cleared,
+                    "value": None if slot.value is None else blobs.add(slot.value),
+                }
+            )
+        arrays.append(
+            {
+                "handle": handle,
+                "name": ta.name,
+                "dtype": dtypes.name(ta.dtype),
+                "size": ta.size,
+                "element_shape": _shape_json(ta.element_shape),
+                "identical_element_shapes": ta.identical_element_shapes,
+                "dynamic_size": ta.dynamic_size,
+                "clear_after_read": ta.clear_after_read,
+                "multiple_writes_aggregate": ta.multiple_writes_aggregate,
+                "is_grad": ta.is_grad,
+                "marked_size": ta.marked_size,
+                "gradients_disallowed": ta.gradients_disallowed,
+                "closed": ta.closed,
+                "slots": slots,
+            }
+        )
+    meta = {
+        "id": state.id,
+        "principal": state.principal,
+        "name_counter": state.name_counter,
+        "idle_seconds_left": state.idle_seconds_left,
+        "written_at": time.time(),
+        "arrays": arrays,
+        "grads": [[h, src, g] for (h, src), g in state.grads.items()],
+        "resident": [{"id": t, "value": blobs.add(a)} for t, a in state.resident.items()],
+    }
+    return json.dumps(meta, separators=(",", ":")).encode(), blobs.pieces
+
+
+def _write_all(fh: BinaryIO, data: bytes | memoryview, digest: Any) -> None:
+    view = memoryview(data).cast("B")
+    for start in range(0, len(view), _PIECE):
+        piece = view[start : start + _PIECE]
+        digest.update(piece)
+        fh.write(piece)
+
+
+def write_session(
+    state: SessionState, directory: pathlib.Path, to_host: Callable[[Any], Any] = np.asarray
+) -> int:
+    """Write one session's file atomically; returns its size in bytes. On failure
+    (``SnapshotError``) the temporary file is gone and the old file untouched."""
+    final = directory / file_name(state.id)
+    temp = directory / f"{TEMP_PREFIX}{final.name}"
+    meta, pieces = _encode(state, to_host)
+    try:
+        with open(temp, "wb") as fh:
+            fh.write(b"\0" * _HEADER.size)  # filled in once the checksum is known
+            digest = hashlib.sha256()
+            _write_all(fh, _U64.pack(len(meta)), digest)
+            _write_all(fh, meta, digest)
+            for piece in pieces:
+                _write_all(fh, piece, digest)
+            length = fh.tell() - _HEADER.size
+            fh.seek(0)
+            fh.write(_HEADER.pack(MAGIC, FORMAT_VERSION, 0, length, digest.digest()))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(temp, final)
+    except OSError as e:
+        temp.unlink(missing_ok=True)
+        raise SnapshotError(f"could not write {final.name}: {e}") from e
+    return _HEADER.size + length
+
+
+def write_snapshot(
+    states: Iterable[SessionState],
+    directory: str | os.PathLike[str],
+    to_host: Callable[[Any], Any] = np.asarray,
+) -> SnapshotReport:
+    """Write every session to ``directory``; drop the files of sessions no longer open.
+
+    A session that cannot be written is reported in the result (and logged); its
+    previous file, if any, stays as it was, and the others are still written.
+    """
+    started = time.monotonic()
+    path = pathlib.Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    report = SnapshotReport()
+    keep: set[str] = set()
+    for state in states:
+        keep.add(file_name(state.id))
+        report.tapes_dropped += state.tapes_dropped
+        try:
+            report.bytes += write_session(state, path, to_host)
+            report.written += 1
+        except SnapshotError as e:
+            report.failed += 1
+            report.errors.append(str(e))
+            log.error("snapshot: session %s… not saved: %s", state.id[:12], e)
+    for stale in path.glob(f"*{SUFFIX}"):
+        if stale.name not in keep:
+            stale.unlink(missing_ok=True)
+    _fsync_dir(path)
+    report.seconds = time.monotonic() - started
+    if report.tapes_dropped:
+        log.warning("snapshot: %d gradient tape(s) not persisted", report.tapes_dropped)
+    return report
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- decode
+def read_session(path: str | os.PathLike[str]) -> SessionState:
+    """The session in one file, or ``SnapshotError`` saying what is wrong with it."""
+    path = pathlib.Path(path)
+    try:
+        data = bytearray(path.read_bytes())
+    except OSError as e:
+        raise SnapshotError(f"{path.name}: cannot read: {e}") from e
+    if len(data) < _HEADER.size or bytes(data[:8]) != MAGIC:
+        raise SnapshotError(f"{path.name}: not a gradserve snapshot (bad magic)")
+    _, version, _flags, length, checksum = _HEADER.unpack_from(data)
+    if version != FORMAT_VERSION:
+        raise SnapshotError(
+            f"{path.name}: format version {version}, this server reads only {FORMAT_VERSION}"
+        )
+    payload = memoryview(data)[_HEADER.size :]
+    if len(payload) != length:
+        raise SnapshotError(
+            f"{path.name}: truncated or padded: {len(payload)} payload bytes, header says {length}"
+        )
+    if hashlib.sha256(payload).digest() != checksum:
+        raise SnapshotError(f"{path.name}: checksum mismatch (corrupt)")
+    try:
+        return _decode(payload)
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise SnapshotError(f"{path.name}: malformed contents: {type(e).__name__}: {e}") from e
+
+
+def _decode(payload: memoryview) -> SessionState:
+    (meta_len,) = _U64.unpack_from(payload)
+    meta = json.loads(bytes(payload[8 : 8 + meta_len]))
+    data = payload[8 + meta_len :]
+
+    def tensor(ref: dict[str, Any]) -> np.ndarray:
+        dtype = dtypes.normalize(ref["dtype"])
+        shape = tuple(int(d) for d in ref["shape"])
+        start, nbytes = int(ref["offset"]), int(ref["nbytes"])
+        if start < 0 or nbytes < 0 or start + nbytes > len(data):
+            raise ValueError(f"tensor data out of bounds ({start}+{nbytes} of {len(data)})")
+        raw = data[start : start + nbytes]
+        count = int(np.prod(shape, dtype=np.int64))
+        if dtype == dtypes.STRING:
+            out = np.empty(count, dtypes.STRING)
+            pos = 0
+            for i in range(count):
+                (n,) = _U64.unpack_from(raw, pos)
+                if pos + 8 + n > len(raw):
+                    raise ValueError("string element past its tensor's data")
+                out[i] = bytes(raw[pos + 8 : pos + 8 + n])
+                pos += 8 + n
+            if pos != len(raw):
+                raise ValueError("string tensor data longer than its elements")
+            return out.reshape(shape)
+        if count * dtype.itemsize != nbytes:
+            raise ValueError(f"tensor of shape {shape} and dtype {dtype} is not {nbytes} bytes")
+        return np.frombuffer(raw, dtype=dtype).reshape(shape)  # a view of the file's buffer
+
+    def shape(value: Any) -> Any:
+        return None if value is None else tuple(None if d is None else int(d) for d in value)
+
+    arrays = {}
+    for a in meta["arrays"]:
+        slots = {
+            int(s["index"]): Slot(
+                value=None if s["value"] is None else tensor(s["value"]),
+                shape=tuple(int(d) for d in s["shape"]),
+                written=bool(s["written"]),
+                read=bool(s["read"]),
+                cleared=bool(s["cleared"]),
+            )
+            for s in a["slots"]
+        }
+        arrays[str(a["handle"])] = TensorArrayState(
+            name=str(a["name"]),
+            dtype=dtypes.normalize(a["dtype"]),
+            size=int(a["size"]),
+            element_shape=shape(a["element_shape"]),
+            identical_element_shapes=bool(a["identical_element_shapes"]),
+            dynamic_size=bool(a["dynamic_size"]),
+            clear_after_read=bool(a["clear_after_read"]),
+            multiple_writes_aggregate=bool(a["multiple_writes_aggregate"]),
+            is_grad=bool(a["is_grad"]),
+            marked_size=int(a["marked_size"]),
+            gradients_disallowed=bool(a["gradients_disallowed"]),
+            closed=bool(a["closed"]),
+            slots=slots,
+        )
+    return SessionState(
+        id=str(meta["id"]),
+        principal=str(meta["principal"]),
+        name_counter=int(meta["name_counter"]),
+        idle_seconds_left=float(meta["idle_seconds_left"]),
+        arrays=arrays,
+        grads={(str(h), str(src)): str(g) for h, src, g in meta["grads"]},
+        resident={str(r["id"]): tensor(r["value"]) for r in meta["resident"]},
+    )
+
+
+def snapshot_files(directory: str | os.PathLike[str]) -> Iterator[pathlib.Path]:
+    """The session files in ``directory`` (temporary files of a write cut short are
+    removed: their session's previous file, if any, is the one that counts)."""
+    path = pathlib.Path(directory)
+    if not path.is_dir():
+        return
+    for temp in path.glob(f"{TEMP_PREFIX}*"):
+        temp.unlink(missing_ok=True)
+    yield from sorted(path.glob(f"*{SUFFIX}"))
+
+
+def restore_dir(
+    store: SessionStore, directory: str | os.PathLike[str], *, remove: bool = True
+) -> RestoreReport:
+    """Restore every session file in ``directory`` into ``store``.
+
+    With ``remove``, a restored session's file is removed: from then on the running
+    server holds it, and its next snapshot writes it again, so that a crash never
+    brings back an older state than that of the session it lost. Without (periodic
+    snapshots on), it stays until the next snapshot rewrites it: a crash before then
+    restores the same state again. A file that does not check out, or whose session
+    cannot be restored (its id already open, a byte limit), is renamed to
+    ``*.rejected`` (kept for a person to look at), logged and skipped.
+    """
+    report = RestoreReport()
+    for path in snapshot_files(directory):
+        try:
+            state = read_session(path)
+            store.restore(state)
+        except Exception as e:  # noqa: BLE001 - reported, the file set aside, the rest go on
+            report.rejected += 1
+            report.errors.append(f"{path.name}: {e}")
+            log.error("restore: skipped %s: %s", path.name, e)
+            path.replace(path.with_name(path.name + REJECTED_SUFFIX))
+            continue
+        if remove:
+            path.unlink(missing_ok=True)
+        report.restored += 1
+    return report

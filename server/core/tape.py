@@ -1,0 +1,171 @@
+"""Gradient tapes: the ops a session ran while a tape recorded, for ``gradients``.
+
+A tape is the server-side half of ``tf.GradientTape``. Every op that runs under
+it (the client names the tape in its request) appends a ``Record``: which
+tensors it read and wrote, by key, and what its registered gradient will need.
+Keys are tensor ids (resident tensors and the tape's own outputs) and, for a
+TensorArray, one *flow* key per version of its contents (``flow_key``): a write
+makes a new version, a read reads the current one. Flow keys are how TensorFlow
+orders TensorArray gradients too (its ``flow`` tensors), so the reverse sweep
+visits a read's gradient before the gradient of the write that it read.
+
+A tape *holds* what its backward pass needs (``Session.hold_for_tape``): the
+values of every op output (the client may pass them on to later ops by id, as
+it passes a ``tf.Tensor``) and the inputs of ops whose gradient reads them
+(BlockLSTM's). Held tensors stay charged to the session's byte budget until the
+tape is released, even if the client deletes the resident tensor meanwhile.
+
+``Recorder`` is one op's recording: it holds values as the op runs (so a tape
+over the budget fails the op with RESOURCE_EXHAUSTED), and either commits the
+record once the op has succeeded or lets go of everything it held.
+
+Frameworks build on this shape: a tape is just records plus held tensors, so an
+adapter (a PyTorch ``autograd.Function``, a Keras layer) records a forward under
+a tape and asks ``Gradients`` for the backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from gradserve.server.core.sessions import Session, TensorArg
+
+#: The most tapes one session may have alive at once.
+MAX_TAPES_PER_SESSION = 64
+
+#: Stand-ins in ``Record.inputs``/``outputs`` for a TensorArray's flow keys,
+#: resolved when the record is committed (``Tape.commit``).
+FLOW_IN = "\x00flow-in"
+FLOW_OUT = "\x00flow-out"
+
+
+def flow_key(handle: str, version: int) -> str:
+    """The key of version ``version`` of TensorArray ``handle``'s contents."""
+    return f"ta:{handle}#{version}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One op as recorded.
+
+    ``inputs`` are the keys of its differentiable inputs in the order its gradient
+    function returns their gradients (None: a constant, sent inline); ``outputs``
+    the keys of its outputs in the order its gradient function takes theirs.
+    ``saved`` is what the gradient function needs besides (held tensor ids, small
+    host arrays such as an index, attributes).
+    """
+
+    op: str
+    inputs: tuple[str | None, ...]
+    outputs: tuple[str | None, ...]
+    saved: Mapping[str, Any]
+
+
+class Tape:
+    """One tape's state; its containers change only under the owning session's lock
+    (``Session``'s tape methods), so ``Session`` stays the one place that counts
+    held bytes."""
+
+    def __init__(self, tape_id: str, *, persistent: bool, watch_accessed_variables: bool):
+        self.id = tape_id
+        self.persistent = persistent
+        self.watch_accessed_variables = watch_accessed_variables
+        #: Tensors held for the backward pass, by id (``sessions._Kept``).
+        self.held: dict[str, Any] = {}
+        #: Keys of tensors that recorded ops produced: differentiable.
+        self.outputs: set[str] = set()
+        #: Resident tensors watched (``WatchTensors``, or read by a recorded op
+        #: when ``watch_accessed_variables``): differentiable sources.
+        self.watched: set[str] = set()
+        self.records: list[Record] = []
+        self.released = False
+        #: The current version of each TensorArray's contents (``flow_key``).
+        self.flow_versions: dict[str, int] = {}
+        #: Gradients calls made on it (non-persistent tapes allow one).
+        self.gradient_calls = 0
+
+    def commit(self, op: str, inputs: tuple[str | None, ...], outputs: tuple[str | None, ...],
+               saved: Mapping[str, Any]) -> None:  # fmt: skip
+        """Append a record, resolving its flow stand-ins (caller holds the session
+        lock)."""
+        handle = saved.get("handle")
+        if handle is not None:
+            version = self.flow_versions.get(handle, 0)
+            inputs = tuple(flow_key(handle, version) if k == FLOW_IN else k for k in inputs)
+            if FLOW_OUT in outputs:
+                self.flow_versions[handle] = version + 1
+                outputs = tuple(
+                    flow_key(handle, version + 1) if k == FLOW_OUT else k for k in outputs
+                )
+        self.outputs.update(k for k in outputs if k is not None)
+        self.records.append(Record(op, inputs, outputs, saved))
+
+
+class Recorder:
+    """The recording of one op on the tapes its call named.
+
+    The op's handler calls ``arg`` for each input and ``output`` for each output as
+    it runs, then ``record``; the call's end either ``commit``s (the op succeeded)
+    or ``rollback``s (it failed: every tensor held for it is let go of).
+    """
+
+    def __init__(self, session: Session, tapes: list[Tape]) -> None:
+        self.session = session
+        self.tapes = tapes
+        self._held: list[tuple[Tape, str]] = []
+        self._pending: list[tuple[str, tuple[str | None, ...], tuple[str | None, ...],
+                                  Mapping[str, Any]]] = []  # fmt: skip
+        self._watch: set[str] = set()
+
+    def arg(self, value: TensorArg, *, hold: bool = False) -> tuple[str | None, str | None]:
+        """An input's (differentiable key, held id).
+
+        A resident tensor is differentiable under its id (and watched when the tape
+        watches accessed variables), and held as it is: deleting it does not take
+        it from the tape, which charges no more bytes for it. A value sent inline is
+        a constant (key None); with ``hold`` (its gradient needs the value) the tape
+        keeps it under a new id, charged to the session.
+        """
+        from gradserve.server.core.sessions import Resident
+
+        if isinstance(value, Resident):
+            self._watch.add(value.id)
+            for tape in self.tapes:
+                if self.session.hold_for_tape(tape, value.id):
+                    self._held.append((tape, value.id))
+            return value.id, value.id if hold else None
+        if not hold:
+            return None, None
+        held = self.session.keep_for_tapes(self.tapes, value)
+        self._held += [(tape, held) for tape in self.tapes]
+        return None, held
+
+    def output(self, value: Any) -> str:
+        """Hold an op output on every tape; returns its tape id."""
+        held = self.session.keep_for_tapes(self.tapes, value)
+        self._held += [(tape, held) for tape in self.tapes]
+        return held
+
+    def record(self, op: str, inputs: tuple[str | None, ...], outputs: tuple[str | None, ...],
+               saved: Mapping[str, Any]) -> None:  # fmt: skip
+        self._pending.append((op, inputs, outputs, saved))
+
+    def commit(self) -> None:
+        """The op succeeded: its records join the tapes."""
+        self.session.commit_records(self.tapes, self._pending, self._watch)
+        self._held, self._pending = [], []
+
+    def rollback(self) -> None:
+        """The op failed: nothing of it stays on any tape."""
+        held, self._held, self._pending = self._held, [], []
+        self.session.release_held(held)
+
+
+def small(value: Any) -> np.ndarray:
+    """A small argument (index, indices, lengths) kept in a record, as a host copy."""
+    return np.array(value, copy=True)

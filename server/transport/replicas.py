@@ -1,0 +1,202 @@
+"""One replica among several: its state directory, adoption, and the metrics to scale on.
+
+``StateKeeper`` runs the snapshots of ``server.core.persistence`` for a server: the
+restore on start, the one after the drain on SIGTERM, the periodic ones
+(``--snapshot-interval``), and the adoption of another replica's files on SIGHUP
+(``--adopt-dir``). It keeps the figures an operator reads
+(``gradserve_snapshot_*``, ``gradserve_sessions_restored_total``).
+
+``register_metrics`` adds to a server's registry what a HorizontalPodAutoscaler or an
+operator scales on besides sessions and bytes held: calls in flight, LSTM ops waiting
+for a compute slot, and the limits they are measured against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from gradserve.kernels.compute import Compute
+from gradserve.server.core import persistence
+from gradserve.server.core.sessions import SessionStore
+from gradserve.server.transport.config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class StateKeeper:
+    """Snapshots and restores of one server's sessions (a no-op without a state dir)."""
+
+    config: ServerConfig
+    store: SessionStore
+    compute: Compute
+    last: persistence.SnapshotReport | None = None
+    snapshots: int = 0
+    failures: int = 0
+    adopted: int = 0
+    rejected: int = 0
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.state_dir is not None
+
+    def restore(self) -> persistence.RestoreReport | None:
+        """On start: serve again every session the state dir holds."""
+        if self.config.state_dir is None:
+            return None
+        # With periodic snapshots the files stay (a crash before the next one restores
+        # them again); without, they go (a crash then loses the sessions, rather than
+        # bringing back a state older than what clients have since done).
+        periodic = self.config.snapshot_interval is not None
+        report = persistence.restore_dir(self.store, self.config.state_dir, remove=not periodic)
+        self.rejected += report.rejected
+        if report.restored or report.rejected:
+            log.info(
+                "restored %d session(s) from %s (%d file(s) rejected)",
+                report.restored,
+                self.config.state_dir,
+                report.rejected,
+            )
+        return report
+
+    def adopt(self) -> persistence.RestoreReport | None:
+        """On SIGHUP: serve the sessions whose files are in the adopt dir (a removed
+        replica's), by their own ids; the proxy may route their prefix here after."""
+        directory = self.config.adopt_path()
+        if directory is None:
+            log.warning("SIGHUP: nothing to adopt (no --state-dir or --adopt-dir)")
+            return None
+        report = persistence.restore_dir(self.store, directory)
+        with self._lock:
+            self.adopted += report.restored
+            self.rejected += report.rejected
+        log.info(
+            "adopted %d session(s) from %s (%d file(s) rejected)",
+            report.restored,
+            directory,
+            report.rejected,
+        )
+        if report.restored and self.config.snapshot_interval is not None:
+            self.snapshot()  # in this replica's own state dir at once, not a period later
+        return report
+
+    def snapshot(self) -> persistence.SnapshotReport | None:
+        """Write every open session to the state dir (one at a time: a periodic one and
+        the one at shutdown never interleave)."""
+        if self.config.state_dir is None:
+            return None
+        with self._lock:
+            report = persistence.write_snapshot(
+                self.store.export_states(), self.config.state_dir, self.compute.to_host
+            )
+            self.last = report
+            self.snapshots += 1
+            self.failures += report.failed
+        level = logging.ERROR if report.failed else logging.INFO
+        log.log(
+            level,
+            "snapshot: %d session(s), %d bytes in %.3fs to %s%s",
+            report.written,
+            report.bytes,
+            report.seconds,
+            self.config.state_dir,
+            f"; {report.failed} NOT saved" if report.failed else "",
+        )
+        return report
+
+    def run_periodically(self, stop: threading.Event) -> None:
+        """Snapshot every ``--snapshot-interval`` seconds until ``stop`` is set."""
+        interval = self.config.snapshot_interval
+        if interval is None or self.config.state_dir is None:
+            return
+        while not stop.wait(interval):
+            try:
+                self.snapshot()
+            except Exception:  # noqa: BLE001 - logged; the next period tries again
+                log.exception("periodic snapshot failed")
+
+
+class _ReplicaCollector:
+    """The scale-out figures, read at scrape time."""
+
+    def __init__(self, keeper: StateKeeper, servicer: Any) -> None:
+        self.keeper = keeper
+        self.servicer = servicer
+
+    def collect(self) -> Any:
+        keeper, servicer = self.keeper, self.servicer
+        admission, heavy = servicer.admission, servicer.heavy
+
+        def gauge(name: str, what: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, what)
+            family.add_metric([], value)
+            return family
+
+        def counter(name: str, what: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, what)
+            family.add_metric([], value)
+            return family
+
+        yield gauge(
+            "gradserve_rpcs_in_flight", "GradServe calls being served now", admission.in_flight
+        )
+        if admission.max_calls is not None:
+            yield gauge(
+                "gradserve_rpcs_in_flight_limit", "--max-concurrent-rpcs", admission.max_calls
+            )
+        yield gauge("gradserve_streams_open", "PutTensor/GetTensor streams open", admission.streams)
+        yield gauge(
+            "gradserve_compute_queue_depth", "LSTM ops waiting for a compute slot", heavy.waiting
+        )
+        yield gauge("gradserve_compute_slots", "--compute-slots", heavy.threads)
+        yield gauge(
+            "gradserve_draining", "1 while the replica drains (SIGTERM)", int(admission.draining)
+        )
+        store: SessionStore = keeper.store
+        if store.max_sessions is not None:
+            yield gauge("gradserve_sessions_limit", "--max-sessions", store.max_sessions)
+        if store.budget.limit is not None:
+            yield gauge("gradserve_bytes_limit", "--max-server-bytes", store.budget.limit)
+        yield counter(
+            "gradserve_sessions_restored",
+            "sessions restored from snapshots (at start and by adoption)",
+            store.restored,
+        )
+        yield counter(
+            "gradserve_sessions_adopted", "sessions adopted from --adopt-dir", keeper.adopted
+        )
+        yield counter(
+            "gradserve_snapshot_files_rejected",
+            "snapshot files that did not check out (corrupt, foreign, truncated)",
+            keeper.rejected,
+        )
+        if keeper.enabled:
+            yield counter("gradserve_snapshots", "snapshots written", keeper.snapshots)
+            yield counter(
+                "gradserve_snapshot_failures", "sessions a snapshot could not save", keeper.failures
+            )
+            last = keeper.last
+            yield gauge(
+                "gradserve_snapshot_seconds",
+                "time of the last snapshot",
+                last.seconds if last else 0,
+            )
+            yield gauge(
+                "gradserve_snapshot_bytes", "bytes of the last snapshot", last.bytes if last else 0
+            )
+            yield gauge(
+                "gradserve_snapshot_sessions",
+                "sessions in the last snapshot",
+                last.written if last else 0,
+            )
+
+
+def register_metrics(registry: Any, keeper: StateKeeper, servicer: Any) -> None:
+    """Add the scale-out figures to a server's Prometheus ``registry``."""
+    registry.register(_ReplicaCollector(keeper, servicer))

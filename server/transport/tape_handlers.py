@@ -1,0 +1,68 @@
+"""The gradient-tape RPCs: ``Gradients`` (an op: also a Batch step) and the tape's
+life cycle (start, watch, release), translated to ``core.gradients`` and the
+session's tape methods."""
+
+from __future__ import annotations
+
+from gradserve.errors import InvalidArgumentError
+from gradserve.server.core import gradients
+from gradserve.server.core.sessions import Resident, Session
+from gradserve.server.transport.wire import CallIO
+from gradserve.v1 import tape_pb2, tensor_pb2
+
+
+def _tensor_id(io: CallIO, msg: tensor_pb2.TensorInput, field: str) -> str:
+    """A target's or source's id: a tensor named by ref (or by an earlier step)."""
+    arg = io.tensor(msg, field)
+    if not isinstance(arg, Resident):
+        raise InvalidArgumentError(
+            f"'{field}' must name a tensor of the session or tape (a ref, or in a Batch a "
+            "step's output), not carry a value: a value sent inline has no gradient",
+            field=field,
+        )
+    return arg.id
+
+
+def Gradients(io: CallIO, req: tape_pb2.GradientsRequest) -> tape_pb2.GradientsResponse:
+    """tape.gradient(targets, sources, output_gradients). Not itself recorded on a
+    tape: gradients of gradients are out of scope."""
+    tape = io.session.tape(req.tape_id)
+    targets = [_tensor_id(io, t, f"targets[{n}]") for n, t in enumerate(req.targets)]
+    sources = [_tensor_id(io, s, f"sources[{n}]") for n, s in enumerate(req.sources)]
+    seeds = [io.tensor(g, f"output_gradients[{n}]") for n, g in enumerate(req.output_gradients)]
+    grads, source = gradients.gradients(
+        io.session,
+        io.compute,
+        tape,
+        targets,
+        sources,
+        seeds,
+        unconnected_zero=req.unconnected_gradients == tape_pb2.UNCONNECTED_ZERO,
+        check=io.check_alive,
+    )
+    resp = tape_pb2.GradientsResponse(source=source)
+    for n, g in enumerate(grads):
+        out = resp.gradients.add()
+        if g is not None:
+            io.emit(g, out, f"gradients[{n}]", req.keep_outputs)
+    return resp
+
+
+def start_tape(session: Session, req: tape_pb2.StartTapeRequest) -> tape_pb2.StartTapeResponse:
+    tape = session.start_tape(
+        persistent=req.persistent, watch_accessed_variables=req.watch_accessed_variables
+    )
+    return tape_pb2.StartTapeResponse(tape_id=tape.id)
+
+
+def watch_tensors(
+    session: Session, req: tape_pb2.WatchTensorsRequest
+) -> tape_pb2.WatchTensorsResponse:
+    session.watch(session.tape(req.tape_id), list(req.ids))
+    return tape_pb2.WatchTensorsResponse()
+
+
+def release_tape(
+    session: Session, req: tape_pb2.ReleaseTapeRequest
+) -> tape_pb2.ReleaseTapeResponse:
+    return tape_pb2.ReleaseTapeResponse(released_bytes=session.release_tape(req.tape_id))

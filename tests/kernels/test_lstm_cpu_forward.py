@@ -1,0 +1,177 @@
+"""The CPU forward's formulations (``kernels/lstm_cpu.py``): each one alone gives
+TensorFlow's golden outputs and the generic per-step loop's (the CUDA path's
+algorithm); the planner measures once per shape and caches its choice; the workspace
+cache is bounded and hands a workspace to one caller at a time."""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import numpy as np
+import pytest
+
+from gradserve.kernels import backend_numpy, lstm, lstm_cpu
+from gradserve.kernels.compute import compute_for
+from gradserve.lstm_signature import LSTMInputs
+from tests.kernels.lstm_cases import (
+    INDEX,
+    INPUTS,
+    OUTPUTS,
+    TOLERANCE,
+    UNINITIALISED_PAST_END,
+    forward_attrs,
+    golden,
+    random_case,
+    scaled_error,
+)
+
+FORMULATIONS = list(lstm_cpu.Formulation)
+
+#: The NumPy backend without its whole-sequence forward: ``block_lstm_forward``'s
+#: generic per-step loop, which the CUDA backend runs.
+GENERIC = types.SimpleNamespace(
+    **{
+        k: getattr(backend_numpy, k)
+        for k in ("name", "xp", "asarray", "cast", "to_host", "to_device", "fwd_step", "bwd_step")
+    }
+)
+
+
+@pytest.fixture
+def only(monkeypatch):
+    """Force one formulation: a planner whose only candidate it is."""
+
+    def force(form: lstm_cpu.Formulation) -> None:
+        monkeypatch.setattr(lstm_cpu, "PLANNER", lstm_cpu.Planner((form,)))
+
+    return force
+
+
+@pytest.mark.golden
+@pytest.mark.parametrize("form", FORMULATIONS, ids=lambda f: f.value)
+@pytest.mark.parametrize("name", [c["name"] for c in INDEX])
+def test_each_formulation_matches_tensorflow(only, form, name):
+    only(form)
+    d = golden(name)
+    tol = TOLERANCE[str(d["x"].dtype)]
+    length = int(d["seq_len_max"])
+    out = (
+        compute_for("cpu")
+        .lstm_forward(LSTMInputs(*(d[k] for k in INPUTS)), **forward_attrs(d))
+        ._asdict()
+    )
+    for k in OUTPUTS:
+        assert out[k].dtype == d[k].dtype and out[k].shape == d[k].shape
+        end = length if k in UNINITIALISED_PAST_END else None
+        assert scaled_error(out[k][:end], d[k][:end]) < tol, k
+        assert not out[k][length:].any(), f"{k} past seq_len_max must be zero"
+
+
+@pytest.mark.parametrize("form", FORMULATIONS, ids=lambda f: f.value)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize(
+    ("steps", "batch", "units", "length", "layout", "peephole", "clip", "forget_bias"),
+    [
+        (7, 5, 6, 7, lstm.GateLayout.IFCO, True, 0.0, 0.0),
+        (7, 5, 6, 4, lstm.GateLayout.ICFO, True, 0.3, 1.0),
+        (40, 3, 4, 37, lstm.GateLayout.IFCO, False, 0.0, 0.5),  # several projection chunks
+        (3, 1, 2, 1, lstm.GateLayout.ICFO, False, 0.1, 0.0),
+        (2, 0, 3, 2, lstm.GateLayout.IFCO, True, 0.0, 0.0),  # batch 0
+        (5, 3, 37, 5, lstm.GateLayout.ICFO, True, 0.0, 1.0),  # W_h^T in several strips
+    ],
+)
+def test_each_formulation_matches_the_generic_loop(
+    only, form, dtype, steps, batch, units, length, layout, peephole, clip, forget_bias
+):
+    only(form)
+    case = random_case(
+        np.random.default_rng(steps * 100 + batch), steps, batch, 5, units, dtype, length, 1.0
+    )
+    inputs = LSTMInputs(*(case[k] for k in INPUTS))
+    attrs = dict(
+        seq_len_max=length, layout=layout, use_peephole=peephole, cell_clip=clip,
+        forget_bias=forget_bias,
+    )  # fmt: skip
+    got = lstm.block_lstm_forward(backend_numpy, inputs, **attrs)
+    want = lstm.block_lstm_forward(GENERIC, inputs, **attrs)
+    tol = TOLERANCE[np.dtype(dtype).name]
+    for k, a, b in zip(OUTPUTS, got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert scaled_error(a, b) < tol, k
+
+
+def test_the_planner_measures_once_per_shape_and_keeps_its_choice(monkeypatch):
+    planner = lstm_cpu.Planner()
+    monkeypatch.setattr(lstm_cpu, "PLANNER", planner)
+    measured = []
+    measure = lstm_cpu._measure
+    monkeypatch.setattr(
+        lstm_cpu, "_measure", lambda *a: measured.append(1) or measure(*a)
+    )  # fmt: skip
+    case = random_case(np.random.default_rng(0), 6, 4, 5, 3, np.float32)
+    inputs = LSTMInputs(*(case[k] for k in INPUTS))
+    first = lstm.block_lstm_forward(backend_numpy, inputs, seq_len_max=6)
+    again = lstm.block_lstm_forward(backend_numpy, inputs, seq_len_max=6)
+    assert len(measured) == 1
+    ((key, timings),) = planner.measured.items()
+    assert set(timings) == set(FORMULATIONS)
+    assert planner.lookup(key) == min(timings, key=lambda f: timings[f])
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a, b)
+    other = random_case(np.random.default_rng(1), 6, 2, 5, 3, np.float32)  # another batch
+    lstm.block_lstm_forward(backend_numpy, LSTMInputs(*(other[k] for k in INPUTS)), seq_len_max=6)
+    assert len(measured) == 2
+
+
+def test_a_cancelled_measurement_raises_and_records_nothing(monkeypatch):
+    planner = lstm_cpu.Planner()
+    monkeypatch.setattr(lstm_cpu, "PLANNER", planner)
+    case = random_case(np.random.default_rng(0), 4, 2, 5, 3, np.float32)
+
+    def cancelled() -> None:
+        raise TimeoutError("deadline")
+
+    with pytest.raises(TimeoutError):
+        lstm.block_lstm_forward(
+            backend_numpy, LSTMInputs(*(case[k] for k in INPUTS)), seq_len_max=4, check=cancelled
+        )
+    assert not planner.measured
+
+
+def test_workspaces_are_reused_one_caller_at_a_time_and_bounded():
+    cache = lstm_cpu.Workspaces(limit_bytes=1 << 20)
+    key = (lstm_cpu.Formulation.HOISTED, 2, 4, 8, 8, "<f4")
+    a = cache.take(key)
+    b = cache.take(key)  # a is taken: a second caller gets its own
+    assert a is not b
+    cache.give(key, a)
+    assert cache.take(key) is a  # warm: the same buffers again
+    big = (lstm_cpu.Formulation.HOISTED, 64, 64, 256, 256, "<f4")  # over the limit
+    cache.give(big, cache.take(big))
+    assert cache.cached_bytes == 0
+    for units in range(1, 40):  # many shapes: the oldest are dropped
+        k = (lstm_cpu.Formulation.CONCAT, 1, 8, 8, units, "<f4")
+        cache.give(k, cache.take(k))
+        assert cache.cached_bytes <= 1 << 20
+
+
+def test_concurrent_calls_of_one_shape_do_not_share_buffers():
+    case = random_case(np.random.default_rng(0), 12, 6, 5, 4, np.float32)
+    inputs = [
+        LSTMInputs(*((case[k] * s if k == "x" else case[k]) for k in INPUTS)) for s in (1, 2, 3)
+    ]
+    want = [lstm.block_lstm_forward(GENERIC, i, seq_len_max=12) for i in inputs]
+    errors = []
+
+    def run(n: int) -> None:
+        for _ in range(20):
+            got = lstm.block_lstm_forward(backend_numpy, inputs[n], seq_len_max=12)
+            errors.append(max(scaled_error(a, b) for a, b in zip(got, want[n])))
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(errors) == 60 and max(errors) < 1e-5

@@ -1,0 +1,267 @@
+"""Session snapshots (``server.core.persistence``): a round trip keeps every bit and
+flag; a corrupt, truncated, foreign or newer file is reported and skipped, never
+half-loaded; a write that runs out of space leaves the previous file intact."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from gradserve import dtypes
+from gradserve.server.core import persistence
+from gradserve.server.core.sessions import SessionStore
+
+
+def populated(store: SessionStore, principal: str = "alice", seed: int = 0):
+    """A session with a bit of everything: arrays of several dtypes (strings and
+    bfloat16 too), read, cleared and unwritten slots, a grad array with summed writes,
+    a closed array, resident tensors."""
+    rng = np.random.default_rng(seed)
+    s = store.create(principal)
+    h, ta = s.create_tensor_array(
+        tensor_array_name="fwd",
+        dtype=np.float32,
+        size=4,
+        element_shape=(3,),
+        clear_after_read=False,
+    )
+    ta.write(0, rng.standard_normal(3).astype(np.float32))
+    ta.write(2, rng.standard_normal(3).astype(np.float32))
+    ta.read(0)
+    g, grad = s.grad_array(h, "gradients")
+    grad.write(0, np.ones(3, np.float32))
+    grad.write(0, np.full(3, 0.25, np.float32))
+    g2, grad2 = s.grad_array(h, "other")
+    grad2.read(2)  # clears: the flag must survive
+    h3, strings = s.create_tensor_array(
+        tensor_array_name="", dtype=dtypes.STRING, size=2, dynamic_size=True
+    )
+    strings.write(3, np.array([b"a\x00b", "\u00e9".encode(), b""], dtype=object))
+    h4, bf = s.create_tensor_array(
+        tensor_array_name="bf",
+        dtype=np.dtype(ml_dtypes.bfloat16),
+        size=1,
+        identical_element_shapes=True,
+    )
+    bf.write(0, rng.standard_normal((2, 2)).astype(ml_dtypes.bfloat16))
+    h5, closed = s.create_tensor_array(tensor_array_name="c", dtype=np.int64, size=1)
+    closed.close()
+    s.put(rng.integers(-5, 5, (2, 3)).astype(np.int8))
+    s.put(np.array([[1 + 2j]], np.complex128))
+    s.put(np.array([b"kept"], dtype=object))
+    s.put(np.zeros((0, 7), np.float64))
+    return s
+
+
+def same(a, b) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and (
+            list(a.flat) == list(b.flat) if a.dtype == dtypes.STRING else a.tobytes() == b.tobytes()
+        )
+    )
+
+
+def assert_same_state(x, y) -> None:
+    assert (x.id, x.principal, x.name_counter) == (y.id, y.principal, y.name_counter)
+    assert abs(x.idle_seconds_left - y.idle_seconds_left) < 5
+    assert x.grads == y.grads and x.resident.keys() == y.resident.keys()
+    for k in x.resident:
+        assert same(x.resident[k], y.resident[k]), k
+    assert x.arrays.keys() == y.arrays.keys()
+    for handle, a in x.arrays.items():
+        b = y.arrays[handle]
+        fields = [f for f in vars(a) if f != "slots"]
+        assert {f: getattr(a, f) for f in fields} == {f: getattr(b, f) for f in fields}
+        assert a.slots.keys() == b.slots.keys()
+        for i, sa in a.slots.items():
+            sb = b.slots[i]
+            assert (sa.shape, sa.written, sa.read, sa.cleared) == (
+                sb.shape,
+                sb.written,
+                sb.read,
+                sb.cleared,
+            )
+            assert (sa.value is None) == (sb.value is None)
+            if sa.value is not None:
+                assert same(sa.value, sb.value)
+
+
+def test_round_trip_keeps_every_bit_flag_owner_and_byte(tmp_path):
+    store = SessionStore(replica_id="r1", max_session_bytes=1 << 20)
+    sessions = [populated(store, principal, seed) for seed, principal in enumerate("ab" * 3)]
+    report = persistence.write_snapshot(store.export_states(), tmp_path)
+    assert (report.written, report.failed) == (6, 0) and report.bytes > 0
+    before = {s.id: s.export_state(store.idle_timeout) for s in sessions}
+
+    other = SessionStore(replica_id="r2", max_session_bytes=1 << 20)  # an adopter
+    restored = persistence.restore_dir(other, tmp_path)
+    assert (restored.restored, restored.rejected) == (6, 0)
+    assert not list(tmp_path.iterdir())  # held by the server now, not on disk
+    for s in sessions:
+        back = other.get(s.id, s.principal)  # same id, same owner
+        assert back.budget.used == s.budget.used > 0
+        assert_same_state(before[s.id], back.export_state(other.idle_timeout))
+    assert other.budget.used == store.budget.used
+    assert other.principal_budget("a").used == store.principal_budget("a").used
+    with pytest.raises(Exception, match="session not found"):
+        other.get(sessions[0].id, "b")  # another principal: as if it did not exist
+
+
+def test_a_restored_array_behaves_as_before(tmp_path):
+    store = SessionStore()
+    s = store.create()
+    h, ta = s.create_tensor_array(
+        tensor_array_name="t", dtype=np.float32, size=2, element_shape=(2,)
+    )
+    ta.write(0, np.ones(2, np.float32))
+    ta.read(0)  # clear_after_read: a second read fails
+    persistence.write_snapshot(store.export_states(), tmp_path)
+    back = SessionStore()
+    persistence.restore_dir(back, tmp_path)
+    again = back.get(s.id).tensor_array(h)
+    with pytest.raises(Exception, match="twice because it was cleared"):
+        again.read(0)
+    with pytest.raises(Exception, match="already been read"):
+        again.write(0, np.ones(2, np.float32))
+    assert np.array_equal(again.read(1), np.zeros(2, np.float32))  # unwritten: zeros
+    _, t2 = back.get(s.id).create_tensor_array(tensor_array_name="t", dtype=np.float32, size=1)
+    assert t2.name == "t_2"  # the name counter came back too
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["flip a payload byte", "truncate", "foreign file", "newer version", "empty"],
+)
+def test_a_bad_file_is_reported_and_skipped_never_half_loaded(tmp_path, damage, caplog):
+    store = SessionStore()
+    good, bad = populated(store, seed=1), populated(store, seed=2)
+    persistence.write_snapshot(store.export_states(), tmp_path)
+    path = tmp_path / persistence.file_name(bad.id)
+    data = bytearray(path.read_bytes())
+    if damage == "flip a payload byte":
+        data[-3] ^= 0x40
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "foreign file":
+        data = bytearray(b"PK\x03\x04 not a snapshot at all" * 4)
+    elif damage == "newer version":
+        data[8] = persistence.FORMAT_VERSION + 1
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    back = SessionStore()
+    report = persistence.restore_dir(back, tmp_path)
+    assert (report.restored, report.rejected) == (1, 1)
+    assert len(back) == 1 and back.get(good.id, "alice")
+    assert back.budget.used == good.budget.used  # nothing of the bad one charged
+    assert path.with_name(path.name + persistence.REJECTED_SUFFIX).exists()
+    assert "skipped" in caplog.text and path.name in caplog.text
+
+
+def test_restore_over_a_byte_limit_charges_nothing(tmp_path):
+    store = SessionStore()
+    s = populated(store)
+    persistence.write_snapshot(store.export_states(), tmp_path)
+    tight = SessionStore(max_server_bytes=s.budget.used - 1)
+    report = persistence.restore_dir(tight, tmp_path)
+    assert report.rejected == 1 and len(tight) == 0 and tight.budget.used == 0
+
+
+def test_a_full_disk_fails_cleanly_and_keeps_the_previous_file(tmp_path, monkeypatch):
+    store = SessionStore()
+    s = store.create()
+    s.put(np.ones(10, np.float32))
+    persistence.write_snapshot(store.export_states(), tmp_path)
+    old = (tmp_path / persistence.file_name(s.id)).read_bytes()
+    s.put(np.ones(1 << 16, np.float32))
+    written = [0]
+    real = persistence._write_all
+
+    def fill_up(fh, data, digest):
+        written[0] += 1
+        if written[0] > 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fh, data, digest)
+
+    monkeypatch.setattr(persistence, "_write_all", fill_up)
+    report = persistence.write_snapshot(store.export_states(), tmp_path)
+    assert (report.written, report.failed) == (0, 1) and "No space left" in report.errors[0]
+    assert [p.name for p in tmp_path.iterdir()] == [persistence.file_name(s.id)]
+    assert (tmp_path / persistence.file_name(s.id)).read_bytes() == old
+    assert persistence.read_session(tmp_path / persistence.file_name(s.id)).resident
+
+
+def test_a_snapshot_larger_than_a_real_small_filesystem(tmp_path):
+    """The same on a 1 MiB tmpfs (root only: mount)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)])
+    if done.returncode != 0:
+        pytest.skip("no permission to mount a tmpfs here (a container without CAP_SYS_ADMIN)")
+    try:
+        store = SessionStore()
+        small, big = store.create(), store.create()
+        small.put(np.ones(1000, np.float32))
+        assert persistence.write_snapshot(store.export_states(), mount).written == 2
+        before = {p.name: p.read_bytes() for p in mount.iterdir()}
+        big.put(np.ones(1 << 19, np.float32))  # 2 MiB on a 1 MiB filesystem
+        report = persistence.write_snapshot(store.export_states(), mount)
+        assert (report.written, report.failed) == (1, 1)
+        after = {p.name: p.read_bytes() for p in mount.iterdir()}
+        assert after.keys() == before.keys()  # no temporary file left behind
+        big_file = persistence.file_name(big.id)
+        assert after[big_file] == before[big_file]  # the previous snapshot of it, intact
+        back = SessionStore()
+        assert persistence.restore_dir(back, mount).restored == 2
+        assert back.get(small.id).budget.used == 4000
+        assert back.get(big.id).budget.used == 0  # its previous file: before the big put
+    finally:
+        subprocess.run(["umount", str(mount)])
+
+
+def test_tapes_are_not_persisted_and_the_rest_is(tmp_path, caplog):
+    store = SessionStore()
+    s = populated(store)
+    s.start_tape(persistent=True, watch_accessed_variables=True)
+    report = persistence.write_snapshot(store.export_states(), tmp_path)
+    assert (report.written, report.tapes_dropped) == (1, 1)
+    assert "tape(s) not persisted" in caplog.text
+    back = SessionStore()
+    assert persistence.restore_dir(back, tmp_path).restored == 1
+    restored = back.get(s.id, "alice")
+    assert restored.budget.used == s.budget.used and not restored._tapes
+
+
+def test_gpu_tensors_are_saved_through_the_hosts_copy(tmp_path):
+    """A resident tensor on the GPU (CuPy's stand-in, which refuses an implicit host
+    conversion as CuPy does) is written through ``Compute.to_host``'s copy and comes
+    back as a host array that a later LSTM op moves to the GPU again."""
+    from tests.kernels import fake_cupy
+
+    with fake_cupy.installed(None) as cupy:
+        from gradserve.kernels.compute import Compute
+
+        store = SessionStore()
+        s = store.create()
+        host = np.arange(12, dtype=np.float32).reshape(3, 4)
+        tensor_id = s.put(cupy.asarray(host))
+        with pytest.raises(TypeError):
+            np.asarray(s.get(tensor_id))  # as CuPy: no implicit copy
+        compute = Compute(sys.modules["gradserve.kernels.backend_cuda"])
+        report = persistence.write_snapshot(store.export_states(), tmp_path, compute.to_host)
+        assert report.written == 1
+    back = SessionStore()
+    persistence.restore_dir(back, tmp_path)
+    got = back.get(s.id).get(tensor_id)
+    assert isinstance(got, np.ndarray) and got.tobytes() == host.tobytes()

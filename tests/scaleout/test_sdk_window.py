@@ -1,0 +1,77 @@
+"""The SDK through a replica's restart window: a call the server refused unrun
+(UNAVAILABLE, reason DRAINING) is repeated whatever it is; a write that failed
+UNAVAILABLE otherwise is not repeated and says its outcome is unknown; a session the
+server does not hold is SessionLostError, saying why."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+import gradserve
+from gradserve.errors import NotFoundError, SessionLostError, UnavailableError
+
+
+class Refused(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, reason: str = "", message: str = "refused"):
+        self._code, self._message = code, message
+        status = status_pb2.Status(code=getattr(code_pb2, code.name), message=message)
+        if reason:
+            detail = any_pb2.Any()
+            detail.Pack(error_details_pb2.ErrorInfo(reason=reason, domain="gradserve"))
+            status.details.append(detail)
+        self._trailing = (("grpc-status-details-bin", status.SerializeToString()),)
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._message
+
+    def trailing_metadata(self):
+        return self._trailing
+
+
+def failing(times: int, error: grpc.RpcError):
+    calls = []
+
+    def attempt():
+        calls.append(1)
+        if len(calls) <= times:
+            raise error
+        return "done"
+
+    return attempt, calls
+
+
+def test_a_write_refused_while_draining_is_repeated(client, monkeypatch):
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    attempt, calls = failing(2, Refused(grpc.StatusCode.UNAVAILABLE, "DRAINING"))
+    assert client._with_retries(attempt, safe=False) == "done" and len(calls) == 3
+
+
+def test_a_write_lost_in_flight_is_not_repeated_and_says_so(client):
+    attempt, calls = failing(1, Refused(grpc.StatusCode.UNAVAILABLE, message="502"))
+    with pytest.raises(UnavailableError, match="^outcome unknown: .*not repeated") as info:
+        client._with_retries(attempt, safe=False)
+    assert len(calls) == 1 and "502" in str(info.value)
+
+
+def test_a_session_not_held_is_session_lost_with_the_reasons(client):
+    attempt, _ = failing(1, Refused(grpc.StatusCode.NOT_FOUND, "SESSION_NOT_FOUND", "gone"))
+    with pytest.raises(SessionLostError) as info:
+        client._with_retries(attempt, safe=True)
+    assert isinstance(info.value, NotFoundError) and info.value.reason == "SESSION_NOT_FOUND"
+    for why in ("restarted without", "crashed", "--session-ttl", "does not hold it", "gone"):
+        assert why in str(info.value)
+    attempt, _ = failing(1, Refused(grpc.StatusCode.NOT_FOUND, "TENSOR_NOT_FOUND"))
+    with pytest.raises(NotFoundError) as other:  # an array or tensor: not the session
+        client._with_retries(attempt, safe=True)
+    assert not isinstance(other.value, SessionLostError)
+
+
+def test_reattaching_to_an_unknown_session_is_session_lost(target):
+    with pytest.raises(SessionLostError, match="session lost"):
+        gradserve.Client(target, session_id="r9.nosuchsession", keepalive=False)

@@ -1,0 +1,473 @@
+"""Same-host shared memory over the real RPC path: regions registered with a session,
+tensors passed and returned by (region, offset, dtype, shape), and every way a worker
+can break a region under the server (it must answer with an error and serve on)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from multiprocessing import shared_memory
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import gradserve
+from gradserve import codec, dtypes, protocol
+from gradserve.client import _shm
+from gradserve.errors import (
+    AlreadyExistsError,
+    FailedPreconditionError,
+    GradserveError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
+from gradserve.server import run_server
+from gradserve.server.core import regions
+from gradserve.v1 import shared_memory_pb2 as pb
+from gradserve.v1 import tensor_array_pb2, tensor_pb2
+
+NUMERIC = [dt for dt in dtypes.SUPPORTED if dt != dtypes.STRING]
+
+
+@pytest.fixture
+def shm_client(target):
+    with gradserve.Client(target, timeout=60, shared_memory=True) as c:
+        yield c
+
+
+@pytest.fixture
+def wire_client(target):
+    with gradserve.Client(target, timeout=60, shared_memory=False) as c:
+        yield c
+
+
+class Regions:
+    """POSIX shared-memory objects made by a test, unlinked after it."""
+
+    def __init__(self) -> None:
+        self.made: list[shared_memory.SharedMemory] = []
+
+    def make(self, size: int) -> shared_memory.SharedMemory:
+        name = f"{regions.KEY_PREFIX}test_{os.urandom(8).hex()}"
+        shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+        self.made.append(shm)
+        return shm
+
+    def register(self, client, size: int = 1 << 20, name: str | None = None):
+        """A new object of ``size`` bytes, registered with ``client``'s session."""
+        shm = self.make(size)
+        nonce = os.urandom(32)
+        shm.buf[:32] = nonce
+        request = pb.RegisterSharedMemoryRequest(
+            name=name or shm.name, key=shm.name, byte_size=size, nonce=nonce
+        )
+        client._call("RegisterSharedMemory", request)
+        return shm
+
+    def close(self) -> None:
+        for shm in self.made:
+            with contextlib.suppress(BufferError, OSError):
+                shm.close()
+            with contextlib.suppress(OSError):
+                shm.unlink()
+
+
+@pytest.fixture
+def objects():
+    made = Regions()
+    yield made
+    made.close()
+
+
+def sample(dtype: np.dtype, shape=(3, 5)) -> np.ndarray:
+    rng = np.random.default_rng(7)
+    if dtype == np.bool_:
+        return rng.integers(0, 2, shape).astype(bool)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, shape, dtype=dtype, endpoint=True)
+    if dtype.kind == "c":
+        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
+    values = rng.standard_normal(shape) * 100
+    values.flat[0] = np.nan
+    values.flat[1] = -np.inf
+    return (
+        values.astype(np.float32).astype(dtype)
+        if dtype == ml_dtypes.bfloat16
+        else (values.astype(dtype))
+    )
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def shared(shm, dtype, shape, offset: int = 0, name: str | None = None) -> tensor_pb2.TensorInput:
+    msg = tensor_pb2.TensorInput()
+    msg.shared.region = name or shm.name
+    msg.shared.offset = offset
+    msg.shared.dtype = codec.dtype_to_enum(dtype)
+    msg.shared.shape[:] = shape
+    return msg
+
+
+def write(shm, array: np.ndarray, offset: int = 0) -> None:
+    shm.buf[offset : offset + array.nbytes] = array.tobytes()
+
+
+def put_shared(client, msg: tensor_pb2.TensorInput):
+    return client._call("PutSharedTensor", pb.PutSharedTensorRequest(tensor=msg.shared))
+
+
+# ---------------------------------------------------------------- same values as the wire
+@pytest.mark.parametrize("dtype", NUMERIC, ids=dtypes.name)
+def test_every_dtype_equals_the_wire(shm_client, wire_client, dtype):
+    assert shm_client._shm is not None and wire_client._shm is None
+    value = sample(np.dtype(dtype), (64, 300))  # large enough to go by shared memory
+    for c in (shm_client, wire_client):
+        ref = c.put(value)
+        assert same_bits(c.get(ref), value)
+        assert same_bits(c.raw_ops.StopGradient(input=value), value)
+        assert same_bits(c.raw_ops.StopGradient(input=ref), value)
+        h, flow = c.raw_ops.TensorArrayV3(size=1, dtype=dtype)
+        flow = c.raw_ops.TensorArrayWriteV3(h, 0, value, flow)
+        assert same_bits(c.raw_ops.TensorArrayReadV3(h, 0, flow, dtype), value)
+
+
+def test_small_and_empty_tensors(shm_client):
+    for value in (np.float32(3.5), np.zeros((0, 4), np.float64), np.arange(3, dtype=np.int8)):
+        ref = shm_client.put(value)
+        assert same_bits(shm_client.get(ref), np.asarray(value))
+        assert same_bits(shm_client.raw_ops.StopGradient(input=value), np.asarray(value))
+
+
+def test_strings_stay_on_the_wire(shm_client, objects):
+    value = np.array([b"a", b"bc" * 40000, "d\u00e9"], dtype=object)
+    out = shm_client.raw_ops.StopGradient(input=value)
+    assert list(out) == [b"a", b"bc" * 40000, "d\u00e9".encode()]
+    assert list(shm_client.get(shm_client.put(value))) == list(out)
+    shm = objects.register(shm_client)
+    with pytest.raises(InvalidArgumentError, match="string tensors cannot"):
+        put_shared(shm_client, shared(shm, dtypes.STRING, [1]))
+
+
+def test_outputs_come_back_through_the_region(shm_client, server):
+    value = np.arange(1 << 16, dtype=np.float32)
+    ref = shm_client.put(value)
+    lease = shm_client._shm.output_lease()
+    try:
+        md = shm_client._shm.output_metadata(lease, shm_client._metadata)
+        reply = shm_client._call(
+            "StopGradient",
+            tensor_array_pb2.StopGradientRequest(input=tensor_pb2.TensorInput(ref=ref.id)),
+            metadata=md,
+        )
+        assert reply.output.WhichOneof("result") == "shared"
+        assert reply.output.shared.region == lease.out.name
+        assert same_bits(shm_client._shm.read_output(reply.output), value)
+    finally:
+        lease.release()
+
+
+def test_outputs_that_do_not_fit_the_region_come_as_usual(target, objects):
+    with gradserve.Client(target, shared_memory=True) as c:
+        small = objects.register(c, 4096, name="tiny")
+        value = np.arange(4096, dtype=np.float32)  # 16 KiB: over the region
+        md = (*c._metadata, (protocol.OUTPUT_REGION_METADATA_KEY, "tiny"))
+        req = tensor_array_pb2.StopGradientRequest()
+        codec.encode(value, req.input.value)
+        reply = c._call("StopGradient", req, metadata=md)
+        assert reply.output.WhichOneof("result") == "value"
+        assert same_bits(codec.decode(reply.output.value), value)
+        assert bytes(small.buf[32:64]) == bytes(32)  # nothing written there
+
+
+def test_lstm_inputs_in_shared_memory_give_the_wire_results(shm_client, wire_client):
+    rng = np.random.default_rng(3)
+    steps, batch, inputs, units = 5, 32, 128, 64
+
+    def r(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    args = dict(
+        seq_len_max=np.int64(steps),
+        x=r(steps, batch, inputs),
+        cs_prev=r(batch, units),
+        h_prev=r(batch, units),
+        w=r(inputs + units, 4 * units) * 0.1,
+        wci=r(units),
+        wcf=r(units),
+        wco=r(units),
+        b=r(4 * units),
+    )
+    by_shm = shm_client.raw_ops.BlockLSTMV2(**args, use_peephole=True)
+    by_wire = wire_client.raw_ops.BlockLSTMV2(**args, use_peephole=True)
+    for a, b in zip(by_shm, by_wire):
+        assert same_bits(np.asarray(a), np.asarray(b))
+
+
+# ---------------------------------------------------------------- copies where TF needs them
+def test_overwriting_the_region_after_a_write_changes_nothing_stored(shm_client, objects):
+    shm = objects.register(shm_client)
+    value = np.arange(1000, dtype=np.float32)
+    write(shm, value)
+    h, flow = shm_client.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
+    req = tensor_array_pb2.TensorArrayWriteV3Request(
+        handle=tensor_array_pb2.TensorArrayHandle(id=h.id, name=h.name),
+        value=shared(shm, np.float32, [1000]),
+        flow_in=flow,
+    )
+    codec.encode(np.array(0, np.int32), req.index.value)
+    shm_client._call("TensorArrayWriteV3", req)
+    ref = put_shared(shm_client, shared(shm, np.float32, [1000]))
+    write(shm, np.full(1000, -1, np.float32))  # the worker reuses its region
+    assert same_bits(shm_client.raw_ops.TensorArrayReadV3(h, 0, flow, np.float32), value)
+    assert same_bits(shm_client.get(ref.id), value)
+
+
+# ---------------------------------------------------------------- isolation and validation
+def test_another_sessions_region_is_not_found(target, objects):
+    with gradserve.Client(target, shared_memory=False) as a:
+        with gradserve.Client(target, shared_memory=False) as b:
+            shm = objects.register(a, name="mine")
+            write(shm, np.ones(4, np.float32))
+            assert same_bits(
+                a.get(put_shared(a, shared(shm, np.float32, [4], name="mine")).id),
+                np.ones(4, np.float32),
+            )
+            with pytest.raises(NotFoundError) as err:
+                put_shared(b, shared(shm, np.float32, [4], name="mine"))
+            assert err.value.reason == "REGION_NOT_FOUND"
+            # Nor can b register a's object, even knowing its name and first bytes.
+            nonce = bytes(shm.buf[:32])
+            request = pb.RegisterSharedMemoryRequest(
+                name="theirs", key=shm.name, byte_size=1 << 20, nonce=nonce
+            )
+            with pytest.raises(FailedPreconditionError, match="another session"):
+                b._call("RegisterSharedMemory", request)
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["../etc/passwd", "a/b", "..", ".", "", "x" * 129, "sp ace", "nul\x00", "é", "psm_1234"],
+)
+def test_bad_keys_are_refused(wire_client, key):
+    request = pb.RegisterSharedMemoryRequest(name="r", key=key, byte_size=64, nonce=b"n" * 32)
+    with pytest.raises(InvalidArgumentError, match="key"):
+        wire_client._call("RegisterSharedMemory", request)
+
+
+def test_bad_registrations_are_refused(wire_client, objects):
+    shm = objects.make(4096)
+    nonce = os.urandom(32)
+    shm.buf[:32] = nonce
+
+    def register(**fields):
+        base = dict(name="r", key=shm.name, byte_size=4096, nonce=nonce)
+        wire_client._call("RegisterSharedMemory", pb.RegisterSharedMemoryRequest(**(base | fields)))
+
+    with pytest.raises(InvalidArgumentError, match="name"):
+        register(name="a/b")
+    with pytest.raises(InvalidArgumentError, match="nonce"):
+        register(nonce=b"short")
+    with pytest.raises(FailedPreconditionError, match="nonce"):
+        register(nonce=os.urandom(32))
+    with pytest.raises(InvalidArgumentError, match="fewer than"):
+        register(byte_size=8192)
+    with pytest.raises(NotFoundError, match="cannot open"):
+        register(key="gradserve_no_such_object")
+    register()
+    with pytest.raises(AlreadyExistsError):
+        register()
+
+
+def test_symlinks_and_directories_under_dev_shm_are_refused(wire_client, objects, tmp_path):
+    shm = objects.make(4096)
+    nonce = os.urandom(32)
+    shm.buf[:32] = nonce
+    link = f"gradserve_test_link_{os.getpid()}"
+    folder = f"gradserve_test_dir_{os.getpid()}"
+    os.symlink(f"/dev/shm/{shm.name}", f"/dev/shm/{link}")
+    os.mkdir(f"/dev/shm/{folder}")
+    try:
+        for key, error in ((link, NotFoundError), (folder, GradserveError)):
+            request = pb.RegisterSharedMemoryRequest(name="r", key=key, byte_size=4096, nonce=nonce)
+            with pytest.raises(error):
+                wire_client._call("RegisterSharedMemory", request)
+    finally:
+        os.unlink(f"/dev/shm/{link}")
+        os.rmdir(f"/dev/shm/{folder}")
+
+
+def test_tensors_outside_the_region_are_refused(wire_client, objects):
+    shm = objects.register(wire_client, 4096)
+    for offset, shape in ((4000, [100]), (-8, [1]), (0, [1025]), (0, [1 << 40, 1 << 40])):
+        with pytest.raises(InvalidArgumentError):
+            put_shared(wire_client, shared(shm, np.float32, shape, offset=offset))
+    assert put_shared(wire_client, shared(shm, np.float32, [1024])).shape == [1024]
+
+
+def test_region_sizes_are_bounded_by_the_session(objects):
+    with run_server(host="127.0.0.1", port=0, device="cpu", max_session_bytes=1 << 20) as s:
+        with gradserve.Client(f"127.0.0.1:{s.port}", shared_memory=False) as c:
+            objects.register(c, 1 << 20)
+            with pytest.raises(ResourceExhaustedError, match="REGION|limit"):
+                objects.register(c, (1 << 20) + 4096)
+
+
+# ---------------------------------------------------------------- a region broken under the server
+def test_truncated_or_unlinked_region_is_an_error_and_the_server_serves_on(shm_client, objects):
+    shm = objects.register(shm_client, 1 << 20)
+    write(shm, np.ones(1000, np.float32))
+    truncate(shm, 1024)  # the worker shrinks it
+    with pytest.raises(FailedPreconditionError) as err:
+        put_shared(shm_client, shared(shm, np.float32, [1000]))
+    assert err.value.reason == "REGION_TRUNCATED"
+    ref = shm_client.put(np.ones(10, np.float32))
+    with pytest.raises(FailedPreconditionError):
+        shm_client._call(
+            "GetSharedTensor", pb.GetSharedTensorRequest(id=ref.id, region=shm.name, offset=4096)
+        )
+    truncate(shm, 1 << 20)  # grown back: usable again
+    assert put_shared(shm_client, shared(shm, np.float32, [1000])).id
+    shm.unlink()  # the worker removes it
+    with pytest.raises(NotFoundError) as err:
+        put_shared(shm_client, shared(shm, np.float32, [1000]))
+    assert err.value.reason == "REGION_UNLINKED"
+    with pytest.raises(NotFoundError, match="not registered"):  # dropped from the session
+        put_shared(shm_client, shared(shm, np.float32, [1000]))
+    assert same_bits(shm_client.raw_ops.StopGradient(input=np.arange(5.0)), np.arange(5.0))
+
+
+def test_region_truncated_while_calls_run_gives_errors_never_a_crash(shm_client, objects):
+    size = 16 << 20
+    shm = objects.register(shm_client, size)
+    ref = shm_client.put(np.ones(size // 4, np.float32))
+    stop = threading.Event()
+
+    def vandal():
+        fd = os.open(f"/dev/shm/{shm.name}", os.O_RDWR)
+        while not stop.is_set():
+            os.ftruncate(fd, 4096)
+            os.ftruncate(fd, size)
+        os.close(fd)
+
+    thread = threading.Thread(target=vandal)
+    thread.start()
+    outcomes = set()
+    try:
+        for _ in range(20):
+            for call in (
+                lambda: put_shared(shm_client, shared(shm, np.float32, [size // 4])),
+                lambda: shm_client._call(
+                    "GetSharedTensor", pb.GetSharedTensorRequest(id=ref.id, region=shm.name)
+                ),
+            ):
+                try:
+                    call()
+                    outcomes.add("ok")
+                except FailedPreconditionError:
+                    outcomes.add("truncated")
+    finally:
+        stop.set()
+        thread.join()
+    assert outcomes <= {"ok", "truncated"}
+    assert same_bits(shm_client.raw_ops.StopGradient(input=np.arange(3)), np.arange(3))
+
+
+def test_output_region_broken_before_the_outputs_returns_them_inline(target, objects):
+    with gradserve.Client(target, shared_memory=True) as c:
+        shm = objects.register(c, 1 << 20, name="out")
+        truncate(shm, 0)
+        md = (*c._metadata, (protocol.OUTPUT_REGION_METADATA_KEY, "out"))
+        req = tensor_array_pb2.StopGradientRequest()
+        codec.encode(np.arange(100, dtype=np.float32), req.input.value)
+        reply = c._call("StopGradient", req, metadata=md)
+        assert reply.output.WhichOneof("result") == "value"  # never lost to the region
+
+
+# ---------------------------------------------------------------- lifetime
+def test_regions_are_closed_with_their_session_and_on_expiry(objects):
+    with run_server(host="127.0.0.1", port=0, device="cpu") as s:
+        target = f"127.0.0.1:{s.port}"
+        c = gradserve.Client(target, shared_memory=True, keepalive=False)
+        shm = objects.register(c)
+        table = s.store.get(c.session_id).regions
+        assert len(table) == 2 and _server_fds(shm.name) == 1
+        c.close()
+        assert len(table) == 0 and _server_fds(shm.name) == 0
+        d = gradserve.Client(target, shared_memory=False, keepalive=False)
+        shm = objects.register(d)
+        assert _server_fds(shm.name) == 1
+        assert s.store.expire_idle(now=float("inf")) >= 1
+        assert _server_fds(shm.name) == 0
+        d.close()
+
+
+def test_client_unlinks_its_regions_on_close(target):
+    with gradserve.Client(target, shared_memory=True) as c:
+        c.put(np.ones(1 << 20, np.float32))
+        names = list(c._shm.pool._all)
+    assert names and not any(os.path.exists(f"/dev/shm/{n}") for n in names)
+
+
+# ---------------------------------------------------------------- another host
+def test_a_server_that_cannot_open_the_region_means_the_wire(target, monkeypatch, tmp_path):
+    monkeypatch.setattr(regions, "SHM_DIR", str(tmp_path))  # the server's /dev/shm is elsewhere
+    with gradserve.Client(target) as c:  # "auto"
+        assert c._shm is None
+        value = np.arange(1 << 18, dtype=np.float32)
+        assert same_bits(c.get(c.put(value)), value)
+        assert same_bits(c.raw_ops.StopGradient(input=value), value)
+    with pytest.raises(NotFoundError, match="cannot open"):
+        gradserve.Client(target, shared_memory=True)
+
+
+def test_a_server_that_opens_another_object_of_that_name_means_the_wire(
+    target, monkeypatch, tmp_path
+):
+    monkeypatch.setattr(regions, "SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(_shm.secrets, "token_hex", lambda n: "f" * 2 * n)
+    (tmp_path / f"gradserve_{'f' * 24}").write_bytes(bytes(2 << 20))  # another host's object
+    with gradserve.Client(target) as c:
+        assert c._shm is None
+        assert same_bits(c.raw_ops.StopGradient(input=np.arange(4.0)), np.arange(4.0))
+    with pytest.raises(FailedPreconditionError, match="nonce"):
+        gradserve.Client(target, shared_memory=True)
+
+
+def truncate(shm: shared_memory.SharedMemory, size: int) -> None:
+    """The worker resizes its object under the server."""
+    fd = os.open(f"/dev/shm/{shm.name}", os.O_RDWR)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _server_fds(key: str) -> int:
+    """Descriptors the in-process server holds on /dev/shm/<key>: those of this process
+    less the test's own two (SharedMemory's, and its mapping's duplicate)."""
+    count = -2
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(f"/dev/shm/{key}"):
+                count += 1
+    return count
+
+
+def test_regions_the_server_lost_are_registered_again(server, shm_client):
+    # A server restored from a snapshot knows the session but holds no region.
+    value = np.arange(1 << 16, dtype=np.float32)
+    ref = shm_client.put(value)
+    table = server.store.get(shm_client.session_id).regions
+    table.unregister()
+    assert same_bits(shm_client.raw_ops.StopGradient(input=value), value)
+    assert len(table) >= 1
+    table.unregister()
+    assert same_bits(shm_client.get(ref), value)
+    table.unregister()
+    assert same_bits(shm_client.get(shm_client.put(value)), value)

@@ -1,0 +1,399 @@
+"""The gradient tape over the real RPC path: recording, the reverse sweep's rules,
+errors that change nothing, memory held and freed, and dataflow Batch.
+
+Values are checked against answers worked out by hand (TensorFlow's registered
+gradients are linear maps here) or finite differences; the TensorFlow oracle
+replays are in ``test_tape_golden.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gradserve
+from gradserve.client import TensorRef
+from gradserve.client._types import TapedArray
+from gradserve.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    UnimplementedError,
+)
+from gradserve.server import run_server
+
+F32 = np.float32
+
+
+def session_of(server, client):
+    return server.store.get(client.session_id)
+
+
+def used(server, client) -> int:
+    return session_of(server, client).budget.used
+
+
+def _ta(client, size=3, **kw):
+    kw.setdefault("element_shape", [2])
+    return client.raw_ops.TensorArrayV3(size=size, dtype=F32, **kw)
+
+
+# ----------------------------------------------------------------- recording
+def test_without_a_tape_nothing_is_recorded(client, server):
+    h, flow = _ta(client)
+    client.raw_ops.TensorArrayWriteV3(h, 0, np.ones(2, F32), flow)
+    r = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+    assert type(r) is np.ndarray  # no tape id
+    assert not session_of(server, client)._tapes
+
+
+def test_outputs_under_a_tape_carry_ids_and_flow_on_by_id(client):
+    x = client.put(np.array([1.0, 2.0], F32))
+    with client.gradient_tape() as tape:
+        h, flow = _ta(client)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+        r = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+        assert isinstance(r, TapedArray) and r.tape_id
+        # r goes on by id: the second array's gradient reaches x through it.
+        h2, flow2 = _ta(client)
+        flow2 = client.raw_ops.TensorArrayWriteV3(h2, 1, r, flow2)
+        r2 = client.raw_ops.TensorArrayReadV3(h2, 1, flow2, F32)
+    assert type(r * 2) is not TapedArray or (r * 2).tape_id is None
+    (g,) = tape.gradient(r2, [x], output_gradients=[np.array([3.0, 5.0], F32)])
+    np.testing.assert_array_equal(g, [3.0, 5.0])
+
+
+def test_fetching_or_deleting_an_output_keeps_what_the_backward_needs(client):
+    x = client.put(np.array([1.0, -1.0], F32))
+    with client.gradient_tape() as tape:
+        h, flow = _ta(client)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+        kept = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32, keep=True)
+    assert isinstance(kept, TensorRef)
+    kept.numpy()
+    client.delete(kept, x)  # the tape still holds both
+    (g,) = tape.gradient(kept, [x])
+    np.testing.assert_array_equal(g, [1.0, 1.0])  # default output gradient: ones
+
+
+# ----------------------------------------------------------------- the sweep's rules
+def test_several_reads_of_one_element_sum_into_its_gradient(client):
+    x = client.put(np.array([1.0, 2.0], F32))
+    with client.gradient_tape() as tape:
+        h, flow = _ta(client, clear_after_read=False)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 1, x, flow)
+        a = client.raw_ops.TensorArrayReadV3(h, 1, flow, F32)
+        b = client.raw_ops.TensorArrayReadV3(h, 1, flow, F32)
+    g = tape.gradient([a, b], x, output_gradients=[np.ones(2, F32), np.full(2, 10, F32)])
+    np.testing.assert_array_equal(g, [11.0, 11.0])
+
+
+def test_gather_scatter_and_uneven_concat_split(client):
+    v = client.put(np.arange(10, dtype=F32).reshape(5, 2))
+    with client.gradient_tape() as tape:
+        h, flow = _ta(client, size=5)
+        flow = client.raw_ops.TensorArrayScatterV3(h, [4, 0, 2, 1, 3], v, flow)
+        g4 = client.raw_ops.TensorArrayGatherV3(h, [0, 4], flow, F32, element_shape=[2])
+        s = client.put(np.arange(12, dtype=F32).reshape(6, 2))
+        h2, flow2 = client.raw_ops.TensorArrayV3(size=3, dtype=F32, element_shape=None)
+        flow2 = client.raw_ops.TensorArraySplitV3(h2, s, np.array([1, 3, 2]), flow2)
+        cat, lengths = client.raw_ops.TensorArrayConcatV3(h2, flow2, F32)
+    np.testing.assert_array_equal(lengths, [1, 3, 2])
+    dg4 = np.array([[1, 2], [3, 4]], F32)
+    dcat = np.arange(12, dtype=F32).reshape(6, 2) * 10
+    gv, gs = tape.gradient([g4, cat], [v, s], output_gradients=[dg4, dcat])
+    # scatter put v[1] at 0 and v[0] at 4; the gather read 0 and 4.
+    expect = np.zeros((5, 2), F32)
+    expect[1], expect[0] = dg4[0], dg4[1]
+    np.testing.assert_array_equal(gv, expect)
+    np.testing.assert_array_equal(gs, dcat)
+
+
+def test_unread_elements_get_zero_gradient(client):
+    v = client.put(np.ones((3, 2), F32))
+    with client.gradient_tape() as tape:
+        h, flow = _ta(client)
+        flow = client.raw_ops.TensorArrayScatterV3(h, [0, 1, 2], v, flow)
+        r = client.raw_ops.TensorArrayReadV3(h, 2, flow, F32)
+    np.testing.assert_array_equal(tape.gradient(r, v), [[0, 0], [0, 0], [1, 1]])
+
+
+def test_stop_gradient_blocks_and_a_path_around_it_carries(client):
+    x = client.put(np.array([1.0, 2.0], F32))
+    with client.gradient_tape(persistent=True) as tape:
+        stopped = client.raw_ops.StopGradient(x)
+        h, flow = _ta(client)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, stopped, flow)
+        r0 = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+        h2, flow2 = _ta(client)
+        flow2 = client.raw_ops.TensorArrayWriteV3(h2, 0, stopped, flow2)
+        flow2 = client.raw_ops.TensorArrayWriteV3(h2, 1, x, flow2)
+        r1 = client.raw_ops.TensorArrayReadV3(h2, 1, flow2, F32)
+    assert tape.gradient(r0, x) is None
+    np.testing.assert_array_equal(
+        tape.gradient(r0, x, unconnected_gradients="zero"), np.zeros(2, F32)
+    )
+    np.testing.assert_array_equal(tape.gradient([r0, r1], x), [1.0, 1.0])
+    np.testing.assert_array_equal(tape.gradient(r0, stopped), [1.0, 1.0])
+    tape.release()
+
+
+def test_each_gradient_call_has_its_own_source(client, server):
+    x = client.put(np.array([1.0, 2.0], F32))
+    with client.gradient_tape(persistent=True) as tape:
+        h, flow = _ta(client, clear_after_read=False)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+        r = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+    first = tape.gradient(r, x)
+    second = tape.gradient(r, x)  # a shared accumulator would give 2
+    np.testing.assert_array_equal(first, [1.0, 1.0])
+    np.testing.assert_array_equal(second, [1.0, 1.0])
+    # The grad arrays of both computations are gone; the forward is frozen (TF).
+    session = session_of(server, client)
+    assert not session._grads
+    assert session.tensor_array(h.id).dynamic_size is False
+    tape.release()
+
+
+def test_size_zero_split_has_an_empty_gradient(client):
+    """TensorFlow raises here although the forward works; the gradient is empty."""
+    s = client.put(np.zeros((0, 2), F32))
+    y = client.put(np.ones(2, F32))
+    with client.gradient_tape() as tape:
+        h, flow = client.raw_ops.TensorArrayV3(size=0, dtype=F32, dynamic_size=True)
+        flow = client.raw_ops.TensorArraySplitV3(h, s, np.zeros(0, np.int64), flow)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, y, flow)
+        r = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+    gs, gy = tape.gradient(r, [s, y])
+    assert gs.shape == (0, 2) and gs.dtype == F32
+    np.testing.assert_array_equal(gy, [1.0, 1.0])
+
+
+# ----------------------------------------------------------------- the LSTM
+def _lstm_inputs(client, rng, T=4, B=2, I=3, H=3, dtype=np.float64):  # noqa: N803, E741
+    x = client.put(rng.standard_normal((T, B, I)).astype(dtype))
+    w = client.put((rng.standard_normal((I + H, 4 * H)) * 0.7).astype(dtype))
+    b = client.put((rng.standard_normal(4 * H) * 0.5).astype(dtype))
+    z = np.zeros((B, H), dtype)
+    p = np.zeros(H, dtype)
+    return [np.int64(T), x, z, z, w, p, p, p, b]
+
+
+def test_lstm_gate_outputs_as_targets_are_unimplemented_not_zeros(client):
+    args = _lstm_inputs(client, np.random.default_rng(1))
+    with client.gradient_tape(persistent=True) as tape:
+        acts = client.raw_ops.BlockLSTMV2(*args)
+    for name in ("i", "f", "o", "ci", "co"):
+        with pytest.raises(UnimplementedError, match=f"output '{name}'"):
+            tape.gradient(getattr(acts, name), args[4])
+    assert tape.gradient(acts.cs, args[4]).shape == args[4].shape
+    tape.release()
+
+
+def test_lstm_clipped_cells_get_the_true_gradient(client):
+    """TensorFlow's kernels pass gradient straight through a clipped cell; the tape's
+    matches central finite differences (float64), for V1 and V2."""
+    rng = np.random.default_rng(7)
+    args = _lstm_inputs(client, rng, T=5, H=4)
+    args[4] = client.put(args[4].numpy() * 4)  # large weights: cells saturate
+    for op, clip in (("BlockLSTM", 0.6), ("BlockLSTMV2", 0.6)):
+        fn = getattr(client.raw_ops, op)
+        with client.gradient_tape() as tape:
+            acts = fn(*args, cell_clip=clip)
+        cs = np.asarray(acts.cs)
+        assert (np.abs(cs) >= clip).any() and (np.abs(cs) < clip).any()
+        dh = rng.standard_normal(np.asarray(acts.h).shape)
+        (gw,) = tape.gradient(acts.h, [args[4]], output_gradients=[dh])
+        w = args[4].numpy()
+        values = [a.numpy() if isinstance(a, TensorRef) else a for a in args]
+
+        def loss(wv, values=values, fn=fn, clip=clip, dh=dh):
+            vals = list(values)
+            vals[4] = wv
+            return float((np.asarray(fn(*vals, cell_clip=clip).h) * dh).sum())
+
+        eps = 1e-6
+        for idx in [(0, 0), (2, 5), (5, 9), (6, 15)]:
+            wp, wm = w.copy(), w.copy()
+            wp[idx] += eps
+            wm[idx] -= eps
+            fd = (loss(wp) - loss(wm)) / (2 * eps)
+            assert abs(fd - gw[idx]) < 1e-6 * max(1.0, abs(fd)), (op, idx, fd, gw[idx])
+
+
+def test_a_gradient_of_a_gradient_is_unimplemented(client):
+    args = _lstm_inputs(client, np.random.default_rng(2))
+    acts = client.raw_ops.BlockLSTMV2(*args, keep=True)
+    h = acts.h.numpy()
+    with client.gradient_tape() as tape:
+        grads = client.raw_ops.BlockLSTMGradV2(
+            *args, *acts, np.zeros_like(h), np.ones_like(h), use_peephole=False
+        )
+    with pytest.raises(UnimplementedError, match="gradient of a gradient"):
+        tape.gradient(grads.w_grad, args[4])
+
+
+# ----------------------------------------------------------------- errors change nothing
+@pytest.fixture
+def recorded(client):
+    x = client.put(np.array([1.0, 2.0], F32))
+    n = client.put(np.array([1, 2], np.int32))
+    with client.gradient_tape(persistent=True) as tape:
+        h, flow = _ta(client, clear_after_read=False)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+        r = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+    yield tape, x, n, r, h
+    if not tape.released:
+        tape.release()
+
+
+def _state(server, client):
+    s = session_of(server, client)
+    return used(server, client), dict(s._grads), len(s._resident), len(s._tapes)
+
+
+def test_errors_name_the_tensor_and_change_nothing(client, server, recorded):
+    tape, x, n, r, _ = recorded
+    before = _state(server, client)
+    with pytest.raises(InvalidArgumentError, match="was not computed under this tape"):
+        tape.gradient(n, x)  # a resident tensor the tape never read
+    with pytest.raises(InvalidArgumentError, match="source .* has dtype int32"):
+        tape.gradient(r, [x, n])
+    with pytest.raises(InvalidArgumentError, match=r"output_gradients\[0\] is float \[3\]"):
+        tape.gradient(r, x, output_gradients=[np.ones(3, F32)])
+    with pytest.raises(InvalidArgumentError, match=r"output_gradients\[0\] is double"):
+        tape.gradient(r, x, output_gradients=[np.ones(2)])
+    assert _state(server, client) == before
+    np.testing.assert_array_equal(tape.gradient(r, x), [1.0, 1.0])  # still usable
+
+
+def test_a_released_tape_is_a_failed_precondition(client, server):
+    x = client.put(np.array([1.0], F32))
+    with client.gradient_tape() as tape:
+        h, flow = _ta(client, element_shape=[1])
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+        r = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+    tape.gradient(r, x)
+    with pytest.raises(FailedPreconditionError, match="released"):
+        tape.gradient(r, x)
+    # Also when the SDK does not know (another client of the same session).
+    with gradserve.Client(f"127.0.0.1:{server.port}", session_id=client.session_id) as other:
+        stale = other.gradient_tape()
+        stale.id = tape.id
+        with pytest.raises(FailedPreconditionError, match="was released"):
+            stale.gradient(r, x)
+
+
+def test_a_failed_gradient_rolls_back_its_grad_arrays_and_the_freeze(client, server):
+    """The sweep makes a grad array (freezing the forward's size) for the TensorArray
+    read, then fails at the LSTM (a gate output as target): nothing stays."""
+    args = _lstm_inputs(client, np.random.default_rng(5))
+    with client.gradient_tape(persistent=True) as tape:
+        acts = client.raw_ops.BlockLSTMV2(*args)
+        h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=np.float64, dynamic_size=True)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, acts.h, flow)
+        r = client.raw_ops.TensorArrayReadV3(h, 0, flow, np.float64)
+    before = _state(server, client)
+    with pytest.raises(UnimplementedError, match="output 'i'"):
+        tape.gradient([r, acts.i], args[4])
+    assert _state(server, client) == before
+    assert session_of(server, client).tensor_array(h.id).dynamic_size is True
+    assert tape.gradient(r, args[4]).shape == args[4].shape  # and the tape goes on
+    tape.release()
+
+
+# ----------------------------------------------------------------- memory
+def test_a_non_persistent_tape_frees_what_it_held_after_gradient(client, server):
+    args = _lstm_inputs(client, np.random.default_rng(3), T=8, B=4, I=5, H=6)
+    before = used(server, client)
+    with client.gradient_tape() as tape:
+        acts = client.raw_ops.BlockLSTMV2(*args[:2], np.zeros((4, 6)), np.zeros((4, 6)), *args[4:])
+    held = used(server, client) - before
+    # Seven outputs, the two inline initial states and three inline peephole
+    # weights (the resident inputs are charged already).
+    assert held == 7 * 8 * 4 * 6 * 8 + 2 * 4 * 6 * 8 + 3 * 6 * 8
+    tape.gradient(acts.h, args[4])
+    assert used(server, client) == before
+
+
+def test_a_persistent_tape_frees_on_release_and_session_close(target):
+    with run_server(host="127.0.0.1", port=0, max_session_bytes=1 << 20) as srv:
+        with gradserve.Client(f"127.0.0.1:{srv.port}") as c:
+            x = c.put(np.ones(1000, F32))
+            base = srv.store.get(c.session_id).budget.used
+            with c.gradient_tape(persistent=True) as tape:
+                h, flow = c.raw_ops.TensorArrayV3(size=1, dtype=F32)
+                flow = c.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+                r = c.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+            tape.gradient(r, x)
+            tape.gradient(r, x)
+            assert srv.store.get(c.session_id).budget.used == base + 4000
+            assert tape.release() == 4000
+            assert srv.store.get(c.session_id).budget.used == base
+            with c.gradient_tape(persistent=True):
+                c.raw_ops.StopGradient(x)
+        assert srv.store.budget.used == 0  # the session's close freed the live tape
+
+
+def test_a_tape_over_the_byte_budget_is_refused_and_the_session_goes_on(target):
+    with run_server(host="127.0.0.1", port=0, max_session_bytes=128 * 1024) as srv:
+        with gradserve.Client(f"127.0.0.1:{srv.port}") as c:
+            x = c.put(np.ones(4096, F32))  # 16 KiB
+            with c.gradient_tape() as tape:
+                h, flow = c.raw_ops.TensorArrayV3(size=8, dtype=F32, clear_after_read=False)
+                flow = c.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+                reads = []
+                with pytest.raises(ResourceExhaustedError, match="--max-session-bytes"):
+                    for _ in range(8):  # each read's output is held: 16 KiB more
+                        reads.append(c.raw_ops.TensorArrayReadV3(h, 0, flow, F32))
+            assert len(reads) == 6  # x, the element and six reads fill 128 KiB
+            assert tape.release() == 6 * 16384
+            assert srv.store.get(c.session_id).budget.used == 2 * 16384  # x, the element
+            with c.gradient_tape() as tape:
+                flow = c.raw_ops.TensorArrayWriteV3(h, 1, x, flow)
+                r = c.raw_ops.TensorArrayReadV3(h, 1, flow, F32)
+            np.testing.assert_array_equal(tape.gradient(r, x), np.ones(4096, F32))
+
+
+# ----------------------------------------------------------------- dataflow Batch
+def test_a_whole_forward_and_its_gradient_in_one_batch(client):
+    rng = np.random.default_rng(4)
+    T, B, I, H = 3, 2, 3, 4  # noqa: N806, E741
+    xs = rng.standard_normal((T, B, I))
+    w = client.put(rng.standard_normal((I + H, 4 * H)) * 0.5)
+    b = client.put(np.zeros(4 * H))
+    z, p = np.zeros((B, H)), np.zeros(H)
+    dh = rng.standard_normal((T, B, H))
+    with client.gradient_tape() as tape:
+        batch = client.batch()
+        ops = batch.raw_ops
+        x_ta, flow = ops.TensorArrayV3(size=T, dtype=np.float64, element_shape=[B, I])
+        flow = ops.TensorArraySplitV3(x_ta, xs.reshape(T * B, I), np.full(T, B), flow)
+        x = ops.TensorArrayGatherV3(x_ta, np.arange(T), flow, np.float64, element_shape=[B, I])
+        acts = ops.BlockLSTMV2(np.int64(T), x, z, z, w, p, p, p, b)
+        grads = batch.gradient(tape, acts.h, [w, b], output_gradients=[dh])
+        results = batch.run()
+    assert isinstance(grads[0], tuple)
+    gw, gb = results[-1]
+    # The same gradient, step by step over the wire.
+    ref = client.raw_ops.BlockLSTMV2(np.int64(T), xs.reshape(T, B, I), z, z, w, p, p, p, b)
+    back = client.raw_ops.BlockLSTMGradV2(
+        np.int64(T), xs.reshape(T, B, I), z, z, w, p, p, p, b, *ref, np.zeros_like(dh), dh,
+        use_peephole=False,
+    )  # fmt: skip
+    np.testing.assert_allclose(gw, back.w_grad, rtol=1e-12)
+    np.testing.assert_allclose(gb, back.b_grad, rtol=1e-12)
+
+
+def test_step_references_are_checked(client):
+    batch = client.batch()
+    r = batch.raw_ops.StopGradient(np.ones(2, F32))
+    batch.raw_ops.TensorArrayReadV3(r, 0, 0.0, F32)  # a tensor where a handle goes
+    with pytest.raises(InvalidArgumentError, match="a tensor, not a TensorArray handle") as e:
+        batch.run()
+    assert e.value.step == 1
+    batch = client.batch()
+    h, _ = batch.raw_ops.TensorArrayV3(size=1, dtype=F32)
+    batch.raw_ops.StopGradient(h)
+    with pytest.raises(InvalidArgumentError, match="a TensorArray handle, not a tensor"):
+        batch.run()
