@@ -58,12 +58,16 @@ class Batch:
 
     def __init__(self, client) -> None:
         self._client = client
-        self._steps: list[tuple[str, Message, Callable[[Any], Any]]] = []
+        #: (rpc, request, parse, the tapes it records on: those recording when it was
+        #: added, wherever ``run()`` is called).
+        self._steps: list[tuple[str, Message, Callable[[Any], Any], tuple[Any, ...]]] = []
         self._temps: list[str] = []
+        #: Non-persistent tapes released by a Gradients step, once that step ran.
+        self._releases: list[tuple[int, Any]] = []
         self.raw_ops = RawOps(client, self._record, client._staging)
 
     def _record(self, rpc: str, request: Message, parse, temps: list[str]) -> Any:
-        self._steps.append((rpc, request, parse))
+        self._steps.append((rpc, request, parse, tuple(self._client._recording.tapes)))
         self._temps.extend(temps)
         return placeholders(rpc, len(self._steps) - 1)
 
@@ -86,10 +90,12 @@ class Batch:
         )
         self._temps.extend(built["temps"])
         request = built["message"]
-        self._steps.append(("Gradients", request, lambda r: [tape.decode(g) for g in r.gradients]))
+        tapes = (tape, *(t for t in self._client._recording.tapes if t is not tape))
+        self._steps.append(
+            ("Gradients", request, lambda r: [tape.decode(g) for g in r.gradients], tapes)
+        )
         step = len(self._steps) - 1
-        if not tape.persistent:
-            tape.released = True
+        self._releases.append((step, tape))
         return [StepOutput(step, f"gradients[{n}]") for n in range(len(request.sources))]
 
     def __len__(self) -> int:
@@ -99,14 +105,15 @@ class Batch:
         """Run every recorded op; returns their results in order (like the typed calls)."""
         steps, self._steps = self._steps, []
         temps, self._temps = self._temps, []
+        releases, self._releases = self._releases, []
         results: list[Any] = []
         replies: list[Message] = []  # each step's typed result, for later requests
         try:
             start = 0
             while start < len(steps):
-                request = self._request(steps, start, replies)
-                reply = self._client._call("Batch", request)
-                parsers = [parse for _, _, parse in steps[start:]]
+                request = self._request(steps, start, replies, results, temps)
+                reply = self._client._call("Batch", request, tapes=steps[start][3])
+                parsers = [parse for _, _, parse, _ in steps[start:]]
                 results += self._client._parse(
                     reply, lambda r, ps=parsers: [self._one(p, x) for p, x in zip(ps, r.results)]
                 )
@@ -124,22 +131,27 @@ class Batch:
                     results=results,
                 )
         finally:
+            for step, tape in releases:
+                if step < len(results):  # its Gradients step ran
+                    tape.done()
             self._client._clean_up(temps)
         return results
 
-    def _request(self, steps: list, start: int, replies: list[Message]) -> service_pb2.BatchRequest:
-        """The steps from ``start`` that fit in one request (at least one), their step
-        references made relative to the request."""
+    def _request(
+        self, steps: list, start: int, replies: list[Message], results: list, temps: list
+    ) -> service_pb2.BatchRequest:
+        """The steps from ``start`` that fit in one request (at least one) and record on
+        the same tapes, their step references made relative to the request."""
         request = service_pb2.BatchRequest()
         left = self._client.request_budget
-        for rpc, op_request, _ in steps[start:]:
+        for rpc, op_request, _, tapes in steps[start:]:
             size = op_request.ByteSize() + 16
-            if request.steps and size > left:
+            if request.steps and (size > left or tapes != steps[start][3]):
                 break
             step = getattr(request.steps.add(), BATCH_FIELDS[rpc])
             step.CopyFrom(op_request)
             if start:
-                _rebase(step, start, replies)
+                _rebase(step, start, replies, _Earlier(self._client, results, temps))
             left -= size
         return request
 
@@ -149,10 +161,30 @@ class Batch:
         return parse(getattr(result, result.WhichOneof("op")))
 
 
-def _rebase(message: Message, start: int, replies: list[Message]) -> None:
+class _Earlier:
+    """Outputs of steps sent in earlier requests, as the SDK parsed them."""
+
+    def __init__(self, client, results: list, temps: list) -> None:
+        self.client, self.results, self.temps = client, results, temps
+
+    def encode(self, step: int, field: str, msg: tensor_pb2.TensorInput) -> None:
+        """The value of ``field`` of step ``step`` into ``msg`` (a transient output was
+        fetched and deleted when its reply was parsed: it goes by value again)."""
+        parsed = self.results[step]
+        name, _, index = field.partition("[")
+        if index:
+            parsed = parsed[int(index.rstrip("]"))]
+        elif isinstance(parsed, tuple) and hasattr(parsed, name):
+            parsed = getattr(parsed, name)
+        staging = self.client._staging()
+        self.client.encode_input(parsed, msg, staging)
+        self.temps.extend(staging)
+
+
+def _rebase(message: Message, start: int, replies: list[Message], earlier: _Earlier) -> None:
     """Make the step references in ``message`` relative to a request that begins at
     step ``start``; one naming a step of an earlier request becomes what that
-    step's reply carried (a tensor id, the value, a handle id)."""
+    step's reply carried (a tensor id, or the value the SDK received)."""
     for field, value in message.ListFields():
         if field.message_type is None:
             continue
@@ -163,10 +195,12 @@ def _rebase(message: Message, start: int, replies: list[Message]) -> None:
                     ref.step -= start
                     continue
                 out = _output(replies[ref.step], ref.field)
-                if out.tape_id or out.WhichOneof("result") == "ref":
-                    item.ref = out.tape_id or out.ref.id
+                if out.tape_id:
+                    item.ref = out.tape_id  # held by the tape: differentiable onwards
+                elif out.WhichOneof("result") == "ref" and not out.ref.transient:
+                    item.ref = out.ref.id
                 else:
-                    item.value.CopyFrom(out.value)
+                    earlier.encode(ref.step, ref.field, item)
             elif isinstance(item, tensor_array_pb2.TensorArrayHandle) and item.HasField(
                 "from_step"
             ):
@@ -178,7 +212,7 @@ def _rebase(message: Message, start: int, replies: list[Message]) -> None:
                 item.ClearField("from_step")
                 item.id, item.name = made.id, made.name
             else:
-                _rebase(item, start, replies)
+                _rebase(item, start, replies, earlier)
 
 
 def _output(reply: Message, field: str) -> Any:

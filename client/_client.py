@@ -243,13 +243,19 @@ class Client:
         session: bool = True,
         metadata: Sequence[tuple[str, str]] | None = None,
         timeout: float | None = None,
+        tapes: Sequence[Any] | None = None,
     ) -> Any:
-        """Invoke ``rpc``; a failure raises its ``gradserve.errors`` class."""
+        """Invoke ``rpc``; a failure raises its ``gradserve.errors`` class. An op records
+        on ``tapes`` (default: the tapes recording on this thread)."""
         if metadata is None:
             metadata = self._metadata if session else self._auth
-        recorded = session and rpc in _RECORDED and bool(self._recording.tapes)
+        if tapes is None:
+            tapes = self._recording.tapes if session and rpc in _RECORDED else ()
+        tapes = tuple(tapes)
+        self._recording.call_tapes = tapes  # what its outputs' TapedArrays belong to
+        recorded = bool(tapes)
         if recorded:
-            metadata = (*metadata, (protocol.TAPE_METADATA_KEY, self._recording.ids()))
+            metadata = (*metadata, (protocol.TAPE_METADATA_KEY, self._recording.ids(tapes)))
         method = getattr(self._stub, rpc)
         timeout = timeout if timeout is not None else self.timeout
 
@@ -370,7 +376,7 @@ class Client:
             ref = msg.ref
             return TensorRef(self, ref.id, codec.dtype_from_enum(ref.dtype), tuple(ref.shape))
         if msg.tape_id:
-            return TapedArray.wrap(value, msg.tape_id, tuple(self._recording.tapes))
+            return TapedArray.wrap(value, msg.tape_id, self._recording.call_tapes)
         return value
 
     def put(self, array: ArrayLike) -> TensorRef:

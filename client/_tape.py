@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from gradserve import protocol
 from gradserve.client._types import StepOutput, TapedArray, TensorRef
 from gradserve.errors import FailedPreconditionError
 from gradserve.v1 import tape_pb2, tensor_pb2
@@ -33,9 +32,13 @@ class Recording(threading.local):
 
     def __init__(self) -> None:
         self.tapes: list[GradientTape] = []
+        #: The tapes the last call on this thread named (its outputs belong to them).
+        self.call_tapes: tuple[GradientTape, ...] = ()
 
-    def ids(self) -> str:
-        return ",".join(t.header() for t in self.tapes)
+    @staticmethod
+    def ids(tapes: Any) -> str:
+        """The ``x-gradserve-tape`` header naming ``tapes``."""
+        return ",".join(dict.fromkeys(t.header() for t in tapes))
 
 
 class GradientTape:
@@ -57,6 +60,13 @@ class GradientTape:
         self.released = False
 
     # ---------------------------------------------------------------- recording
+    def done(self) -> None:
+        """The server ran a gradient computation on this tape: a non-persistent tape
+        is released by it."""
+        if not self.persistent:
+            self.released = True
+            self._stop()
+
     def __enter__(self) -> GradientTape:
         if self.released:
             raise FailedPreconditionError("this gradient tape was released; start a new one")
@@ -99,9 +109,7 @@ class GradientTape:
         items = tensor if _is_list(tensor) else [tensor]
         ids = [_tensor_id(t, "watch") for t in items]
         self._client._call(
-            "WatchTensors",
-            tape_pb2.WatchTensorsRequest(tape_id=self.id, ids=ids),
-            metadata=(*self._client._metadata, (protocol.TAPE_METADATA_KEY, self.header())),
+            "WatchTensors", tape_pb2.WatchTensorsRequest(tape_id=self.id, ids=ids), tapes=[self]
         )
 
     # ---------------------------------------------------------------- gradients
@@ -129,12 +137,13 @@ class GradientTape:
         )
         temps = request.pop("temps")
         try:
-            reply = self._client._call("Gradients", request["message"])
+            # Named with the other tapes recording here: on those the call is recorded
+            # (its results have no gradient there: tapes are first order).
+            tapes = [self, *(t for t in self._client._recording.tapes if t is not self)]
+            reply = self._client._call("Gradients", request["message"], tapes=tapes)
         finally:
             self._client._clean_up(temps)
-        if not self.persistent:
-            self.released = True
-            self._stop()
+        self.done()
         grads = self._client._parse(reply, lambda r: [self.decode(g) for g in r.gradients])
         return grads[0] if single else type(sources)(grads)
 
@@ -180,7 +189,9 @@ class GradientTape:
             self.released = True
             return 0
         self.released = True
-        reply = self._client._call("ReleaseTape", tape_pb2.ReleaseTapeRequest(tape_id=self.id))
+        reply = self._client._call(
+            "ReleaseTape", tape_pb2.ReleaseTapeRequest(tape_id=self.id), tapes=[self]
+        )
         return int(reply.released_bytes)
 
     def _require_id(self) -> None:

@@ -52,7 +52,8 @@ class TapedArray(np.ndarray):
     It is a NumPy array in every respect; passed to another op while its tape is
     alive, the SDK sends the id instead of the value, so the tape sees the same
     tensor flow on (as a ``tf.Tensor`` does) and the value does not travel back.
-    Arrays computed from it locally are plain values (the id is not inherited).
+    Arrays computed from it locally are plain values (the id is not inherited). It is
+    read-only, as a ``tf.Tensor`` is (``np.array(a)`` gives a writable copy).
     """
 
     tape_id: str | None = None
@@ -63,6 +64,9 @@ class TapedArray(np.ndarray):
         out = np.asarray(value).view(cls)
         out.tape_id = tape_id
         out._tapes = tapes
+        # Read-only, as a tf.Tensor: changed in place, it would still be sent by id,
+        # and the server would use the value the tape holds. ``np.array(a)`` copies.
+        out.flags.writeable = False
         return out
 
     def __array_finalize__(self, obj: Any) -> None:

@@ -437,30 +437,33 @@ class Session:
 
     def hold_for_tape(self, tape: Tape, tensor_id: str) -> bool:
         """``tape`` holds the tensor ``tensor_id`` (resident, or held by a tape) until
-        it is released; False if it held it already."""
+        it is released; False if it held it already, or was released meanwhile (an op
+        that ran under it is not failed for that: it has changed the session)."""
         with self._lock:
-            self._check_tape_live(tape)
-            if tensor_id in tape.held:
+            self._check_open()
+            if tape.released or tensor_id in tape.held:
                 return False
             kept = self._kept(tensor_id)
             kept.refs += 1
             tape.held[tensor_id] = kept
             return True
 
-    def keep_for_tapes(self, tapes: list[Tape], array: Array) -> str:
-        """Hold ``array`` on every tape of ``tapes`` under a new id, charged once to the
-        session's budget (RESOURCE_EXHAUSTED past a limit)."""
+    def keep_for_tapes(self, tapes: list[Tape], array: Array) -> str | None:
+        """Hold ``array`` on every live tape of ``tapes`` under a new id, charged once
+        to the session's budget (RESOURCE_EXHAUSTED past a limit); None if every one
+        was released meanwhile."""
         if not hasattr(array, "__cuda_array_interface__"):
             array = np.asarray(array)
         nbytes = dtypes.nbytes(array)
         with self._lock:
             self._check_open()
-            for tape in tapes:
-                self._check_tape_live(tape)
+            live = list({id(t): t for t in tapes if not t.released}.values())
+            if not live:
+                return None
             self.budget.reserve(nbytes)
-            kept = _Kept(array, nbytes, refs=len(tapes))
+            kept = _Kept(array, nbytes, refs=len(live))
             tensor_id = new_token()
-            for tape in tapes:
+            for tape in live:
                 tape.held[tensor_id] = kept
             return tensor_id
 

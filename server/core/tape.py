@@ -27,6 +27,7 @@ a tape and asks ``Gradients`` for the backward.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -88,6 +89,10 @@ class Tape:
         self.flow_versions: dict[str, int] = {}
         #: Gradients calls made on it (non-persistent tapes allow one).
         self.gradient_calls = 0
+        #: Held by an op on a TensorArray from before it runs until its record is
+        #: committed, so records are in the order the ops ran (a read recorded before
+        #: the write it read would lose the write's gradient).
+        self.order = threading.Lock()
 
     def commit(self, op: str, inputs: tuple[str | None, ...], outputs: tuple[str | None, ...],
                saved: Mapping[str, Any]) -> None:  # fmt: skip
@@ -102,7 +107,7 @@ class Tape:
                 outputs = tuple(
                     flow_key(handle, version + 1) if k == FLOW_OUT else k for k in outputs
                 )
-        self.outputs.update(k for k in outputs if k is not None)
+        self.outputs.update(k for k in outputs if k is not None and not k.startswith("ta:"))
         self.records.append(Record(op, inputs, outputs, saved))
 
 
@@ -114,9 +119,17 @@ class Recorder:
     or ``rollback``s (it failed: every tensor held for it is let go of).
     """
 
-    def __init__(self, session: Session, tapes: list[Tape]) -> None:
+    def __init__(self, session: Session, tapes: list[Tape], *, ordered: bool = False) -> None:
+        """``ordered``: the op changes or reads state whose order matters (a
+        TensorArray): it runs holding the tapes' ``order`` locks (by id, so two ops
+        never wait on each other), until ``commit`` or ``rollback``."""
         self.session = session
-        self.tapes = tapes
+        self.tapes = list({id(t): t for t in tapes}.values())  # each tape once
+        self._locked: list[Tape] = []
+        if ordered:
+            for tape in sorted(self.tapes, key=lambda t: t.id):
+                tape.order.acquire()
+                self._locked.append(tape)
         self._held: list[tuple[Tape, str]] = []
         self._pending: list[tuple[str, tuple[str | None, ...], tuple[str | None, ...],
                                   Mapping[str, Any]]] = []  # fmt: skip
@@ -141,14 +154,17 @@ class Recorder:
             return value.id, value.id if hold else None
         if not hold:
             return None, None
-        held = self.session.keep_for_tapes(self.tapes, value)
-        self._held += [(tape, held) for tape in self.tapes]
-        return None, held
+        return None, self._keep(value)
 
-    def output(self, value: Any) -> str:
-        """Hold an op output on every tape; returns its tape id."""
+    def output(self, value: Any) -> str | None:
+        """Hold an op output on every tape; returns its tape id (None if every tape was
+        released while the op ran: then there is nothing to record it on)."""
+        return self._keep(value)
+
+    def _keep(self, value: Any) -> str | None:
         held = self.session.keep_for_tapes(self.tapes, value)
-        self._held += [(tape, held) for tape in self.tapes]
+        if held is not None:
+            self._held += [(tape, held) for tape in self.tapes]
         return held
 
     def record(self, op: str, inputs: tuple[str | None, ...], outputs: tuple[str | None, ...],
@@ -157,13 +173,24 @@ class Recorder:
 
     def commit(self) -> None:
         """The op succeeded: its records join the tapes."""
-        self.session.commit_records(self.tapes, self._pending, self._watch)
-        self._held, self._pending = [], []
+        try:
+            self.session.commit_records(self.tapes, self._pending, self._watch)
+            self._held, self._pending = [], []
+        finally:
+            self._unlock()
 
     def rollback(self) -> None:
         """The op failed: nothing of it stays on any tape."""
         held, self._held, self._pending = self._held, [], []
-        self.session.release_held(held)
+        try:
+            self.session.release_held(held)
+        finally:
+            self._unlock()
+
+    def _unlock(self) -> None:
+        locked, self._locked = self._locked, []
+        for tape in locked:
+            tape.order.release()
 
 
 def small(value: Any) -> np.ndarray:

@@ -128,7 +128,9 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         """Run one op on its lane (heavy ones wait for a compute slot, or are refused
         when the queue is full)."""
         lane = self.heavy if op.heavy else self.light
-        return await lane.run(functools.partial(io.run, op.handler, request))
+        # Light ops (TensorArrays) record in the order they run; the heavy ones (LSTM,
+        # Gradients) touch no TensorArray and need not wait for one another.
+        return await lane.run(functools.partial(io.run, op.handler, request, not op.heavy))
 
     def _chunk_bytes(self, asked: int) -> int:
         """A chunk size within [64 KiB, what one message carries]."""
@@ -239,9 +241,8 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
     @boundary.guarded
     async def ReleaseTape(self, request: Any, context: Any) -> Message:
         session = self._session(context)
-        return await self.light.run(
-            functools.partial(tape_handlers.release_tape, session, request)
-        )
+        _tapes(session, _metadata(context))  # a proposed tape that never recorded starts
+        return await self.light.run(functools.partial(tape_handlers.release_tape, session, request))
 
     # ---------------------------------------------------------------- Batch
     @boundary.guarded

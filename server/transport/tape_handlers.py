@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from gradserve.errors import InvalidArgumentError
 from gradserve.server.core import gradients
+from gradserve.server.core.ops import recording
 from gradserve.server.core.sessions import Resident, Session
 from gradserve.server.transport.wire import CallIO
 from gradserve.v1 import tape_pb2, tensor_pb2
@@ -24,8 +25,9 @@ def _tensor_id(io: CallIO, msg: tensor_pb2.TensorInput, field: str) -> str:
 
 
 def Gradients(io: CallIO, req: tape_pb2.GradientsRequest) -> tape_pb2.GradientsResponse:
-    """tape.gradient(targets, sources, output_gradients). Not itself recorded on a
-    tape: gradients of gradients are out of scope."""
+    """tape.gradient(targets, sources, output_gradients). On the other tapes the call
+    names it is recorded as an op with no gradient, so differentiating its results
+    there is a clear UNIMPLEMENTED (gradients of gradients are out of scope)."""
     tape = io.session.tape(req.tape_id)
     targets = [_tensor_id(io, t, f"targets[{n}]") for n, t in enumerate(req.targets)]
     sources = [_tensor_id(io, s, f"sources[{n}]") for n, s in enumerate(req.sources)]
@@ -40,11 +42,20 @@ def Gradients(io: CallIO, req: tape_pb2.GradientsRequest) -> tape_pb2.GradientsR
         unconnected_zero=req.unconnected_gradients == tape_pb2.UNCONNECTED_ZERO,
         check=io.check_alive,
     )
+    outer = [t for t in io.tapes if t is not tape]
+    tape_ids: list[str | None] = [None] * len(grads)
+    if io.recorder is not None and outer:
+        io.recorder.tapes = outer
+        args = [Resident(k) for k in targets + sources]
+        present = [n for n, g in enumerate(grads) if g is not None]
+        ids = recording.no_gradient(io.recorder, "Gradients", args, [grads[n] for n in present])
+        for n, tape_id in zip(present, ids):
+            tape_ids[n] = tape_id
     resp = tape_pb2.GradientsResponse(source=source)
     for n, g in enumerate(grads):
         out = resp.gradients.add()
         if g is not None:
-            io.emit(g, out, f"gradients[{n}]", req.keep_outputs)
+            io.emit(g, out, f"gradients[{n}]", req.keep_outputs, tape_ids[n])
     return resp
 
 

@@ -96,12 +96,18 @@ class CallIO:
         self.step: int | None = None
         self.produced: dict[int, dict[str, TensorArg | str]] = {}
 
-    def run(self, handler: Callable[[CallIO, Any], Any], request: Any) -> Any:
+    def run(
+        self, handler: Callable[[CallIO, Any], Any], request: Any, ordered: bool = False
+    ) -> Any:
         """``handler(self, request)``; if it raises, the outputs it already stored in the
         session (kept or transient) are deleted: a failed op hands out no id, so none
-        may stay behind holding bytes."""
+        may stay behind holding bytes. ``ordered``: under tapes, the op is recorded in
+        the order it ran relative to other ordered ops (``Recorder``)."""
         self._kept = []
-        recorder = self.recorder = Recorder(self.session, self.tapes) if self.tapes else None
+        recorder = None
+        if self.tapes:
+            recorder = Recorder(self.session, self.tapes, ordered=ordered)
+        self.recorder = recorder
         try:
             response = handler(self, request)
             if recorder is not None:

@@ -174,7 +174,9 @@ def clients(target: str) -> dict:
     return out
 
 
-def compare(threads: int, tf_python: str, rounds: int, peephole: bool, rpc: bool) -> list:
+def compare(
+    threads: int, tf_python: str, rounds: int, peephole: bool, rpc: bool, pause: float
+) -> list:
     """Every size at ``threads`` threads, against a fresh TensorFlow worker and server."""
     tf = TensorFlowWorker(tf_python, threads)
     results = []
@@ -189,7 +191,7 @@ def compare(threads: int, tf_python: str, rounds: int, peephole: bool, rpc: bool
                         stack.callback(c.close)
             print(f"\n## {threads} thread(s): TensorFlow {tf.version} intra-op pool, our BLAS")
             for size in SIZES:
-                results.append(compare_size(tf, sdk, threads, rounds, peephole, *size))
+                results.append(compare_size(tf, sdk, threads, rounds, peephole, pause, *size))
     finally:
         tf.close()
     return results
@@ -216,7 +218,7 @@ def rpc_calls(client, weights, cs_grad, h_grad, steps: int, peephole: bool) -> d
     }
 
 
-def compare_size(tf, sdk, threads, rounds, peephole, steps, batch, units) -> dict:
+def compare_size(tf, sdk, threads, rounds, peephole, pause, steps, batch, units) -> dict:
     from gradserve.kernels import backend_numpy, lstm
     from tests.benchmarks.bench_lstm import blas_threads, make_inputs
     from tests.kernels.lstm_cases import scaled_error
@@ -269,6 +271,10 @@ def compare_size(tf, sdk, threads, rounds, peephole, steps, batch, units) -> dic
                 samples[name].append(result if name.startswith("tf ") else elapsed)
                 if name == "rpc fwd kept":
                     result()  # delete the kept outputs
+                # Untimed: the BLAS and intra-op threads of the process that just ran
+                # spin for up to ~0.1 s after a call (OpenBLAS's default timeout); on
+                # 2 cores they would steal the next call's cores in another process.
+                time.sleep(pause)
     t = {k: statistics.median(v[1:]) * 1e3 for k, v in samples.items()}
     print(f"(T, B, I=H) = ({steps}, {batch}, {units}):", flush=True)
     for label, ours, theirs in ROWS:
@@ -343,6 +349,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--no-peephole", action="store_true")
     parser.add_argument("--no-rpc", action="store_true", help="only the in-process rows")
+    parser.add_argument("--pause", type=float, default=0.2,
+                        help="seconds between timed calls (spinning threads settle)")  # fmt: skip
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -356,14 +364,17 @@ def main() -> None:
     print(
         f"# ours (NumPy {np.__version__}) vs TensorFlow's BlockLSTMV2 / BlockLSTMGradV2 C++ "
         f"kernels, CPU, float32, {'with' if peephole else 'no'} peepholes; {os.cpu_count()} "
-        f"CPUs; medians of {args.rounds} interleaved rounds; 'Nx TF' = TF time / ours\n"
+        f"CPUs; medians of {args.rounds} interleaved rounds, {args.pause} s between calls; "
+        f"'Nx TF' = TF time / ours\n"
         f"# commit {commit()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n"
         f"# BLAS here: {blas_info()}; OPENBLAS_CORETYPE="
         f"{os.environ.get('OPENBLAS_CORETYPE')} (the server inherits it)"
     )
     results = []
     for threads in args.threads or [1, os.cpu_count()]:
-        results += compare(threads, args.tf_python, args.rounds, peephole, not args.no_rpc)
+        results += compare(
+            threads, args.tf_python, args.rounds, peephole, not args.no_rpc, args.pause
+        )
     print("\n# the CPU forward's formulation per shape (measured on the first call):")
     print(plan_summary())
     print("\n" + table(results))

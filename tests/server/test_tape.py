@@ -397,3 +397,99 @@ def test_step_references_are_checked(client):
     batch.raw_ops.StopGradient(h)
     with pytest.raises(InvalidArgumentError, match="a TensorArray handle, not a tensor"):
         batch.run()
+
+
+# ----------------------------------------------------------------- review regressions
+def test_a_tape_named_twice_in_the_header_is_one_tape(client, server):
+    """Naming one tape twice (as an id and as a start) once leaked its bytes past the
+    session's close and doubled its gradients."""
+    from gradserve import protocol
+    from gradserve.v1 import tensor_array_pb2 as pb
+
+    x = client.put(np.ones(3, F32))
+    with client.gradient_tape() as tape:
+        h, flow = _ta(client, element_shape=[3])
+        client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+    twice = f"{tape.id},{tape.header()},{tape.header()}"
+    request = pb.TensorArrayReadV3Request(handle=pb.TensorArrayHandle(id=h.id), dtype=11)
+    request.index.value.CopyFrom(_encoded(np.int32(0)))
+    reply = client._stub.TensorArrayReadV3(
+        request, metadata=(*client._metadata, (protocol.TAPE_METADATA_KEY, twice))
+    )
+    r = TapedArray.wrap(np.ones(3, F32), reply.value.tape_id, (tape,))
+    np.testing.assert_array_equal(tape.gradient(r, x), np.ones(3, F32))
+    assert used(server, client) == 12  # x (the read cleared the element); r let go of
+
+
+def _encoded(value):
+    from gradserve import codec
+    from gradserve.v1 import tensor_pb2
+
+    msg = tensor_pb2.Tensor()
+    codec.encode(np.asarray(value), msg)
+    return msg
+
+
+def test_tape_outputs_are_read_only(client):
+    with client.gradient_tape():
+        r = client.raw_ops.StopGradient(np.ones(2, F32))
+    with pytest.raises(ValueError, match="read-only"):
+        r *= 10
+    assert np.array(r).flags.writeable and (r * 10).tape_id is None
+
+
+def test_a_failed_batch_gradient_leaves_a_non_persistent_tape_usable(client, server):
+    x = client.put(np.ones(3, F32))
+    with client.gradient_tape() as tape:
+        h, flow = _ta(client, element_shape=[3])
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+        r = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+    batch = client.batch()
+    batch.gradient(tape, r, x, output_gradients=np.ones(2, F32))  # wrong shape
+    with pytest.raises(InvalidArgumentError):
+        batch.run()
+    assert not tape.released
+    np.testing.assert_array_equal(tape.gradient(r, x), np.ones(3, F32))
+    assert tape.released and not session_of(server, client)._tapes
+
+
+def test_a_tape_that_recorded_nothing_releases_cleanly(client):
+    with client.gradient_tape(persistent=True) as tape:
+        pass
+    assert tape.release() == 0
+
+
+def test_gradients_of_gradients_under_an_outer_tape_are_unimplemented(client):
+    x = client.put(np.ones(2, F32))
+    with client.gradient_tape(persistent=True) as outer:
+        with client.gradient_tape() as inner:
+            h, flow = _ta(client)
+            flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+            r = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+        g = inner.gradient(r, x)
+    assert isinstance(g, TapedArray) and g.tape_id
+    with pytest.raises(UnimplementedError, match="first order"):
+        outer.gradient(g, x)
+    outer.release()
+
+
+def test_batch_steps_record_on_the_tapes_active_when_added(client):
+    x = client.put(np.ones(2, F32))
+    with client.gradient_tape() as tape:
+        batch = client.batch()
+        h, flow = batch.raw_ops.TensorArrayV3(size=1, dtype=F32)
+        flow = batch.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+        batch.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+    r = batch.run()[-1]  # run after the block: recorded all the same
+    np.testing.assert_array_equal(tape.gradient(r, x), [1.0, 1.0])
+
+
+def test_a_split_batch_passes_earlier_transient_outputs_by_value(target):
+    with gradserve.Client(target, max_message_bytes=80 * 1024, shared_memory=False) as c:
+        big = np.arange(6000, dtype=F32)  # 24 KB: transient in its response
+        batch = c.batch()
+        y = batch.raw_ops.StopGradient(c.put(big))
+        for _ in range(6):  # fill the first request
+            batch.raw_ops.StopGradient(np.ones(900, F32))
+        batch.raw_ops.StopGradient(y)  # names step 0 from a later request
+        np.testing.assert_array_equal(batch.run()[-1], big)

@@ -9,6 +9,7 @@ so recording costs nothing otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -30,14 +31,14 @@ def write(rec: Recorder, handle: str, index: np.ndarray, value: TensorArg, dtype
     rec.record("TensorArrayWriteV3", (key, FLOW_IN), (FLOW_OUT,), saved)
 
 
-def read(rec: Recorder, handle: str, index: np.ndarray, dtype: Any, value: Any) -> str:
+def read(rec: Recorder, handle: str, index: np.ndarray, dtype: Any, value: Any) -> str | None:
     out = rec.output(value)
     saved = {"handle": handle, "index": small(index), "dtype": dtype}
     rec.record("TensorArrayReadV3", (FLOW_IN,), (out,), saved)
     return out
 
 
-def gather(rec: Recorder, handle: str, indices: np.ndarray, value: Any) -> str:
+def gather(rec: Recorder, handle: str, indices: np.ndarray, value: Any) -> str | None:
     out = rec.output(value)
     rec.record(
         "TensorArrayGatherV3", (FLOW_IN,), (out,), {"handle": handle, "indices": small(indices)}
@@ -58,7 +59,9 @@ def scatter(
     rec.record("TensorArrayScatterV3", (key, FLOW_IN), (FLOW_OUT,), saved)
 
 
-def concat(rec: Recorder, handle: str, value: Any, lengths: np.ndarray) -> tuple[str, str]:
+def concat(
+    rec: Recorder, handle: str, value: Any, lengths: np.ndarray
+) -> tuple[str | None, str | None]:
     out, out_lengths = rec.output(value), rec.output(lengths)
     saved = {"handle": handle, "lengths": small(lengths)}
     rec.record("TensorArrayConcatV3", (FLOW_IN,), (out, out_lengths), saved)
@@ -74,7 +77,7 @@ def split(
     del lengths  # the split's gradient is a concat: it needs no lengths
 
 
-def stop_gradient(rec: Recorder, value_arg: TensorArg, value: Any) -> str:
+def stop_gradient(rec: Recorder, value_arg: TensorArg, value: Any) -> str | None:
     """StopGradient: an output with no differentiable input (it blocks)."""
     rec.arg(value_arg)  # watched if resident, as any input read under the tape
     out = rec.output(value)
@@ -91,7 +94,7 @@ def lstm(
     *,
     use_peephole: bool,
     cell_clip: float | None,
-) -> LSTMActivations[str]:
+) -> LSTMActivations[str | None]:
     """BlockLSTM(V2): every input and output is held, for the backward."""
     keys, held = zip(*(rec.arg(a, hold=True) for a in inputs))
     out = LSTMActivations(*(rec.output(v) for v in outputs))
@@ -107,7 +110,9 @@ def lstm(
     return out
 
 
-def no_gradient(rec: Recorder, op: str, inputs: list[TensorArg], outputs: list[Any]) -> list[str]:
+def no_gradient(
+    rec: Recorder, op: str, inputs: Sequence[TensorArg], outputs: list[Any]
+) -> list[str | None]:
     """An op whose gradient is out of scope (a gradient op: second order). It is
     recorded with its inputs and outputs, so a gradient that reaches it raises
     UNIMPLEMENTED saying so rather than giving None."""
