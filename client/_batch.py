@@ -20,6 +20,7 @@ from typing import Any
 
 from google.protobuf.message import Message
 
+from gradserve.client._client import answered
 from gradserve.client._raw_ops import RawOps
 from gradserve.client._types import StepOutput
 from gradserve.errors import error_class_for
@@ -108,11 +109,16 @@ class Batch:
         releases, self._releases = self._releases, []
         results: list[Any] = []
         replies: list[Message] = []  # each step's typed result, for later requests
+        replied = True
         try:
             start = 0
             while start < len(steps):
                 request = self._request(steps, start, replies, results, temps)
-                reply = self._client._call("Batch", request, tapes=steps[start][3])
+                try:
+                    reply = self._client._call("Batch", request, tapes=steps[start][3])
+                except BaseException as e:
+                    replied = answered(e)
+                    raise
                 parsers = [parse for _, _, parse, _ in steps[start:]]
                 results += self._client._parse(
                     reply, lambda r, ps=parsers: [self._one(p, x) for p, x in zip(ps, r.results)]
@@ -134,7 +140,7 @@ class Batch:
             for step, tape in releases:
                 if step < len(results):  # its Gradients step ran
                     tape.done()
-            self._client._clean_up(temps)
+            self._client._clean_up(temps, replied=replied)
         return results
 
     def _request(

@@ -24,6 +24,7 @@ from gradserve.client._raw_ops import RawOps, Staging
 from gradserve.client._tape import GradientTape, Recording
 from gradserve.client._types import StepOutput, TapedArray, TensorRef
 from gradserve.errors import (
+    Code,
     DataLossError,
     GradserveError,
     InvalidArgumentError,
@@ -297,6 +298,7 @@ class Client:
     def _run_op(self, rpc: str, request: Message, parse: Callable[[Any], Any], temps: list[str]):
         shm = self._shm  # outputs into a leased region, when on the same host
         out = shm.output_lease() if shm is not None else None
+        replied = False
         try:
             metadata = shm.output_metadata(out, self._metadata) if shm and out else None
             try:
@@ -306,15 +308,19 @@ class Client:
                     if shm is None or not shm.recover(e):
                         raise
                     reply = self._call(rpc, request, metadata=metadata)
+                replied = True
+            except BaseException as e:
+                replied = answered(e)
+                raise
             finally:
-                self._clean_up(temps)
+                self._clean_up(temps, replied=replied)
             result = self._parse(reply, parse)
             if shm is not None:
                 shm.note_reply(reply)
             return result
         finally:
             if out is not None:
-                out.release()
+                out.release() if replied else out.discard()
 
     def _parse(self, reply: Message, parse: Callable[[Any], Any]) -> Any:
         """``parse(reply)``; if it fails (a transient output could not be fetched), the
@@ -445,12 +451,13 @@ class Client:
                 size += len(tensor_id) + 8
         return deleted
 
-    def _clean_up(self, ids: list[str]) -> None:
+    def _clean_up(self, ids: list[str], *, replied: bool = True) -> None:
         """Delete temporary uploads after a call; a failure here is logged, not raised,
         so it never hides the call's own result or error (the session's idle timeout
-        frees what could not be deleted)."""
+        frees what could not be deleted). Shared-memory leases of a call that got no
+        reply are discarded, not reused: the server may still be reading them."""
         if self._shm is not None:
-            ids = self._shm.release_temps(ids)  # shared-memory leases among them
+            ids = self._shm.release_temps(ids, discard=not replied)
         if not ids:
             return
         try:
@@ -513,6 +520,16 @@ OUTCOME_UNKNOWN = (
     "it may or may not have been applied; it was not repeated (repeating a write could "
     "apply it twice). Check the state (e.g. read the element back) before writing again. "
 )
+
+#: Statuses after which the server may still be working on the call (no reply).
+_NO_REPLY = {Code.DEADLINE_EXCEEDED, Code.CANCELLED, Code.UNAVAILABLE, Code.UNKNOWN}
+
+
+def answered(exc: BaseException) -> bool:
+    """Whether a call that raised ``exc`` was answered by the server (an op's own
+    error), so that the server is done with everything the call named."""
+    return isinstance(exc, GradserveError) and exc.code not in _NO_REPLY
+
 
 #: RPCs that record on the gradient tapes active when they are called.
 _RECORDED = (set(protocol.BATCH_FIELDS) | {"Batch"}) - {"Gradients"}

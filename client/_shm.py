@@ -36,7 +36,7 @@ from google.protobuf.message import Message
 
 from gradserve import codec, dtypes
 from gradserve.errors import AlreadyExistsError, GradserveError, NotFoundError
-from gradserve.protocol import OUTPUT_REGION_METADATA_KEY
+from gradserve.protocol import OUTPUT_REGION_METADATA_KEY, SHM_RESERVED_BYTES
 from gradserve.v1 import shared_memory_pb2, tensor_pb2
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,9 @@ class Region:
         self.name = self.shm.name
         self.size = size
         self.last_need = 0
+        #: What registered it (kept here: the region's first bytes are never data, but
+        #: the client keeps its own copy to register it again).
+        self.nonce = b""
         try:
             # Reserve its pages now: ENOSPC here rather than SIGBUS on a write later.
             fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDWR | os.O_CLOEXEC)
@@ -113,13 +116,13 @@ class Lease:
         False when the pool cannot hold it (the caller sends it on the wire)."""
         nbytes = array.nbytes
         region, used = self._inputs[-1] if self._inputs else (None, 0)
-        start = _aligned(used)
+        start = _aligned(max(used, SHM_RESERVED_BYTES))  # never over the nonce
         if region is None or start + nbytes > region.size:
-            region = self.pool.acquire(nbytes)
+            region = self.pool.acquire(SHM_RESERVED_BYTES + nbytes)
             if region is None:
                 return False
             self._inputs.append((region, 0))
-            start = 0
+            start = SHM_RESERVED_BYTES
         if nbytes:
             region.view(start, array.dtype, array.shape)[...] = array
         self._inputs[-1] = (region, start + nbytes)
@@ -139,6 +142,14 @@ class Lease:
         regions = [r for r, _ in self._inputs] + ([self.out] if self.out else [])
         self._inputs, self.out = [], None
         self.pool.give_back(regions)
+
+    def discard(self) -> None:
+        """The call ended without a reply (deadline, cancel, lost connection): the
+        server may still read these regions or write outputs into them, so they are
+        never leased again: unregistered and unlinked instead."""
+        regions = [r for r, _ in self._inputs] + ([self.out] if self.out else [])
+        self._inputs, self.out = [], None
+        self.pool.discard(regions)
 
 
 class SharedMemoryPool:
@@ -166,7 +177,7 @@ class SharedMemoryPool:
     def _create(self, size: int) -> Region:
         region = Region(size)
         try:
-            nonce = os.urandom(NONCE_BYTES)
+            nonce = region.nonce = os.urandom(NONCE_BYTES)
             region.buf[:NONCE_BYTES] = nonce
             request = shared_memory_pb2.RegisterSharedMemoryRequest(
                 name=region.name, key=region.name, byte_size=size, nonce=nonce
@@ -238,7 +249,7 @@ class SharedMemoryPool:
     def reregister(self) -> None:
         """Register every region again (the server lost them: it restarted and
         restored the session from a snapshot, which holds no descriptors). Its
-        current first bytes are the nonce: this client owns the object."""
+        first bytes still hold the nonce (no data goes there), which the client kept."""
         with self._lock:
             regions = list(self._all.values())
         for region in regions:
@@ -246,7 +257,7 @@ class SharedMemoryPool:
                 name=region.name,
                 key=region.name,
                 byte_size=region.size,
-                nonce=bytes(region.buf[:NONCE_BYTES]),
+                nonce=region.nonce,
             )
             with contextlib.suppress(AlreadyExistsError):  # it did keep this one
                 self._call("RegisterSharedMemory", request)
@@ -255,6 +266,13 @@ class SharedMemoryPool:
         """A call returned ``nbytes`` of outputs: lease output regions that large."""
         if nbytes > self.output_hint:
             self.output_hint = min(_aligned(nbytes), self.max_bytes // 2)
+
+    def discard(self, regions: list[Region]) -> None:
+        """Drop leased regions for good (``Lease.discard``)."""
+        with self._lock:
+            for region in regions:
+                self._all.pop(region.name, None)
+        self._drop(regions)
 
     def _drop(self, regions: list[Region]) -> None:
         if not regions:
@@ -368,7 +386,7 @@ class ClientSharedMemory:
 
     def output_metadata(self, lease: Lease, metadata: tuple) -> tuple | None:
         """The call's metadata naming its output region (None: no region free)."""
-        region = lease.output(self.pool.output_hint)
+        region = lease.output(SHM_RESERVED_BYTES + self.pool.output_hint)
         if region is None:
             return None
         return (*metadata, (OUTPUT_REGION_METADATA_KEY, region.name))
@@ -381,12 +399,13 @@ class ClientSharedMemory:
         self.pool.note_output_need(returned_bytes(reply))
 
     @staticmethod
-    def release_temps(temps: list) -> list:
-        """Release the leases among a request's temporaries; returns the rest (ids)."""
+    def release_temps(temps: list, discard: bool = False) -> list:
+        """Release the leases among a request's temporaries (``discard``: the call got
+        no reply, see ``Lease.discard``); returns the rest (ids)."""
         rest = []
         for item in temps:
             if isinstance(item, Lease):
-                item.release()
+                item.discard() if discard else item.release()
             else:
                 rest.append(item)
         return rest
@@ -400,10 +419,14 @@ class ClientSharedMemory:
         try:
             request = shared_memory_pb2.PutSharedTensorRequest()
             if not lease.place(array, request.tensor):
+                lease.release()
                 return None
-            return self._call_recovering("PutSharedTensor", request)
-        finally:
-            lease.release()
+            reply = self._call_recovering("PutSharedTensor", request)
+        except BaseException as e:
+            _end(lease, e)
+            raise
+        lease.release()
+        return reply
 
     def get(
         self, tensor_id: str, dtype: np.dtype, shape: tuple[int, ...], *, delete_after: bool
@@ -414,16 +437,23 @@ class ClientSharedMemory:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         lease = Lease(self.pool)
         try:
-            region = lease.output(nbytes)
+            region = lease.output(SHM_RESERVED_BYTES + nbytes)
             if region is None:
+                lease.release()
                 return None
             request = shared_memory_pb2.GetSharedTensorRequest(
-                id=tensor_id, region=region.name, offset=0, delete_after=delete_after
+                id=tensor_id,
+                region=region.name,
+                offset=SHM_RESERVED_BYTES,
+                delete_after=delete_after,
             )
             reply = self._call_recovering("GetSharedTensor", request)
-            return self.pool.read(reply.tensor)
-        finally:
-            lease.release()
+            out = self.pool.read(reply.tensor)
+        except BaseException as e:
+            _end(lease, e)
+            raise
+        lease.release()
+        return out
 
     def close(self, unregister: bool) -> None:
         self.pool.close(unregister)
@@ -448,3 +478,15 @@ def returned_bytes(message: Any) -> int:
             elif isinstance(item, Message):
                 total += returned_bytes(item)
     return total
+
+
+def _end(lease: Lease, error: BaseException) -> None:
+    """Give back a failed call's lease, or discard it if the server may still be at
+    work on the call (no reply: deadline, cancel, lost connection)."""
+    answered = isinstance(error, GradserveError) and error.code.name not in (
+        "DEADLINE_EXCEEDED",
+        "CANCELLED",
+        "UNAVAILABLE",
+        "UNKNOWN",
+    )
+    lease.release() if answered else lease.discard()

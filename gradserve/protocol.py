@@ -88,3 +88,8 @@ BATCH_FIELDS: dict[str, str] = {
     "BlockLSTMGrad": "block_lstm_grad",
     "Gradients": "gradients",
 }
+
+#: The first bytes of a shared-memory region hold the nonce that registered it: no
+#: tensor is ever placed there (by the SDK or the server), so the nonce stays
+#: unguessable and only its owner can register the region again (after a restart).
+SHM_RESERVED_BYTES = 64

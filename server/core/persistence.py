@@ -47,6 +47,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from gradserve import dtypes
+from gradserve.errors import GradserveError
 from gradserve.server.core.sessions import SessionState, SessionStore
 from gradserve.server.core.tensor_array import Slot, TensorArrayState
 
@@ -262,7 +263,9 @@ def read_session(path: str | os.PathLike[str]) -> SessionState:
     """The session in one file, or ``SnapshotError`` saying what is wrong with it."""
     path = pathlib.Path(path)
     try:
-        data = bytearray(path.read_bytes())
+        with path.open("rb") as fh:  # one buffer: no second copy of the file
+            data = bytearray(os.fstat(fh.fileno()).st_size)
+            fh.readinto(data)
     except OSError as e:
         raise SnapshotError(f"{path.name}: cannot read: {e}") from e
     if len(data) < _HEADER.size or bytes(data[:8]) != MAGIC:
@@ -281,7 +284,7 @@ def read_session(path: str | os.PathLike[str]) -> SessionState:
         raise SnapshotError(f"{path.name}: checksum mismatch (corrupt)")
     try:
         return _decode(payload)
-    except (ValueError, KeyError, TypeError, IndexError) as e:
+    except (ValueError, KeyError, TypeError, IndexError, struct.error, GradserveError) as e:
         raise SnapshotError(f"{path.name}: malformed contents: {type(e).__name__}: {e}") from e
 
 
@@ -299,6 +302,8 @@ def _decode(payload: memoryview) -> SessionState:
         raw = data[start : start + nbytes]
         count = int(np.prod(shape, dtype=np.int64))
         if dtype == dtypes.STRING:
+            if count < 0 or count * 8 > nbytes:  # each element has an 8-byte length
+                raise ValueError(f"{count} strings cannot fit in {nbytes} bytes")
             out = np.empty(count, dtypes.STRING)
             pos = 0
             for i in range(count):
@@ -312,7 +317,9 @@ def _decode(payload: memoryview) -> SessionState:
             return out.reshape(shape)
         if count * dtype.itemsize != nbytes:
             raise ValueError(f"tensor of shape {shape} and dtype {dtype} is not {nbytes} bytes")
-        return np.frombuffer(raw, dtype=dtype).reshape(shape)  # a view of the file's buffer
+        # A copy of its own: a view would keep the whole file's buffer alive (memory
+        # no budget sees) for as long as any one tensor of it lives.
+        return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
 
     def shape(value: Any) -> Any:
         return None if value is None else tuple(None if d is None else int(d) for d in value)
@@ -380,6 +387,7 @@ def restore_dir(
     ``*.rejected`` (kept for a person to look at), logged and skipped.
     """
     report = RestoreReport()
+    restored: list[pathlib.Path] = []
     for path in snapshot_files(directory):
         try:
             state = read_session(path)
@@ -390,7 +398,9 @@ def restore_dir(
             log.error("restore: skipped %s: %s", path.name, e)
             path.replace(path.with_name(path.name + REJECTED_SUFFIX))
             continue
-        if remove:
-            path.unlink(missing_ok=True)
+        restored.append(path)
         report.restored += 1
+    if remove:  # only once every file is in: a crash mid-restore loses nothing
+        for path in restored:
+            path.unlink(missing_ok=True)
     return report

@@ -618,6 +618,10 @@ class Session:
         except BaseException:
             session.close()  # releases what was charged
             raise
+        for (forward, source), grad in state.grads.items():
+            if forward not in session._arrays or grad not in session._arrays:
+                session.close()
+                raise ValueError(f"grad array of {forward!r} for {source!r}: no such array")
         session._grads = dict(state.grads)
         return session
 

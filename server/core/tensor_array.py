@@ -614,7 +614,10 @@ class TensorArray:
         budget: MemoryBudget | None = None,
     ) -> TensorArray:
         """The array ``state`` describes, its values' bytes charged to ``budget`` (which
-        raises, charging nothing, past a limit)."""
+        raises, charging nothing, past a limit). A state that no sequence of ops could
+        have made (a file whose checksum was written with bad contents) is refused
+        with ValueError, naming what is wrong."""
+        _check_state(state)
         ta = cls(
             name=state.name,
             dtype=state.dtype,
@@ -670,6 +673,24 @@ class TensorArrayState:
     gradients_disallowed: bool
     closed: bool
     slots: dict[int, _Slot]
+
+
+def _check_state(state: TensorArrayState) -> None:
+    """The invariants every TensorArray keeps, checked on a state read from a file."""
+    if state.size < 0:
+        raise ValueError(f"TensorArray {state.name}: size {state.size} is negative")
+    for index, slot in state.slots.items():
+        where = f"TensorArray {state.name}, index {index}"
+        if index < 0 or (index >= state.size and not state.dynamic_size):
+            raise ValueError(f"{where}: outside its size {state.size}")
+        if slot.value is None:
+            continue
+        if slot.value.dtype != state.dtype:
+            raise ValueError(f"{where}: a {slot.value.dtype} value in a {state.dtype} array")
+        if tuple(slot.value.shape) != tuple(slot.shape):
+            raise ValueError(f"{where}: value of shape {slot.value.shape}, slot says {slot.shape}")
+        if not slot.written:
+            raise ValueError(f"{where}: holds a value but is not written")
 
 
 def _too_many_elements(name: str, size: int, limit: int) -> ResourceExhaustedError:

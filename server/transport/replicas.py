@@ -72,6 +72,9 @@ class StateKeeper:
         if directory is None:
             log.warning("SIGHUP: nothing to adopt (no --state-dir or --adopt-dir)")
             return None
+        if self.store.draining:  # its files stay for the replica that comes up next
+            log.warning("SIGHUP while shutting down: nothing adopted")
+            return None
         report = persistence.restore_dir(self.store, directory)
         with self._lock:
             self.adopted += report.restored

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from gradserve import codec, dtypes
+from gradserve import codec, dtypes, protocol
 from gradserve.errors import GradserveError
 from gradserve.protocol import OUTPUT_REGION_METADATA_KEY
 from gradserve.server.core.sessions import Session
@@ -38,13 +38,13 @@ def fill(msg: tensor_pb2.SharedTensor, region: str, offset: int, array: Any) -> 
 
 
 class OutputArena:
-    """The region a call writes its returned outputs into, from its start."""
+    """The region a call writes its returned outputs into, after its nonce."""
 
     def __init__(self, session: Session, region: str) -> None:
         self.session = session
         self.region = region
         self.size = session.regions.byte_size(region)  # NOT_FOUND now, not per output
-        self.offset = 0
+        self.offset = protocol.SHM_RESERVED_BYTES  # past the region's nonce
         self.broken = False
 
     def write(self, array: np.ndarray, out: tensor_pb2.TensorOutput) -> bool:

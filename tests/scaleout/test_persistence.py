@@ -265,3 +265,86 @@ def test_gpu_tensors_are_saved_through_the_hosts_copy(tmp_path):
     persistence.restore_dir(back, tmp_path)
     got = back.get(s.id).get(tensor_id)
     assert isinstance(got, np.ndarray) and got.tobytes() == host.tobytes()
+
+
+# ------------------------------------------------------------ hostile files (review)
+def _crafted(meta: dict, data: bytes = b"") -> bytes:
+    """A file that passes magic, version, length and checksum (a checksum is no MAC:
+    whoever writes the contents writes it too)."""
+    import hashlib
+    import json
+    import struct
+
+    m = json.dumps(meta).encode()
+    payload = struct.pack("<Q", len(m)) + m + data
+    digest = hashlib.sha256(payload).digest()
+    header = persistence._HEADER.pack(
+        persistence.MAGIC, persistence.FORMAT_VERSION, 0, len(payload), digest
+    )
+    return header + payload
+
+
+def _meta(**kw) -> dict:
+    return {
+        "id": kw.get("id", "r0.crafted"),
+        "principal": "anonymous",
+        "name_counter": 0,
+        "idle_seconds_left": 100,
+        "arrays": kw.get("arrays", []),
+        "grads": kw.get("grads", []),
+        "resident": kw.get("resident", []),
+    }
+
+
+def test_a_string_count_past_its_bytes_is_refused_before_allocating(tmp_path):
+    bomb = {"dtype": "string", "shape": [1 << 40], "offset": 0, "nbytes": 0}
+    (tmp_path / "a.gss").write_bytes(_crafted(_meta(resident=[{"id": "t", "value": bomb}])))
+    with pytest.raises(persistence.SnapshotError, match="strings cannot fit"):
+        persistence.read_session(tmp_path / "a.gss")
+
+
+def test_contents_no_op_could_make_are_refused(tmp_path):
+    slot = {
+        "index": 99,
+        "shape": [3, 3],
+        "written": True,
+        "read": False,
+        "cleared": False,
+        "value": {"dtype": "int8", "shape": [2], "offset": 0, "nbytes": 2},
+    }
+    array = {
+        "handle": "h",
+        "name": "ta",
+        "dtype": "float32",
+        "size": 100,
+        "element_shape": [7],
+        "identical_element_shapes": False,
+        "dynamic_size": False,
+        "clear_after_read": False,
+        "multiple_writes_aggregate": False,
+        "is_grad": False,
+        "marked_size": -1,
+        "gradients_disallowed": False,
+        "closed": False,
+        "slots": [slot],
+    }
+    data = np.arange(2, dtype=np.int8).tobytes()
+    (tmp_path / "b.gss").write_bytes(_crafted(_meta(arrays=[array]), data))
+    store = SessionStore()
+    report = persistence.restore_dir(store, tmp_path)
+    assert (report.restored, report.rejected) == (0, 1)
+    assert "int8 value in a float32 array" in report.errors[0]
+    assert store.budget.used == 0
+
+
+def test_restored_tensors_own_their_memory(tmp_path):
+    store = SessionStore()
+    session = store.create()
+    big, small = np.ones(1 << 20, np.float32), np.arange(4, dtype=np.float32)
+    ids = session.put(big), session.put(small)
+    persistence.write_snapshot(store.export_states(), tmp_path)
+    restored = SessionStore()
+    persistence.restore_dir(restored, tmp_path)
+    value = restored.get(session.id).get(ids[1])
+    np.testing.assert_array_equal(value, small)
+    assert value.base is None or value.base.nbytes == small.nbytes  # no view of the file

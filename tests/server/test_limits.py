@@ -168,6 +168,15 @@ def test_compute_lane_refuses_past_the_queue_and_never_runs_more_than_its_thread
     asyncio.run(scenario())
 
 
+def wait_until(condition, timeout=30.0):
+    """Poll the server's state until ``condition`` holds (not a fixed sleep: how long
+    the long call takes to get there depends on the machine)."""
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "the server never got there"
+        time.sleep(0.005)
+
+
 def long_lstm_args(steps=150_000):
     """An LSTM call that computes for a second or two (tiny cells, many steps)."""
     rng = np.random.default_rng(0)
@@ -181,15 +190,17 @@ def test_compute_queue_over_rpc():
         started = threading.Event()
 
         def long_call():
-            with gradserve.Client(target) as c:
+            with gradserve.Client(target, shared_memory=False) as c:
                 started.set()
-                c.raw_ops.BlockLSTMV2(*long_lstm_args())
+                c.raw_ops.BlockLSTMV2(*long_lstm_args(100_000))  # its only RPC
 
-        worker = threading.Thread(target=long_call)
-        worker.start()
-        started.wait()
-        time.sleep(0.2)
-        with gradserve.Client(target) as client:
+        # Ready before the long call starts.
+        with gradserve.Client(target, shared_memory=False) as client:
+            worker = threading.Thread(target=long_call)
+            worker.start()
+            started.wait()
+            heavy = server.servicer.heavy
+            wait_until(lambda: heavy._slots is not None and heavy._slots.locked())
             with pytest.raises(ResourceExhaustedError, match="compute queue full"):
                 client.raw_ops.BlockLSTMV2(*long_lstm_args(10))
             assert client.stop_gradient(np.ones(1))[0] == 1  # light ops are not gated
@@ -199,14 +210,20 @@ def test_compute_queue_over_rpc():
 def test_max_concurrent_rpcs():
     with run_server(device="cpu", max_concurrent_rpcs=2) as server:
         target = f"127.0.0.1:{server.port}"
-        with gradserve.Client(target) as a, gradserve.Client(target) as b:
+        # No shared memory, inputs inline: the LSTM call is each client's only RPC, so
+        # two in flight are the two long calls.
+        with (
+            gradserve.Client(target, shared_memory=False) as a,
+            gradserve.Client(target, shared_memory=False) as b,
+        ):
             calls = [
-                threading.Thread(target=c.raw_ops.BlockLSTMV2, args=long_lstm_args())
+                threading.Thread(target=c.raw_ops.BlockLSTMV2, args=long_lstm_args(100_000))
                 for c in (a, b)
             ]
             for t in calls:
                 t.start()
-            time.sleep(0.3)
+            admission = server.servicer.admission
+            wait_until(lambda: admission.in_flight - admission.streams >= 2)
             with pytest.raises(ResourceExhaustedError):
                 a.stop_gradient(np.ones(1))
             for t in calls:

@@ -18,6 +18,7 @@ from gradserve import codec, dtypes, protocol
 from gradserve.client import _shm
 from gradserve.errors import (
     AlreadyExistsError,
+    DeadlineExceededError,
     FailedPreconditionError,
     GradserveError,
     InvalidArgumentError,
@@ -471,3 +472,35 @@ def test_regions_the_server_lost_are_registered_again(server, shm_client):
     assert same_bits(shm_client.get(ref), value)
     table.unregister()
     assert same_bits(shm_client.get(shm_client.put(value)), value)
+
+
+# ------------------------------------------------------------ review regressions
+def test_no_tensor_is_placed_over_a_regions_nonce(shm_client):
+    """Data over the nonce would let anyone who guesses it register the region once
+    the server forgets its owner (a restart); the SDK and the server both start after
+    ``SHM_RESERVED_BYTES``."""
+    pool = shm_client._shm.pool
+    value = np.full(1 << 16, 7, np.float32)
+    ref = shm_client.put(value)
+    np.testing.assert_array_equal(shm_client.get(ref), value)
+    shm_client.raw_ops.StopGradient(value)  # input placed, output written by the server
+    for region in pool._all.values():
+        assert bytes(region.buf[: len(region.nonce)]) == region.nonce
+
+
+def test_regions_of_a_call_that_got_no_reply_are_never_reused(target):
+    """The server may still read its inputs or write its outputs after the client's
+    deadline: those regions are discarded, not leased to the next call."""
+    from tests.server.test_limits import long_lstm_args
+
+    with gradserve.Client(target, timeout=0.3, shared_memory=True) as c:
+        pool = c._shm.pool
+        discarded: list = []
+        discard = pool.discard
+        pool.discard = lambda regions: (discarded.extend(regions), discard(regions))
+        with pytest.raises(DeadlineExceededError):
+            c.raw_ops.BlockLSTMV2(*long_lstm_args(100_000))
+        assert discarded, "the call's regions were discarded"
+        names = {r.name for r in discarded}
+        assert not names & set(pool._all) and not names & {r.name for r in pool._free}
+        assert c.stop_gradient(np.ones(3))[0] == 1  # and the client goes on
