@@ -39,12 +39,18 @@ SIZES_KIB = (256, 1024, 2048, 4096, 16384)
 
 def serve() -> None:
     """Child process: gradserve on a free port plus a bare echo server."""
+    serve_with_echo(2 * BIG, workers=16)
+
+
+def serve_with_echo(limit: int, workers: int) -> None:
+    """gradserve on a free port plus a bare gRPC echo server (the floor a call cannot
+    beat), both taking messages up to ``limit``; prints their ports, serves until
+    stdin closes."""
     from gradserve.server import ServerConfig, start
 
-    limit = 2 * BIG
     server = start(ServerConfig(port=0, device="cpu", max_message_bytes=limit))
     echo = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=16),
+        futures.ThreadPoolExecutor(max_workers=workers),
         options=[
             ("grpc.max_send_message_length", limit),
             ("grpc.max_receive_message_length", limit),

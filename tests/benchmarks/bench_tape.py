@@ -14,9 +14,7 @@ the BLAS thread count, and that both give the same gradients.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import inspect
-import pathlib
 import statistics
 import time
 
@@ -24,17 +22,8 @@ import numpy as np
 
 import gradserve
 from tests.benchmarks.bench_lstm import blas_info
+from tests.examples.test_train_lstm_worker import load_example
 from tests.server_process import ServerProcess
-
-EXAMPLE = pathlib.Path(__file__).parents[2] / "examples" / "train_lstm_worker.py"
-
-
-def load_example():
-    spec = importlib.util.spec_from_file_location("train_lstm_worker", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 EX = load_example()
 STEPS, BATCH, UNITS = EX.STEPS, EX.BATCH, EX.UNITS

@@ -34,7 +34,6 @@ import statistics
 import subprocess
 import sys
 import time
-from concurrent import futures
 
 import grpc
 import numpy as np
@@ -50,24 +49,9 @@ GOAL_GBPS = 1.0
 
 def serve() -> None:
     """Child process: gradserve on a free port plus a bare echo server."""
-    from gradserve.server import ServerConfig, start
+    from tests.benchmarks.bench_core import serve_with_echo
 
-    server = start(ServerConfig(port=0, device="cpu", max_message_bytes=LIMIT))
-    echo = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=4),
-        options=[
-            ("grpc.max_send_message_length", LIMIT),
-            ("grpc.max_receive_message_length", LIMIT),
-        ],
-    )
-    identity = grpc.unary_unary_rpc_method_handler(lambda req, ctx: req)
-    echo.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("bench.Echo", {"Echo": identity}),)
-    )
-    echo_port = echo.add_insecure_port("127.0.0.1:0")
-    echo.start()
-    print(f"ports {server.port} {echo_port}", flush=True)
-    sys.stdin.read()  # until the parent closes our stdin
+    serve_with_echo(LIMIT, workers=4)
 
 
 def timed(fn, repeat: int) -> float:
