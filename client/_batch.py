@@ -20,7 +20,7 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from gradserve.client._client import answered
+from gradserve.client._errors import answered
 from gradserve.client._raw_ops import RawOps
 from gradserve.client._types import StepOutput
 from gradserve.errors import error_class_for
@@ -41,8 +41,6 @@ def placeholders(rpc: str, step: int) -> Any:
         return LSTMActivations(*outs)
     if rpc in ("BlockLSTMGradV2", "BlockLSTMGrad"):
         return LSTMGrads(*outs)
-    if rpc == "Gradients":
-        return None  # see Batch.gradient
     return outs[0] if len(outs) == 1 else tuple(outs)
 
 

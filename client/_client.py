@@ -18,13 +18,12 @@ from google.protobuf.message import Message
 from gradserve import codec, dtypes, protocol
 from gradserve.client import _shm
 from gradserve.client._convert import to_array
-from gradserve.client._errors import from_rpc_error
+from gradserve.client._errors import answered, from_rpc_error
 from gradserve.client._prefetch import Prefetcher
 from gradserve.client._raw_ops import RawOps, Staging
 from gradserve.client._tape import GradientTape, Recording
 from gradserve.client._types import StepOutput, TapedArray, TensorRef
 from gradserve.errors import (
-    Code,
     DataLossError,
     GradserveError,
     InvalidArgumentError,
@@ -520,16 +519,6 @@ OUTCOME_UNKNOWN = (
     "it may or may not have been applied; it was not repeated (repeating a write could "
     "apply it twice). Check the state (e.g. read the element back) before writing again. "
 )
-
-#: Statuses after which the server may still be working on the call (no reply).
-_NO_REPLY = {Code.DEADLINE_EXCEEDED, Code.CANCELLED, Code.UNAVAILABLE, Code.UNKNOWN}
-
-
-def answered(exc: BaseException) -> bool:
-    """Whether a call that raised ``exc`` was answered by the server (an op's own
-    error), so that the server is done with everything the call named."""
-    return isinstance(exc, GradserveError) and exc.code not in _NO_REPLY
-
 
 #: RPCs that record on the gradient tapes active when they are called.
 _RECORDED = (set(protocol.BATCH_FIELDS) | {"Batch"}) - {"Gradients"}

@@ -11,6 +11,17 @@ from grpc_status import rpc_status
 from gradserve.errors import Code, GradserveError, SessionLostError, error_class_for
 from gradserve.protocol import REQUEST_ID_KEY
 
+#: Statuses after which the server may still be working on the call (no reply).
+_NO_REPLY = {Code.DEADLINE_EXCEEDED, Code.CANCELLED, Code.UNAVAILABLE, Code.UNKNOWN}
+
+
+def answered(exc: BaseException) -> bool:
+    """Whether a call that raised ``exc`` was answered by the server (an op's own
+    error), so that the server is done with everything the call named (its
+    shared-memory regions may be used again)."""
+    return isinstance(exc, GradserveError) and exc.code not in _NO_REPLY
+
+
 #: The reason of a NOT_FOUND for the session itself (not an array or tensor in it).
 SESSION_LOST_REASON = "SESSION_NOT_FOUND"
 

@@ -35,6 +35,7 @@ import numpy as np
 from google.protobuf.message import Message
 
 from gradserve import codec, dtypes
+from gradserve.client._errors import answered
 from gradserve.errors import AlreadyExistsError, GradserveError, NotFoundError
 from gradserve.protocol import OUTPUT_REGION_METADATA_KEY, SHM_RESERVED_BYTES
 from gradserve.v1 import shared_memory_pb2, tensor_pb2
@@ -482,11 +483,5 @@ def returned_bytes(message: Any) -> int:
 
 def _end(lease: Lease, error: BaseException) -> None:
     """Give back a failed call's lease, or discard it if the server may still be at
-    work on the call (no reply: deadline, cancel, lost connection)."""
-    answered = isinstance(error, GradserveError) and error.code.name not in (
-        "DEADLINE_EXCEEDED",
-        "CANCELLED",
-        "UNAVAILABLE",
-        "UNKNOWN",
-    )
-    lease.release() if answered else lease.discard()
+    work on the call (``answered``)."""
+    lease.release() if answered(error) else lease.discard()

@@ -49,8 +49,12 @@ from gradserve.server.core.tape import Record, Tape
 #: (TensorFlow's flow gradients are dummy floats that order the grad ops).
 FLOW = object()
 
-#: dtype kinds one can differentiate: floating point and complex.
-DIFFERENTIABLE_KINDS = "fc"
+#: What one can differentiate: floating point (bfloat16 included, which NumPy files
+#: under kind "V") and complex, TensorFlow's trainable types.
+DIFFERENTIABLE = frozenset(
+    dtypes.normalize(name)
+    for name in ("float16", "bfloat16", "float32", "float64", "complex64", "complex128")
+)
 
 
 @dataclasses.dataclass
@@ -235,7 +239,7 @@ def _describe(tensor_id: str) -> str:
 
 def check_differentiable(array: Any, what: str, tensor_id: str) -> None:
     dtype = np.dtype(array.dtype)
-    if dtype.kind not in DIFFERENTIABLE_KINDS or dtype == dtypes.STRING:
+    if dtype not in DIFFERENTIABLE:
         raise InvalidArgumentError(
             f"{what} {_describe(tensor_id)!r} has dtype {dtypes.tf_name(dtype)}: gradients "
             "are defined for floating-point and complex tensors only",

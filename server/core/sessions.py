@@ -533,7 +533,6 @@ class Session:
     def gradient_done(self, tape: Tape) -> None:
         """A gradient computation on ``tape`` succeeded: a non-persistent tape is
         released (TensorFlow's tapes allow one ``gradient`` call unless persistent)."""
-        tape.gradient_calls += 1
         if not tape.persistent:
             self.release_tape(tape.id)
 

@@ -87,8 +87,6 @@ class Tape:
         self.released = False
         #: The current version of each TensorArray's contents (``flow_key``).
         self.flow_versions: dict[str, int] = {}
-        #: Gradients calls made on it (non-persistent tapes allow one).
-        self.gradient_calls = 0
         #: Held by an op on a TensorArray from before it runs until its record is
         #: committed, so records are in the order the ops ran (a read recorded before
         #: the write it read would lose the write's gradient).

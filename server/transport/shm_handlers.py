@@ -14,22 +14,15 @@ import functools
 from typing import Any
 
 from gradserve import codec
-from gradserve.server.core.sessions import Session
 from gradserve.server.transport import boundary, shm_wire
+from gradserve.server.transport.servicer_part import ServicerPart
 from gradserve.server.transport.wire import host_array
 from gradserve.v1 import shared_memory_pb2 as pb
 from gradserve.v1 import tensor_pb2
 
 
-class SharedMemoryRPCs:
+class SharedMemoryRPCs(ServicerPart):
     """RegisterSharedMemory, UnregisterSharedMemory, PutSharedTensor, GetSharedTensor."""
-
-    # Provided by the servicer.
-    light: Any
-    compute: Any
-
-    def _session(self, context: Any) -> Session:  # pragma: no cover - the servicer's
-        raise NotImplementedError
 
     @boundary.guarded
     async def RegisterSharedMemory(

@@ -120,7 +120,7 @@ def TensorArraySplitV3(
     host_value, lengths = io.host(value), io.input(req.lengths, "lengths")
     ta_ops.split(io.session, handle, host_value, lengths)
     if io.recorder:
-        recording.split(io.recorder, handle, value, host_value, lengths)
+        recording.split(io.recorder, handle, value, host_value)
     return pb.TensorArraySplitV3Response(flow_out=req.flow_in)
 
 

@@ -14,22 +14,14 @@ from typing import Any
 
 from gradserve import codec, dtypes, protocol
 from gradserve.errors import ResourceExhaustedError
-from gradserve.server.core.sessions import Session
 from gradserve.server.transport import boundary
+from gradserve.server.transport.servicer_part import ServicerPart
 from gradserve.server.transport.wire import host_array
 from gradserve.v1 import service_pb2, tensor_pb2
 
 
-class InlineTensorRPCs:
+class InlineTensorRPCs(ServicerPart):
     """PutTensorInline, GetTensorInline."""
-
-    # Provided by the servicer.
-    light: Any
-    compute: Any
-    max_message_bytes: int
-
-    def _session(self, context: Any) -> Session:  # pragma: no cover - the servicer's
-        raise NotImplementedError
 
     @boundary.guarded
     async def PutTensorInline(

@@ -263,8 +263,6 @@ class CallIO:
             else:
                 ref.id = self.session.put(array, nbytes)
             self._kept.append(ref.id)
-            if keep and self.step is not None and not tape_id:
-                self.produce(field, Resident(ref.id))
             ref.dtype = codec.dtype_to_enum(array.dtype)
             ref.shape[:] = array.shape
             ref.transient = transient

@@ -30,15 +30,14 @@ import argparse
 import inspect
 import os
 import re
-import statistics
 import subprocess
 import sys
-import time
 
 import grpc
 import numpy as np
 
 import gradserve
+from tests.benchmarks.bench_core import interleaved, serve_with_echo
 
 ECHO_METHOD = "/bench.Echo/Echo"
 KIB, MIB = 1 << 10, 1 << 20
@@ -49,23 +48,8 @@ GOAL_GBPS = 1.0
 
 def serve() -> None:
     """Child process: gradserve on a free port plus a bare echo server."""
-    from tests.benchmarks.bench_core import serve_with_echo
 
     serve_with_echo(LIMIT, workers=4)
-
-
-def timed(fn, repeat: int) -> float:
-    """Median seconds of ``repeat`` calls. What a call returns is passed to its
-    ``undo`` attribute, if it has one, outside the timing (a put's delete)."""
-    times = []
-    undo = getattr(fn, "undo", None)
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - t0)
-        if undo is not None:
-            undo(result)
-    return statistics.median(times)
 
 
 def putting(client, array):
@@ -76,15 +60,6 @@ def putting(client, array):
 
     put.undo = client.delete
     return put
-
-
-def interleaved(fns: dict, rounds: int, repeat: int) -> dict[str, float]:
-    """Median seconds of each fn over ``rounds`` alternating rounds."""
-    samples: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            samples[name].append(timed(fn, repeat))
-    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def repeats(size: int) -> int:

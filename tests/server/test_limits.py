@@ -190,7 +190,7 @@ def test_compute_queue_over_rpc():
         started = threading.Event()
 
         def long_call():
-            with gradserve.Client(target, shared_memory=False) as c:
+            with gradserve.Client(target, shared_memory=False, keepalive=False) as c:
                 started.set()
                 c.raw_ops.BlockLSTMV2(*long_lstm_args(100_000))  # its only RPC
 
@@ -210,11 +210,11 @@ def test_compute_queue_over_rpc():
 def test_max_concurrent_rpcs():
     with run_server(device="cpu", max_concurrent_rpcs=2) as server:
         target = f"127.0.0.1:{server.port}"
-        # No shared memory, inputs inline: the LSTM call is each client's only RPC, so
-        # two in flight are the two long calls.
+        # No shared memory, no background keep-alive, inputs inline: the LSTM call is
+        # each client's only RPC, so two in flight are the two long calls.
         with (
-            gradserve.Client(target, shared_memory=False) as a,
-            gradserve.Client(target, shared_memory=False) as b,
+            gradserve.Client(target, shared_memory=False, keepalive=False) as a,
+            gradserve.Client(target, shared_memory=False, keepalive=False) as b,
         ):
             calls = [
                 threading.Thread(target=c.raw_ops.BlockLSTMV2, args=long_lstm_args(100_000))

@@ -109,6 +109,23 @@ def test_gather_scatter_and_uneven_concat_split(client):
     np.testing.assert_array_equal(gs, dcat)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "complex64"])
+def test_every_trainable_dtype_is_differentiable(client, dtype):
+    """bfloat16 (NumPy kind "V", not "f") and complex are as differentiable as in
+    TensorFlow; the gradient comes back in the source's dtype."""
+    from gradserve import dtypes
+
+    dt = dtypes.normalize(dtype)
+    x = client.put(np.array([1.5, -2.0], dt))
+    with client.gradient_tape() as tape:
+        h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=dt, element_shape=[2])
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+        r = client.raw_ops.TensorArrayReadV3(h, 0, flow, dt)
+    g = tape.gradient(r, x, output_gradients=np.array([3.0, 0.5], dt))
+    assert g.dtype == dt
+    np.testing.assert_array_equal(g.astype(np.complex128), [3.0, 0.5])
+
+
 def test_unread_elements_get_zero_gradient(client):
     v = client.put(np.ones((3, 2), F32))
     with client.gradient_tape() as tape:

@@ -68,13 +68,11 @@ def concat(
     return out, out_lengths
 
 
-def split(
-    rec: Recorder, handle: str, value_arg: TensorArg, value: np.ndarray, lengths: np.ndarray
-) -> None:
+def split(rec: Recorder, handle: str, value_arg: TensorArg, value: np.ndarray) -> None:
+    """TensorArraySplitV3: its gradient is a concat, which needs no lengths."""
     key, _ = rec.arg(value_arg)
     saved = {"handle": handle, "dtype": value.dtype, "value_shape": tuple(value.shape)}
     rec.record("TensorArraySplitV3", (key, FLOW_IN), (FLOW_OUT,), saved)
-    del lengths  # the split's gradient is a concat: it needs no lengths
 
 
 def stop_gradient(rec: Recorder, value_arg: TensorArg, value: Any) -> str | None:
