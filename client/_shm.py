@@ -18,15 +18,22 @@ is created at its full size with ``posix_fallocate``: a ``/dev/shm`` too small f
 it (Docker's default is 64 MB) fails there, cleanly, and the tensor goes on the wire,
 instead of SIGBUS on a later write. The pool holds at most ``max_bytes`` of regions;
 past that, idle regions are dropped first, then the wire is used.
+
+``get`` is zero-copy for large tensors: the array it returns lives in the region the
+server wrote it into (``SharedMemoryPool.pin``), which is the caller's until that
+array and every view of it are gone; only then is the region leased again. See
+``Pinned`` for the rules that make this safe.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
 import secrets
 import threading
+import weakref
 from collections.abc import Callable
 from multiprocessing import shared_memory
 from typing import Any
@@ -55,6 +62,12 @@ MAX_REGIONS = 16
 DEFAULT_MAX_BYTES = 4 << 30
 NONCE_BYTES = 32
 SHM_DIR = "/dev/shm"
+#: ``get`` returns tensors of at least this many bytes in their region, without a copy
+#: (smaller ones are copied out: cheap, and they would tie up a region each).
+ZERO_COPY_MIN_BYTES = 1 << 20
+#: Regions that arrays returned by ``get`` may hold at once (the rest of the pool
+#: stays for puts and op calls; past it, ``get`` copies out).
+MAX_PINNED_REGIONS = MAX_REGIONS // 2
 
 
 def _aligned(n: int) -> int:
@@ -90,6 +103,11 @@ class Region:
         flat = np.frombuffer(self.buf, dtype.newbyteorder("<"), count, offset)
         return flat.reshape(shape)
 
+    def address(self, offset: int) -> int:
+        """Where byte ``offset`` of the region is mapped in this process."""
+        probe = np.frombuffer(self.buf, np.uint8, 1, offset)
+        return int(probe.__array_interface__["data"][0])
+
     @property
     def buf(self) -> memoryview:
         buf = self.shm.buf
@@ -101,6 +119,38 @@ class Region:
             self.shm.close()
         with contextlib.suppress(OSError):
             self.shm.unlink()
+
+
+class Pinned:
+    """The owner of the memory of an array returned without a copy: ``base`` of that
+    array, so that the array and every view of it (each holds its base) keep it.
+
+    While it lives, its region is the caller's alone:
+
+    - the pool never leases it (it is not free) nor drops it to make room;
+    - ``view`` (a slice of the region's memoryview, held by its finalizer) is an
+      export of the mapping, so nothing can unmap it: ``SharedMemory.close`` raises
+      ``BufferError`` and the pool's ``close`` only unlinks the region (POSIX keeps
+      an unlinked object's memory while it is mapped);
+    - the server writes a region only where a call names it as output, and no call
+      names a pinned region, so the caller may write into the array freely: the
+      server's tensor is its own copy.
+
+    When the last array goes, its finalizer (``SharedMemoryPool._unpin``) releases
+    ``view`` and hands the region back: to the pool, or, once the pool is closed, to
+    be unmapped.
+    """
+
+    __slots__ = ("__array_interface__", "__weakref__", "region")
+
+    def __init__(self, region: str, address: int, nbytes: int) -> None:
+        self.region = region  #: the region's name
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+        }
 
 
 class Lease:
@@ -167,6 +217,13 @@ class SharedMemoryPool:
         #: The most output bytes a call has needed: output regions are leased this big.
         self.output_hint = FIRST_REGION_BYTES
         self.closed = False
+        #: Regions held by arrays ``get`` returned (``pin``), and their bytes.
+        self._pinned: set[str] = set()
+        self._pinned_bytes = 0
+        #: Regions whose arrays are gone, not yet back in ``_free``: a finalizer runs
+        #: wherever the garbage collector does, maybe inside ``_lock``, so it only
+        #: appends here (atomic) and ``_reclaim`` takes them back under the lock.
+        self._returned: collections.deque[Region] = collections.deque()
 
     def start(self) -> None:
         """Create and register the first region: raises if the server cannot read it
@@ -198,6 +255,7 @@ class SharedMemoryPool:
         with self._lock:
             if self.closed:
                 return None
+            self._reclaim()
             fits = [r for r in self._free if r.size >= nbytes]
             if fits:
                 region = min(fits, key=lambda r: r.size)
@@ -236,16 +294,91 @@ class SharedMemoryPool:
 
     def read(self, msg: tensor_pb2.SharedTensor) -> np.ndarray:
         """A copy of an output the server wrote into one of our regions."""
+        region, dtype, shape, count = self._located(msg)
+        out = np.empty(shape, dtype)
+        if count:
+            out[...] = region.view(msg.offset, dtype, shape)
+        return out
+
+    def _located(
+        self, msg: tensor_pb2.SharedTensor
+    ) -> tuple[Region, np.dtype, tuple[int, ...], int]:
         dtype = codec.dtype_from_enum(msg.dtype, field="output")
         region = self.region(msg.region)
         shape = tuple(msg.shape)
         count = int(np.prod(shape, dtype=np.int64))
         if msg.offset < 0 or msg.offset + count * dtype.itemsize > region.size:
             raise GradserveError(f"output outside shared memory region {msg.region!r}")
-        out = np.empty(shape, dtype)
-        if count:
-            out[...] = region.view(msg.offset, dtype, shape)
-        return out
+        return region, dtype, shape, count
+
+    def pin(self, region: Region, msg: tensor_pb2.SharedTensor) -> np.ndarray | None:
+        """The tensor ``msg`` names in ``region`` (leased by the caller, who gives it
+        up on success) as an array backed by the region itself, no copy: the region
+        stays out of the pool until that array and its views are gone (``Pinned``).
+        None (keep the lease, copy out) when the tensor is small, when the region is
+        much larger than it, or when arrays already hold their share of the pool."""
+        located, dtype, shape, count = self._located(msg)
+        nbytes = count * dtype.itemsize
+        if (
+            located is not region
+            or nbytes < ZERO_COPY_MIN_BYTES
+            or 4 * nbytes < region.size  # a small array would tie up a large region
+        ):
+            return None
+        with self._lock:
+            self._reclaim()
+            if (
+                self.closed
+                or region.name not in self._all
+                or len(self._pinned) >= MAX_PINNED_REGIONS
+                or self._pinned_bytes + region.size > self.max_bytes // 2
+            ):
+                return None
+            self._pinned.add(region.name)
+            self._pinned_bytes += region.size
+        try:
+            view = region.buf[msg.offset : msg.offset + nbytes]
+            owner = Pinned(region.name, region.address(msg.offset), nbytes)
+        except BaseException:
+            with self._lock:
+                self._pinned.discard(region.name)
+                self._pinned_bytes -= region.size
+            raise
+        finalizer = weakref.finalize(owner, self._unpin, region, view)
+        finalizer.atexit = False  # at exit, arrays may still be in use: leave the mapping
+        flat: np.ndarray = np.asarray(owner)  # its base is ``owner``
+        del owner  # only arrays hold it now
+        return flat.view(dtype.newbyteorder("<")).reshape(shape)
+
+    def _unpin(self, region: Region, view: memoryview) -> None:
+        """(the finalizer of a ``Pinned``: any thread, any time, maybe inside ``_lock``)"""
+        view.release()  # the mapping may be closed from now on
+        self._returned.append(region)
+        if self.closed:  # after ``close`` took what was returned before
+            self._destroy_returned()
+
+    def _reclaim(self) -> None:
+        """Regions whose arrays are gone go back to ``_free`` (caller holds ``_lock``;
+        the pool is open)."""
+        while self._returned:
+            try:
+                region = self._returned.popleft()
+            except IndexError:  # taken meanwhile (a finalizer after ``close``)
+                break
+            self._pinned.discard(region.name)
+            self._pinned_bytes -= region.size
+            if self._all.get(region.name) is region:
+                self._free.append(region)
+            else:  # not ours any more (never happens while open): unmap it
+                region.destroy()
+
+    def _destroy_returned(self) -> None:
+        while True:
+            try:
+                region = self._returned.popleft()
+            except IndexError:
+                return
+            region.destroy()
 
     def reregister(self) -> None:
         """Register every region again (the server lost them: it restarted and
@@ -295,6 +428,9 @@ class SharedMemoryPool:
             self._all.clear()
             self._free.clear()
             self._held = 0
+            self._pinned.clear()
+            self._pinned_bytes = 0
+        self._destroy_returned()  # arrays gone: not leased, not pinned any more
         for region in regions if unregister else ():  # only ours: others may share the session
             with contextlib.suppress(GradserveError):
                 self._call(
@@ -304,7 +440,7 @@ class SharedMemoryPool:
         for region in regions:
             if id(region) in free:
                 region.destroy()
-            else:  # leased now: its lease destroys it when given back
+            else:  # leased now, or held by arrays: destroyed when given back
                 with contextlib.suppress(OSError):
                     region.shm.unlink()
 
@@ -432,7 +568,9 @@ class ClientSharedMemory:
     def get(
         self, tensor_id: str, dtype: np.dtype, shape: tuple[int, ...], *, delete_after: bool
     ) -> np.ndarray | None:
-        """``GetSharedTensor`` of a resident tensor of known dtype and shape, or None."""
+        """``GetSharedTensor`` of a resident tensor of known dtype and shape, or None.
+        A large one comes back in the region the server wrote it to (``pool.pin``):
+        an array of the caller's own, writable, that holds the region until it goes."""
         if dtype == dtypes.STRING:
             return None
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -449,7 +587,11 @@ class ClientSharedMemory:
                 delete_after=delete_after,
             )
             reply = self._call_recovering("GetSharedTensor", request)
-            out = self.pool.read(reply.tensor)
+            out = self.pool.pin(region, reply.tensor)
+            if out is None:
+                out = self.pool.read(reply.tensor)
+            else:  # the array holds the region now
+                lease.out = None
         except BaseException as e:
             _end(lease, e)
             raise

@@ -175,3 +175,27 @@ def test_concurrent_calls_of_one_shape_do_not_share_buffers():
     for t in threads:
         t.join()
     assert len(errors) == 60 and max(errors) < 1e-5
+
+
+def test_steps_past_seq_len_max_are_zero_in_reused_memory():
+    """Outputs and x_grad are allocated uninitialised and only their tails zeroed: a
+    full-length call first leaves nonzero values in the memory the allocator hands the
+    shorter call next."""
+    steps, length = 9, 4
+    case = random_case(np.random.default_rng(3), steps, 6, 5, 4, np.float32)
+    inputs = LSTMInputs(*(case[k] for k in INPUTS))
+    for _ in range(3):
+        full = lstm.block_lstm_forward(backend_numpy, inputs, seq_len_max=steps)
+        grads = lstm.block_lstm_backward(
+            backend_numpy, inputs, full, lstm.LSTMOutputGrads(full.cs, full.h),
+            seq_len_max=steps,
+        )  # fmt: skip
+        assert grads.x_grad[length:].any() and all(o[length:].any() for o in full)
+        del full, grads
+        short = lstm.block_lstm_forward(backend_numpy, inputs, seq_len_max=length)
+        short_grads = lstm.block_lstm_backward(
+            backend_numpy, inputs, short, lstm.LSTMOutputGrads(short.cs, short.h),
+            seq_len_max=length,
+        )  # fmt: skip
+        for name, out in (*short._asdict().items(), ("x_grad", short_grads.x_grad)):
+            assert not out[length:].any(), name

@@ -5,6 +5,7 @@ can break a region under the server (it must answer with an error and serve on).
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import threading
 from multiprocessing import shared_memory
@@ -504,3 +505,166 @@ def test_regions_of_a_call_that_got_no_reply_are_never_reused(target):
         names = {r.name for r in discarded}
         assert not names & set(pool._all) and not names & {r.name for r in pool._free}
         assert c.stop_gradient(np.ones(3))[0] == 1  # and the client goes on
+
+
+# ------------------------------------------------------------ zero-copy get
+def owner(array: np.ndarray):
+    """What finally holds ``array``'s memory (a ``Pinned`` for a zero-copy get)."""
+    base = array
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    return base
+
+
+def pinned_region(array: np.ndarray) -> str:
+    held = owner(array)
+    assert isinstance(held, _shm.Pinned), f"not zero-copy: {type(held)}"
+    return held.region
+
+
+def large(dtype: np.dtype) -> np.ndarray:
+    """A sample of ``dtype`` of 1 MiB: large enough for a zero-copy get."""
+    return sample(dtype, ((_shm.ZERO_COPY_MIN_BYTES // dtype.itemsize) // 64, 64))
+
+
+def mapped(name: str) -> bool:
+    with open("/proc/self/maps") as maps:
+        return any(f"/dev/shm/{name}" in line for line in maps)
+
+
+@pytest.mark.parametrize("dtype", NUMERIC, ids=dtypes.name)
+def test_zero_copy_get_equals_the_wire(shm_client, wire_client, dtype):
+    value = large(np.dtype(dtype))
+    by_shm = shm_client.get(shm_client.put(value))
+    assert pinned_region(by_shm) in shm_client._shm.pool._all
+    assert by_shm.flags.writeable
+    assert same_bits(by_shm, value)
+    assert same_bits(by_shm, wire_client.get(wire_client.put(value)))
+
+
+def test_small_gets_are_copies(shm_client):
+    for value in (np.arange(1000, dtype=np.float32), np.zeros((0, 3))):
+        got = shm_client.get(shm_client.put(value))
+        assert not isinstance(owner(got), _shm.Pinned) and same_bits(got, value)
+    assert not shm_client._shm.pool._pinned
+
+
+def test_a_region_is_not_reused_while_its_array_lives(shm_client):
+    first_value = np.arange(1 << 18, dtype=np.float32)
+    other = np.full(1 << 18, -2, np.float32)
+    first = shm_client.get(shm_client.put(first_value))
+    name = pinned_region(first)
+    view = first[7:][::3]  # a view keeps it too, after the array itself is gone
+    del first
+    gc.collect()
+    ref = shm_client.put(other)
+    for _ in range(20):  # gets, puts and op calls use other regions meanwhile
+        got = shm_client.get(ref)
+        assert pinned_region(got) != name and same_bits(got, other)
+        shm_client.delete(shm_client.put(other))
+        assert same_bits(shm_client.raw_ops.StopGradient(input=other), other)
+        del got
+    assert same_bits(view, first_value[7:][::3])
+    assert name in shm_client._shm.pool._pinned
+    assert name not in {r.name for r in shm_client._shm.pool._free}
+
+
+def test_a_region_is_reused_once_its_array_is_gone(shm_client):
+    value = np.arange(1 << 18, dtype=np.float32)
+    ref = shm_client.put(value)
+    got = shm_client.get(ref)
+    name = pinned_region(got)
+    del got
+    gc.collect()
+    again = shm_client.get(ref)
+    assert pinned_region(again) == name and same_bits(again, value)
+    assert shm_client._shm.pool._pinned == {name}
+
+
+def test_writing_into_a_returned_array_changes_nothing_on_the_server(shm_client):
+    value = np.arange(1 << 18, dtype=np.float32)
+    ref = shm_client.put(value)
+    got = shm_client.get(ref)
+    got[...] = -1
+    got[:10] += 5
+    assert same_bits(shm_client.get(ref), value)
+    assert same_bits(shm_client.raw_ops.StopGradient(input=ref), value)
+    assert same_bits(got[10:], np.full(value.size - 10, -1, np.float32))
+
+
+def test_arrays_past_their_share_of_the_pool_are_copies(shm_client):
+    value = np.arange(1 << 18, dtype=np.float32)
+    ref = shm_client.put(value)
+    kept = [shm_client.get(ref) for _ in range(_shm.MAX_PINNED_REGIONS + 2)]
+    held = [isinstance(owner(a), _shm.Pinned) for a in kept]
+    assert held == [True] * _shm.MAX_PINNED_REGIONS + [False, False]
+    assert all(same_bits(a, value) for a in kept)
+    lease = _shm.Lease(shm_client._shm.pool)  # puts and op inputs still have regions
+    try:
+        assert lease.place(value, tensor_pb2.SharedTensor())
+    finally:
+        lease.release()
+    assert same_bits(shm_client.raw_ops.StopGradient(input=value), value)
+
+
+def test_closing_the_client_leaves_live_arrays_mapped_until_they_go(target):
+    value = np.arange(1 << 18, dtype=np.float32)
+    c = gradserve.Client(target, shared_memory=True)
+    got = c.get(c.put(value))
+    view = got[::-1]
+    name = pinned_region(got)
+    c.close()
+    assert not os.path.exists(f"/dev/shm/{name}")  # unlinked with the client
+    assert mapped(name) and same_bits(got, value) and same_bits(view, value[::-1])
+    got[0] = 9  # still the caller's memory
+    del got
+    gc.collect()
+    assert mapped(name) and view[-1] == 9
+    del view
+    gc.collect()
+    assert not mapped(name)  # unmapped once the last view went
+
+
+def test_gets_from_threads_with_arrays_dropped_anywhere(shm_client):
+    values = [np.full(1 << 18, i, np.float32) for i in range(4)]
+    refs = [shm_client.put(v) for v in values]
+    errors: list = []
+
+    def work(i: int) -> None:
+        try:
+            kept = []
+            for n in range(15):
+                got = shm_client.get(refs[i])
+                assert same_bits(got, values[i])
+                kept.append(got)
+                if n % 3 == 0:
+                    kept.clear()
+                    gc.collect()  # finalizers run here, maybe while others hold the pool
+            assert all(same_bits(a, values[i]) for a in kept)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    gc.collect()
+    assert same_bits(shm_client.get(refs[0]), values[0])
+
+
+def test_large_reads_split_in_parts_give_the_bytes_or_a_truncation_error(shm_client, objects):
+    size = 2 * regions.PARALLEL_READ_BYTES
+    assert regions._parallel_parts(size - 4096) > 1 or (os.cpu_count() or 1) == 1
+    shm = objects.register(shm_client, size)
+    value = np.random.default_rng(1).integers(0, 255, size - 4096, np.uint8)
+    write(shm, value, offset=4096)
+    ref = put_shared(shm_client, shared(shm, np.uint8, [value.size], offset=4096))
+    assert same_bits(shm_client.get(ref.id), value)
+    truncate(shm, size - regions.MIN_PART_BYTES)  # only the last part runs short
+    with pytest.raises(FailedPreconditionError) as err:
+        put_shared(shm_client, shared(shm, np.uint8, [value.size], offset=4096))
+    assert err.value.reason == "REGION_TRUNCATED"
+    truncate(shm, size)
+    assert put_shared(shm_client, shared(shm, np.uint8, [value.size], offset=4096)).id
