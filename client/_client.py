@@ -331,9 +331,11 @@ class Client:
                 raise
             finally:
                 self._clean_up(temps, replied=replied)
-            result = self._parse(reply, parse)
-            if shm is not None:
-                shm.note_reply(reply)
+            if shm is None or out is None:
+                return self._parse(reply, parse)
+            with shm.outputs_in_place(out, reply):  # large outputs: views, no copy
+                result = self._parse(reply, parse)
+            shm.note_reply(reply)
             return result
         finally:
             if out is not None:

@@ -34,9 +34,9 @@ import os
 import secrets
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing import shared_memory
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from google.protobuf.message import Message
@@ -72,6 +72,18 @@ MAX_PINNED_REGIONS = MAX_REGIONS // 2
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def _typed(flat: np.ndarray, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """Bytes of a region (uint8) as a little-endian array of ``dtype`` and ``shape``."""
+    return flat.view(dtype.newbyteorder("<")).reshape(shape)
+
+
+class _OpenPin(NamedTuple):
+    """A call's pinned outputs: the offset in the region where ``flat`` starts."""
+
+    start: int
+    flat: np.ndarray
 
 
 class Region:
@@ -224,6 +236,9 @@ class SharedMemoryPool:
         #: wherever the garbage collector does, maybe inside ``_lock``, so it only
         #: appends here (atomic) and ``_reclaim`` takes them back under the lock.
         self._returned: collections.deque[Region] = collections.deque()
+        #: Regions whose call's outputs are being read as views (``pin_outputs``),
+        #: by region name: a region is leased to one call, so calls never collide.
+        self._open_pins: dict[str, _OpenPin] = {}
 
     def start(self) -> None:
         """Create and register the first region: raises if the server cannot read it
@@ -293,8 +308,14 @@ class SharedMemoryPool:
             return self._all[name]
 
     def read(self, msg: tensor_pb2.SharedTensor) -> np.ndarray:
-        """A copy of an output the server wrote into one of our regions."""
+        """An output the server wrote into one of our regions: a view of the region
+        when the call's outputs were pinned there (``pin_outputs``), else a copy."""
         region, dtype, shape, count = self._located(msg)
+        pinned = self._open_pins.get(msg.region)
+        if pinned is not None:
+            start = msg.offset - pinned.start
+            if 0 <= start and start + count * dtype.itemsize <= pinned.flat.size:
+                return _typed(pinned.flat[start : start + count * dtype.itemsize], dtype, shape)
         out = np.empty(shape, dtype)
         if count:
             out[...] = region.view(msg.offset, dtype, shape)
@@ -318,13 +339,39 @@ class SharedMemoryPool:
         None (keep the lease, copy out) when the tensor is small, when the region is
         much larger than it, or when arrays already hold their share of the pool."""
         located, dtype, shape, count = self._located(msg)
-        nbytes = count * dtype.itemsize
-        if (
-            located is not region
-            or nbytes < ZERO_COPY_MIN_BYTES
-            or 4 * nbytes < region.size  # a small array would tie up a large region
-        ):
+        if located is not region:
             return None
+        flat = self._pin_span(region, msg.offset, count * dtype.itemsize)
+        return None if flat is None else _typed(flat, dtype, shape)
+
+    def pin_outputs(self, region: Region, outputs: list[tensor_pb2.SharedTensor]) -> bool:
+        """Pin the span of ``region`` that holds a call's ``outputs``, so that ``read``
+        returns them as views of it until ``end_outputs``: the outputs of one call
+        share one ``Pinned``, and the region comes back when the last of them goes.
+        False (``read`` copies; the caller keeps its lease) as for ``pin``."""
+        spans = []
+        for msg in outputs:
+            located, dtype, _, count = self._located(msg)
+            if located is region:
+                spans.append((msg.offset, msg.offset + count * dtype.itemsize))
+        if not spans:
+            return False
+        start = min(a for a, _ in spans)
+        flat = self._pin_span(region, start, max(b for _, b in spans) - start)
+        if flat is None:
+            return False
+        self._open_pins[region.name] = _OpenPin(start, flat)
+        return True
+
+    def end_outputs(self, region: Region) -> None:
+        """The call's outputs are read: the pin is held by its arrays alone now."""
+        self._open_pins.pop(region.name, None)
+
+    def _pin_span(self, region: Region, offset: int, nbytes: int) -> np.ndarray | None:
+        """``nbytes`` of ``region`` from ``offset`` as a uint8 array whose base is a
+        ``Pinned``, or None (too small, region much larger, pool share spent)."""
+        if nbytes < ZERO_COPY_MIN_BYTES or 4 * nbytes < region.size:
+            return None  # a small array would tie up a large region
         with self._lock:
             self._reclaim()
             if (
@@ -337,8 +384,8 @@ class SharedMemoryPool:
             self._pinned.add(region.name)
             self._pinned_bytes += region.size
         try:
-            view = region.buf[msg.offset : msg.offset + nbytes]
-            owner = Pinned(region.name, region.address(msg.offset), nbytes)
+            view = region.buf[offset : offset + nbytes]
+            owner = Pinned(region.name, region.address(offset), nbytes)
         except BaseException:
             with self._lock:
                 self._pinned.discard(region.name)
@@ -348,7 +395,7 @@ class SharedMemoryPool:
         finalizer.atexit = False  # at exit, arrays may still be in use: leave the mapping
         flat: np.ndarray = np.asarray(owner)  # its base is ``owner``
         del owner  # only arrays hold it now
-        return flat.view(dtype.newbyteorder("<")).reshape(shape)
+        return flat
 
     def _unpin(self, region: Region, view: memoryview) -> None:
         """(the finalizer of a ``Pinned``: any thread, any time, maybe inside ``_lock``)"""
@@ -531,6 +578,22 @@ class ClientSharedMemory:
     def read_output(self, msg: tensor_pb2.TensorOutput) -> np.ndarray:
         return self.pool.read(msg.shared)
 
+    @contextlib.contextmanager
+    def outputs_in_place(self, lease: Lease, reply: Any) -> Iterator[None]:
+        """While the reply is parsed, its outputs in ``lease``'s output region are
+        read as views of the region (``SharedMemoryPool.pin_outputs``); the region
+        then belongs to those arrays, not to the lease. Without a pin, copies."""
+        region = lease.out
+        outputs = [o.shared for o in tensor_outputs(reply) if o.WhichOneof("result") == "shared"]
+        if region is None or not self.pool.pin_outputs(region, outputs):
+            yield
+            return
+        lease.out = None  # the arrays hold the region now
+        try:
+            yield
+        finally:
+            self.pool.end_outputs(region)
+
     def note_reply(self, reply: Any) -> None:
         """Size output regions for the outputs this reply returned."""
         self.pool.note_output_need(returned_bytes(reply))
@@ -602,24 +665,30 @@ class ClientSharedMemory:
         self.pool.close(unregister)
 
 
-def returned_bytes(message: Any) -> int:
-    """The bytes of the tensor outputs a reply returned (shared, inline or transient)."""
-    total = 0
+def tensor_outputs(message: Any) -> Iterator[tensor_pb2.TensorOutput]:
+    """Every ``TensorOutput`` in a reply, however deeply nested."""
     for field, value in message.ListFields():
         if field.message_type is None:
             continue
         for item in [value] if isinstance(value, Message) else value:
             if isinstance(item, tensor_pb2.TensorOutput):
-                which = item.WhichOneof("result")
-                if which == "ref" and not item.ref.transient:
-                    continue
-                meta = getattr(item, which) if which else None
-                if meta is not None and meta.dtype:
-                    dtype = codec.dtype_from_enum(meta.dtype)
-                    count = int(np.prod(tuple(meta.shape), dtype=np.int64))
-                    total += _aligned(count * dtype.itemsize)
+                yield item
             elif isinstance(item, Message):
-                total += returned_bytes(item)
+                yield from tensor_outputs(item)
+
+
+def returned_bytes(message: Any) -> int:
+    """The bytes of the tensor outputs a reply returned (shared, inline or transient)."""
+    total = 0
+    for item in tensor_outputs(message):
+        which = item.WhichOneof("result")
+        if which == "ref" and not item.ref.transient:
+            continue
+        meta = getattr(item, which) if which else None
+        if meta is not None and meta.dtype:
+            dtype = codec.dtype_from_enum(meta.dtype)
+            count = int(np.prod(tuple(meta.shape), dtype=np.int64))
+            total += _aligned(count * dtype.itemsize)
     return total
 
 

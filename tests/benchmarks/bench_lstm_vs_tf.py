@@ -131,7 +131,8 @@ ROWS = [
     ("forward, outputs to the worker (TCP)", "rpc fwd tcp", "tf fwd"),
     ("forward, outputs to the worker (shared memory)", "rpc fwd shm", "tf fwd"),
     ("backward, in process", "ours bwd", "tf bwd"),
-    ("backward, inputs resident", "rpc bwd", "tf bwd"),
+    ("backward, inputs resident, gradients over TCP", "rpc bwd tcp", "tf bwd"),
+    ("backward, inputs resident, gradients by shared memory", "rpc bwd shm", "tf bwd"),
 ]
 
 
@@ -253,15 +254,15 @@ def compare_size(tf, sdk, threads, rounds, peephole, pause, steps, batch, units)
         skipped = {}
         for name, client in sdk.items():
             if isinstance(client, str):
-                skipped[f"rpc fwd {name}"] = client
+                skipped[f"rpc fwd {name}"] = skipped[f"rpc bwd {name}"] = client
                 continue
             calls = rpc_calls(client, weights, cs_grad, h_grad, steps, peephole)
             rpc_outs, rpc_grads = calls["fwd"](), calls["bwd"]()
             rpc_got = dict(zip(OUTPUTS, rpc_outs)) | dict(zip(GRADS, rpc_grads))
             errors[name] = max(scaled_error(rpc_got[k], want[k]) for k in (*OUTPUTS, *GRADS))
-            fns[f"rpc fwd {name}"] = calls["fwd"]
+            fns[f"rpc fwd {name}"], fns[f"rpc bwd {name}"] = calls["fwd"], calls["bwd"]
             if name == "tcp":
-                fns["rpc fwd kept"], fns["rpc bwd"] = calls["fwd kept"], calls["bwd"]
+                fns["rpc fwd kept"] = calls["fwd kept"]
         samples: dict[str, list[float]] = {k: [] for k in fns}
         for _ in range(rounds + 1):  # the first round warms up, not counted
             for name, fn in fns.items():
@@ -280,12 +281,12 @@ def compare_size(tf, sdk, threads, rounds, peephole, pause, steps, batch, units)
     for label, ours, theirs in ROWS:
         if ours in t:
             print(
-                f"  {label:48s} ours {t[ours]:7.1f} ms, TF {t[theirs]:7.1f} ms "
+                f"  {label:54s} ours {t[ours]:7.1f} ms, TF {t[theirs]:7.1f} ms "
                 f"({t[theirs] / t[ours]:.2f}x TF)",
                 flush=True,
             )
         elif ours in skipped:
-            print(f"  {label:48s} {skipped[ours]}", flush=True)
+            print(f"  {label:54s} {skipped[ours]}", flush=True)
     print(
         "  outputs and gradients agree with TensorFlow's to "
         + ", ".join(f"{e:.1e} ({k})" for k, e in errors.items()),

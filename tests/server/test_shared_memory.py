@@ -668,3 +668,100 @@ def test_large_reads_split_in_parts_give_the_bytes_or_a_truncation_error(shm_cli
     assert err.value.reason == "REGION_TRUNCATED"
     truncate(shm, size)
     assert put_shared(shm_client, shared(shm, np.uint8, [value.size], offset=4096)).id
+
+
+# ------------------------------------------------------------ zero-copy op outputs
+def lstm_args(steps: int = 8, batch: int = 32, units: int = 256) -> dict:
+    """An LSTM whose seven outputs are 256 KiB each: 1.75 MiB together."""
+    rng = np.random.default_rng(5)
+
+    def r(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    return dict(
+        seq_len_max=np.int64(steps),
+        x=r(steps, batch, units),
+        cs_prev=r(batch, units),
+        h_prev=r(batch, units),
+        w=r(2 * units, 4 * units) * 0.05,
+        wci=r(units),
+        wcf=r(units),
+        wco=r(units),
+        b=r(4 * units),
+    )
+
+
+def test_op_outputs_come_back_as_views_of_one_region(shm_client, wire_client):
+    args = lstm_args()
+    by_shm = shm_client.raw_ops.BlockLSTMV2(**args, use_peephole=True)
+    by_wire = wire_client.raw_ops.BlockLSTMV2(**args, use_peephole=True)
+    names = {pinned_region(a) for a in by_shm}
+    assert len(names) == 1 and names <= set(shm_client._shm.pool._pinned)
+    for a, b in zip(by_shm, by_wire):
+        assert a.flags.writeable and same_bits(a, b)
+    assert not shm_client._shm.pool._open_pins  # only the arrays hold the region
+
+
+def test_the_output_region_returns_when_the_last_output_goes(shm_client):
+    args = lstm_args()
+    outs = list(shm_client.raw_ops.BlockLSTMV2(**args, use_peephole=True))
+    h = outs[-1].copy()
+    name = pinned_region(outs[-1])
+    kept = outs.pop()  # one output of seven keeps the whole region
+    del outs
+    gc.collect()
+    assert name in shm_client._shm.pool._pinned
+    again = shm_client.raw_ops.BlockLSTMV2(**args, use_peephole=True)
+    assert pinned_region(again[-1]) != name  # the call had another region
+    assert same_bits(kept, h) and same_bits(again[-1], h)
+    del kept, again
+    gc.collect()
+    shm_client.raw_ops.StopGradient(input=np.ones(3))  # the pool takes returns back
+    assert name not in shm_client._shm.pool._pinned
+    assert name in {r.name for r in shm_client._shm.pool._free}
+
+
+def test_writing_into_op_outputs_changes_no_later_call(shm_client):
+    args = lstm_args()
+    first = shm_client.raw_ops.BlockLSTMV2(**args, use_peephole=True)
+    want = [a.copy() for a in first]
+    for a in first:
+        a[...] = np.nan
+    second = shm_client.raw_ops.BlockLSTMV2(**args, use_peephole=True)
+    assert all(same_bits(a, b) for a, b in zip(second, want))
+    assert all(np.isnan(a).all() for a in first)  # still the caller's own memory
+
+
+def test_small_op_outputs_are_copies(shm_client):
+    value = np.arange(1 << 16, dtype=np.float32)  # 256 KiB: under the zero-copy floor
+    got = shm_client.raw_ops.StopGradient(input=value)
+    assert not isinstance(owner(got), _shm.Pinned) and same_bits(got, value)
+    assert not shm_client._shm.pool._pinned
+
+
+def test_op_outputs_past_the_pinned_share_are_copies_and_correct(shm_client):
+    args = lstm_args()
+    want = shm_client.raw_ops.BlockLSTMV2(**args, use_peephole=True)
+    want = [a.copy() for a in want]
+    gc.collect()
+    kept = [
+        shm_client.raw_ops.BlockLSTMV2(**args, use_peephole=True)
+        for _ in range(_shm.MAX_PINNED_REGIONS + 2)
+    ]
+    held = [isinstance(owner(outs[0]), _shm.Pinned) for outs in kept]
+    assert held == [True] * _shm.MAX_PINNED_REGIONS + [False, False]
+    for outs in kept:
+        assert all(same_bits(a, b) for a, b in zip(outs, want))
+
+
+def test_op_outputs_survive_the_client(target):
+    args = lstm_args()
+    c = gradserve.Client(target, shared_memory=True)
+    outs = c.raw_ops.BlockLSTMV2(**args, use_peephole=True)
+    want = [a.copy() for a in outs]
+    name = pinned_region(outs[0])
+    c.close()
+    assert mapped(name) and all(same_bits(a, b) for a, b in zip(outs, want))
+    del outs
+    gc.collect()
+    assert not mapped(name)
