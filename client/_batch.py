@@ -100,6 +100,15 @@ class Batch:
     def __len__(self) -> int:
         return len(self._steps)
 
+    def __del__(self) -> None:
+        """A batch dropped without ``run()``: its inputs' shared-memory leases go back
+        to the client's pool (local, no RPC here; its uploads, if any, go with the
+        session)."""
+        shm = getattr(getattr(self, "_client", None), "_shm", None)
+        temps = getattr(self, "_temps", None)
+        if shm is not None and temps:
+            shm.release_temps(temps)
+
     def run(self) -> list[Any]:
         """Run every recorded op; returns their results in order (like the typed calls)."""
         steps, self._steps = self._steps, []

@@ -34,6 +34,9 @@ from gradserve.errors import (
 from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_pb2
 
 ArrayLike = Any  # np.ndarray, anything np.asarray takes, or a TensorRef
+#: gRPC call metadata: (key, value) pairs.
+Metadata = Sequence[tuple[str, str]]
+
 log = logging.getLogger(__name__)
 
 
@@ -259,26 +262,30 @@ class Client:
         request: Any,
         *,
         session: bool = True,
-        metadata: Sequence[tuple[str, str]] | None = None,
+        metadata: Metadata | Callable[[], Metadata | None] | None = None,
         timeout: float | None = None,
         tapes: Sequence[Any] | None = None,
     ) -> Any:
         """Invoke ``rpc``; a failure raises its ``gradserve.errors`` class. An op records
-        on ``tapes`` (default: the tapes recording on this thread)."""
-        if metadata is None:
-            metadata = self._metadata if session else self._auth
+        on ``tapes`` (default: the tapes recording on this thread). ``metadata`` may
+        be a function, called for each attempt (an op's output region: see
+        ``_run_op``)."""
+        default = self._metadata if session else self._auth
         if tapes is None:
             tapes = self._recording.tapes if session and rpc in _RECORDED else ()
         tapes = tuple(tapes)
-        self._recording.call_tapes = tapes  # what its outputs' TapedArrays belong to
         recorded = bool(tapes)
-        if recorded:
-            metadata = (*metadata, (protocol.TAPE_METADATA_KEY, self._recording.ids(tapes)))
+        extra = ((protocol.TAPE_METADATA_KEY, self._recording.ids(tapes)),) if recorded else ()
         method = getattr(self._stub, rpc)
         timeout = timeout if timeout is not None else self.timeout
 
         def attempt():
-            return method(request, metadata=(*metadata, _request_id()), timeout=timeout)
+            base = metadata() if callable(metadata) else metadata
+            sent = (*(default if base is None else base), *extra, _request_id())
+            # What its outputs' TapedArrays belong to; set after ``metadata()``, which
+            # may make a call of its own (registering a new output region).
+            self._recording.call_tapes = tapes
+            return method(request, metadata=sent, timeout=timeout)
 
         # A call that records on a tape is not repeated blindly: it would record twice.
         safe = _safe_to_repeat(rpc, request) and not recorded
@@ -316,8 +323,20 @@ class Client:
         shm = self._shm  # outputs into a leased region, when on the same host
         out = shm.output_lease() if shm is not None else None
         replied = False
+        attempts = 0
+
+        def metadata() -> Metadata | None:
+            """The output region for this attempt: a repeated call (UNAVAILABLE) gets
+            a fresh one, as the attempt that got no reply may still write its own."""
+            nonlocal attempts
+            attempts += 1
+            if shm is None or out is None:
+                return None
+            if attempts > 1:
+                out.renew_output()
+            return shm.output_metadata(out, self._metadata)
+
         try:
-            metadata = shm.output_metadata(out, self._metadata) if shm and out else None
             try:
                 try:
                     reply = self._call(rpc, request, metadata=metadata)

@@ -8,6 +8,8 @@ keeps tensor outputs in the session and returns ``TensorRef``s instead.
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -83,9 +85,25 @@ class RawOps:
         gives each op's request its temporary uploads and inline budget."""
         self._client = client
         self._submit = submit
-        self._staging = staging
+        self._make_staging = staging
+        self._local = threading.local()
+
+    def _unsent(self) -> list[Staging]:
+        """This thread's stagings of ops being built, not yet handed to ``submit``."""
+        unsent = getattr(self._local, "unsent", None)
+        if unsent is None:
+            unsent = self._local.unsent = []
+        return unsent
+
+    def _staging(self) -> Staging:
+        staging = self._make_staging()
+        self._unsent().append(staging)
+        return staging
 
     def _op(self, rpc: str, request: Message, parse, temps: list) -> Any:
+        unsent = self._unsent()
+        if any(s is temps for s in unsent):  # ``submit`` owns them from here
+            unsent[:] = [s for s in unsent if s is not temps]
         return self._submit(rpc, request, parse, temps)
 
     def _in(self, value, msg, temps: Staging, dtype=None) -> None:
@@ -285,3 +303,29 @@ class RawOps:
         values = dict(locals())
         req = lstm_pb2.BlockLSTMGradRequest(use_peephole=use_peephole, keep_outputs=keep)
         return self._lstm("BlockLSTMGrad", req, values, _LSTM_GRAD_INPUTS, self._lstm_grad_out)
+
+
+def _releases_unsent(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap an op: if building its request fails (a bad argument after an input was
+    already placed in shared memory or uploaded), what it staged is released (leases
+    back to the pool, uploads deleted) instead of being held until the client closes."""
+
+    @functools.wraps(method)
+    def op(self: RawOps, *args: Any, **kwargs: Any) -> Any:
+        unsent = self._unsent()
+        mark = len(unsent)
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException:
+            for staging in unsent[mark:]:
+                self._client._clean_up(staging)
+            raise
+        finally:
+            del unsent[mark:]
+
+    return op
+
+
+for _name, _method in list(vars(RawOps).items()):
+    if _name[:1].isupper() and callable(_method):
+        setattr(RawOps, _name, _releases_unsent(_method))

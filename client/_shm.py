@@ -19,10 +19,10 @@ it (Docker's default is 64 MB) fails there, cleanly, and the tensor goes on the 
 instead of SIGBUS on a later write. The pool holds at most ``max_bytes`` of regions;
 past that, idle regions are dropped first, then the wire is used.
 
-``get`` is zero-copy for large tensors: the array it returns lives in the region the
-server wrote it into (``SharedMemoryPool.pin``), which is the caller's until that
-array and every view of it are gone; only then is the region leased again. See
-``Pinned`` for the rules that make this safe.
+``get`` and op calls are zero-copy for large results: the arrays they return live in
+the region the server wrote them into (``SharedMemoryPool.pin``, ``pin_outputs``),
+which is the caller's until those arrays and every view of them are gone; only then
+is the region leased again. See ``Pinned`` for the rules that make this safe.
 """
 
 from __future__ import annotations
@@ -62,8 +62,9 @@ MAX_REGIONS = 16
 DEFAULT_MAX_BYTES = 4 << 30
 NONCE_BYTES = 32
 SHM_DIR = "/dev/shm"
-#: ``get`` returns tensors of at least this many bytes in their region, without a copy
-#: (smaller ones are copied out: cheap, and they would tie up a region each).
+#: ``get`` and op calls return tensors of at least this many bytes in their region,
+#: without a copy (smaller ones are copied out: cheap, and they would tie up a region
+#: each).
 ZERO_COPY_MIN_BYTES = 1 << 20
 #: Regions that arrays returned by ``get`` may hold at once (the rest of the pool
 #: stays for puts and op calls; past it, ``get`` copies out).
@@ -148,6 +149,11 @@ class Pinned:
       names a pinned region, so the caller may write into the array freely: the
       server's tensor is its own copy.
 
+    A child process forked while the arrays live shares their memory (a ``MAP_SHARED``
+    mapping): its in-place writes are the parent's too. That is documented rather
+    than prevented: a private copy-on-write mapping per pin would cost a ``mmap`` and
+    a page fault per page on every zero-copy result.
+
     When the last array goes, its finalizer (``SharedMemoryPool._unpin``) releases
     ``view`` and hands the region back: to the pool, or, once the pool is closed, to
     be unmapped.
@@ -200,6 +206,14 @@ class Lease:
         if self.out is None:
             self.out = self.pool.acquire(nbytes)
         return self.out
+
+    def renew_output(self) -> None:
+        """Before a call is repeated (UNAVAILABLE): the attempt that got no reply may
+        still write its outputs into the output region, so it is discarded and the
+        next ``output`` leases another."""
+        if self.out is not None:
+            self.pool.discard([self.out])
+            self.out = None
 
     def release(self) -> None:
         regions = [r for r, _ in self._inputs] + ([self.out] if self.out else [])
@@ -311,11 +325,12 @@ class SharedMemoryPool:
         """An output the server wrote into one of our regions: a view of the region
         when the call's outputs were pinned there (``pin_outputs``), else a copy."""
         region, dtype, shape, count = self._located(msg)
+        nbytes = count * dtype.itemsize
         pinned = self._open_pins.get(msg.region)
-        if pinned is not None:
+        if pinned is not None and nbytes >= ZERO_COPY_MIN_BYTES:
             start = msg.offset - pinned.start
-            if 0 <= start and start + count * dtype.itemsize <= pinned.flat.size:
-                return _typed(pinned.flat[start : start + count * dtype.itemsize], dtype, shape)
+            if 0 <= start and start + nbytes <= pinned.flat.size:
+                return _typed(pinned.flat[start : start + nbytes], dtype, shape)
         out = np.empty(shape, dtype)
         if count:
             out[...] = region.view(msg.offset, dtype, shape)
@@ -325,7 +340,10 @@ class SharedMemoryPool:
         self, msg: tensor_pb2.SharedTensor
     ) -> tuple[Region, np.dtype, tuple[int, ...], int]:
         dtype = codec.dtype_from_enum(msg.dtype, field="output")
-        region = self.region(msg.region)
+        try:
+            region = self.region(msg.region)
+        except KeyError:  # the client closed meanwhile (its regions forgotten)
+            raise GradserveError(f"shared memory region {msg.region!r} is gone") from None
         shape = tuple(msg.shape)
         count = int(np.prod(shape, dtype=np.int64))
         if msg.offset < 0 or msg.offset + count * dtype.itemsize > region.size:
@@ -345,14 +363,15 @@ class SharedMemoryPool:
         return None if flat is None else _typed(flat, dtype, shape)
 
     def pin_outputs(self, region: Region, outputs: list[tensor_pb2.SharedTensor]) -> bool:
-        """Pin the span of ``region`` that holds a call's ``outputs``, so that ``read``
-        returns them as views of it until ``end_outputs``: the outputs of one call
-        share one ``Pinned``, and the region comes back when the last of them goes.
-        False (``read`` copies; the caller keeps its lease) as for ``pin``."""
-        spans = []
-        for msg in outputs:
+        """Pin the span of ``region`` that holds a call's large ``outputs`` (of at least
+        ``ZERO_COPY_MIN_BYTES`` each), so that ``read`` returns them as views of it
+        until ``end_outputs``: they share one ``Pinned``, and the region comes back
+        when the last of them goes. False (``read`` copies; the caller keeps its
+        lease) as for ``pin``."""
+        spans = []  # only large outputs are views (``read``): small ones are copied,
+        for msg in outputs:  # so that one kept bias gradient holds no region
             located, dtype, _, count = self._located(msg)
-            if located is region:
+            if located is region and count * dtype.itemsize >= ZERO_COPY_MIN_BYTES:
                 spans.append((msg.offset, msg.offset + count * dtype.itemsize))
         if not spans:
             return False
@@ -452,7 +471,8 @@ class SharedMemoryPool:
         """Drop leased regions for good (``Lease.discard``)."""
         with self._lock:
             for region in regions:
-                self._all.pop(region.name, None)
+                if self._all.pop(region.name, None) is region:
+                    self._held -= region.size
         self._drop(regions)
 
     def _drop(self, regions: list[Region]) -> None:

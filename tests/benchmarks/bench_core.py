@@ -62,8 +62,43 @@ def serve_with_echo(limit: int, workers: int) -> None:
     )
     echo_port = echo.add_insecure_port("127.0.0.1:0")
     echo.start()
-    print(f"ports {server.port} {echo_port}", flush=True)
+    aio_port = _serve_aio_echo(limit)
+    print(f"ports {server.port} {echo_port} {aio_port}", flush=True)
     sys.stdin.read()  # until the parent closes our stdin
+
+
+def _serve_aio_echo(limit: int) -> int:
+    """The same echo on ``grpc.aio`` (the server kind gradserve runs: no thread per
+    call), on its own event loop thread: its port. It shows how much of a small
+    call's latency is the asyncio server's own, which no handler can save."""
+    import asyncio
+    import threading
+
+    started: list[int] = []
+    ready = threading.Event()
+
+    async def echo(request: bytes, context) -> bytes:
+        return request
+
+    async def main() -> None:
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_send_message_length", limit),
+                ("grpc.max_receive_message_length", limit),
+            ]
+        )
+        identity = grpc.unary_unary_rpc_method_handler(echo)
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("bench.Echo", {"Echo": identity}),)
+        )
+        started.append(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        ready.set()
+        await server.wait_for_termination()
+
+    threading.Thread(target=asyncio.run, args=(main(),), daemon=True).start()
+    ready.wait(30)
+    return started[0]
 
 
 def median_time(fn, repeat: int) -> float:

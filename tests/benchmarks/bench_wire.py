@@ -90,9 +90,10 @@ def main() -> None:
     )
     try:
         line = child.stdout.readline()
-        gs_port, echo_port = map(int, re.match(r"ports (\d+) (\d+)", line).groups())
+        ports = [int(p) for p in re.match(r"ports (\d+) (\d+) (\d+)", line).groups()]
+        gs, echo, aio_echo = (f"127.0.0.1:{p}" for p in ports)
         sizes = [s for s in SIZES if s <= args.max_mib * MIB]
-        run(f"127.0.0.1:{gs_port}", f"127.0.0.1:{echo_port}", sizes, args.rounds, not args.no_shm)
+        run(gs, echo, aio_echo, sizes, args.rounds, not args.no_shm)
     finally:
         child.stdin.close()
         child.wait(30)
@@ -102,11 +103,15 @@ def _size(n: int) -> str:
     return f"{n // MIB} MiB" if n >= MIB else f"{n // KIB} KiB"
 
 
-def run(target: str, echo_target: str, sizes: list[int], rounds: int, shm: bool) -> None:
+def run(
+    target: str, echo_target: str, aio_target: str, sizes: list[int], rounds: int, shm: bool
+) -> None:
     shm = shm and has_shared_memory()
     options = [("grpc.max_send_message_length", LIMIT), ("grpc.max_receive_message_length", LIMIT)]
     echo_channel = grpc.insecure_channel(echo_target, options=options)
     echo = echo_channel.unary_unary(ECHO_METHOD)
+    aio_channel = grpc.insecure_channel(aio_target, options=options)
+    aio_echo = aio_channel.unary_unary(ECHO_METHOD)
     extra = {"shared_memory": False} if has_shared_memory() else {}
     client = gradserve.Client(target, max_message_bytes=LIMIT, **extra)
     shm_client = gradserve.Client(target, shared_memory=True) if shm else None
@@ -117,8 +122,14 @@ def run(target: str, echo_target: str, sizes: list[int], rounds: int, shm: bool)
     tiny = b"x" * 64
     for _ in range(200):
         echo(tiny)
-    latency = interleaved({"echo": lambda: echo(tiny)}, rounds, 200)["echo"]
-    print(f"# bare gRPC unary echo of 64 bytes: {latency * 1e6:.0f} us")
+    for _ in range(200):
+        aio_echo(tiny)
+    floors = interleaved({"echo": lambda: echo(tiny), "aio": lambda: aio_echo(tiny)}, rounds, 200)
+    latency = floors["echo"]
+    print(
+        f"# bare gRPC unary echo of 64 bytes: {latency * 1e6:.0f} us (threaded server; the "
+        f"same echo on a grpc.aio server, gradserve's kind: {floors['aio'] * 1e6:.0f} us)"
+    )
     head = f"{'size':>8} | {'put':>6} {'get':>6} {'op':>6} {'echo':>6} (GB/s)"
     if shm:
         head += f" | {'shm put':>7} {'shm get':>7} {'memcpy':>6} (GB/s)"
@@ -167,6 +178,7 @@ def run(target: str, echo_target: str, sizes: list[int], rounds: int, shm: bool)
     if shm_client is not None:
         shm_client.close()
     echo_channel.close()
+    aio_channel.close()
 
 
 def _commit() -> str:

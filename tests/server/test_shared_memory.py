@@ -10,6 +10,7 @@ import os
 import threading
 from multiprocessing import shared_memory
 
+import grpc
 import ml_dtypes
 import numpy as np
 import pytest
@@ -505,6 +506,117 @@ def test_regions_of_a_call_that_got_no_reply_are_never_reused(target):
         names = {r.name for r in discarded}
         assert not names & set(pool._all) and not names & {r.name for r in pool._free}
         assert c.stop_gradient(np.ones(3))[0] == 1  # and the client goes on
+        held = sum(r.size for r in pool._all.values())
+        assert pool._held == held, "discarded regions no longer count against the pool"
+
+
+def leased(pool) -> set[str]:
+    """Regions of the pool neither free nor held by arrays: leased to a call."""
+    return set(pool._all) - {r.name for r in pool._free} - pool._pinned
+
+
+def test_an_op_whose_request_cannot_be_built_gives_its_leases_back(shm_client):
+    pool = shm_client._shm.pool
+    big = np.ones((4, 64, 256), np.float32)  # placed in a region before ``b`` fails
+    for _ in range(_shm.MAX_REGIONS + 4):
+        with pytest.raises((TypeError, ValueError, InvalidArgumentError)):
+            shm_client.raw_ops.BlockLSTMV2(
+                np.int64(4), big, *[np.ones((64, 64), np.float32)] * 2,
+                np.ones((320, 256), np.float32), *[np.ones(64, np.float32)] * 3,
+                np.array([object()]),
+            )  # fmt: skip
+        assert not leased(pool)
+    value = np.arange(1 << 16, dtype=np.float32)
+    lease = shm_client._shm.output_lease()  # and calls still get regions
+    try:
+        assert shm_client._shm.output_metadata(lease, ()) is not None
+    finally:
+        lease.release()
+    assert same_bits(shm_client.raw_ops.StopGradient(input=value), value)
+
+
+def test_a_batch_dropped_unrun_gives_its_leases_back(shm_client):
+    pool = shm_client._shm.pool
+    batch = shm_client.batch()
+    batch.raw_ops.StopGradient(input=np.ones(1 << 16, np.float32))
+    assert leased(pool)
+    del batch
+    gc.collect()
+    assert not leased(pool)
+
+
+class _Unavailable(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "connection reset (simulated)"
+
+    def trailing_metadata(self):
+        return ()
+
+
+def test_a_repeated_call_writes_into_a_fresh_output_region(shm_client):
+    """An attempt that got no reply may still write into the region it named: the
+    repeat names another, and the first is never leased again."""
+    pool = shm_client._shm.pool
+    real = shm_client._stub
+    named: list[str] = []
+
+    class FailingOnce:
+        def __getattr__(self, rpc):
+            method = getattr(real, rpc)
+
+            def call(request, metadata, timeout):
+                if rpc != "StopGradient":
+                    return method(request, metadata=metadata, timeout=timeout)
+                named.append(dict(metadata).get(protocol.OUTPUT_REGION_METADATA_KEY))
+                if len(named) == 1:
+                    raise _Unavailable()
+                return method(request, metadata=metadata, timeout=timeout)
+
+            return call
+
+    value = np.arange(1 << 18, dtype=np.float32)
+    shm_client._stub = FailingOnce()
+    try:
+        got = shm_client.raw_ops.StopGradient(input=value)
+    finally:
+        shm_client._stub = real
+    assert len(named) == 2 and None not in named and named[0] != named[1]
+    assert named[0] not in pool._all  # discarded: unregistered and unlinked
+    assert not os.path.exists(f"/dev/shm/{named[0]}")
+    assert same_bits(got, value)
+
+
+def test_a_gradient_call_without_a_reply_discards_its_leases(target):
+    with gradserve.Client(target, shared_memory=True) as c:
+        x = c.put(np.linspace(-1, 1, 1 << 16).astype(np.float32))
+        with c.gradient_tape() as tape:
+            tape.watch(x)
+            y = c.raw_ops.StopGradient(input=x)
+        discarded: list = []
+        discard = c._shm.pool.discard
+        c._shm.pool.discard = lambda regions: (discarded.extend(regions), discard(regions))
+
+        def no_reply(*args, **kwargs):
+            raise DeadlineExceededError("deadline (simulated)")
+
+        c._call = no_reply  # shadows the method until deleted
+        try:
+            with pytest.raises(DeadlineExceededError):
+                tape.gradient(y, x, output_gradients=[np.ones(1 << 16, np.float32)])
+        finally:
+            del c._call
+        assert discarded, "the output gradient's region was discarded, not reused"
+
+
+def test_reading_from_a_forgotten_region_is_a_clean_error(shm_client):
+    msg = tensor_pb2.SharedTensor(
+        region="gone", offset=64, dtype=codec.dtype_to_enum(np.dtype(np.float32)), shape=[4]
+    )
+    with pytest.raises(GradserveError, match="is gone"):
+        shm_client._shm.pool.read(msg)
 
 
 # ------------------------------------------------------------ zero-copy get
@@ -671,8 +783,8 @@ def test_large_reads_split_in_parts_give_the_bytes_or_a_truncation_error(shm_cli
 
 
 # ------------------------------------------------------------ zero-copy op outputs
-def lstm_args(steps: int = 8, batch: int = 32, units: int = 256) -> dict:
-    """An LSTM whose seven outputs are 256 KiB each: 1.75 MiB together."""
+def lstm_args(steps: int = 32, batch: int = 32, units: int = 256) -> dict:
+    """An LSTM whose seven outputs are 1 MiB each (a view each, when zero-copy)."""
     rng = np.random.default_rng(5)
 
     def r(*shape):
@@ -691,8 +803,16 @@ def lstm_args(steps: int = 8, batch: int = 32, units: int = 256) -> dict:
     )
 
 
+def warm(client, args: dict) -> None:
+    """One call first: it sizes the client's output regions for these outputs (the
+    first, not fitting, came inline or transient)."""
+    client.raw_ops.BlockLSTMV2(**args, use_peephole=True)
+    gc.collect()
+
+
 def test_op_outputs_come_back_as_views_of_one_region(shm_client, wire_client):
     args = lstm_args()
+    warm(shm_client, args)
     by_shm = shm_client.raw_ops.BlockLSTMV2(**args, use_peephole=True)
     by_wire = wire_client.raw_ops.BlockLSTMV2(**args, use_peephole=True)
     names = {pinned_region(a) for a in by_shm}
@@ -704,6 +824,7 @@ def test_op_outputs_come_back_as_views_of_one_region(shm_client, wire_client):
 
 def test_the_output_region_returns_when_the_last_output_goes(shm_client):
     args = lstm_args()
+    warm(shm_client, args)
     outs = list(shm_client.raw_ops.BlockLSTMV2(**args, use_peephole=True))
     h = outs[-1].copy()
     name = pinned_region(outs[-1])
@@ -723,6 +844,7 @@ def test_the_output_region_returns_when_the_last_output_goes(shm_client):
 
 def test_writing_into_op_outputs_changes_no_later_call(shm_client):
     args = lstm_args()
+    warm(shm_client, args)
     first = shm_client.raw_ops.BlockLSTMV2(**args, use_peephole=True)
     want = [a.copy() for a in first]
     for a in first:
@@ -757,6 +879,7 @@ def test_op_outputs_past_the_pinned_share_are_copies_and_correct(shm_client):
 def test_op_outputs_survive_the_client(target):
     args = lstm_args()
     c = gradserve.Client(target, shared_memory=True)
+    warm(c, args)
     outs = c.raw_ops.BlockLSTMV2(**args, use_peephole=True)
     want = [a.copy() for a in outs]
     name = pinned_region(outs[0])
@@ -765,3 +888,24 @@ def test_op_outputs_survive_the_client(target):
     del outs
     gc.collect()
     assert not mapped(name)
+
+
+def test_small_outputs_beside_large_ones_are_copies(shm_client):
+    """A kept bias gradient (4 KiB) holds no region: only large outputs are views."""
+    args = lstm_args()
+    acts = shm_client.raw_ops.BlockLSTMV2(**args, use_peephole=True, keep=True)
+    grad = np.ones((32, 32, 256), np.float32)
+    shm_client.raw_ops.BlockLSTMGradV2(*args.values(), *acts, grad, grad, use_peephole=True)
+    gc.collect()
+    grads = shm_client.raw_ops.BlockLSTMGradV2(
+        *args.values(), *acts, np.ones((32, 32, 256), np.float32),
+        np.ones((32, 32, 256), np.float32), use_peephole=True,
+    )  # fmt: skip
+    assert isinstance(owner(grads.x_grad), _shm.Pinned)
+    for small in (grads.b_grad, grads.wci_grad, grads.cs_prev_grad):
+        assert not isinstance(owner(small), _shm.Pinned)
+    b_grad = grads.b_grad
+    del grads
+    gc.collect()
+    shm_client.raw_ops.StopGradient(input=np.ones(3))  # the pool takes returns back
+    assert not shm_client._shm.pool._pinned and b_grad.shape == (1024,)
