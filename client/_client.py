@@ -321,6 +321,8 @@ class Client:
 
     def _run_op(self, rpc: str, request: Message, parse: Callable[[Any], Any], temps: list[str]):
         shm = self._shm  # outputs into a leased region, when on the same host
+        if shm is not None:  # a region large enough for what the op says it returns
+            shm.pool.note_output_need(_shm.aligned_total(getattr(temps, "output_sizes", ())))
         out = shm.output_lease() if shm is not None else None
         replied = False
         attempts = 0

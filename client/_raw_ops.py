@@ -35,6 +35,9 @@ class Staging(list):
     def __init__(self, inline_bytes: int) -> None:
         super().__init__()
         self.inline_left = inline_bytes
+        #: The bytes of each of the op's outputs, where known before the call (the
+        #: LSTM ops): the client leases an output region that large up front.
+        self.output_sizes: tuple[int, ...] = ()
 
 
 class TensorArrayV3Output(NamedTuple):
@@ -248,6 +251,8 @@ class RawOps:
         self._in(values.pop("seq_len_max"), req.seq_len_max, temps, np.int64)
         for field in names:
             self._in(values[field], getattr(req, field), temps)
+        if not req.keep_outputs:
+            temps.output_sizes = _lstm_output_sizes(rpc, values)
         return self._op(rpc, req, parse, temps)
 
     def _lstm_out(self, r) -> LSTMActivations:
@@ -303,6 +308,27 @@ class RawOps:
         values = dict(locals())
         req = lstm_pb2.BlockLSTMGradRequest(use_peephole=use_peephole, keep_outputs=keep)
         return self._lstm("BlockLSTMGrad", req, values, _LSTM_GRAD_INPUTS, self._lstm_grad_out)
+
+
+def _lstm_output_sizes(rpc: str, values: dict) -> tuple[int, ...]:
+    """The bytes of each output of an LSTM op, from its inputs' shapes and dtype (none
+    where one is not known here: a placeholder of a batch step, a malformed input)."""
+    try:
+        steps, batch, inputs = _shape(values["x"])
+        units = _shape(values["cs_prev"])[1]
+        itemsize = np.dtype(getattr(values["x"], "dtype", np.float32)).itemsize
+    except (TypeError, ValueError, IndexError):
+        return ()
+    if rpc in ("BlockLSTMV2", "BlockLSTM"):
+        return (steps * batch * units * itemsize,) * 7
+    sizes = (steps * batch * inputs, batch * units, batch * units, (inputs + units) * 4 * units)
+    return tuple(n * itemsize for n in (*sizes, units, units, units, 4 * units))
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    if isinstance(value, StepOutput):
+        raise ValueError("a batch placeholder: its shape is the server's")
+    return tuple(int(n) for n in getattr(value, "shape", None) or np.shape(value))
 
 
 def _releases_unsent(method: Callable[..., Any]) -> Callable[..., Any]:

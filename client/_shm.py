@@ -34,7 +34,7 @@ import os
 import secrets
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing import shared_memory
 from typing import Any, NamedTuple
 
@@ -73,6 +73,11 @@ MAX_PINNED_REGIONS = MAX_REGIONS // 2
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def aligned_total(sizes: Sequence[int]) -> int:
+    """The bytes outputs of these sizes take in a region (each at an aligned offset)."""
+    return sum(_aligned(n) for n in sizes)
 
 
 def _typed(flat: np.ndarray, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:

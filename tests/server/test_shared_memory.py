@@ -909,3 +909,19 @@ def test_small_outputs_beside_large_ones_are_copies(shm_client):
     gc.collect()
     shm_client.raw_ops.StopGradient(input=np.ones(3))  # the pool takes returns back
     assert not shm_client._shm.pool._pinned and b_grad.shape == (1024,)
+
+
+def test_an_lstm_call_leases_a_region_for_its_outputs_up_front(target, wire_client):
+    """The LSTM ops' output sizes follow from their inputs: even the first call of a
+    shape finds its outputs in its region (views), not on the wire."""
+    args = lstm_args(steps=48)  # 1.5 MiB per output: past any region made before
+    with gradserve.Client(target, shared_memory=True) as c:
+        outs = c.raw_ops.BlockLSTMV2(**args, use_peephole=True)
+        assert len({pinned_region(a) for a in outs}) == 1
+        grad = np.ones((48, 32, 256), np.float32)
+        grads = c.raw_ops.BlockLSTMGradV2(*args.values(), *outs, grad, grad, use_peephole=True)
+        assert isinstance(owner(grads.x_grad), _shm.Pinned)
+        want = wire_client.raw_ops.BlockLSTMGradV2(
+            *args.values(), *outs, grad, grad, use_peephole=True
+        )
+        assert all(same_bits(a, b) for a, b in zip(grads, want))
