@@ -24,6 +24,7 @@ from gradserve.errors import GradserveError, InvalidArgumentError, ResourceExhau
 from gradserve.server import run_server
 from gradserve.server.transport import tensor_handlers
 from gradserve.v1 import service_pb2, tensor_pb2
+from tests.server import test_inline_tensors
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -128,22 +129,9 @@ def test_a_broken_get_stream_is_still_data_loss_or_invalid():
 
 
 # ------------------------------------------------------------------------- served
-@pytest.fixture
-def client(target):
-    with gradserve.Client(target, timeout=60, shared_memory=False) as c:
-        yield c
-
-
-def calls(client, monkeypatch) -> list[str]:
-    seen: list[str] = []
-    call = client._call
-
-    def spy(rpc, *args, **kwargs):
-        seen.append(rpc)
-        return call(rpc, *args, **kwargs)
-
-    monkeypatch.setattr(client, "_call", spy)
-    return seen
+# The wire client (no shared memory) and the RPC spy of the unary fast paths' tests.
+client = test_inline_tensors.client
+calls = test_inline_tensors.calls
 
 
 def streams(client, monkeypatch) -> list[str]:
