@@ -17,7 +17,7 @@ from google.protobuf.message import Message
 
 from gradserve import codec, dtypes, protocol
 from gradserve.client import _shm
-from gradserve.client._convert import parse_chunk, parse_tensor, serialized_tensor, to_array
+from gradserve.client._convert import to_array
 from gradserve.client._errors import answered, from_rpc_error
 from gradserve.client._prefetch import Prefetcher
 from gradserve.client._raw_ops import RawOps, Staging
@@ -136,9 +136,9 @@ class Client:
             request_serializer=codec.serialize,
             response_deserializer=tensor_pb2.ResidentTensor.FromString,
         )
-        # PutTensorInline's tensor comes serialized as well (``serialized_tensor``), and
+        # PutTensorInline's tensor comes serialized as well (``codec.serialize_tensor``), and
         # GetTensorInline's tensor and GetTensor's chunks are read from the bytes
-        # received, not copied into a message and out again (``parse_tensor``).
+        # received, not copied into a message and out again (``codec.parse_tensor``).
         self._stub.PutTensorInline = self._channel.unary_unary(
             "/gradserve.v1.GradServe/PutTensorInline",
             request_serializer=codec.serialize,
@@ -147,12 +147,12 @@ class Client:
         self._stub.GetTensorInline = self._channel.unary_unary(
             "/gradserve.v1.GradServe/GetTensorInline",
             request_serializer=service_pb2.GetTensorRequest.SerializeToString,
-            response_deserializer=parse_tensor,
+            response_deserializer=codec.parse_tensor,
         )
         self._stub.GetTensor = self._channel.unary_stream(
             "/gradserve.v1.GradServe/GetTensor",
             request_serializer=service_pb2.GetTensorRequest.SerializeToString,
-            response_deserializer=parse_chunk,
+            response_deserializer=codec.parse_chunk,
         )
         self._auth: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {token}"),) if token else ()
@@ -319,11 +319,12 @@ class Client:
         """A new request's temporary uploads and inline budget."""
         return Staging(self.request_budget)
 
-    def _run_op(self, rpc: str, request: Message, parse: Callable[[Any], Any], temps: list[str]):
+    def _run_op(self, rpc: str, request: Message, parse: Callable[[Any], Any], temps: Staging):
         shm = self._shm  # outputs into a leased region, when on the same host
+        out = None
         if shm is not None:  # a region large enough for what the op says it returns
-            shm.pool.note_output_need(_shm.aligned_total(getattr(temps, "output_sizes", ())))
-        out = shm.output_lease() if shm is not None else None
+            shm.pool.note_output_need(_shm.aligned_total(temps.output_sizes))
+            out = shm.output_lease()
         replied = False
         attempts = 0
 
@@ -439,7 +440,7 @@ class Client:
             and protocol.encoded_size(nbytes, array.ndim) <= self.request_budget
         ):  # one unary call: cheaper than a stream
             try:
-                reply = self._call("PutTensorInline", serialized_tensor(array))
+                reply = self._call("PutTensorInline", codec.serialize_tensor(array))
                 return TensorRef(self, reply.id, dtypes.normalize(array.dtype), tuple(reply.shape))
             except UnimplementedError:  # an older server: streams only
                 self._unary_tensors = False

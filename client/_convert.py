@@ -40,11 +40,10 @@ from typing import Any
 
 import numpy as np
 
-from gradserve import codec, dtypes
+from gradserve import dtypes
 from gradserve.errors import InvalidArgumentError, UnsupportedDTypeError
-from gradserve.v1 import tensor_pb2
 
-__all__ = ["parse_chunk", "parse_tensor", "serialized_tensor", "to_array"]
+__all__ = ["to_array"]
 
 # TensorFlow's messages (tensorflow/python/lib/core/py_seq_tensor.cc).
 RECTANGULAR = "Can't convert non-rectangular Python sequence to Tensor."
@@ -511,129 +510,3 @@ _OTHER: dict[str, tuple[Any, Callable[[Leaf], Any]]] = {
     "bool": (np.bool_, _bool),
     "string": (dtypes.STRING, _string),
 }
-
-
-def serialized_tensor(array: np.ndarray) -> bytes:
-    """``codec.encode(array).SerializeToString()`` with one copy of a numeric array's
-    bytes instead of three (``tobytes``, the message field, the serialization): a
-    single chunk of ``codec.WireContent`` is a ``Tensor`` message, since
-    ``TensorChunk``'s dtype, shape and data are ``Tensor``'s dtype, shape and content
-    (fields 1-3) and its ``content_bytes`` is set only for strings, which are encoded
-    as a message here."""
-    if array.dtype == dtypes.STRING:
-        return codec.encode(array).SerializeToString()
-    content = codec.WireContent(array)
-    return next(content.encoded_chunks(max(1, len(content.data))))
-
-
-class WireTensor:
-    """A serialized ``Tensor``'s dtype, shape and content, the content a view of the
-    received bytes: ``codec.decode`` takes it as it takes the message."""
-
-    __slots__ = ("content", "dtype", "shape")
-
-    def __init__(self, dtype: int, shape: tuple[int, ...], content: memoryview) -> None:
-        self.dtype = dtype
-        self.shape = shape
-        self.content = content
-
-
-class WireChunk:
-    """A serialized ``TensorChunk``, its data a view of the received bytes:
-    ``codec.decode_chunks`` takes it as it takes the message."""
-
-    __slots__ = ("content_bytes", "data", "dtype", "shape")
-
-    def __init__(
-        self, dtype: int, shape: tuple[int, ...], data: memoryview, content_bytes: int
-    ) -> None:
-        self.dtype = dtype
-        self.shape = shape
-        self.data = data
-        self.content_bytes = content_bytes
-
-
-class _UnusualError(Exception):
-    """Something ``parse_tensor`` leaves to protobuf."""
-
-
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        byte = data[pos]  # IndexError past the end: unusual
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return result, pos
-        shift += 7
-        if shift > 63:
-            raise _UnusualError
-
-
-def _fields(data: bytes, last: int) -> tuple[int, tuple[int, ...], memoryview, int]:
-    """dtype (1), shape (2), bytes (3) and, if ``last`` is 4, content_bytes (4) of a
-    serialized ``Tensor`` or ``TensorChunk``, the bytes a view of ``data``; raises
-    ``_UnusualError`` for anything but the plain encoding of those fields as protobuf
-    writes it (unknown or repeated fields, negative numbers, data cut short)."""
-    view = memoryview(data)
-    end = len(data)
-    dtype, count, shape, content = 0, 0, [], view[:0]
-    seen: set[int] = set()
-    pos = 0
-    try:
-        while pos < end:
-            key, pos = _varint(data, pos)
-            number, wire_type = key >> 3, key & 7
-            if number in seen and number != 2:
-                raise _UnusualError
-            seen.add(number)
-            if number == 1 and wire_type == 0:
-                dtype, pos = _varint(data, pos)
-            elif number == 2 and wire_type == 2:  # packed dims
-                size, pos = _varint(data, pos)
-                stop = pos + size
-                while pos < stop:
-                    dim, pos = _varint(data, pos)
-                    shape.append(dim)
-                if pos != stop:
-                    raise _UnusualError
-            elif number == 2 and wire_type == 0:
-                dim, pos = _varint(data, pos)
-                shape.append(dim)
-            elif number == 3 and wire_type == 2:
-                size, pos = _varint(data, pos)
-                if pos + size > end:
-                    raise _UnusualError
-                content = view[pos : pos + size]
-                pos += size
-            elif number == 4 and last == 4 and wire_type == 0:
-                count, pos = _varint(data, pos)
-            else:
-                raise _UnusualError
-    except IndexError:
-        raise _UnusualError from None
-    if dtype >= 1 << 31 or count >= 1 << 63 or any(dim >= 1 << 63 for dim in shape):
-        raise _UnusualError  # negative numbers: protobuf's own values and errors
-    return dtype, tuple(shape), content, count
-
-
-def parse_tensor(data: bytes) -> WireTensor | tensor_pb2.Tensor:
-    """A serialized ``Tensor`` (a response deserializer), its content not copied out
-    of ``data``: ``Tensor.FromString`` copies it in and reading the field copies it
-    out, two passes over every byte of a get. What ``_fields`` finds unusual is
-    parsed by protobuf instead, which raises or decodes as it always did."""
-    try:
-        dtype, shape, content, _ = _fields(data, 3)
-    except _UnusualError:
-        return tensor_pb2.Tensor.FromString(data)
-    return WireTensor(dtype, shape, content)
-
-
-def parse_chunk(data: bytes) -> WireChunk | tensor_pb2.TensorChunk:
-    """A serialized ``TensorChunk`` (GetTensor's response deserializer), as
-    ``parse_tensor`` parses a ``Tensor``."""
-    try:
-        dtype, shape, content, count = _fields(data, 4)
-    except _UnusualError:
-        return tensor_pb2.TensorChunk.FromString(data)
-    return WireChunk(dtype, shape, content, count)

@@ -22,7 +22,7 @@ from gradserve.lstm_signature import GRAD_ARGUMENTS, LSTMActivations, LSTMGrads,
 from gradserve.v1 import lstm_pb2
 from gradserve.v1 import tensor_array_pb2 as pb
 
-Submit = Callable[[str, Message, Callable[[Any], Any], list], Any]
+Submit = Callable[[str, Message, Callable[[Any], Any], "Staging"], Any]
 
 
 class Staging(list):
@@ -103,10 +103,9 @@ class RawOps:
         self._unsent().append(staging)
         return staging
 
-    def _op(self, rpc: str, request: Message, parse, temps: list) -> Any:
-        unsent = self._unsent()
-        if any(s is temps for s in unsent):  # ``submit`` owns them from here
-            unsent[:] = [s for s in unsent if s is not temps]
+    def _op(self, rpc: str, request: Message, parse, temps: Staging) -> Any:
+        unsent = self._unsent()  # ``submit`` owns them from here
+        unsent[:] = [s for s in unsent if s is not temps]
         return self._submit(rpc, request, parse, temps)
 
     def _in(self, value, msg, temps: Staging, dtype=None) -> None:
@@ -194,7 +193,7 @@ class RawOps:
             "TensorArrayConcatV3",
             req,
             lambda r: TensorArrayConcatV3Output(self._out(r.value), self._out(r.lengths)),
-            [],
+            self._staging(),  # no inputs to stage
         )
 
     def TensorArraySplitV3(self, handle, value, lengths, flow_in, name=None) -> float:
@@ -206,11 +205,15 @@ class RawOps:
 
     def TensorArraySizeV3(self, handle, flow_in, name=None) -> np.int32:
         req = pb.TensorArraySizeV3Request(handle=_handle_msg(handle), flow_in=flow_in)
-        return self._op("TensorArraySizeV3", req, lambda r: self._out(r.size)[()], [])
+        return self._op(
+            "TensorArraySizeV3", req, lambda r: self._out(r.size)[()], self._staging()
+        )  # no inputs to stage
 
     def TensorArrayCloseV3(self, handle, name=None) -> None:
         req = pb.TensorArrayCloseV3Request(handle=_handle_msg(handle))
-        return self._op("TensorArrayCloseV3", req, lambda r: None, [])
+        return self._op(
+            "TensorArrayCloseV3", req, lambda r: None, self._staging()
+        )  # no inputs to stage
 
     def TensorArrayGradV3(self, handle, flow_in, source, name=None) -> TensorArrayGradV3Output:
         req = pb.TensorArrayGradV3Request(
@@ -220,7 +223,7 @@ class RawOps:
             "TensorArrayGradV3",
             req,
             lambda r: TensorArrayGradV3Output(_handle(r.grad_handle), r.flow_out),
-            [],
+            self._staging(),  # no inputs to stage
         )
 
     def TensorArrayGradWithShape(

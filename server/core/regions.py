@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import re
 import stat
@@ -457,9 +458,6 @@ MAX_READ_PARTS = 4
 MIN_PART_BYTES = 16 << 20
 PAGE = 4096
 
-_reader_pool: ThreadPoolExecutor | None = None
-_reader_lock = threading.Lock()
-
 
 def _parallel_parts(nbytes: int) -> int:
     if nbytes < PARALLEL_READ_BYTES:
@@ -467,15 +465,11 @@ def _parallel_parts(nbytes: int) -> int:
     return max(1, min(MAX_READ_PARTS, os.cpu_count() or 1, nbytes // MIN_PART_BYTES))
 
 
+@functools.cache
 def _readers() -> ThreadPoolExecutor:
-    """The threads that read the parts of split reads but the first (made on first use)."""
-    global _reader_pool
-    with _reader_lock:
-        if _reader_pool is None:
-            _reader_pool = ThreadPoolExecutor(
-                MAX_READ_PARTS - 1, thread_name_prefix="gradserve-shm-read"
-            )
-        return _reader_pool
+    """The threads that read the parts of split reads but the first (made on first use;
+    its threads start as parts arrive)."""
+    return ThreadPoolExecutor(MAX_READ_PARTS - 1, thread_name_prefix="gradserve-shm-read")
 
 
 def _close(regions: Sequence[Region]) -> None:

@@ -75,7 +75,7 @@ class InlineTensorRPCs(ServicerPart):
                         f"({budget} bytes): fetch it with GetTensor",
                         reason="USE_GET_TENSOR",
                     )
-                message = serialized_tensor(host_array(self.compute, kept))
+                message = Serialized(codec.serialize_tensor(host_array(self.compute, kept)))
             if request.delete_after:
                 session.delete([request.id])
             return message
@@ -94,14 +94,9 @@ def _declared_bytes(request: tensor_pb2.Tensor) -> int:
         return _UNBOUNDED
     try:
         itemsize = codec.dtype_from_enum(request.dtype).itemsize
+        return codec.element_count(request.shape, itemsize=itemsize) * itemsize
     except GradserveError:
         return _UNBOUNDED
-    nbytes = itemsize
-    for dim in request.shape:
-        if dim < 0:
-            return _UNBOUNDED
-        nbytes *= dim
-    return nbytes
 
 
 def on_loop(array: Any) -> bool:
@@ -128,15 +123,3 @@ class Serialized:
 
     def ByteSize(self) -> int:
         return len(self.data)
-
-
-def serialized_tensor(array: np.ndarray) -> Serialized:
-    """``codec.encode(array)`` serialized, with one copy of a numeric array's bytes
-    (instead of three: ``tobytes``, the field, ``SerializeToString``). A single chunk of
-    ``WireContent`` is a ``Tensor``: ``TensorChunk``'s dtype, shape and data are
-    ``Tensor``'s dtype, shape and content (fields 1-3), and its ``content_bytes`` is
-    set for strings only, which are encoded as a message."""
-    if array.dtype == dtypes.STRING:
-        return Serialized(codec.encode(array).SerializeToString())
-    content = codec.WireContent(array)
-    return Serialized(next(content.encoded_chunks(max(1, len(content.data)))))

@@ -803,16 +803,8 @@ def lstm_args(steps: int = 32, batch: int = 32, units: int = 256) -> dict:
     )
 
 
-def warm(client, args: dict) -> None:
-    """One call first: it sizes the client's output regions for these outputs (the
-    first, not fitting, came inline or transient)."""
-    client.raw_ops.BlockLSTMV2(**args, use_peephole=True)
-    gc.collect()
-
-
 def test_op_outputs_come_back_as_views_of_one_region(shm_client, wire_client):
     args = lstm_args()
-    warm(shm_client, args)
     by_shm = shm_client.raw_ops.BlockLSTMV2(**args, use_peephole=True)
     by_wire = wire_client.raw_ops.BlockLSTMV2(**args, use_peephole=True)
     names = {pinned_region(a) for a in by_shm}
@@ -824,7 +816,6 @@ def test_op_outputs_come_back_as_views_of_one_region(shm_client, wire_client):
 
 def test_the_output_region_returns_when_the_last_output_goes(shm_client):
     args = lstm_args()
-    warm(shm_client, args)
     outs = list(shm_client.raw_ops.BlockLSTMV2(**args, use_peephole=True))
     h = outs[-1].copy()
     name = pinned_region(outs[-1])
@@ -844,7 +835,6 @@ def test_the_output_region_returns_when_the_last_output_goes(shm_client):
 
 def test_writing_into_op_outputs_changes_no_later_call(shm_client):
     args = lstm_args()
-    warm(shm_client, args)
     first = shm_client.raw_ops.BlockLSTMV2(**args, use_peephole=True)
     want = [a.copy() for a in first]
     for a in first:
@@ -879,7 +869,6 @@ def test_op_outputs_past_the_pinned_share_are_copies_and_correct(shm_client):
 def test_op_outputs_survive_the_client(target):
     args = lstm_args()
     c = gradserve.Client(target, shared_memory=True)
-    warm(c, args)
     outs = c.raw_ops.BlockLSTMV2(**args, use_peephole=True)
     want = [a.copy() for a in outs]
     name = pinned_region(outs[0])
@@ -895,12 +884,7 @@ def test_small_outputs_beside_large_ones_are_copies(shm_client):
     args = lstm_args()
     acts = shm_client.raw_ops.BlockLSTMV2(**args, use_peephole=True, keep=True)
     grad = np.ones((32, 32, 256), np.float32)
-    shm_client.raw_ops.BlockLSTMGradV2(*args.values(), *acts, grad, grad, use_peephole=True)
-    gc.collect()
-    grads = shm_client.raw_ops.BlockLSTMGradV2(
-        *args.values(), *acts, np.ones((32, 32, 256), np.float32),
-        np.ones((32, 32, 256), np.float32), use_peephole=True,
-    )  # fmt: skip
+    grads = shm_client.raw_ops.BlockLSTMGradV2(*args.values(), *acts, grad, grad, use_peephole=True)
     assert isinstance(owner(grads.x_grad), _shm.Pinned)
     for small in (grads.b_grad, grads.wci_grad, grads.cs_prev_grad):
         assert not isinstance(owner(small), _shm.Pinned)

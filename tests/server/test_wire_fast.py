@@ -13,13 +13,7 @@ import pytest
 import gradserve
 from gradserve import codec, dtypes
 from gradserve.client import _client
-from gradserve.client._convert import (
-    WireChunk,
-    WireTensor,
-    parse_chunk,
-    parse_tensor,
-    serialized_tensor,
-)
+from gradserve.codec import WireChunk, WireTensor, parse_chunk, parse_tensor, serialize_tensor
 from gradserve.errors import GradserveError, InvalidArgumentError, ResourceExhaustedError
 from gradserve.server import run_server
 from gradserve.server.transport import tensor_handlers
@@ -56,9 +50,9 @@ def same(out: np.ndarray, value: np.ndarray) -> bool:
 @pytest.mark.parametrize("array", ARRAYS, ids=IDS)
 def test_serialized_tensors_are_what_protobuf_writes(array):
     expected = codec.encode(array).SerializeToString()
-    assert serialized_tensor(array) == expected
-    assert tensor_handlers.serialized_tensor(array).SerializeToString() == expected
-    assert tensor_handlers.serialized_tensor(array).ByteSize() == len(expected)
+    assert serialize_tensor(array) == expected
+    served = tensor_handlers.Serialized(serialize_tensor(array))  # GetTensorInline's reply
+    assert served.SerializeToString() == expected and served.ByteSize() == len(expected)
 
 
 @pytest.mark.parametrize("array", ARRAYS, ids=IDS)
