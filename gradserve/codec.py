@@ -226,15 +226,19 @@ class ChunkAssembler:
     ``before_allocating(nbytes)`` runs once the size is known (from the first chunk)
     and before the buffer exists, with the bytes the finished array will hold
     (``dtypes.nbytes``): a memory budget can refuse the stream there.
+    ``allocate(nbytes)`` gives the buffer the chunks fill: a 1-D uint8 array (the
+    server's comes warm from a cache of freed ones).
     """
 
     def __init__(
         self,
         *,
         before_allocating: Callable[[int], None] = lambda nbytes: None,
+        allocate: Callable[[int], np.ndarray] = lambda nbytes: np.empty(nbytes, np.uint8),
         field: str = "stream",
     ) -> None:
         self.field = field
+        self._allocate = allocate
         self._before_allocating = before_allocating
         self._buffer: np.ndarray | None = None
         self._dtype: np.dtype[Any] | None = None
@@ -266,7 +270,7 @@ class ChunkAssembler:
                 count = element_count(self._shape, field=field, itemsize=itemsize)
                 self.nbytes = charge = count * itemsize
             self._before_allocating(charge)
-            self._buffer = np.empty(self.nbytes, np.uint8)
+            self._buffer = self._allocate(self.nbytes)
         data = chunk.data
         end = self.filled + len(data)
         if end > self.nbytes:

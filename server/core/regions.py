@@ -60,6 +60,7 @@ from gradserve.errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
+from gradserve.server.core.warm_buffers import WarmBuffers
 
 #: Where POSIX shared-memory objects live (``shm_open`` names) on Linux.
 SHM_DIR = "/dev/shm"
@@ -202,8 +203,11 @@ class RegionTable:
         max_tensor_bytes: int | None = None,
         max_regions: int = MAX_REGIONS_PER_SESSION,
         shm_dir: str | None = None,
+        buffers: WarmBuffers | None = None,
     ) -> None:
         self.owner = owner
+        #: Where tensors read out of regions get their memory (None: ``np.empty``).
+        self.buffers = buffers
         self.max_region_bytes = max_region_bytes
         self.max_tensor_bytes = max_tensor_bytes
         self.max_regions = max_regions
@@ -430,7 +434,11 @@ class RegionTable:
         nbytes = self.nbytes(dtype, shape, field)
         with self.use(name) as region:
             region.check_bounds(offset, nbytes, field)  # before allocating
-            buffer = np.empty(nbytes, np.uint8)
+            buffer = (
+                self.buffers.empty(nbytes)
+                if self.buffers is not None
+                else np.empty(nbytes, np.uint8)
+            )
             if nbytes:
                 region.read_into(offset, buffer.data, field)
         array = buffer.view(dtype.newbyteorder("<")).reshape(tuple(shape))

@@ -38,6 +38,7 @@ from gradserve.server.core.budget import MemoryBudget
 from gradserve.server.core.regions import RegionTable
 from gradserve.server.core.tape import MAX_TAPES_PER_SESSION, Tape
 from gradserve.server.core.tensor_array import TensorArray, TensorArrayState
+from gradserve.server.core.warm_buffers import DEFAULT_LIMIT_BYTES, WarmBuffers
 
 #: The principal of every session when authentication is off.
 ANONYMOUS = "anonymous"
@@ -122,6 +123,7 @@ class Session:
         max_tensor_bytes: int | None = None,
         max_tensor_array_size: int | None = None,
         budget: MemoryBudget | None = None,
+        buffers: WarmBuffers | None = None,
     ) -> None:
         self.id = session_id
         self.principal = principal
@@ -145,7 +147,10 @@ class Session:
         #: Same-host shared-memory regions the worker registered (``regions``), each at
         #: most the session's byte limit; closed with the session.
         self.regions = RegionTable(
-            session_id, max_region_bytes=self.budget.limit, max_tensor_bytes=max_tensor_bytes
+            session_id,
+            max_region_bytes=self.budget.limit,
+            max_tensor_bytes=max_tensor_bytes,
+            buffers=buffers,
         )
 
     def touch(self) -> None:
@@ -590,6 +595,7 @@ class Session:
         max_tensor_bytes: int | None,
         max_tensor_array_size: int | None,
         budget: MemoryBudget,
+        buffers: WarmBuffers | None = None,
     ) -> Session:
         """The session ``state`` describes, by the same id, owner and handles, every
         byte charged to ``budget``; raises (charging nothing) past a limit."""
@@ -599,6 +605,7 @@ class Session:
             max_tensor_bytes=max_tensor_bytes,
             max_tensor_array_size=max_tensor_array_size,
             budget=budget,
+            buffers=buffers,
         )
         session._name_counter = state.name_counter
         session.last_used = time.monotonic() - max(0.0, idle_timeout - state.idle_seconds_left)
@@ -733,6 +740,7 @@ class SessionStore:
         max_server_bytes: int | None = None,
         on_release: Callable[[int], None] | None = None,
         replica_id: str | None = None,
+        host_cache_bytes: int = DEFAULT_LIMIT_BYTES,
     ):
         #: This replica's identity, stamped into every session id it creates
         #: (``<replica>.<random>``) so that a proxy routes a session's calls to the
@@ -756,6 +764,9 @@ class SessionStore:
         self.draining = False
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
+        #: Warm host buffers for large tensors read from shared memory or streams,
+        #: shared by every session (``warm_buffers``).
+        self.buffers = WarmBuffers(host_cache_bytes)
 
     def create(self, principal: str = ANONYMOUS) -> Session:
         """A new session for ``principal``; refused past the session limits or while draining."""
@@ -792,6 +803,7 @@ class SessionStore:
                     "session (--max-session-bytes)",
                     parent=self.principal_budget(principal),
                 ),
+                buffers=self.buffers,
             )
             self._sessions[session_id] = session
         return session
@@ -848,6 +860,7 @@ class SessionStore:
             self.expired += len(stale)
         for s in stale:
             s.close()
+        self.buffers.expire_idle(now)
         return len(stale)
 
     def sessions(self) -> list[Session]:
@@ -878,6 +891,7 @@ class SessionStore:
                 "session (--max-session-bytes)",
                 parent=self.principal_budget(state.principal),
             ),
+            buffers=self.buffers,
         )
         with self._lock:
             if state.id in self._sessions:  # restored twice at once

@@ -132,6 +132,7 @@ def _store(config: ServerConfig, trimmer: Trimmer) -> SessionStore:
         max_server_bytes=config.max_server_bytes,
         on_release=trimmer.released,
         replica_id=config.replica_id,
+        host_cache_bytes=config.host_cache_bytes,
     )
 
 

@@ -68,6 +68,11 @@ SERVE_FLAGS = [
         "with --token-file, else none)",
     ),
     ("session_ttl", float, "seconds before an idle session is closed"),
+    (
+        "host_cache_bytes",
+        int,
+        "bytes of freed large-tensor buffers kept warm for reuse (0: off)",
+    ),
     ("max_concurrent_rpcs", _optional(int), "calls in flight; more get RESOURCE_EXHAUSTED"),
     ("max_streams", _optional(int), "PutTensor/GetTensor streams open, all principals"),
     ("max_streams_per_principal", _optional(int), "streams open of one principal"),

@@ -11,6 +11,7 @@ import os
 
 from gradserve import protocol
 from gradserve.kernels.cuda_graphs import DEFAULT_CACHE_BYTES
+from gradserve.server.core.warm_buffers import DEFAULT_LIMIT_BYTES as DEFAULT_HOST_CACHE_BYTES
 
 #: ``max_principal_bytes`` default: this share of ``max_server_bytes``.
 SERVER_FRACTION = -1
@@ -62,6 +63,9 @@ class ServerConfig:
     max_principal_bytes: int | None = SERVER_FRACTION
     #: Idle sessions are closed after this many seconds.
     session_ttl: float = 3600.0
+    #: Bytes of freed large-tensor buffers kept warm for reuse (0: none); outside
+    #: every byte budget above, and given back after a minute unused.
+    host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES
 
     # --- admission control and connections
     #: GradServe calls in flight at once (health excluded); more are refused with

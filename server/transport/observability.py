@@ -86,6 +86,11 @@ class Metrics:
             lambda: store.budget.used
         )
         Gauge(
+            "gradserve_host_cache_bytes",
+            "freed large-tensor buffers kept warm for reuse (--host-cache-bytes)",
+            registry=r,
+        ).set_function(lambda: store.buffers.cached_bytes)
+        Gauge(
             "gradserve_device_info", "compute device of this server", ["device"], registry=r
         ).labels(device=device).set(1)
         r.register(_ExpiredSessions(store))

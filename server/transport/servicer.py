@@ -176,7 +176,9 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
             def reserve(nbytes: int) -> None:
                 reservations.append(held.enter_context(session.reserve_tensor(nbytes)))
 
-            assembler = codec.ChunkAssembler(before_allocating=reserve, field="PutTensor")
+            assembler = codec.ChunkAssembler(
+                before_allocating=reserve, allocate=self.store.buffers.empty, field="PutTensor"
+            )
             chunks = request_iterator.__aiter__()
             while (chunk := await pace.wait(next_item(chunks))) is not END:
                 boundary.check_parsed(chunk)

@@ -39,6 +39,7 @@ def test_metrics(metered):
         for _ in range(3):
             client.stop_gradient(np.arange(1000.0))
         client.put(np.ones(256))
+        client.delete(client.put(np.ones(1 << 20)))  # 8 MiB: its buffer is kept warm
         with pytest.raises(gradserve.errors.NotFoundError):
             client.get("missing")
         text = scrape(metered)
@@ -53,6 +54,7 @@ def test_metrics(metered):
         assert value(text, 'gradserve_sent_bytes_total{method="StopGradient"}') > 3 * 8000
         assert value(text, "gradserve_sessions_open") == 1
         assert value(text, "gradserve_bytes_held") == 2048
+        assert value(text, "gradserve_host_cache_bytes") == 8 << 20
         assert value(text, 'gradserve_device_info{device="cpu"}') == 1
         assert value(text, "gradserve_sessions_expired_total") == 0
     assert value(scrape(metered), "gradserve_sessions_open") == 0
