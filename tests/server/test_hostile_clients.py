@@ -284,13 +284,27 @@ def test_lstm_calls_leave_small_ops_and_health_answering():
 
 
 def test_the_trimmer_returns_memory_after_large_frees():
-    trimmer = Trimmer(threshold=MIB)
+    trimmer = Trimmer(threshold=MIB, quiet_seconds=0.05)
     if trimmer._trim is None:
         pytest.skip("not glibc: malloc_trim does not exist")
     trimmer.released(MIB // 2)
     assert wait_until(lambda: trimmer.trims == 0, 0.2)
     trimmer.released(MIB)
     assert wait_until(lambda: trimmer.trims == 1, 5)
+
+
+def test_the_trimmer_waits_until_releases_stop():
+    # A busy server frees what its next call allocates again: no trim in between.
+    trimmer = Trimmer(threshold=MIB, quiet_seconds=0.5)
+    if trimmer._trim is None:
+        pytest.skip("not glibc: malloc_trim does not exist")
+    started = time.monotonic()
+    while time.monotonic() - started < 1.5:
+        trimmer.released(MIB)
+        time.sleep(0.05)
+    assert trimmer.trims == 0
+    assert wait_until(lambda: trimmer.trims == 1, 5)
+    assert not wait_until(lambda: trimmer.trims > 1, 0.7)
 
 
 def test_outputs_of_a_call_that_ended_while_computing_are_not_kept():
