@@ -15,10 +15,15 @@ if TYPE_CHECKING:
 class Compute:
     """The device's backend (``xp``, ``to_host``, the fused steps) plus the LSTM runner."""
 
-    def __init__(self, backend: Any, graphs: GraphCache | None = None) -> None:
+    def __init__(
+        self, backend: Any, graphs: GraphCache | None = None, empty: lstm.Empty | None = None
+    ) -> None:
         self.backend = backend
         #: A ``cuda_graphs.GraphCache``, or None for the eager loop.
         self.graphs = graphs
+        #: Allocates the eager LSTM's outputs and scratch (None: ``xp.empty``): on the
+        #: CPU, the server's warm buffers, so a large call does not fault in fresh pages.
+        self.empty = empty
 
     @property
     def name(self) -> str:
@@ -43,7 +48,9 @@ class Compute:
         """``lstm.block_lstm_forward`` on this device (from a graph where one is kept)."""
         if self.graphs is not None:
             return self.graphs.forward(inputs, **attrs)
-        result: lstm.LSTMActivations[Any] = lstm.block_lstm_forward(self.backend, inputs, **attrs)
+        result: lstm.LSTMActivations[Any] = lstm.block_lstm_forward(
+            self.backend, inputs, empty=self.empty, **attrs
+        )
         return result
 
     def lstm_backward(
@@ -57,22 +64,27 @@ class Compute:
         if self.graphs is not None:
             return self.graphs.backward(inputs, activations, output_grads, **attrs)
         result: lstm.LSTMGrads[Any] = lstm.block_lstm_backward(
-            self.backend, inputs, activations, output_grads, **attrs
+            self.backend, inputs, activations, output_grads, empty=self.empty, **attrs
         )
         return result
 
 
 def compute_for(
-    device: str, *, cuda_graphs: bool = False, graph_cache_bytes: int | None = None
+    device: str,
+    *,
+    cuda_graphs: bool = False,
+    graph_cache_bytes: int | None = None,
+    host_empty: lstm.Empty | None = None,
 ) -> Compute:
     """The ``Compute`` of a resolved device name ("cpu" or "cuda").
 
     ``cuda_graphs`` (CUDA only) replays whole LSTM calls as graphs, keeping at most
-    ``graph_cache_bytes`` of GPU memory in captured plans.
+    ``graph_cache_bytes`` of GPU memory in captured plans. ``host_empty`` allocates
+    the CPU LSTM's outputs and scratch (unused on CUDA, whose arrays CuPy's pool keeps).
     """
     backend = get_backend(device)
     if not cuda_graphs:
-        return Compute(backend)
+        return Compute(backend, empty=host_empty if device == "cpu" else None)
     if device != "cuda":
         raise ValueError("CUDA graphs need --device cuda")
     from gradserve.kernels import cuda_graphs as graphs

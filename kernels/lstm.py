@@ -44,6 +44,9 @@ import numpy as np
 from gradserve.lstm_signature import LSTMActivations, LSTMGrads, LSTMInputs, LSTMOutputGrads
 
 Array = Any  # numpy.ndarray or cupy.ndarray
+#: Allocates an uninitialised array of (shape, dtype) for a call's outputs and
+#: scratch: the backend's ``xp.empty`` unless the caller keeps warm buffers.
+Empty = Callable[[tuple[int, ...], Any], Array]
 
 __all__ = [
     "Backend",
@@ -101,13 +104,16 @@ def block_lstm_forward(
     use_peephole: bool = False,
     layout: GateLayout = GateLayout.IFCO,
     check: Callable[[], None] | None = None,
+    empty: Empty | None = None,
 ) -> LSTMActivations[Array]:
     """The seven [T, B, H] outputs. Inputs must already be validated.
 
     ``check`` runs before every time step (deadline and cancellation): it may
     raise to abandon the call; nothing outside this function has changed then.
+    ``empty`` allocates the outputs (default ``xp.empty``).
     """
     xp = backend.xp
+    empty = empty or xp.empty
     out_dtype = inputs.x.dtype
     ct = compute_dtype(out_dtype)
     x, cs_prev, h_prev, w, wci, wcf, wco, b = (backend.asarray(a, ct) for a in inputs)
@@ -116,7 +122,7 @@ def block_lstm_forward(
     length = seq_len_max
     # Every step before ``length`` is written below, so only the steps past it are
     # zeroed: a zeroing pass over all seven outputs cost ~1 ms of an 8-15 ms forward.
-    outs = LSTMActivations(*(xp.empty((steps, batch, units), ct) for _ in range(7)))
+    outs = LSTMActivations(*(empty((steps, batch, units), ct) for _ in range(7)))
     for out in outs:
         out[length:] = 0
     # A backend may run the whole recurrence its own way (the CPU: ``lstm_cpu``, which
@@ -166,6 +172,7 @@ def block_lstm_backward(
     layout: GateLayout = GateLayout.IFCO,
     cell_clip: float = 0.0,
     check: Callable[[], None] | None = None,
+    empty: Empty | None = None,
 ) -> LSTMGrads[Array]:
     """Gradients of the whole sequence (TensorFlow's BlockLSTMGrad recursion).
 
@@ -175,8 +182,10 @@ def block_lstm_backward(
     it. With the forward's ``cell_clip`` > 0 (the gradient tape) a cell whose state
     was clipped passes no gradient to its gates or its past (``_mask_clipped``):
     the true derivative, which TensorFlow's registered gradient gets wrong.
+    ``empty`` allocates the large gradients and scratch (default ``xp.empty``).
     """
     xp = backend.xp
+    empty = empty or xp.empty
     out_dtype = inputs.x.dtype
     ct = compute_dtype(out_dtype)
     x, cs_prev, h_prev, w, wci, wcf, wco, _ = (backend.asarray(a, ct) for a in inputs)
@@ -187,9 +196,9 @@ def block_lstm_backward(
     length = seq_len_max
     # The GEMMs below write every element before ``length`` (and all of w_grad):
     # only what they do not write is zeroed.
-    x_grad = xp.empty((steps, batch, input_size), ct)
+    x_grad = empty((steps, batch, input_size), ct)
     x_grad[length:] = 0
-    w_grad = xp.empty(w.shape, ct) if length > 0 else xp.zeros(w.shape, ct)
+    w_grad = empty(w.shape, ct) if length > 0 else xp.zeros(w.shape, ct)
     peephole_grads = [xp.zeros(units, ct) for _ in range(3)]
     b_grad = xp.zeros(4 * units, ct)
     dcs = xp.zeros((batch, units), ct)  # carry: d loss / d cs[t-1]
@@ -199,7 +208,7 @@ def block_lstm_backward(
         # One contiguous copy of W_h^T: the per-step GEMM with a plain (not
         # transposed-view) operand ran 30% faster in OpenBLAS on small batches.
         w_h_t = xp.ascontiguousarray(w_h.T)
-        dgates = xp.empty((length, batch, 4 * units), ct)
+        dgates = empty((length, batch, 4 * units), ct)
         offsets = layout.offsets(units)
         # A clipped cell holds exactly the clip value as stored in the output dtype.
         clip_at = float(np.asarray(cell_clip, out_dtype))

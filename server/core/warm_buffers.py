@@ -25,9 +25,11 @@ there) appends without taking the lock: no deadlock.
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 import weakref
+from typing import Any
 
 import numpy as np
 
@@ -83,6 +85,14 @@ class WarmBuffers:
         owner = np.ndarray.__new__(_Owner, (size,), np.uint8, buffer=buffer)
         weakref.finalize(owner, self._returned.append, buffer)
         return owner[:nbytes].view(np.ndarray)
+
+    def array(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """A new uninitialised array of ``shape`` and ``dtype`` (as ``np.empty``), in
+        a warm buffer when it is large enough (``kernels.lstm.Empty``)."""
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        out: np.ndarray = self.empty(nbytes).view(dtype).reshape(shape)
+        return out
 
     @property
     def cached_bytes(self) -> int:

@@ -136,13 +136,14 @@ def _store(config: ServerConfig, trimmer: Trimmer) -> SessionStore:
     )
 
 
-def _compute(config: ServerConfig, device: str) -> Compute:
+def _compute(config: ServerConfig, device: str, store: SessionStore) -> Compute:
     if config.cuda_graphs and device != "cuda":
         log.warning("--cuda-graphs on has no effect on device %s: the LSTM runs eagerly", device)
     return compute_for(
         device,
         cuda_graphs=config.cuda_graphs and device == "cuda",
         graph_cache_bytes=config.cuda_graph_cache_bytes,
+        host_empty=store.buffers.array,
     )
 
 
@@ -203,7 +204,7 @@ def start(config: ServerConfig) -> Server:
         store = _store(config, trimmer)
     except InvalidArgumentError as e:
         raise ConfigError(f"--replica-id: {e}") from None
-    compute = _compute(config, device)
+    compute = _compute(config, device, store)
     keeper = StateKeeper(config, store, compute)
     keeper.restore()  # before serving: a restored session is never reported missing
     metrics = Metrics(store, compute) if config.metrics_port is not None else None

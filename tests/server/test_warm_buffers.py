@@ -150,3 +150,53 @@ def test_puts_into_reused_buffers_read_back_exactly(cached_server, shared_memory
         out = client.raw_ops.StopGradient(input=third)
         np.testing.assert_array_equal(out, third_value)
         client.delete(second, third)
+
+
+def test_typed_arrays_come_from_the_cache():
+    cache = WarmBuffers(64 * MIB)
+    first = cache.array((100, 64, 512), np.float32)  # 12.5 MiB
+    assert first.shape == (100, 64, 512) and first.dtype == np.float32
+    where = address(first)
+    del first
+    again = cache.array((100, 64, 512), np.float32)
+    assert address(again) == where
+    small = cache.array((3, 4), np.float64)  # small: plain np.empty, not counted
+    assert small.shape == (3, 4) and small.dtype == np.float64
+    assert (cache.hits, cache.misses) == (1, 1)
+
+
+def test_the_servers_lstm_outputs_and_gradients_reuse_warm_buffers(cached_server):
+    # Large enough (each output 4 MiB+) for the cache: the second forward's outputs
+    # and the second backward's gradients reuse the first's freed buffers, and the
+    # results are unchanged.
+    buffers = cached_server.store.buffers
+    buffers.clear()
+    steps, batch, units = 8, 256, 512
+    rng = np.random.default_rng(1)
+    r = lambda *s: (rng.standard_normal(s) * 0.1).astype(np.float32)  # noqa: E731
+    inputs = (
+        r(steps, batch, units), r(batch, units), r(batch, units), r(2 * units, 4 * units),
+        r(units), r(units), r(units), r(4 * units),
+    )  # fmt: skip
+    length = np.int64(steps)
+    with gradserve.Client(
+        f"127.0.0.1:{cached_server.port}", timeout=60, shared_memory=False
+    ) as client:
+        refs = [client.put(a) for a in inputs]
+        kept = client.raw_ops.BlockLSTMV2(length, *refs, use_peephole=True, keep=True)
+        first = [client.get(k) for k in kept]
+        grads_first = client.raw_ops.BlockLSTMGradV2(
+            length, *refs, *kept, kept[1], kept[6], use_peephole=True
+        )
+        client.delete(*kept)
+        hits = buffers.hits
+        kept = client.raw_ops.BlockLSTMV2(length, *refs, use_peephole=True, keep=True)
+        assert buffers.hits >= hits + 7
+        for k, want in zip(kept, first):
+            np.testing.assert_array_equal(client.get(k), want)
+        grads = client.raw_ops.BlockLSTMGradV2(
+            length, *refs, *kept, kept[1], kept[6], use_peephole=True
+        )
+        for got, want in zip(grads, grads_first):
+            np.testing.assert_array_equal(got, want)
+        client.delete(*kept, *refs)
