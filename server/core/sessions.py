@@ -766,7 +766,7 @@ class SessionStore:
         self._sessions: dict[str, Session] = {}
         #: Warm host buffers for large tensors read from shared memory or streams,
         #: shared by every session (``warm_buffers``).
-        self.buffers = WarmBuffers(host_cache_bytes)
+        self.buffers = WarmBuffers(host_cache_bytes, on_drop=on_release)
 
     def create(self, principal: str = ANONYMOUS) -> Session:
         """A new session for ``principal``; refused past the session limits or while draining."""

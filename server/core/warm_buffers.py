@@ -29,6 +29,7 @@ import math
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -57,10 +58,14 @@ class WarmBuffers:
         *,
         min_bytes: int = MIN_BYTES,
         idle_seconds: float = DEFAULT_IDLE_SECONDS,
+        on_drop: Callable[[int], None] | None = None,
     ) -> None:
         self.limit_bytes = limit_bytes
         self.min_bytes = min_bytes
         self.idle_seconds = idle_seconds
+        #: Told the bytes of every buffer the cache drops (the server's trimmer, so
+        #: that glibc hands them back to the OS).
+        self.on_drop = on_drop
         self._lock = threading.Lock()
         #: Free buffers by size, each with when it was freed; the least recently
         #: freed size first.
@@ -68,22 +73,24 @@ class WarmBuffers:
             collections.OrderedDict()
         )
         self._bytes = 0  # bytes in _free
-        #: Buffers whose last view went, not yet in _free (appended by finalizers).
-        self._returned: collections.deque[np.ndarray] = collections.deque()
+        #: Buffers whose last view went, with when, not yet in _free (appended by
+        #: finalizers).
+        self._returned: collections.deque[tuple[np.ndarray, float]] = collections.deque()
         self.hits = 0  # ``empty`` calls served from the cache, for tests and metrics
         self.misses = 0
 
     def empty(self, nbytes: int) -> np.ndarray:
         """A new 1-D uint8 array of ``nbytes`` (contents undefined): a cached buffer
         of the same page-rounded size when there is one."""
-        if nbytes < self.min_bytes or self.limit_bytes <= 0:
-            return np.empty(nbytes, np.uint8)
         size = -(-nbytes // PAGE) * PAGE
+        if nbytes < self.min_bytes or size > self.limit_bytes:  # never kept
+            return np.empty(nbytes, np.uint8)
         buffer = self._take(size)
         if buffer is None:
             buffer = np.empty(size, np.uint8)
         owner = np.ndarray.__new__(_Owner, (size,), np.uint8, buffer=buffer)
-        weakref.finalize(owner, self._returned.append, buffer)
+        # Not at exit: Python's exit handler would return buffers still in use.
+        weakref.finalize(owner, self._give, buffer).atexit = False
         return owner[:nbytes].view(np.ndarray)
 
     def array(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -98,15 +105,16 @@ class WarmBuffers:
     def cached_bytes(self) -> int:
         """Bytes of free buffers kept now."""
         with self._lock:
-            self._collect()
-            return self._bytes
+            dropped = self._collect()
+            kept = self._bytes
+        self._dropped(dropped)
+        return kept
 
     def expire_idle(self, now: float | None = None) -> int:
         """Drop the free buffers unused for ``idle_seconds``; returns their bytes."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            self._collect(now)
-            dropped = 0
+            dropped = self._collect()
             for size in list(self._free):
                 kept = [(b, t) for b, t in self._free[size] if now - t <= self.idle_seconds]
                 dropped += size * (len(self._free[size]) - len(kept))
@@ -114,44 +122,68 @@ class WarmBuffers:
                     self._free[size] = kept
                 else:
                     del self._free[size]
-            self._bytes -= dropped
-            return dropped
+            self._bytes = sum(size * len(b) for size, b in self._free.items())
+        self._dropped(dropped)
+        return dropped
 
     def clear(self) -> None:
         with self._lock:
-            self._collect()
+            dropped = self._collect() + self._bytes
             self._free.clear()
             self._bytes = 0
+        self._dropped(dropped)
+
+    def _give(self, buffer: np.ndarray) -> None:
+        """The finalizer: queue the buffer, then file it now (so the limit holds at
+        once) unless the lock is held: by another thread, or by this one in a garbage
+        collection inside the lock, where waiting would deadlock; the next call that
+        takes the lock files it then."""
+        self._returned.append((buffer, time.monotonic()))
+        if self._lock.acquire(blocking=False):
+            try:
+                dropped = self._collect()
+            finally:
+                self._lock.release()
+            self._dropped(dropped)
+
+    def _dropped(self, nbytes: int) -> None:
+        if nbytes and self.on_drop is not None:
+            self.on_drop(nbytes)
 
     def _take(self, size: int) -> np.ndarray | None:
         with self._lock:
-            self._collect()
+            dropped = self._collect()
             free = self._free.get(size)
-            if not free:
+            buffer = None
+            if free:
+                buffer, _ = free.pop()
+                if not free:
+                    del self._free[size]
+                self._bytes -= size
+                self.hits += 1
+            else:
                 self.misses += 1
-                return None
-            buffer, _ = free.pop()
-            if not free:
-                del self._free[size]
-            self._bytes -= size
-            self.hits += 1
-            return buffer
+        self._dropped(dropped)
+        return buffer
 
-    def _collect(self, now: float | None = None) -> None:
+    def _collect(self) -> int:
         """Move returned buffers into ``_free``, then drop the least recently freed
-        past the limit (the caller holds the lock)."""
-        now = time.monotonic() if now is None else now
+        past the limit (the caller holds the lock); returns the bytes dropped."""
+        dropped = 0
         while self._returned:
-            buffer = self._returned.popleft()
+            buffer, freed_at = self._returned.popleft()
             size = buffer.nbytes
-            if size > self.limit_bytes:
+            if size > self.limit_bytes:  # the limit was lowered meanwhile
+                dropped += size
                 continue
-            self._free.setdefault(size, []).append((buffer, now))
+            self._free.setdefault(size, []).append((buffer, freed_at))
             self._free.move_to_end(size)
             self._bytes += size
         while self._bytes > self.limit_bytes:
             size, buffers = next(iter(self._free.items()))
             buffers.pop(0)
             self._bytes -= size
+            dropped += size
             if not buffers:
                 del self._free[size]
+        return dropped

@@ -28,8 +28,10 @@ log = logging.getLogger(__name__)
 
 #: Freed bytes that make a trim worth its few milliseconds.
 DEFAULT_THRESHOLD = 16 * 1024 * 1024
-#: Seconds without a release before the trim runs.
+#: Seconds without a release before the trim runs, and the longest a trim waits
+#: for such a spell (a server never quiet still trims, this often at most).
 DEFAULT_QUIET_SECONDS = 5.0
+DEFAULT_MAX_WAIT_SECONDS = 60.0
 
 
 def _malloc_trim() -> Callable[[], None] | None:
@@ -45,10 +47,14 @@ def _malloc_trim() -> Callable[[], None] | None:
 
 class Trimmer:
     def __init__(
-        self, threshold: int = DEFAULT_THRESHOLD, quiet_seconds: float = DEFAULT_QUIET_SECONDS
+        self,
+        threshold: int = DEFAULT_THRESHOLD,
+        quiet_seconds: float = DEFAULT_QUIET_SECONDS,
+        max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS,
     ) -> None:
         self.threshold = threshold
         self.quiet_seconds = quiet_seconds
+        self.max_wait_seconds = max_wait_seconds
         self.trims = 0
         self._trim = _malloc_trim()
         self._lock = threading.Lock()
@@ -58,7 +64,7 @@ class Trimmer:
 
     def released(self, nbytes: int) -> None:
         """Count ``nbytes`` released; past the threshold, trims (in the background)
-        once releases stop for ``quiet_seconds``."""
+        once releases stop for ``quiet_seconds``, or after ``max_wait_seconds``."""
         if self._trim is None:
             return
         with self._lock:
@@ -70,10 +76,13 @@ class Trimmer:
         threading.Thread(target=self._run, name="gradserve-trim", daemon=True).start()
 
     def _run(self) -> None:
+        deadline = time.monotonic() + self.max_wait_seconds
+        again = False
         try:
             while True:
                 with self._lock:
-                    wait = self._last_release + self.quiet_seconds - time.monotonic()
+                    due = min(self._last_release + self.quiet_seconds, deadline)
+                    wait = due - time.monotonic()
                     if wait <= 0:
                         self._freed = 0
                         break
@@ -83,4 +92,8 @@ class Trimmer:
             self.trims += 1
         finally:
             with self._lock:
-                self._running = False
+                # Bytes released during the trim: their own trim, when they count.
+                again = self._freed >= self.threshold
+                self._running = again
+        if again:
+            threading.Thread(target=self._run, name="gradserve-trim", daemon=True).start()

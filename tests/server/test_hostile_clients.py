@@ -307,6 +307,17 @@ def test_the_trimmer_waits_until_releases_stop():
     assert not wait_until(lambda: trimmer.trims > 1, 0.7)
 
 
+def test_a_server_never_quiet_still_trims():
+    trimmer = Trimmer(threshold=MIB, quiet_seconds=0.5, max_wait_seconds=0.3)
+    if trimmer._trim is None:
+        pytest.skip("not glibc: malloc_trim does not exist")
+    started = time.monotonic()
+    while time.monotonic() - started < 1.2:
+        trimmer.released(MIB)
+        time.sleep(0.05)
+    assert trimmer.trims >= 2
+
+
 def test_outputs_of_a_call_that_ended_while_computing_are_not_kept():
     # The deadline passes while the LSTM computes on its lane; it then stores its
     # (transient) outputs for a response nobody receives: they must not stay charged.

@@ -200,3 +200,18 @@ def test_the_servers_lstm_outputs_and_gradients_reuse_warm_buffers(cached_server
         for got, want in zip(grads, grads_first):
             np.testing.assert_array_equal(got, want)
         client.delete(*kept, *refs)
+
+
+def test_buffers_over_the_limit_are_never_wrapped_and_drops_are_reported():
+    dropped = []
+    cache = WarmBuffers(10 * MIB, on_drop=dropped.append)
+    big = cache.empty(16 * MIB)
+    assert big.base is None  # over the limit: plain memory, freed as usual
+    a, b = cache.empty(6 * MIB), cache.empty(6 * MIB)
+    del a
+    del b  # 12 MiB > 10: the first is dropped at once, without a collecting call
+    assert dropped == [6 * MIB]
+    cache.idle_seconds = 0.0
+    cache.expire_idle(now=time.monotonic() + 1)
+    assert dropped == [6 * MIB, 6 * MIB]
+    assert cache.cached_bytes == 0
