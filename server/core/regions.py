@@ -206,8 +206,9 @@ class RegionTable:
         buffers: WarmBuffers | None = None,
     ) -> None:
         self.owner = owner
-        #: Where tensors read out of regions get their memory (None: ``np.empty``).
-        self.buffers = buffers
+        #: Where tensors read out of regions get their memory (none given: a cache
+        #: that keeps nothing, i.e. ``np.empty``).
+        self.buffers = buffers if buffers is not None else WarmBuffers(0)
         self.max_region_bytes = max_region_bytes
         self.max_tensor_bytes = max_tensor_bytes
         self.max_regions = max_regions
@@ -434,11 +435,7 @@ class RegionTable:
         nbytes = self.nbytes(dtype, shape, field)
         with self.use(name) as region:
             region.check_bounds(offset, nbytes, field)  # before allocating
-            buffer = (
-                self.buffers.empty(nbytes)
-                if self.buffers is not None
-                else np.empty(nbytes, np.uint8)
-            )
+            buffer = self.buffers.empty(nbytes)
             if nbytes:
                 region.read_into(offset, buffer.data, field)
         array = buffer.view(dtype.newbyteorder("<")).reshape(tuple(shape))

@@ -283,10 +283,23 @@ def test_lstm_calls_leave_small_ops_and_health_answering():
         assert sorted(latencies)[len(latencies) // 2] < 0.5, latencies
 
 
-def test_the_trimmer_returns_memory_after_large_frees():
-    trimmer = Trimmer(threshold=MIB, quiet_seconds=0.05)
+def glibc_trimmer(**settings) -> Trimmer:
+    trimmer = Trimmer(threshold=MIB, **settings)
     if trimmer._trim is None:
         pytest.skip("not glibc: malloc_trim does not exist")
+    return trimmer
+
+
+def release_steadily(trimmer: Trimmer, seconds: float) -> None:
+    """A busy server: a MiB released every 50 ms for ``seconds``."""
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        trimmer.released(MIB)
+        time.sleep(0.05)
+
+
+def test_the_trimmer_returns_memory_after_large_frees():
+    trimmer = glibc_trimmer(quiet_seconds=0.05)
     trimmer.released(MIB // 2)
     assert wait_until(lambda: trimmer.trims == 0, 0.2)
     trimmer.released(MIB)
@@ -295,26 +308,16 @@ def test_the_trimmer_returns_memory_after_large_frees():
 
 def test_the_trimmer_waits_until_releases_stop():
     # A busy server frees what its next call allocates again: no trim in between.
-    trimmer = Trimmer(threshold=MIB, quiet_seconds=0.5)
-    if trimmer._trim is None:
-        pytest.skip("not glibc: malloc_trim does not exist")
-    started = time.monotonic()
-    while time.monotonic() - started < 1.5:
-        trimmer.released(MIB)
-        time.sleep(0.05)
+    trimmer = glibc_trimmer(quiet_seconds=0.5)
+    release_steadily(trimmer, 1.5)
     assert trimmer.trims == 0
     assert wait_until(lambda: trimmer.trims == 1, 5)
     assert not wait_until(lambda: trimmer.trims > 1, 0.7)
 
 
 def test_a_server_never_quiet_still_trims():
-    trimmer = Trimmer(threshold=MIB, quiet_seconds=0.5, max_wait_seconds=0.3)
-    if trimmer._trim is None:
-        pytest.skip("not glibc: malloc_trim does not exist")
-    started = time.monotonic()
-    while time.monotonic() - started < 1.2:
-        trimmer.released(MIB)
-        time.sleep(0.05)
+    trimmer = glibc_trimmer(quiet_seconds=0.5, max_wait_seconds=0.3)
+    release_steadily(trimmer, 1.2)
     assert trimmer.trims >= 2
 
 
