@@ -18,7 +18,7 @@ from google.protobuf.message import Message
 from gradserve import codec, dtypes, protocol
 from gradserve.client import _shm
 from gradserve.client._convert import to_array
-from gradserve.client._errors import answered, from_rpc_error
+from gradserve.client._errors import answered, dropped, from_rpc_error
 from gradserve.client._prefetch import Prefetcher
 from gradserve.client._raw_ops import RawOps, Staging
 from gradserve.client._tape import GradientTape, Recording
@@ -296,15 +296,20 @@ class Client:
         or whatever it is when the server refused it unrun (reason ``DRAINING``: a
         replica shutting down; the repeat reaches it again once restarted, or another
         replica for a new session). An unsafe call that failed UNAVAILABLE otherwise may
-        or may not have been applied: it is never repeated, and its error says so."""
+        or may not have been applied: it is never repeated, and its error says so. A
+        call that ended CANCELLED, which this client never does to its own calls, was
+        dropped by the server or a proxy and counts as UNAVAILABLE (``dropped``)."""
         delay = 0.1
         for remaining in range(self.retries, -1, -1):
             try:
                 return attempt()
             except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                code = e.code()
+                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                     raise from_rpc_error(e) from None
                 err = from_rpc_error(e)
+                if code == grpc.StatusCode.CANCELLED:
+                    err = dropped(err)
                 unrun = err.reason == DRAINING_REASON
                 if remaining and (safe or unrun):
                     time.sleep(delay * (1 + random.random()))

@@ -8,7 +8,13 @@ import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from gradserve.errors import Code, GradserveError, SessionLostError, error_class_for
+from gradserve.errors import (
+    Code,
+    GradserveError,
+    SessionLostError,
+    UnavailableError,
+    error_class_for,
+)
 from gradserve.protocol import REQUEST_ID_KEY
 
 #: Statuses after which the server may still be working on the call (no reply).
@@ -20,6 +26,24 @@ def answered(exc: BaseException) -> bool:
     error), so that the server is done with everything the call named (its
     shared-memory regions may be used again)."""
     return isinstance(exc, GradserveError) and exc.code not in _NO_REPLY
+
+
+def dropped(error: GradserveError) -> UnavailableError:
+    """A call that ended CANCELLED although this client cancelled nothing, as what it
+    is: the server or a proxy dropped it (UNAVAILABLE).
+
+    The SDK's calls block until they end, so it never cancels one itself; the far end
+    did. gRPC core ends with CANCELLED every call that a server shutting down had
+    received but not yet handed to its handlers (grpc/grpc#41785), and a proxy may
+    cancel a call whose backend went away. Whether the server ran it is unknown, as
+    for any UNAVAILABLE in flight."""
+    return UnavailableError(
+        f"the server or a proxy ended the call with CANCELLED ({error.message}), which "
+        "this client did not cancel",
+        reason=error.reason,
+        field=error.field,
+        request_id=error.request_id,
+    )
 
 
 #: The reason of a NOT_FOUND for the session itself (not an array or tensor in it).

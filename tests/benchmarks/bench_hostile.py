@@ -668,7 +668,9 @@ def sigterm_run(n_clients: int, warm: float) -> dict[str, Any]:
                 return True
             except GradserveError as e:
                 name = e.code.name
-                if name == "UNAVAILABLE":
+                if "ended the call with CANCELLED" in e.message:
+                    name = "CANCELLED"  # the SDK reports it as UNAVAILABLE; count it apart
+                elif name == "UNAVAILABLE":
                     draining = "shutting down" in e.message
                     name += " (draining)" if draining else " (connection)"
                 mine[name] += 1

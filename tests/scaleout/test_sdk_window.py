@@ -1,7 +1,9 @@
 """The SDK through a replica's restart window: a call the server refused unrun
 (UNAVAILABLE, reason DRAINING) is repeated whatever it is; a write that failed
-UNAVAILABLE otherwise is not repeated and says its outcome is unknown; a session the
-server does not hold is SessionLostError, saying why."""
+UNAVAILABLE otherwise is not repeated and says its outcome is unknown; a call the server
+or a proxy ended CANCELLED (gRPC does so to calls a server shutting down had not yet
+handed over) counts as UNAVAILABLE; a session the server does not hold is
+SessionLostError, saying why."""
 
 from __future__ import annotations
 
@@ -11,7 +13,13 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 import gradserve
-from gradserve.errors import NotFoundError, SessionLostError, UnavailableError
+from gradserve.errors import (
+    AbortedError,
+    Code,
+    NotFoundError,
+    SessionLostError,
+    UnavailableError,
+)
 
 
 class Refused(grpc.RpcError):
@@ -57,6 +65,23 @@ def test_a_write_lost_in_flight_is_not_repeated_and_says_so(client):
     with pytest.raises(UnavailableError, match="^outcome unknown: .*not repeated") as info:
         client._with_retries(attempt, safe=False)
     assert len(calls) == 1 and "502" in str(info.value)
+
+
+def test_a_call_the_server_cancelled_counts_as_unavailable(client, monkeypatch):
+    """What gRPC core sends for a call received but not handed over at shutdown
+    (grpc/grpc#41785): repeated when safe; otherwise outcome unknown, not repeated."""
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    cancelled = Refused(grpc.StatusCode.CANCELLED, message="CANCELLED")
+    attempt, calls = failing(2, cancelled)
+    assert client._with_retries(attempt, safe=True) == "done" and len(calls) == 3
+    attempt, calls = failing(1, cancelled)
+    with pytest.raises(UnavailableError, match="^outcome unknown: .*CANCELLED") as info:
+        client._with_retries(attempt, safe=False)
+    assert len(calls) == 1 and info.value.code == Code.UNAVAILABLE
+    attempt, calls = failing(1, Refused(grpc.StatusCode.ABORTED, message="aborted"))
+    with pytest.raises(AbortedError):  # other codes are the server's answer, as before
+        client._with_retries(attempt, safe=True)
+    assert len(calls) == 1
 
 
 def test_a_session_not_held_is_session_lost_with_the_reasons(client):
