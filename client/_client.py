@@ -293,9 +293,9 @@ class Client:
 
     def _with_retries(self, attempt: Callable[[], Any], *, safe: bool) -> Any:
         """Run ``attempt``; repeat it on UNAVAILABLE with exponential backoff when ``safe``,
-        or whatever it is when the server refused it unrun (reason ``DRAINING``: a
-        replica shutting down; the repeat reaches it again once restarted, or another
-        replica for a new session). An unsafe call that failed UNAVAILABLE otherwise may
+        or whatever it is when it did not run (reason ``DRAINING``: a replica shutting
+        down refused it; ``NOT_FORWARDED``: a proxy reached no replica. The repeat
+        reaches the replica again once restarted, or another one for a new session). An unsafe call that failed UNAVAILABLE otherwise may
         or may not have been applied: it is never repeated, and its error says so. A
         call that ended CANCELLED, which this client never does to its own calls, was
         dropped by the server or a proxy and counts as UNAVAILABLE (``dropped``)."""
@@ -310,7 +310,7 @@ class Client:
                 err = from_rpc_error(e)
                 if code == grpc.StatusCode.CANCELLED:
                     err = dropped(err)
-                unrun = err.reason == DRAINING_REASON
+                unrun = err.reason in UNRUN_REASONS
                 if remaining and (safe or unrun):
                     time.sleep(delay * (1 + random.random()))
                     delay = min(2 * delay, 5.0)
@@ -566,6 +566,11 @@ class Client:
 
 #: The reason of an UNAVAILABLE that the server sent before doing anything (it drains).
 DRAINING_REASON = "DRAINING"
+#: The reason of an UNAVAILABLE from a proxy that passed no byte of the call to any
+#: replica (deploy/nginx/gradserve.conf.template: a replica restarting).
+NOT_FORWARDED_REASON = "NOT_FORWARDED"
+#: Reasons that say the call did not run: it is repeated, whatever it is.
+UNRUN_REASONS = frozenset({DRAINING_REASON, NOT_FORWARDED_REASON})
 #: The start of the message of an unsafe call that failed UNAVAILABLE in flight.
 OUTCOME_UNKNOWN = (
     "outcome unknown: the server became unreachable while this call was in flight, so "

@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import textwrap
 import time
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
@@ -68,6 +69,21 @@ class Proxy:
         return path.read_text() if path.exists() else ""
 
 
+#: deploy/nginx's template, whose marked parts (how a failed call is answered) the
+#: tests' config takes as they are.
+NGINX_TEMPLATE = (
+    pathlib.Path(__file__).resolve().parents[2] / "deploy/nginx/gradserve.conf.template"
+)
+
+
+def template_part(name: str) -> str:
+    """The lines of the template between ``# BEGIN name`` and ``# END name``."""
+    text = NGINX_TEMPLATE.read_text()
+    begin, end = f"# BEGIN {name}\n", f"# END {name}"
+    start = text.index(begin) + len(begin)
+    return text[start : text.index(end, start)].rstrip(" ")
+
+
 class Nginx(Proxy):
     name = "nginx"
 
@@ -102,6 +118,7 @@ http {{
     map $gs_replica $gs_upstream {{
 {routes}        default gs_create;
     }}
+{textwrap.indent(template_part("failed calls (http)"), "    ")}
 {upstreams}    upstream gs_create {{
 {pool}        keepalive 32;
     }}
@@ -115,7 +132,7 @@ http {{
             grpc_pass grpc://$gs_upstream;
             grpc_next_upstream error timeout;
         }}
-    }}
+{textwrap.indent(template_part("failed calls (server)"), "    ")}    }}
 }}
 """
 

@@ -1,0 +1,110 @@
+"""nginx answers a call it could not pass on in gRPC's terms (deploy/nginx's template,
+the part the tests' config takes as is): UNAVAILABLE with reason NOT_FORWARDED when
+no byte of it reached a replica, which the SDK repeats even for a write (it cannot
+have run); a plain UNAVAILABLE when the replica went away during the call, which the
+SDK reports as outcome unknown for a write."""
+
+from __future__ import annotations
+
+import base64
+import re
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+import gradserve
+from gradserve.client._client import NOT_FORWARDED_REASON, OUTCOME_UNKNOWN
+from gradserve.errors import UnavailableError
+from tests.scaleout.proxies import template_part
+
+
+def test_the_templates_error_details_agree_with_its_message_and_the_sdk():
+    part = template_part("failed calls (server)")
+    message = re.search(r'grpc-message "([^"]*)" always;', part).group(1)
+    blob = re.search(r'grpc-status-details-bin "([^"]*)" always;', part).group(1)
+    status = status_pb2.Status.FromString(base64.b64decode(blob))
+    assert status.code == code_pb2.UNAVAILABLE and status.message == message
+    (detail,) = status.details
+    info = error_details_pb2.ErrorInfo()
+    assert detail.Unpack(info) and info.reason == NOT_FORWARDED_REASON
+    assert info.domain == "gradserve"
+
+
+@pytest.mark.scaleout
+def test_a_write_while_its_replica_restarts_is_repeated_not_left_unknown(make_cluster):
+    cluster = make_cluster("nginx", 1)
+    r0 = cluster.replicas["r0"]
+    c = gradserve.Client(cluster.proxy.target, keepalive=False, retries=0)
+    ta = c.tensor_array(np.float32, size=2, element_shape=(3,))
+    ta = ta.write(0, np.arange(3, dtype=np.float32))
+    assert r0.stop() == 0  # drained, its session saved in --state-dir
+    with pytest.raises(UnavailableError) as refused:  # nothing listens: not forwarded
+        ta.write(1, np.ones(3, np.float32))
+    assert refused.value.reason == NOT_FORWARDED_REASON
+    assert not str(refused.value).startswith(OUTCOME_UNKNOWN)
+    restarted = threading.Timer(1.0, r0.start)
+    restarted.start()
+    c.retries = 10
+    try:  # a write, repeated through the window until the replica is back
+        ta = ta.write(1, np.ones(3, np.float32))
+    finally:
+        restarted.join()
+    assert np.array_equal(ta.stack(), [[0, 1, 2], [1, 1, 1]])
+
+
+class _Vanishing:
+    """A "replica" that takes each connection, reads what comes and closes it: every
+    call reaches a server, which goes away before answering."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.sock.settimeout(10)
+        self.port = self.sock.getsockname()[1]
+        self.received = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            with conn:
+                conn.settimeout(2)
+                got, end = 0, time.monotonic() + 2
+                while time.monotonic() < end and got < 100:
+                    try:
+                        data = conn.recv(65536)
+                    except OSError:
+                        break
+                    if not data:
+                        break
+                    got += len(data)
+                self.received += got
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.scaleout
+def test_a_write_whose_replica_vanished_mid_call_says_its_outcome_is_unknown(make_cluster):
+    cluster = make_cluster("nginx", 1)
+    c = gradserve.Client(cluster.proxy.target, keepalive=False, retries=3)
+    ta = c.tensor_array(np.float32, size=2, element_shape=(3,))
+    vanishing = _Vanishing()
+    try:
+        cluster.routes["r0"] = vanishing.port  # r0's sessions now reach the vanishing one
+        cluster.route()
+        with pytest.raises(UnavailableError, match="^" + re.escape(OUTCOME_UNKNOWN)) as lost:
+            ta.write(0, np.ones(3, np.float32))
+        assert vanishing.received > 0  # the call did reach it
+        assert lost.value.reason != NOT_FORWARDED_REASON
+        assert "may or may not have run" in str(lost.value)
+    finally:
+        vanishing.close()
