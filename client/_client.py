@@ -18,12 +18,13 @@ from google.protobuf.message import Message
 from gradserve import codec, dtypes, protocol
 from gradserve.client import _shm
 from gradserve.client._convert import to_array
-from gradserve.client._errors import answered, dropped, from_rpc_error
+from gradserve.client._errors import CHANNEL_GONE, answered, dropped, from_rpc_error
 from gradserve.client._prefetch import Prefetcher
 from gradserve.client._raw_ops import RawOps, Staging
 from gradserve.client._tape import GradientTape, Recording
 from gradserve.client._types import StepOutput, TapedArray, TensorRef
 from gradserve.errors import (
+    CancelledError,
     DataLossError,
     GradserveError,
     InvalidArgumentError,
@@ -158,6 +159,9 @@ class Client:
             (("authorization", f"Bearer {token}"),) if token else ()
         )
         self._closed = False
+        #: Set just before ``close`` closes the channel (calls in flight then end
+        #: CANCELLED: not the server's doing).
+        self._channel_closed = False
         self._stop_keepalive = threading.Event()
         self._shm: _shm.ClientSharedMemory | None = None
         self._prefetcher = Prefetcher(functools.partial(self._fetch, delete_after=True))
@@ -217,6 +221,7 @@ class Client:
         finally:
             self._prefetcher.close()
             if self._own_channel:
+                self._channel_closed = True
                 self._channel.close()
 
     def keep_alive(self) -> float:
@@ -269,7 +274,8 @@ class Client:
         """Invoke ``rpc``; a failure raises its ``gradserve.errors`` class. An op records
         on ``tapes`` (default: the tapes recording on this thread). ``metadata`` may
         be a function, called for each attempt (an op's output region: see
-        ``_run_op``)."""
+        ``_run_op``). So may ``request``, which a request stream must be: an attempt
+        consumes its iterator, and a repeat needs the whole stream again."""
         default = self._metadata if session else self._auth
         if tapes is None:
             tapes = self._recording.tapes if session and rpc in _RECORDED else ()
@@ -285,7 +291,8 @@ class Client:
             # What its outputs' TapedArrays belong to; set after ``metadata()``, which
             # may make a call of its own (registering a new output region).
             self._recording.call_tapes = tapes
-            return method(request, metadata=sent, timeout=timeout)
+            body = request() if callable(request) else request
+            return method(body, metadata=sent, timeout=timeout)
 
         # A call that records on a tape is not repeated blindly: it would record twice.
         safe = _safe_to_repeat(rpc, request) and not recorded
@@ -295,16 +302,29 @@ class Client:
         """Run ``attempt``; repeat it on UNAVAILABLE with exponential backoff when ``safe``,
         or whatever it is when it did not run (reason ``DRAINING``: a replica shutting
         down refused it; ``NOT_FORWARDED``: a proxy reached no replica. The repeat
-        reaches the replica again once restarted, or another one for a new session). An unsafe call that failed UNAVAILABLE otherwise may
-        or may not have been applied: it is never repeated, and its error says so. A
-        call that ended CANCELLED, which this client never does to its own calls, was
-        dropped by the server or a proxy and counts as UNAVAILABLE (``dropped``)."""
+        reaches the replica again once restarted, or another one for a new session).
+
+        An unsafe call that failed UNAVAILABLE otherwise may or may not have been
+        applied: it is never repeated, and its error says so. A call that ended
+        CANCELLED was dropped by the server or a proxy and counts as UNAVAILABLE
+        (``dropped``), unless its channel was closed under it (``close`` from another
+        thread): that is CancelledError, never repeated, as is any call after it."""
         delay = 0.1
         for remaining in range(self.retries, -1, -1):
             try:
                 return attempt()
+            except ValueError as e:  # gRPC Python: "Cannot invoke RPC on closed channel!"
+                if self._channel_closed or "closed channel" in str(e):
+                    raise CancelledError("the client is closed: its channel was closed") from None
+                raise
             except grpc.RpcError as e:
                 code = e.code()
+                if code == grpc.StatusCode.CANCELLED and (
+                    self._channel_closed or e.details() in CHANNEL_GONE
+                ):
+                    raise CancelledError(
+                        f"the call was cancelled: its channel was closed ({e.details()})"
+                    ) from None
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                     raise from_rpc_error(e) from None
                 err = from_rpc_error(e)
@@ -455,8 +475,8 @@ class Client:
         # At least 4 chunks (of 64 KiB or more): the server takes in one while the next
         # is on its way, and gRPC Python receives one 1 MiB message slower than four.
         chunk_bytes = min(chunk_bytes, max(_MIN_CHUNK_BYTES, nbytes // 4))
-        chunks = codec.WireContent(array).encoded_chunks(chunk_bytes)
-        reply = self._call("PutTensor", chunks)
+        content = codec.WireContent(array)
+        reply = self._call("PutTensor", lambda: content.encoded_chunks(chunk_bytes))
         return TensorRef(self, reply.id, dtypes.normalize(array.dtype), tuple(reply.shape))
 
     def get(self, ref: TensorRef | str) -> np.ndarray:

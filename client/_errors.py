@@ -15,7 +15,7 @@ from gradserve.errors import (
     UnavailableError,
     error_class_for,
 )
-from gradserve.protocol import REQUEST_ID_KEY
+from gradserve.protocol import ERROR_DOMAIN, REQUEST_ID_KEY
 
 #: Statuses after which the server may still be working on the call (no reply).
 _NO_REPLY = {Code.DEADLINE_EXCEEDED, Code.CANCELLED, Code.UNAVAILABLE, Code.UNKNOWN}
@@ -28,15 +28,23 @@ def answered(exc: BaseException) -> bool:
     return isinstance(exc, GradserveError) and exc.code not in _NO_REPLY
 
 
+#: The details of the CANCELLED that gRPC Python gives the calls in flight on a
+#: channel that is closed (or deallocated, or inherited by a fork child).
+CHANNEL_GONE = frozenset(
+    {"Channel closed!", "Channel deallocated!", "Call cancelled in fork child"}
+)
+
+
 def dropped(error: GradserveError) -> UnavailableError:
     """A call that ended CANCELLED although this client cancelled nothing, as what it
     is: the server or a proxy dropped it (UNAVAILABLE).
 
-    The SDK's calls block until they end, so it never cancels one itself; the far end
-    did. gRPC core ends with CANCELLED every call that a server shutting down had
-    received but not yet handed to its handlers (grpc/grpc#41785), and a proxy may
-    cancel a call whose backend went away. Whether the server ran it is unknown, as
-    for any UNAVAILABLE in flight."""
+    The SDK's calls block until they end; the only way it cancels one is by closing
+    its channel (``CHANNEL_GONE``, which the caller checks first). Any other
+    CANCELLED came from the far end: gRPC core ends with CANCELLED every call that a
+    server shutting down had received but not yet handed to its handlers
+    (grpc/grpc#41785), and a proxy may cancel a call whose backend went away. Whether
+    the server ran it is unknown, as for any UNAVAILABLE in flight."""
     return UnavailableError(
         f"the server or a proxy ended the call with CANCELLED ({error.message}), which "
         "this client did not cancel",
@@ -63,7 +71,8 @@ def from_rpc_error(error: grpc.RpcError) -> GradserveError:
         if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
             info = error_details_pb2.ErrorInfo()
             detail.Unpack(info)
-            reason = info.reason
+            if info.domain == ERROR_DOMAIN:  # another service's reasons mean nothing here
+                reason = info.reason
         elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
             bad = error_details_pb2.BadRequest()
             detail.Unpack(bad)

@@ -7,6 +7,11 @@ SESSION_METADATA_KEY = "x-gradserve-session"
 #: trailing metadata (and on SDK errors as ``.request_id``).
 REQUEST_ID_KEY = "x-request-id"
 
+#: The ``google.rpc.ErrorInfo.domain`` of the error details gradserve sends (the
+#: server, and deploy/nginx's answer to a call it could not pass on): the SDK reads
+#: a reason only from this domain.
+ERROR_DOMAIN = "gradserve"
+
 #: Request metadata: outputs larger than this many bytes are kept in the session
 #: (transient) and streamed back with GetTensor instead of sent inline.
 INLINE_LIMIT_METADATA_KEY = "x-gradserve-inline-limit"

@@ -30,7 +30,7 @@ from gradserve.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
 )
-from gradserve.protocol import REQUEST_ID_KEY
+from gradserve.protocol import ERROR_DOMAIN, REQUEST_ID_KEY
 from gradserve.server.transport.auth import current_principal
 from gradserve.v1 import service_pb2
 
@@ -38,7 +38,6 @@ SERVICE = service_pb2.DESCRIPTOR.services_by_name["GradServe"]
 
 log = logging.getLogger(__name__)
 
-ERROR_DOMAIN = "gradserve"
 
 H = TypeVar("H", bound=Callable[..., Any])
 

@@ -19,6 +19,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 import gradserve
 from gradserve.client._client import NOT_FORWARDED_REASON, OUTCOME_UNKNOWN
 from gradserve.errors import UnavailableError
+from gradserve.protocol import ERROR_DOMAIN
 from tests.scaleout.proxies import template_part
 
 
@@ -31,7 +32,7 @@ def test_the_templates_error_details_agree_with_its_message_and_the_sdk():
     (detail,) = status.details
     info = error_details_pb2.ErrorInfo()
     assert detail.Unpack(info) and info.reason == NOT_FORWARDED_REASON
-    assert info.domain == "gradserve"
+    assert info.domain == ERROR_DOMAIN
 
 
 @pytest.mark.scaleout
@@ -54,6 +55,25 @@ def test_a_write_while_its_replica_restarts_is_repeated_not_left_unknown(make_cl
     finally:
         restarted.join()
     assert np.array_equal(ta.stack(), [[0, 1, 2], [1, 1, 1]])
+
+
+@pytest.mark.scaleout
+def test_a_streamed_put_while_its_replica_restarts_is_sent_whole_again(make_cluster):
+    """A repeat of a client stream sends every chunk again: the first attempt used up
+    the chunks it got to send."""
+    cluster = make_cluster("nginx", 1)
+    r0 = cluster.replicas["r0"]
+    c = gradserve.Client(cluster.proxy.target, keepalive=False, retries=10, shared_memory=False)
+    value = np.random.default_rng(0).standard_normal((1024, 1100)).astype(np.float32)
+    assert value.nbytes > c.stream_threshold  # a PutTensor stream, in chunks
+    assert r0.stop() == 0
+    restarted = threading.Timer(1.0, r0.start)
+    restarted.start()
+    try:
+        ref = c.put(value)
+    finally:
+        restarted.join()
+    assert np.array_equal(c.get(ref), value)
 
 
 class _Vanishing:
