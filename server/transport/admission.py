@@ -97,7 +97,9 @@ class Admission:
 
     #: A drain waits for this long after the last call it admitted before it stops the
     #: server: calls gRPC has received but not yet handed over are refused, not
-    #: cancelled.
+    #: cancelled. Clients that keep calling (a worker repeating DRAINING refusals
+    #: through a proxy) can still land a call in gRPC core's queue as it stops, which
+    #: core ends CANCELLED (grpc/grpc#41785); the SDK counts that as UNAVAILABLE.
     QUIET_SECONDS = 0.25
 
     def __init__(
