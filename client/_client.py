@@ -19,6 +19,7 @@ from gradserve import codec, dtypes, protocol
 from gradserve.client import _shm
 from gradserve.client._convert import to_array
 from gradserve.client._errors import CHANNEL_GONE, answered, dropped, from_rpc_error
+from gradserve.client._fetched import Fetched
 from gradserve.client._prefetch import Prefetcher
 from gradserve.client._raw_ops import RawOps, Staging
 from gradserve.client._tape import GradientTape, Recording
@@ -164,6 +165,8 @@ class Client:
         self._channel_closed = False
         self._stop_keepalive = threading.Event()
         self._shm: _shm.ClientSharedMemory | None = None
+        #: Transient outputs read in full, for the next call to delete (``_fetched``).
+        self._fetched = Fetched(self._delete_ids)
         self._prefetcher = Prefetcher(functools.partial(self._fetch, delete_after=True))
         #: The server has PutTensorInline/GetTensorInline (until one says UNIMPLEMENTED).
         self._unary_tensors = True
@@ -207,10 +210,13 @@ class Client:
             return
         self._closed = True
         self._stop_keepalive.set()
+        self._fetched.close()
         try:
             if self._shm is not None:  # the session's close unregisters its regions
                 self._shm.close(unregister=not self.owns_session)
-            if self.owns_session:
+            if not self.owns_session:  # the session stays: free what this client fetched
+                self._fetched.flush()
+            else:
                 try:
                     self._call("CloseSession", service_pb2.CloseSessionRequest())
                 except NotFoundError:
@@ -292,7 +298,14 @@ class Client:
             # may make a call of its own (registering a new output region).
             self._recording.call_tapes = tapes
             body = request() if callable(request) else request
-            return method(body, metadata=sent, timeout=timeout)
+            fetched = self._fetched.take() if session else []
+            if fetched:  # the server deletes them first (client/_fetched.py)
+                sent = (*sent, (protocol.FETCHED_METADATA_KEY, ",".join(fetched)))
+            try:
+                return method(body, metadata=sent, timeout=timeout)
+            except BaseException:
+                self._fetched.give_back(fetched)
+                raise
 
         # A call that records on a tape is not repeated blindly: it would record twice.
         safe = _safe_to_repeat(rpc, request) and not recorded
@@ -538,12 +551,12 @@ class Client:
             log.warning("could not delete %d temporary tensor(s): %s", len(ids), e)
 
     def _fetch(self, tensor_id: str, *, delete_after: bool) -> np.ndarray:
-        """The whole stream, repeated on UNAVAILABLE even with ``delete_after``: the
-        server deletes only after sending the last chunk."""
+        """The whole stream, repeated on UNAVAILABLE. With ``delete_after`` (a transient
+        output) the tensor is deleted once this client holds all of it, by its next
+        call (``_fetched``), not by the server as it sends the last chunk: a stream that
+        breaks after that would have lost it."""
         chunk = max(1, min(self.chunk_bytes, self.max_message_bytes - protocol.CHUNK_HEADER_BYTES))
-        request = service_pb2.GetTensorRequest(
-            id=tensor_id, chunk_bytes=chunk, delete_after=delete_after
-        )
+        request = service_pb2.GetTensorRequest(id=tensor_id, chunk_bytes=chunk)
 
         def attempt() -> np.ndarray:
             stream = self._stub.GetTensor(
@@ -554,7 +567,10 @@ class Client:
             except InvalidArgumentError as e:  # the server sent a broken stream
                 raise DataLossError(str(e)) from None
 
-        return self._with_retries(attempt, safe=True)
+        value = self._with_retries(attempt, safe=True)
+        if delete_after:
+            self._fetched.add(tensor_id)
+        return value
 
     # ---------------------------------------------------------------- Pythonic layer
     def tensor_array(self, dtype: dtypes.DTypeLike, size: int = 0, **kwargs):

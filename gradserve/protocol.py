@@ -7,6 +7,13 @@ SESSION_METADATA_KEY = "x-gradserve-session"
 #: trailing metadata (and on SDK errors as ``.request_id``).
 REQUEST_ID_KEY = "x-request-id"
 
+#: Request metadata: ids of transient tensors the client has read in full,
+#: comma-separated, at most ``MAX_FETCHED_IDS``; the server deletes them when the call
+#: arrives, before it runs (``client/_fetched.py``).
+FETCHED_METADATA_KEY = "x-gradserve-fetched"
+#: Ids one call may name there (gRPC's metadata limit is 8 KiB; an id is ~22 bytes).
+MAX_FETCHED_IDS = 64
+
 #: The ``google.rpc.ErrorInfo.domain`` of the error details gradserve sends (the
 #: server, and deploy/nginx's answer to a call it could not pass on): the SDK reads
 #: a reason only from this domain.

@@ -90,14 +90,22 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         return principal
 
     def _session(self, context: Any) -> Session:
-        session_id = _metadata(context).get(protocol.SESSION_METADATA_KEY)
+        """The call's session; first deletes the transient tensors the client says it
+        has read in full (``x-gradserve-fetched``)."""
+        metadata = _metadata(context)
+        session_id = metadata.get(protocol.SESSION_METADATA_KEY)
         if not session_id:
             raise InvalidArgumentError(
                 f"no session: pass the id CreateSession returned in "
                 f"'{protocol.SESSION_METADATA_KEY}' request metadata",
                 reason="SESSION_REQUIRED",
             )
-        return self.store.get(session_id, current_principal.get())
+        session = self.store.get(session_id, current_principal.get())
+        fetched = metadata.get(protocol.FETCHED_METADATA_KEY)
+        if fetched:
+            ids = [i for i in fetched.split(",", protocol.MAX_FETCHED_IDS) if i]
+            session.delete(ids[: protocol.MAX_FETCHED_IDS])
+        return session
 
     def _io(self, context: Any) -> CallIO:
         """The call's inputs and outputs: the whole response carries at most

@@ -7,6 +7,8 @@ budgets a whole request: inputs that do not fit are uploaded first.
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import numpy as np
 import pytest
@@ -51,6 +53,7 @@ def test_batch_of_clearing_reads_over_the_limit_returns_every_value(small_messag
         for index in range(4):
             batch.raw_ops.TensorArrayReadV3(ta.handle, index, ta.flow, np.float32)
         got = batch.run()
+        client.keep_alive()  # the next call deletes the transient outputs fetched
         held = small_messages.store.get(client.session_id).budget.used
     assert held == 0  # the values left the array, and nothing transient stayed behind
     for want, value in zip(written, got):
@@ -69,6 +72,7 @@ def test_batch_over_the_limit_with_default_flags_returns_every_value(server, cli
         for index in range(len(written)):
             batch.raw_ops.TensorArrayReadV3(ta.handle, index, ta.flow, np.float32)
         got = batch.run()[len(written) :]
+        big.keep_alive()  # the next call deletes the transient outputs fetched
         assert server.store.get(big.session_id).budget.used == 0
     for want, value in zip(written, got):
         np.testing.assert_array_equal(value, want)
@@ -139,6 +143,46 @@ def test_get_tensor_with_delete_after_keeps_the_tensor_until_the_last_chunk(serv
         chunks = list(stub.GetTensor(request, metadata=metadata))
     assert sum(len(c.data) for c in chunks) == value.nbytes
     assert client.delete(ref) == 0  # read to the end: deleted
+
+
+def test_a_transient_output_stays_until_the_client_holds_it_all(server, client, monkeypatch):
+    """The SDK fetches a transient output without having the server delete it as the
+    last chunk leaves (a stream broken after that would lose it): fetched again, it is
+    still there; the client's next call deletes it, before that call runs."""
+    value = np.arange(3 * MIB // 4, dtype=np.float32)
+    ref = client.put(value)
+    budget = server.store.get(client.session_id).budget
+    monkeypatch.setattr(client._fetched, "_flush_seconds", 60.0)  # only calls delete it
+    np.testing.assert_array_equal(client._fetch(ref.id, delete_after=True), value)
+    # A repeat (the first attempt's end never arrived) finds it whole.
+    np.testing.assert_array_equal(client._fetch(ref.id, delete_after=True), value)
+    assert budget.used == value.nbytes
+    client.keep_alive()
+    assert budget.used == 0 and len(client._fetched) == 0
+
+
+def test_a_client_that_makes_no_call_deletes_what_it_fetched_soon(server, client):
+    value = np.ones(MIB, np.float32)
+    ref = client.put(value)
+    budget = server.store.get(client.session_id).budget
+    np.testing.assert_array_equal(client._fetch(ref.id, delete_after=True), value)
+    end = time.monotonic() + 10
+    while budget.used and time.monotonic() < end:
+        time.sleep(0.05)
+    assert budget.used == 0  # DeleteTensor after FLUSH_SECONDS without a call
+
+
+def test_a_call_that_fails_gives_its_fetched_ids_to_the_next(server, client, monkeypatch):
+    monkeypatch.setattr(client._fetched, "_flush_seconds", 60.0)  # only calls delete it
+    ref = client.put(np.ones(1000, np.float32))
+    budget = server.store.get(client.session_id).budget
+    client._fetched.add(ref.id)
+    with pytest.raises(gradserve.errors.NotFoundError):  # names no such tensor
+        client._call("GetTensorInline", service_pb2.GetTensorRequest(id="nosuch"))
+    assert budget.used == 0  # deleted as the call arrived, before it failed
+    assert len(client._fetched) == 1  # given back all the same: a repeat is harmless
+    client.keep_alive()
+    assert len(client._fetched) == 0
 
 
 def test_many_small_results_past_the_limit_all_come_back(small_messages):
