@@ -165,8 +165,11 @@ class Client:
         self._channel_closed = False
         self._stop_keepalive = threading.Event()
         self._shm: _shm.ClientSharedMemory | None = None
-        #: Transient outputs read in full, for the next call to delete (``_fetched``).
+        #: Transient outputs read in full, for the next call to delete (``_fetched``),
+        #: when the server says it does (``KeepAlive``); an older one deletes them as
+        #: it sends them (``delete_after``).
         self._fetched = Fetched(self._delete_ids)
+        self._server_deletes_fetched = False
         self._prefetcher = Prefetcher(functools.partial(self._fetch, delete_after=True))
         #: The server has PutTensorInline/GetTensorInline (until one says UNIMPLEMENTED).
         self._unary_tensors = True
@@ -237,6 +240,7 @@ class Client:
         chunks) are budgeted against the smaller of it and this channel's."""
         md = (*self._auth, (protocol.SESSION_METADATA_KEY, self.session_id))
         reply = self._call("KeepAlive", service_pb2.KeepAliveRequest(), metadata=md)
+        self._server_deletes_fetched = reply.deletes_fetched
         if reply.max_message_bytes:
             self.request_limit = min(self.max_message_bytes, reply.max_message_bytes)
             self.request_budget = max(0, self.request_limit - protocol.MESSAGE_OVERHEAD_BYTES)
@@ -554,9 +558,13 @@ class Client:
         """The whole stream, repeated on UNAVAILABLE. With ``delete_after`` (a transient
         output) the tensor is deleted once this client holds all of it, by its next
         call (``_fetched``), not by the server as it sends the last chunk: a stream that
-        breaks after that would have lost it."""
+        breaks after that would have lost it. A server that does not say it deletes
+        fetched ids (``KeepAlive``: an older one) deletes as it sends."""
         chunk = max(1, min(self.chunk_bytes, self.max_message_bytes - protocol.CHUNK_HEADER_BYTES))
-        request = service_pb2.GetTensorRequest(id=tensor_id, chunk_bytes=chunk)
+        by_next_call = delete_after and self._server_deletes_fetched
+        request = service_pb2.GetTensorRequest(
+            id=tensor_id, chunk_bytes=chunk, delete_after=delete_after and not by_next_call
+        )
 
         def attempt() -> np.ndarray:
             stream = self._stub.GetTensor(
@@ -568,7 +576,7 @@ class Client:
                 raise DataLossError(str(e)) from None
 
         value = self._with_retries(attempt, safe=True)
-        if delete_after:
+        if by_next_call:
             self._fetched.add(tensor_id)
         return value
 

@@ -163,7 +163,9 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
     async def KeepAlive(self, request: Any, context: Any) -> Message:
         self._session(context)  # finding it refreshes its idle timer
         return service_pb2.KeepAliveResponse(
-            idle_timeout_seconds=self.store.idle_timeout, max_message_bytes=self.max_message_bytes
+            idle_timeout_seconds=self.store.idle_timeout,
+            max_message_bytes=self.max_message_bytes,
+            deletes_fetched=True,
         )
 
     # ---------------------------------------------------------------- resident tensors

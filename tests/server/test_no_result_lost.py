@@ -161,6 +161,14 @@ def test_a_transient_output_stays_until_the_client_holds_it_all(server, client, 
     assert budget.used == 0 and len(client._fetched) == 0
 
 
+def test_with_a_server_that_does_not_delete_fetched_ids_the_fetch_deletes(server, client):
+    assert client._server_deletes_fetched  # this server says it does (KeepAlive)
+    client._server_deletes_fetched = False  # as an older server would say
+    ref = client.put(np.ones(1000, np.float32))
+    client._fetch(ref.id, delete_after=True)
+    assert len(client._fetched) == 0 and client.delete(ref) == 0  # deleted as sent
+
+
 def test_a_client_that_makes_no_call_deletes_what_it_fetched_soon(server, client):
     value = np.ones(MIB, np.float32)
     ref = client.put(value)
