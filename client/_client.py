@@ -296,16 +296,18 @@ class Client:
         timeout = timeout if timeout is not None else self.timeout
 
         def attempt():
-            base = metadata() if callable(metadata) else metadata
-            sent = (*(default if base is None else base), *extra, _request_id())
-            # What its outputs' TapedArrays belong to; set after ``metadata()``, which
-            # may make a call of its own (registering a new output region).
-            self._recording.call_tapes = tapes
-            body = request() if callable(request) else request
             fetched = self._fetched.take() if session else []
-            if fetched:  # the server deletes them first (client/_fetched.py)
-                sent = (*sent, (protocol.FETCHED_METADATA_KEY, ",".join(fetched)))
             try:
+                if fetched and len(self._fetched):  # more than a call carries: rest first
+                    self._fetched.flush()
+                base = metadata() if callable(metadata) else metadata
+                sent = (*(default if base is None else base), *extra, _request_id())
+                if fetched:  # the server deletes them first (client/_fetched.py)
+                    sent = (*sent, (protocol.FETCHED_METADATA_KEY, ",".join(fetched)))
+                # What its outputs' TapedArrays belong to; set after the calls above
+                # (``metadata()`` may register a new output region).
+                self._recording.call_tapes = tapes
+                body = request() if callable(request) else request
                 return method(body, metadata=sent, timeout=timeout)
             except BaseException:
                 self._fetched.give_back(fetched)

@@ -4,20 +4,24 @@ An op's outputs that do not fit its response stay on the server as *transient*
 tensors, which the SDK streams back (GetTensor). Deleting one as its last chunk
 leaves the server (``GetTensorRequest.delete_after``) loses it when the connection
 breaks after that and before the client holds it all: the repeat finds nothing, and
-a result that was computed is gone. So the SDK fetches without deleting and, once it
-holds the whole value, names the id in the metadata of its next call
-(``x-gradserve-fetched``), which the server deletes before it runs that call. That
-costs no round trip, and the op that follows never finds the session's budget held
-by values already fetched. Ids that no call carried within ``FLUSH_SECONDS`` (the
-worker went on computing on its own) are deleted with DeleteTensor. A call that
-fails gives its ids back for the next one: deleting twice is harmless, since an id
-is never reused.
+a result that was computed is gone. So, when the server says it can (``KeepAlive``'s
+``deletes_fetched``; an older server still gets ``delete_after``), the SDK fetches
+without deleting and, once it holds the whole value, names the id in the metadata of
+its next call (``x-gradserve-fetched``, ``MAX_FETCHED_IDS`` at most; more are deleted
+with DeleteTensor just before that call), which the server deletes before it runs
+that call. That costs no round trip, and the next op of this client never finds the
+session's budget held by values it already fetched. (Another client attached to the
+same session may: until this one makes a call, or for ``FLUSH_SECONDS``.) Ids that
+no call carried within ``FLUSH_SECONDS`` (the worker went on computing on its own)
+are deleted with DeleteTensor. A call or a DeleteTensor that fails gives its ids back
+for the next call: deleting twice is harmless, since an id is never reused.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 
 from gradserve.errors import GradserveError
@@ -36,7 +40,8 @@ class Fetched:
     def __init__(
         self, delete: Callable[[list[str]], object], flush_seconds: float = FLUSH_SECONDS
     ) -> None:
-        self._delete = delete
+        # Weakly: the flush thread must not keep an unclosed client alive.
+        self._delete = weakref.WeakMethod(delete)
         self._flush_seconds = flush_seconds
         self._lock = threading.Lock()
         self._ids: list[str] = []
@@ -72,22 +77,27 @@ class Fetched:
             return len(self._ids)
 
     def flush(self) -> None:
-        """Delete every id now (a call per ``MAX_FETCHED_IDS``); one that fails is
-        logged, and the session's close or idle timeout frees what it held."""
-        while ids := self.take():
-            try:
-                self._delete(ids)
-            except GradserveError as e:
-                log.debug("could not delete %d fetched tensor(s): %s", len(ids), e)
-                return
+        """Delete every id now (DeleteTensor); if that fails, the ids wait for the
+        next call to carry them."""
+        ids = self.take(limit=len(self))
+        delete = self._delete()
+        if not ids or delete is None:
+            return
+        try:
+            delete(ids)
+        except GradserveError as e:
+            log.warning("could not delete %d fetched tensor(s) yet: %s", len(ids), e)
+            with self._lock:  # no wake-up: the next call carries them
+                self._ids[:0] = ids
 
     def close(self) -> None:
         self._closed.set()
         self._added.set()
 
     def _flush_when_idle(self) -> None:
-        while not self._closed.is_set():
-            self._added.wait()
+        while not self._closed.is_set() and self._delete() is not None:
+            if not self._added.wait(5.0):
+                continue  # to notice a client that was dropped without close()
             self._added.clear()
             # Give the worker's next call the chance to carry them.
             if self._closed.wait(self._flush_seconds):

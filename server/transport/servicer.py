@@ -103,8 +103,8 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         session = self.store.get(session_id, current_principal.get())
         fetched = metadata.get(protocol.FETCHED_METADATA_KEY)
         if fetched:
-            ids = [i for i in fetched.split(",", protocol.MAX_FETCHED_IDS) if i]
-            session.delete(ids[: protocol.MAX_FETCHED_IDS])
+            limit = protocol.MAX_FETCHED_IDS
+            session.delete([i for i in fetched.split(",", limit)[:limit] if i])
         return session
 
     def _io(self, context: Any) -> CallIO:

@@ -169,6 +169,19 @@ def test_with_a_server_that_does_not_delete_fetched_ids_the_fetch_deletes(server
     assert len(client._fetched) == 0 and client.delete(ref) == 0  # deleted as sent
 
 
+def test_more_fetched_ids_than_a_call_carries_are_all_gone_before_it_runs(
+    server, client, monkeypatch
+):
+    monkeypatch.setattr(client._fetched, "_flush_seconds", 60.0)  # only calls delete them
+    refs = [client.put(np.ones(256, np.float32)) for _ in range(protocol.MAX_FETCHED_IDS + 36)]
+    for ref in refs:
+        client._fetched.add(ref.id)
+    budget = server.store.get(client.session_id).budget
+    assert budget.used == len(refs) * 1024
+    client.keep_alive()  # carries 64; the other 36 went just before it
+    assert budget.used == 0 and len(client._fetched) == 0
+
+
 def test_a_client_that_makes_no_call_deletes_what_it_fetched_soon(server, client):
     value = np.ones(MIB, np.float32)
     ref = client.put(value)

@@ -1,0 +1,69 @@
+"""``client/_fetched.py``: the ids of transient outputs fetched, waiting for a call to
+delete them. (Over the real path: tests/server/test_no_result_lost.py.)"""
+
+from __future__ import annotations
+
+import gc
+import time
+import weakref
+
+import numpy as np
+
+import gradserve
+from gradserve.client._fetched import Fetched
+from gradserve.errors import UnavailableError
+
+
+class Deleter:
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+        self.deleted: list[list[str]] = []
+
+    def delete(self, ids: list[str]) -> None:
+        if self.fail:
+            raise UnavailableError("the server is unreachable")
+        self.deleted.append(ids)
+
+
+def test_a_flush_that_fails_keeps_the_ids_for_the_next_call():
+    deleter = Deleter(fail=True)
+    fetched = Fetched(deleter.delete, flush_seconds=60)
+    fetched.add("a")
+    fetched.add("b")
+    fetched.flush()
+    assert len(fetched) == 2  # not lost: the next call carries them
+    deleter.fail = False
+    fetched.flush()
+    assert deleter.deleted == [["a", "b"]] and len(fetched) == 0
+    fetched.close()
+
+
+def test_ids_no_call_takes_are_deleted_after_the_flush_delay():
+    deleter = Deleter(fail=False)
+    fetched = Fetched(deleter.delete, flush_seconds=0.05)
+    fetched.add("x")
+    end = time.monotonic() + 10
+    while not deleter.deleted and time.monotonic() < end:
+        time.sleep(0.01)
+    assert deleter.deleted == [["x"]] and len(fetched) == 0
+    fetched.close()
+
+
+def test_take_and_give_back_keep_the_order():
+    fetched = Fetched(Deleter(fail=False).delete, flush_seconds=60)
+    for i in "abc":
+        fetched.add(i)
+    assert fetched.take(limit=2) == ["a", "b"]
+    fetched.give_back(["a", "b"])
+    assert fetched.take() == ["a", "b", "c"]
+    fetched.close()
+
+
+def test_an_unclosed_client_is_not_kept_alive_by_its_flush_thread(target):
+    c = gradserve.Client(target, keepalive=False, shared_memory=False)
+    ref = c.put(np.ones(1000, np.float32))
+    c._fetch(ref.id, delete_after=True)  # starts the flush thread
+    gone = weakref.ref(c)
+    del c, ref
+    gc.collect()
+    assert gone() is None
