@@ -25,6 +25,7 @@ from gradserve.client._raw_ops import RawOps, Staging
 from gradserve.client._tape import GradientTape, Recording
 from gradserve.client._types import StepOutput, TapedArray, TensorRef
 from gradserve.errors import (
+    UNRUN_REASONS,
     CancelledError,
     DataLossError,
     GradserveError,
@@ -506,7 +507,7 @@ class Client:
         a view of it) lives; it is writable and the server's tensor is unaffected.
         """
         if self._shm is not None and isinstance(ref, TensorRef):
-            value = self._shm.get(ref.id, ref.dtype, ref.shape, delete_after=False)
+            value = self._shm.get(ref.id, ref.dtype, ref.shape)
             if value is not None:
                 return value
         if (
@@ -610,13 +611,6 @@ class Client:
         return f"Client({self.target!r}, session_id={self.session_id[:8]}…)"
 
 
-#: The reason of an UNAVAILABLE that the server sent before doing anything (it drains).
-DRAINING_REASON = "DRAINING"
-#: The reason of an UNAVAILABLE from a proxy that passed no byte of the call to any
-#: replica (deploy/nginx/gradserve.conf.template: a replica restarting).
-NOT_FORWARDED_REASON = "NOT_FORWARDED"
-#: Reasons that say the call did not run: it is repeated, whatever it is.
-UNRUN_REASONS = frozenset({DRAINING_REASON, NOT_FORWARDED_REASON})
 #: The start of the message of an unsafe call that failed UNAVAILABLE in flight.
 OUTCOME_UNKNOWN = (
     "outcome unknown: the server became unreachable while this call was in flight, so "

@@ -35,6 +35,10 @@ CHANNEL_GONE = frozenset(
 )
 
 
+#: How the message of a ``dropped`` call starts.
+DROPPED = "the server or a proxy ended the call with CANCELLED"
+
+
 def dropped(error: GradserveError) -> UnavailableError:
     """A call that ended CANCELLED although this client cancelled nothing, as what it
     is: the server or a proxy dropped it (UNAVAILABLE).
@@ -46,8 +50,7 @@ def dropped(error: GradserveError) -> UnavailableError:
     (grpc/grpc#41785), and a proxy may cancel a call whose backend went away. Whether
     the server ran it is unknown, as for any UNAVAILABLE in flight."""
     return UnavailableError(
-        f"the server or a proxy ended the call with CANCELLED ({error.message}), which "
-        "this client did not cancel",
+        f"{DROPPED} ({error.message}), which this client did not cancel",
         reason=error.reason,
         field=error.field,
         request_id=error.request_id,

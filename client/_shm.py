@@ -653,9 +653,7 @@ class ClientSharedMemory:
         lease.release()
         return reply
 
-    def get(
-        self, tensor_id: str, dtype: np.dtype, shape: tuple[int, ...], *, delete_after: bool
-    ) -> np.ndarray | None:
+    def get(self, tensor_id: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray | None:
         """``GetSharedTensor`` of a resident tensor of known dtype and shape, or None.
         A large one comes back in the region the server wrote it to (``pool.pin``):
         an array of the caller's own, writable, that holds the region until it goes."""
@@ -672,7 +670,6 @@ class ClientSharedMemory:
                 id=tensor_id,
                 region=region.name,
                 offset=SHM_RESERVED_BYTES,
-                delete_after=delete_after,
             )
             reply = self._call_recovering("GetSharedTensor", request)
             out = self.pool.pin(region, reply.tensor)

@@ -33,6 +33,9 @@ __all__ = [
     "SessionLostError",
     "Code",
     "error_class_for",
+    "DRAINING_REASON",
+    "NOT_FORWARDED_REASON",
+    "UNRUN_REASONS",
 ]
 
 
@@ -60,6 +63,14 @@ class Code(enum.IntEnum):
     UNAVAILABLE = 14
     DATA_LOSS = 15
     UNAUTHENTICATED = 16
+
+
+#: Reasons (``GradserveError.reason``) that say a call did not run, so the SDK repeats it
+#: whatever it is: a draining server refused it before doing anything, or a proxy
+#: passed no byte of it to any replica (deploy/nginx's template).
+DRAINING_REASON = "DRAINING"
+NOT_FORWARDED_REASON = "NOT_FORWARDED"
+UNRUN_REASONS = frozenset({DRAINING_REASON, NOT_FORWARDED_REASON})
 
 
 class GradserveError(Exception):

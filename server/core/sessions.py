@@ -28,6 +28,7 @@ import numpy as np
 
 from gradserve import dtypes
 from gradserve.errors import (
+    DRAINING_REASON,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
@@ -774,7 +775,7 @@ class SessionStore:
             if self.draining:
                 raise UnavailableError(
                     "the server is shutting down and accepts no new sessions",
-                    reason="DRAINING",
+                    reason=DRAINING_REASON,
                 )
             if self.max_sessions is not None and len(self._sessions) >= self.max_sessions:
                 raise ResourceExhaustedError(

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from gradserve.errors import ResourceExhaustedError, UnavailableError
+from gradserve.errors import DRAINING_REASON, ResourceExhaustedError, UnavailableError
 
 T = TypeVar("T")
 
@@ -123,7 +123,7 @@ class Admission:
         if self.draining:
             raise UnavailableError(
                 "the server is shutting down: call another replica (or retry)",
-                reason="DRAINING",
+                reason=DRAINING_REASON,
             )
         if stream:
             owned = self._streams_of.get(principal, 0)

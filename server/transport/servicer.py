@@ -89,10 +89,10 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
             raise UnauthenticatedError(REFUSAL, reason="UNAUTHENTICATED")
         return principal
 
-    def _session(self, context: Any) -> Session:
+    def _session(self, context: Any, metadata: dict[str, str] | None = None) -> Session:
         """The call's session; first deletes the transient tensors the client says it
-        has read in full (``x-gradserve-fetched``)."""
-        metadata = _metadata(context)
+        has read in full (``x-gradserve-fetched``). ``metadata``: the call's, if read."""
+        metadata = _metadata(context) if metadata is None else metadata
         session_id = metadata.get(protocol.SESSION_METADATA_KEY)
         if not session_id:
             raise InvalidArgumentError(
@@ -116,7 +116,7 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         client_budget = _int_metadata(metadata, protocol.RESPONSE_BUDGET_METADATA_KEY)
         if client_budget is not None:
             budget = min(budget, client_budget)
-        session = self._session(context)
+        session = self._session(context, metadata)
         io = CallIO(
             session,
             self.compute,

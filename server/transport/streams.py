@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from gradserve.errors import (
+    DRAINING_REASON,
     DeadlineExceededError,
     NotFoundError,
     ResourceExhaustedError,
@@ -85,7 +86,7 @@ class Pace:
             if self.draining():
                 raise UnavailableError(
                     f"{self.what}: the server is shutting down and this stream is idle",
-                    reason="DRAINING",
+                    reason=DRAINING_REASON,
                 )
 
     def _check_session(self) -> None:

@@ -45,6 +45,7 @@ import numpy as np
 
 import gradserve
 from gradserve import protocol
+from gradserve.client._errors import DROPPED
 from gradserve.errors import GradserveError
 from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_pb2
 from tests.server_process import ServerProcess
@@ -668,7 +669,7 @@ def sigterm_run(n_clients: int, warm: float) -> dict[str, Any]:
                 return True
             except GradserveError as e:
                 name = e.code.name
-                if "ended the call with CANCELLED" in e.message:
+                if e.message.startswith(DROPPED):
                     name = "CANCELLED"  # the SDK reports it as UNAVAILABLE; count it apart
                 elif name == "UNAVAILABLE":
                     draining = "shutting down" in e.message

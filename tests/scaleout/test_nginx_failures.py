@@ -17,8 +17,8 @@ import pytest
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 import gradserve
-from gradserve.client._client import NOT_FORWARDED_REASON, OUTCOME_UNKNOWN
-from gradserve.errors import UnavailableError
+from gradserve.client._client import OUTCOME_UNKNOWN
+from gradserve.errors import NOT_FORWARDED_REASON, UnavailableError
 from gradserve.protocol import ERROR_DOMAIN
 from tests.scaleout.proxies import template_part
 

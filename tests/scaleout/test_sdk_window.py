@@ -18,6 +18,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 import gradserve
 from gradserve.errors import (
+    UNRUN_REASONS,
     AbortedError,
     CancelledError,
     Code,
@@ -73,7 +74,7 @@ def test_a_write_refused_while_draining_is_repeated(client, monkeypatch):
 
 def test_only_gradserves_own_reasons_say_a_call_did_not_run(client, monkeypatch):
     monkeypatch.setattr("time.sleep", lambda s: None)
-    for reason in ("DRAINING", "NOT_FORWARDED"):
+    for reason in UNRUN_REASONS:
         attempt, calls = failing(1, Refused(grpc.StatusCode.UNAVAILABLE, reason))
         assert client._with_retries(attempt, safe=False) == "done" and len(calls) == 2
         other = Refused(grpc.StatusCode.UNAVAILABLE, reason, domain="example.com")

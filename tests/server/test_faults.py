@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import gradserve
+from gradserve.client._errors import DROPPED
 from gradserve.errors import GradserveError, UnavailableError
 from tests.server_process import ServerProcess
 
@@ -81,7 +82,7 @@ def test_sigterm_under_load():
                         # The server stopped taking new calls (refused before it ran:
                         # safe to repeat elsewhere). Nothing is ever CANCELLED (which
                         # the SDK would report as UNAVAILABLE, saying so).
-                        key = "CANCELLED" if "with CANCELLED" in e.message else "refused"
+                        key = "CANCELLED" if DROPPED in e.message else "refused"
                     except GradserveError as e:
                         key = type(e).__name__
                     with lock:
