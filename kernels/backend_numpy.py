@@ -10,8 +10,10 @@ from typing import Any
 
 import numpy as np
 
-# The whole-sequence forward (``lstm.block_lstm_forward`` hands the recurrence over).
+# The whole-sequence forward and backward recurrences (``lstm.block_lstm_forward`` and
+# ``block_lstm_backward`` hand them over).
 from gradserve.kernels.lstm_cpu import forward_sequence as forward_sequence
+from gradserve.kernels.lstm_cpu_backward import backward_sequence as backward_sequence
 
 #: The arrays of this backend (NumPy's); ``Any`` because NumPy's own annotations of
 #: in-place ufuncs are looser than this code's use of them.

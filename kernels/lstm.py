@@ -29,8 +29,9 @@ into the gate outputs; each step is one ``h @ W_h`` GEMM plus one fused pass
 that adds it (and the bias) and overwrites the outputs with the activations (the
 CPU runs its own forward recurrence, ``lstm_cpu``: the GEMM formulation measured per
 shape, warm workspaces). The backward is, per step, one fused
-pass and one ``dgates @ W_h^T`` GEMM; then x_grad is one GEMM, w_grad two,
-and b_grad and the peephole gradients are reductions.
+pass and one ``dgates @ W_h^T`` GEMM (the CPU runs its own recurrence,
+``lstm_cpu_backward``: the step-independent factors a block of steps at a time); then
+x_grad is one GEMM, w_grad two, and b_grad and the peephole gradients are reductions.
 """
 
 from __future__ import annotations
@@ -205,24 +206,34 @@ def block_lstm_backward(
     dh = xp.zeros((batch, units), ct)  # carry: d loss / d h[t-1] from step t
     if length > 0:
         w_x, w_h = w[:input_size], w[input_size:]
-        # One contiguous copy of W_h^T: the per-step GEMM with a plain (not
-        # transposed-view) operand ran 30% faster in OpenBLAS on small batches.
-        w_h_t = xp.ascontiguousarray(w_h.T)
         dgates = empty((length, batch, 4 * units), ct)
         offsets = layout.offsets(units)
         # A clipped cell holds exactly the clip value as stored in the output dtype.
         clip_at = float(np.asarray(cell_clip, out_dtype))
-        for t in reversed(range(length)):
-            if check is not None:
-                check()
-            c_prev = cs_prev if t == 0 else cs[t - 1]
-            backend.bwd_step(
-                c_prev, i[t], f[t], o[t], ci[t], co[t], cs_grad[t], h_grad[t],
-                dh, dcs, wci, wcf, wco, dgates[t], offsets, use_peephole,
+        # A backend may run the recurrence its own way (the CPU: ``lstm_cpu_backward``,
+        # the step-independent factors a block of steps at a time).
+        sequence = getattr(backend, "backward_sequence", None)
+        if sequence is not None:
+            sequence(
+                cs_prev, i, cs, f, o, ci, co, cs_grad, h_grad, wci, wcf, wco, w_h,
+                dgates, dh, dcs, length=length, offsets=offsets, use_peephole=use_peephole,
+                clip_at=clip_at if cell_clip > 0 else None, check=check, empty=empty,
             )  # fmt: skip
-            if cell_clip > 0:
-                _mask_clipped(xp, cs[t], clip_at, dgates[t], dcs, offsets, units)
-            xp.matmul(dgates[t], w_h_t, out=dh)
+        else:
+            # One contiguous copy of W_h^T: the per-step GEMM with a plain (not
+            # transposed-view) operand ran 30% faster in OpenBLAS on small batches.
+            w_h_t = xp.ascontiguousarray(w_h.T)
+            for t in reversed(range(length)):
+                if check is not None:
+                    check()
+                c_prev = cs_prev if t == 0 else cs[t - 1]
+                backend.bwd_step(
+                    c_prev, i[t], f[t], o[t], ci[t], co[t], cs_grad[t], h_grad[t],
+                    dh, dcs, wci, wcf, wco, dgates[t], offsets, use_peephole,
+                )  # fmt: skip
+                if cell_clip > 0:
+                    _mask_clipped(xp, cs[t], clip_at, dgates[t], dcs, offsets, units)
+                xp.matmul(dgates[t], w_h_t, out=dh)
         flat = dgates.reshape(length * batch, 4 * units)
         # GEMMs write straight into (contiguous views of) the outputs: no temporaries.
         xp.matmul(flat, w_x.T, out=x_grad[:length].reshape(length * batch, input_size))

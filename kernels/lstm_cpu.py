@@ -344,12 +344,15 @@ def _prepare(
     for row, p in enumerate((wci, wcf, wco)):
         np.multiply(p, 0.5, out=ws.peep[row])
     if form is Formulation.HOISTED_T:
-        w_h = ws.w[w.shape[0] - units :]
-        # Transposed in strips of rows: one transposed copy of the whole matrix
-        # strides through all of it per output row, and ran 4x slower.
-        for k in range(0, units, TRANSPOSE_STRIP_ROWS):
-            rows = w_h[k : k + TRANSPOSE_STRIP_ROWS]
-            np.copyto(ws.w_h_t[:, k : k + TRANSPOSE_STRIP_ROWS], rows.T)
+        transpose_into(ws.w[w.shape[0] - units :], ws.w_h_t)
+
+
+def transpose_into(matrix: Array, out: Array) -> None:
+    """``matrix.T`` into ``out``, in strips of ``TRANSPOSE_STRIP_ROWS`` rows: one
+    transposed copy of the whole matrix strides through all of it per output row, and
+    ran 3-4x slower (0.59 against 0.16 ms for [256, 1024] float32 here)."""
+    for k in range(0, matrix.shape[0], TRANSPOSE_STRIP_ROWS):
+        np.copyto(out[:, k : k + TRANSPOSE_STRIP_ROWS], matrix[k : k + TRANSPOSE_STRIP_ROWS].T)
 
 
 def _recur(

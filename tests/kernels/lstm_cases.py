@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import pathlib
+import types
 
 import numpy as np
 
-from gradserve.kernels import lstm
+from gradserve.kernels import backend_numpy, lstm
 from gradserve.lstm_signature import LSTMActivations, LSTMGrads, LSTMInputs, LSTMOutputGrads
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
@@ -32,6 +33,16 @@ GRADS = LSTMGrads._fields
 # Past seq_len_max TensorFlow leaves these uninitialised: compare only before it.
 UNINITIALISED_PAST_END = ("i", "f", "o", "ci", "co")
 TOLERANCE = {"float16": 2e-2, "float32": 5e-5, "float64": 1e-12}
+
+#: The NumPy backend without its whole-sequence forward and backward (``lstm_cpu``,
+#: ``lstm_cpu_backward``): ``kernels.lstm``'s generic per-step loops, which the CUDA
+#: backend runs.
+GENERIC = types.SimpleNamespace(
+    **{
+        k: getattr(backend_numpy, k)
+        for k in ("name", "xp", "asarray", "cast", "to_host", "to_device", "fwd_step", "bwd_step")
+    }
+)
 
 
 def golden(name: str) -> dict:

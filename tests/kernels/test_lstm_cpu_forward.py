@@ -6,7 +6,6 @@ cache is bounded and hands a workspace to one caller at a time."""
 from __future__ import annotations
 
 import threading
-import types
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from gradserve.kernels import backend_numpy, lstm, lstm_cpu
 from gradserve.kernels.compute import compute_for
 from gradserve.lstm_signature import LSTMInputs
 from tests.kernels.lstm_cases import (
+    GENERIC,
     INDEX,
     INPUTS,
     OUTPUTS,
@@ -27,15 +27,6 @@ from tests.kernels.lstm_cases import (
 )
 
 FORMULATIONS = list(lstm_cpu.Formulation)
-
-#: The NumPy backend without its whole-sequence forward: ``block_lstm_forward``'s
-#: generic per-step loop, which the CUDA backend runs.
-GENERIC = types.SimpleNamespace(
-    **{
-        k: getattr(backend_numpy, k)
-        for k in ("name", "xp", "asarray", "cast", "to_host", "to_device", "fwd_step", "bwd_step")
-    }
-)
 
 
 @pytest.fixture

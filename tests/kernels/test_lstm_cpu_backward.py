@@ -1,0 +1,88 @@
+"""The CPU backward's recurrence (``kernels/lstm_cpu_backward.py``) against the generic
+per-step loop of ``bwd_step`` (the CUDA path's algorithm, itself checked against
+TensorFlow's recordings and finite differences in ``test_lstm_golden`` and
+``test_lstm_gradcheck``, which run this module on the NumPy backend): every dtype,
+both gate layouts, with and without peepholes, clipped cells, steps past
+``seq_len_max``, and blocks that do not divide the sequence."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gradserve.kernels import backend_numpy, lstm, lstm_cpu_backward
+from gradserve.lstm_signature import LSTMInputs, LSTMOutputGrads
+from tests.kernels.lstm_cases import (
+    GENERIC,
+    GRADS,
+    INPUTS,
+    OUTPUT_GRADS,
+    TOLERANCE,
+    random_case,
+    scaled_error,
+)
+
+
+def _grads(backend, case, activations, **attrs):
+    return lstm.block_lstm_backward(
+        backend,
+        LSTMInputs(*(case[k] for k in INPUTS)),
+        activations,
+        LSTMOutputGrads(*(case[k] for k in OUTPUT_GRADS)),
+        **attrs,
+    )
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("block_steps", [1, 3, 1000])  # 3: blocks of 3, 3, ..., and a rest
+@pytest.mark.parametrize(
+    ("steps", "batch", "units", "length", "layout", "peephole", "clip"),
+    [
+        (7, 5, 6, 7, lstm.GateLayout.IFCO, True, 0.0),
+        (7, 5, 6, 5, lstm.GateLayout.ICFO, True, 0.3),
+        (8, 3, 4, 8, lstm.GateLayout.IFCO, False, 0.2),
+        (9, 4, 5, 7, lstm.GateLayout.ICFO, False, 0.0),
+        (3, 1, 2, 1, lstm.GateLayout.IFCO, True, 0.1),
+        (2, 0, 3, 2, lstm.GateLayout.ICFO, True, 0.0),  # batch 0
+        (4, 3, 37, 4, lstm.GateLayout.IFCO, True, 0.0),  # W_h^T in several strips
+    ],
+)
+def test_matches_the_generic_loop(
+    monkeypatch, dtype, block_steps, steps, batch, units, length, layout, peephole, clip
+):
+    monkeypatch.setattr(lstm_cpu_backward, "BLOCK_ELEMENTS", block_steps * max(1, batch * units))
+    case = random_case(
+        np.random.default_rng(steps * 10 + units), steps, batch, 5, units, dtype, length, 1.0
+    )
+    attrs = dict(seq_len_max=length, layout=layout, use_peephole=peephole, cell_clip=clip)
+    activations = lstm.block_lstm_forward(
+        GENERIC, LSTMInputs(*(case[k] for k in INPUTS)), **attrs
+    )  # fmt: skip
+    if clip and batch:  # the case must clip some cells, and leave others unclipped
+        stored = np.abs(activations.cs[:length].astype(np.float64))
+        clipped = stored == float(np.asarray(clip, dtype))
+        assert clipped.any() and not clipped.all()
+    got = _grads(backend_numpy, case, activations, **attrs)
+    want = _grads(GENERIC, case, activations, **attrs)
+    tol = TOLERANCE[np.dtype(dtype).name]
+    for k, a, b in zip(GRADS, got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape, k
+        assert scaled_error(a, b) < tol, k
+
+
+def test_check_runs_before_every_step_and_can_abandon_the_call(monkeypatch):
+    monkeypatch.setattr(lstm_cpu_backward, "BLOCK_ELEMENTS", 2 * 3 * 4)  # blocks of 2 steps
+    case = random_case(np.random.default_rng(0), 7, 3, 5, 4, np.float32)
+    activations = lstm.block_lstm_forward(GENERIC, LSTMInputs(*(case[k] for k in INPUTS)),
+                                          seq_len_max=7)  # fmt: skip
+    calls = []
+    _grads(backend_numpy, case, activations, seq_len_max=7, check=lambda: calls.append(1))
+    assert len(calls) == 7
+
+    def deadline() -> None:
+        if len(calls) == 10:
+            raise TimeoutError("deadline")
+        calls.append(1)
+
+    with pytest.raises(TimeoutError):
+        _grads(backend_numpy, case, activations, seq_len_max=7, check=deadline)
