@@ -720,6 +720,10 @@ class TensorReservation:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Give the bytes back unless kept (idempotent)."""
         if self._open:
             self._open = False
             self.session._give_up(self)

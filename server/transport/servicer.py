@@ -130,6 +130,7 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         # client cancelled after the op's last check) would hold bytes under ids
         # nobody knows: the call's end deletes them.
         context.add_done_callback(functools.partial(_forget_if_cancelled, io))
+        context.add_done_callback(lambda _: io.end())
         return io
 
     async def _run(self, op: Op, io: CallIO, request: Message) -> Message:
@@ -297,6 +298,7 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
                 )
                 response.error.reason = err.reason
                 break
+        io.end()  # the steps' region copies: released before the client hears back
         return response
 
 

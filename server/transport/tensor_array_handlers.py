@@ -49,6 +49,7 @@ def TensorArrayWriteV3(
     index = io.input(req.index, "index")
     value = io.tensor(req.value, "value")
     host_value = io.host(value)
+    io.hand_over(value)  # stored and charged by the array
     ta_ops.write(io.session, handle, index, host_value)
     if io.recorder:
         recording.write(io.recorder, handle, index, value, host_value.dtype)
@@ -88,6 +89,7 @@ def TensorArrayScatterV3(
     handle, indices = io.handle(req.handle), io.input(req.indices, "indices")
     value = io.tensor(req.value, "value")
     host_value = io.host(value)
+    io.hand_over(value)  # stored and charged by the array
     ta_ops.scatter(io.session, handle, indices, host_value)
     if io.recorder:
         recording.scatter(io.recorder, handle, indices, value, host_value)
@@ -118,6 +120,7 @@ def TensorArraySplitV3(
     handle = io.handle(req.handle)
     value = io.tensor(req.value, "value")
     host_value, lengths = io.host(value), io.input(req.lengths, "lengths")
+    io.hand_over(value)  # stored and charged by the array
     ta_ops.split(io.session, handle, host_value, lengths)
     if io.recorder:
         recording.split(io.recorder, handle, value, host_value)

@@ -28,7 +28,7 @@ import numpy as np
 from gradserve import codec, dtypes, protocol
 from gradserve.errors import InvalidArgumentError
 from gradserve.kernels.compute import Compute
-from gradserve.server.core.sessions import Resident, Session, TensorArg
+from gradserve.server.core.sessions import Resident, Session, TensorArg, TensorReservation
 from gradserve.server.core.tape import Recorder, Tape
 from gradserve.server.transport import observability, shm_wire
 from gradserve.v1 import tensor_array_pb2, tensor_pb2
@@ -95,6 +95,9 @@ class CallIO:
         #: op argument, or a TensorArray handle id).
         self.step: int | None = None
         self.produced: dict[int, dict[str, TensorArg | str]] = {}
+        #: Region copies made for op inputs, by ``id``, with their reservations.
+        self._copies: dict[int, tuple[np.ndarray, TensorReservation]] = {}
+        self._ended = False
 
     def run(
         self, handler: Callable[[CallIO, Any], Any], request: Any, ordered: bool = False
@@ -129,6 +132,8 @@ class CallIO:
         finally:
             self._kept = []
             self.recorder = None
+            if self.step is None or self._ended:  # a Batch's steps may name them
+                self.release_copies()
 
     def forget_outputs(self) -> None:
         """Delete what this call stored, and what its op still stores: its response did
@@ -155,7 +160,7 @@ class CallIO:
         if which == "ref":
             return Resident(msg.ref)
         if which == "shared":  # a copy: the worker may overwrite its region afterwards
-            return shm_wire.read_tensor(self.session, msg.shared, field)
+            return self._region_copy(msg.shared, field)
         if which == "step_output":
             value = self._step_output(msg.step_output, field)
             if isinstance(value, str):
@@ -166,6 +171,55 @@ class CallIO:
                 )
             return value
         raise InvalidArgumentError(f"input '{field}' is required", field=field)
+
+    def _region_copy(self, msg: tensor_pb2.SharedTensor, field: str) -> np.ndarray:
+        """A copy of the tensor ``msg`` names in one of the session's regions. Its bytes
+        are reserved in the session's budget before the copy is allocated and held until
+        the op ends (the Batch, in a Batch); an op that keeps the copy as an output
+        (``_keep``) or stores it (``hand_over``) charges it once. Without this a call
+        naming one small region in each of its inputs made the server allocate inputs
+        times --max-tensor-bytes that no budget counted."""
+        dtype = codec.dtype_from_enum(msg.dtype, field=f"{field}.dtype")
+        nbytes = self.session.regions.nbytes(dtype, msg.shape, field)
+        reservation = self.session.reserve_tensor(nbytes)
+        try:
+            array = shm_wire.read_tensor(self.session, msg, field)
+        except BaseException:
+            reservation.release()
+            raise
+        with self._lock:
+            self._copies[id(array)] = (array, reservation)
+        return array
+
+    def release_copies(self) -> None:
+        """Give back the budget of the region copies no output kept (``_region_copy``)."""
+        with self._lock:
+            copies, self._copies = self._copies, {}
+        for _, reservation in copies.values():
+            reservation.release()
+
+    def end(self) -> None:
+        """The call is over (its response sent, or the call cancelled): release the
+        region copies, and those an op still running makes from now on."""
+        self._ended = True
+        self.release_copies()
+
+    def hand_over(self, value: TensorArg) -> None:
+        """The op stores input ``value`` itself and charges it as stored (a TensorArray
+        write): a region copy stops being held for the call, so it is counted once."""
+        with self._lock:
+            copy = self._copies.pop(id(value), None)
+        if copy is not None:
+            copy[1].release()
+
+    def _keep(self, array: Any, nbytes: int) -> str:
+        """``array`` kept in the session under a new id: a region copy on the bytes
+        already reserved for it, anything else charged now."""
+        with self._lock:
+            copy = self._copies.pop(id(array), None)
+        if copy is not None:
+            return copy[1].keep(array)
+        return self.session.put(array, nbytes)
 
     def _step_output(self, ref: tensor_pb2.StepOutput, field: str) -> TensorArg | str:
         """What an earlier step of this Batch produced as ``ref.field``."""
@@ -261,7 +315,7 @@ class CallIO:
                 self.session.publish(tape_id)
                 ref.id = tape_id
             else:
-                ref.id = self.session.put(array, nbytes)
+                ref.id = self._keep(array, nbytes)
             self._kept.append(ref.id)
             ref.dtype = codec.dtype_to_enum(array.dtype)
             ref.shape[:] = array.shape

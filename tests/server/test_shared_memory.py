@@ -29,8 +29,8 @@ from gradserve.errors import (
 )
 from gradserve.server import run_server
 from gradserve.server.core import regions
+from gradserve.v1 import lstm_pb2, service_pb2, tensor_array_pb2, tensor_pb2
 from gradserve.v1 import shared_memory_pb2 as pb
-from gradserve.v1 import tensor_array_pb2, tensor_pb2
 
 NUMERIC = [dt for dt in dtypes.SUPPORTED if dt != dtypes.STRING]
 
@@ -319,6 +319,78 @@ def test_region_sizes_are_bounded_by_the_session(objects):
             objects.register(c, 1 << 20)
             with pytest.raises(ResourceExhaustedError, match="REGION|limit"):
                 objects.register(c, (1 << 20) + 4096)
+
+
+def _stop_gradient(client, msg: tensor_pb2.TensorInput, keep: bool = False):
+    request = tensor_array_pb2.StopGradientRequest(input=msg, keep_outputs=keep)
+    return client._call("StopGradient", request).output
+
+
+def test_op_inputs_read_from_regions_count_against_the_session_budget(objects):
+    """One 512 KiB region named by three inputs of one call is 1.5 MiB of copies: past
+    a 1 MiB session they are refused before the third is allocated, and the budget is
+    whole again after the call (before, the copies were allocated uncounted and the
+    call failed only later, on the LSTM's shapes)."""
+    kib = 1024
+    with run_server(host="127.0.0.1", port=0, device="cpu", max_session_bytes=1024 * kib) as s:
+        with gradserve.Client(f"127.0.0.1:{s.port}", shared_memory=False) as c:
+            shm = objects.register(c, 512 * kib + 4096)
+            budget = s.store.get(c.session_id).budget
+            region = shared(shm, np.float32, [128 * kib], offset=4096)
+            request = lstm_pb2.BlockLSTMV2Request(x=region, cs_prev=region, h_prev=region)
+            codec.encode(np.int64(1), request.seq_len_max.value)
+            with pytest.raises(ResourceExhaustedError, match="limit"):
+                c._call("BlockLSTMV2", request)
+            assert budget.used == 0
+            steps = [
+                service_pb2.BatchStep(
+                    stop_gradient=tensor_array_pb2.StopGradientRequest(input=region)
+                )
+                for _ in range(3)
+            ]
+            reply = c._call("Batch", service_pb2.BatchRequest(steps=steps))
+            assert reply.failed_step == 2 and reply.error.reason == "MEMORY_LIMIT"
+            assert budget.used == 0
+            assert _stop_gradient(c, region).HasField("value")  # within the budget: runs
+            assert budget.used == 0
+
+
+def test_a_kept_region_copy_is_charged_once(objects):
+    """StopGradient keeps its input itself: the copy read out of the region is charged
+    once, as the kept output, not once more as the input while the call runs."""
+    kib = 1024
+    with run_server(host="127.0.0.1", port=0, device="cpu", max_session_bytes=1024 * kib) as s:
+        with gradserve.Client(f"127.0.0.1:{s.port}", shared_memory=False) as c:
+            shm = objects.register(c, 768 * kib)
+            value = np.arange(160 * kib, dtype=np.float32)  # 640 KiB
+            write(shm, value, offset=4096)
+            out = _stop_gradient(c, shared(shm, np.float32, value.shape, offset=4096), keep=True)
+            budget = s.store.get(c.session_id).budget
+            assert budget.used == value.nbytes
+            assert same_bits(c.get(out.ref.id), value)
+            c.delete(out.ref.id)
+            c.keep_alive()  # a call, after which the server has deleted it
+            assert budget.used == 0
+
+
+def test_a_region_copy_written_to_a_tensor_array_is_charged_once(objects):
+    """The array charges the element it stores; the call's hold on the copy ends there."""
+    kib = 1024
+    with run_server(host="127.0.0.1", port=0, device="cpu", max_session_bytes=1024 * kib) as s:
+        with gradserve.Client(f"127.0.0.1:{s.port}", shared_memory=False) as c:
+            shm = objects.register(c, 768 * kib)
+            value = np.arange(160 * kib, dtype=np.float32)  # 640 KiB
+            write(shm, value, offset=4096)
+            h, flow = c.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
+            req = tensor_array_pb2.TensorArrayWriteV3Request(
+                handle=tensor_array_pb2.TensorArrayHandle(id=h.id, name=h.name),
+                value=shared(shm, np.float32, value.shape, offset=4096),
+                flow_in=flow,
+            )
+            codec.encode(np.array(0, np.int32), req.index.value)
+            c._call("TensorArrayWriteV3", req)
+            assert s.store.get(c.session_id).budget.used == value.nbytes
+            assert same_bits(c.raw_ops.TensorArrayReadV3(h, 0, flow, np.float32), value)
 
 
 # ---------------------------------------------------------------- a region broken under the server
