@@ -355,42 +355,44 @@ def test_op_inputs_read_from_regions_count_against_the_session_budget(objects):
             assert budget.used == 0
 
 
+@contextlib.contextmanager
+def _tight_session(objects):
+    """A server whose sessions hold 1 MiB, a client, and 640 KiB of float32 in one of
+    its regions: (server, client, value, the TensorInput naming it)."""
+    with run_server(host="127.0.0.1", port=0, device="cpu", max_session_bytes=1 << 20) as s:
+        with gradserve.Client(f"127.0.0.1:{s.port}", shared_memory=False) as c:
+            shm = objects.register(c, 768 << 10)
+            value = np.arange(160 << 10, dtype=np.float32)
+            write(shm, value, offset=4096)
+            yield s, c, value, shared(shm, np.float32, value.shape, offset=4096)
+
+
 def test_a_kept_region_copy_is_charged_once(objects):
     """StopGradient keeps its input itself: the copy read out of the region is charged
     once, as the kept output, not once more as the input while the call runs."""
-    kib = 1024
-    with run_server(host="127.0.0.1", port=0, device="cpu", max_session_bytes=1024 * kib) as s:
-        with gradserve.Client(f"127.0.0.1:{s.port}", shared_memory=False) as c:
-            shm = objects.register(c, 768 * kib)
-            value = np.arange(160 * kib, dtype=np.float32)  # 640 KiB
-            write(shm, value, offset=4096)
-            out = _stop_gradient(c, shared(shm, np.float32, value.shape, offset=4096), keep=True)
-            budget = s.store.get(c.session_id).budget
-            assert budget.used == value.nbytes
-            assert same_bits(c.get(out.ref.id), value)
-            c.delete(out.ref.id)
-            c.keep_alive()  # a call, after which the server has deleted it
-            assert budget.used == 0
+    with _tight_session(objects) as (s, c, value, region):
+        out = _stop_gradient(c, region, keep=True)
+        budget = s.store.get(c.session_id).budget
+        assert budget.used == value.nbytes
+        assert same_bits(c.get(out.ref.id), value)
+        c.delete(out.ref.id)
+        c.keep_alive()  # a call, after which the server has deleted it
+        assert budget.used == 0
 
 
 def test_a_region_copy_written_to_a_tensor_array_is_charged_once(objects):
     """The array charges the element it stores; the call's hold on the copy ends there."""
-    kib = 1024
-    with run_server(host="127.0.0.1", port=0, device="cpu", max_session_bytes=1024 * kib) as s:
-        with gradserve.Client(f"127.0.0.1:{s.port}", shared_memory=False) as c:
-            shm = objects.register(c, 768 * kib)
-            value = np.arange(160 * kib, dtype=np.float32)  # 640 KiB
-            write(shm, value, offset=4096)
-            h, flow = c.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
-            req = tensor_array_pb2.TensorArrayWriteV3Request(
-                handle=tensor_array_pb2.TensorArrayHandle(id=h.id, name=h.name),
-                value=shared(shm, np.float32, value.shape, offset=4096),
-                flow_in=flow,
-            )
-            codec.encode(np.array(0, np.int32), req.index.value)
-            c._call("TensorArrayWriteV3", req)
-            assert s.store.get(c.session_id).budget.used == value.nbytes
-            assert same_bits(c.raw_ops.TensorArrayReadV3(h, 0, flow, np.float32), value)
+    with _tight_session(objects) as (s, c, value, region):
+        h, flow = c.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
+        req = tensor_array_pb2.TensorArrayWriteV3Request(
+            handle=tensor_array_pb2.TensorArrayHandle(id=h.id, name=h.name),
+            value=region,
+            flow_in=flow,
+        )
+        codec.encode(np.array(0, np.int32), req.index.value)
+        c._call("TensorArrayWriteV3", req)
+        assert s.store.get(c.session_id).budget.used == value.nbytes
+        assert same_bits(c.raw_ops.TensorArrayReadV3(h, 0, flow, np.float32), value)
 
 
 # ---------------------------------------------------------------- a region broken under the server
