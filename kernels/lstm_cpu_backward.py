@@ -14,24 +14,25 @@ Per step, TensorFlow's recursion (``lstm_ops.cc``, ``BlockLSTMGradOp``) is::
     dcs_carry = f dcs + di wci + df wcf
     dh_carry  = dgates[t] @ W_h^T
 
-Every factor there except ``dh`` and ``dcs`` depends on the forward's activations
-alone, not on the recursion. NumPy pays about as much per call as per pass over a
-[B, H] array at the benchmark sizes (50 steps of ~30 passes over 32 KB: 4-5 ms of a
-~29 ms backward at (50, 32, 256)), so this module computes those factors for a block
-of steps at once (``BLOCK_ELEMENTS`` per array: a few blocks stay in cache) and each
-step is then eight passes and the GEMM::
+Every product there of the forward's activations alone (``o (1 - o) co``,
+``(1 - co^2) o``, ``(1 - ci^2) i``, ``f (1 - f) cs[t-1]``, ``i (1 - i) ci``) does not
+depend on the recursion. NumPy pays about as much per call as per pass over a [B, H]
+array at the benchmark sizes (50 steps of ~30 passes over 32 KB: 4-5 ms of a ~29 ms
+backward at (50, 32, 256)), so this module computes those factors for a block of steps
+at once (``BLOCK_ELEMENTS`` per array: a few blocks stay in cache) and each step is
+then about half the passes and the GEMM::
 
-    a_o = o (1 - o) co                       a_i = i (1 - i) ci
-    b_h = (1 - co^2) o  [+ a_o wco]          a_f = f (1 - f) cs[t-1]
-    a_c = (1 - ci^2) i                       carry = f [+ a_i wci + a_f wcf]
-
-    do = a_o dh;  dcs = b_h dh + dcs_carry + cs_grad[t]
+    do = a_o dh;  dcs = b_h dh + dcs_carry + cs_grad[t]  [+ do wco]
     di = a_i dcs;  df = a_f dcs;  dci = a_c dcs
-    dcs_carry = carry dcs
+    dcs_carry = f dcs  [+ di wci + df wcf]
 
-With the forward's ``cell_clip`` (the gradient tape; ``lstm._mask_clipped``) a
-clipped cell passes nothing to ``i``, ``f``, ``ci`` or the past: ``a_i``, ``a_f``,
-``a_c`` and ``carry`` are multiplied by the unclipped mask when the block is made.
+Only products are regrouped, never sums: the peephole terms are added per step as
+TensorFlow adds them, so an infinite gradient meets a zero weight in the same sum and
+gives the same NaN as the generic loop (and the CUDA kernel), where folding
+``a_o wco`` into ``b_h`` gave an infinity. With the forward's ``cell_clip`` (the
+gradient tape; ``lstm._mask_clipped``) a clipped cell passes nothing to ``i``, ``f``,
+``ci`` or the past: the carry and those three gradients are multiplied by the
+unclipped mask after the carry is formed, in the generic loop's order.
 
 ``W_h^T`` is transposed in strips (``lstm_cpu.transpose_into``), 3-4x faster than
 one strided copy of the whole matrix.
@@ -67,60 +68,78 @@ def backward_sequence(
     """Gate gradients of steps ``length - 1`` down to 0 into ``dgates`` ([length, B, 4H]);
     ``dh`` and ``dcs`` (zeros on entry) end as the gradients of ``h_prev`` and
     ``cs_prev``. ``clip_at``: the forward's cell clip as stored, or None without one.
-    ``check`` runs before every step; ``empty`` allocates ``W_h^T``."""
+    ``check`` runs before every step; ``empty`` allocates ``W_h^T`` and the factors."""
     keep_heap_warm()
     batch, units = dh.shape
     ct = dh.dtype
     w_h_t = empty((w_h.shape[1], w_h.shape[0]), ct)
     transpose_into(w_h, w_h_t)
     block = max(1, min(length, BLOCK_ELEMENTS // max(1, batch * units)))
-    factors = _Factors(block, batch, units, ct, offsets)
+    factors = _Factors(block, batch, units, ct, offsets, clip_at is not None, empty)
+    slot_i, slot_f, slot_c = factors.slots
     tmp = np.empty((batch, units), ct)
     for end in range(length, 0, -block):
         start = max(0, end - block)
-        factors.make(
-            cs_prev, i, cs, f, o, ci, co, wci, wcf, wco, start, end, use_peephole, clip_at
-        )  # fmt: skip
+        factors.make(cs_prev, i, cs, f, o, ci, co, start, end, clip_at)
         for t in range(end - 1, start - 1, -1):
             if check is not None:
                 check()
             k = t - start
             gates = dgates[t].reshape(batch, 4, units)
+            d_o, d_i, d_f, d_c = (
+                gates[:, O_SLOT],
+                gates[:, slot_i],
+                gates[:, slot_f],
+                gates[:, slot_c],
+            )
             dh += h_grad[t]
-            np.multiply(factors.a_o[k], dh, out=gates[:, O_SLOT])
+            np.multiply(factors.a_o[k], dh, out=d_o)
             np.multiply(factors.b_h[k], dh, out=tmp)
-            dcs += tmp
+            dcs += tmp  # dcs: the carry, becoming this step's d loss / d cs
             dcs += cs_grad[t]
-            for slot, a in zip(factors.slots, (factors.a_i, factors.a_f, factors.a_c)):
-                np.multiply(a[k], dcs, out=gates[:, slot])
-            dcs *= factors.carry[k]
+            if use_peephole:
+                np.multiply(d_o, wco, out=tmp)
+                dcs += tmp
+            np.multiply(factors.a_i[k], dcs, out=d_i)
+            np.multiply(factors.a_f[k], dcs, out=d_f)
+            np.multiply(factors.a_c[k], dcs, out=d_c)
+            dcs *= f[t]  # the carry to step t - 1
+            if use_peephole:
+                np.multiply(d_i, wci, out=tmp)
+                dcs += tmp
+                np.multiply(d_f, wcf, out=tmp)
+                dcs += tmp
+            if clip_at is not None:
+                unclipped = factors.unclipped[k]
+                for d in (dcs, d_i, d_f, d_c):
+                    d *= unclipped
             np.matmul(dgates[t], w_h_t, out=dh)
 
 
 class _Factors:
     """The step-independent factors of one block of steps (module docstring)."""
 
-    def __init__(self, block: int, batch: int, units: int, dtype: Any, offsets: Offsets):
+    def __init__(
+        self, block: int, batch: int, units: int, dtype: Any, offsets: Offsets, clip: bool,
+        empty: Empty,
+    ) -> None:  # fmt: skip
         shape = (block, batch, units)
-        self.a_o = np.empty(shape, dtype)
-        self.b_h = np.empty(shape, dtype)
-        self._carry = np.empty(shape, dtype)
-        self.carry: Array = self._carry
-        self.tmp = np.empty(shape, dtype)
-        self.a_i, self.a_f, self.a_c = (np.empty(shape, dtype) for _ in range(3))
+        self.a_o, self.b_h, self.a_i, self.a_f, self.a_c = (empty(shape, dtype) for _ in range(5))
+        #: With a cell clip: 1 where the cell was not clipped, else 0.
+        self.unclipped = empty(shape if clip else (0,), dtype)
         #: The column blocks of i, f, c in ``dgates`` (viewed as [B, 4, H]).
         self.slots = tuple(off // units if units else n for n, off in enumerate(offsets[:3]))
 
     def make(
         self, cs_prev: Array, i: Array, cs: Array, f: Array, o: Array, ci: Array, co: Array,
-        wci: Array, wcf: Array, wco: Array, start: int, end: int, use_peephole: bool,
-        clip_at: float | None,
+        start: int, end: int, clip_at: float | None,
     ) -> None:  # fmt: skip
         """The factors of steps ``start`` .. ``end - 1``, at rows 0 .. end - start - 1."""
         n = end - start
         o, co, i, ci, f = (a[start:end] for a in (o, co, i, ci, f))
-        a_o, b_h, tmp = self.a_o[:n], self.b_h[:n], self.tmp[:n]
-        a_i, a_f, a_c = self.a_i[:n], self.a_f[:n], self.a_c[:n]
+        a_o, b_h, a_i, a_f, a_c = (
+            a[:n] for a in (self.a_o, self.b_h, self.a_i, self.a_f, self.a_c)
+        )
         np.subtract(1, o, out=a_o)
         a_o *= o
         a_o *= co
@@ -140,20 +159,7 @@ class _Factors:
         np.multiply(ci, ci, out=a_c)
         np.subtract(1, a_c, out=a_c)
         a_c *= i
-        carry = self._carry[:n]
-        if use_peephole:
-            np.multiply(a_o, wco, out=tmp)
-            b_h += tmp
-            np.multiply(a_i, wci, out=carry)
-            carry += f
-            np.multiply(a_f, wcf, out=tmp)
-            carry += tmp
-        elif clip_at is not None:
-            np.copyto(carry, f)
-        else:
-            carry = f  # read only
         if clip_at is not None:
-            unclipped = np.less(np.abs(cs[start:end], out=tmp), clip_at, out=tmp)
-            for a in (carry, a_i, a_f, a_c):
-                a *= unclipped
-        self.carry = carry
+            unclipped = self.unclipped[:n]
+            np.abs(cs[start:end], out=unclipped)
+            np.less(unclipped, clip_at, out=unclipped)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -117,11 +117,21 @@ class Recorder:
     or ``rollback``s (it failed: every tensor held for it is let go of).
     """
 
-    def __init__(self, session: Session, tapes: list[Tape], *, ordered: bool = False) -> None:
+    def __init__(
+        self,
+        session: Session,
+        tapes: list[Tape],
+        *,
+        ordered: bool = False,
+        before_hold: Callable[[Any], None] | None = None,
+    ) -> None:
         """``ordered``: the op changes or reads state whose order matters (a
         TensorArray): it runs holding the tapes' ``order`` locks (by id, so two ops
-        never wait on each other), until ``commit`` or ``rollback``."""
+        never wait on each other), until ``commit`` or ``rollback``. ``before_hold`` is
+        told of each value just before the tapes keep it under a new id and charge it
+        (the call lets go of what it held for that value: charged once)."""
         self.session = session
+        self.before_hold = before_hold
         self.tapes = list({id(t): t for t in tapes}.values())  # each tape once
         self._locked: list[Tape] = []
         if ordered:
@@ -160,6 +170,8 @@ class Recorder:
         return self._keep(value)
 
     def _keep(self, value: Any) -> str | None:
+        if self.before_hold is not None:
+            self.before_hold(value)
         held = self.session.keep_for_tapes(self.tapes, value)
         if held is not None:
             self._held += [(tape, held) for tape in self.tapes]

@@ -97,7 +97,8 @@ class CallIO:
         self.produced: dict[int, dict[str, TensorArg | str]] = {}
         #: Region copies made for op inputs, by ``id``, with their reservations.
         self._copies: dict[int, tuple[np.ndarray, TensorReservation]] = {}
-        self._ended = False
+        self._op_running = False  # ``run`` is running an op
+        self._ended = False  # the call is over (``end``)
 
     def run(
         self, handler: Callable[[CallIO, Any], Any], request: Any, ordered: bool = False
@@ -107,9 +108,13 @@ class CallIO:
         may stay behind holding bytes. ``ordered``: under tapes, the op is recorded in
         the order it ran relative to other ordered ops (``Recorder``)."""
         self._kept = []
+        with self._lock:
+            self._op_running = True
         recorder = None
         if self.tapes:
-            recorder = Recorder(self.session, self.tapes, ordered=ordered)
+            recorder = Recorder(
+                self.session, self.tapes, ordered=ordered, before_hold=self.hand_over
+            )
         self.recorder = recorder
         try:
             response = handler(self, request)
@@ -132,8 +137,7 @@ class CallIO:
         finally:
             self._kept = []
             self.recorder = None
-            if self.step is None or self._ended:  # a Batch's steps may name them
-                self.release_copies()
+            self._after_op()
 
     def forget_outputs(self) -> None:
         """Delete what this call stored, and what its op still stores: its response did
@@ -175,8 +179,9 @@ class CallIO:
     def _region_copy(self, msg: tensor_pb2.SharedTensor, field: str) -> np.ndarray:
         """A copy of the tensor ``msg`` names in one of the session's regions. Its bytes
         are reserved in the session's budget before the copy is allocated and held until
-        the op ends (the Batch, in a Batch); an op that keeps the copy as an output
-        (``_keep``) or stores it (``hand_over``) charges it once. Without this a call
+        the op ends (in a Batch, a copy that is a step's output until the Batch ends);
+        an op that keeps the copy as an output (``_keep``), stores it or holds it on a
+        tape (``hand_over``) charges it once. Without this a call
         naming one small region in each of its inputs made the server allocate inputs
         times --max-tensor-bytes that no budget counted."""
         dtype = codec.dtype_from_enum(msg.dtype, field=f"{field}.dtype")
@@ -191,22 +196,37 @@ class CallIO:
             self._copies[id(array)] = (array, reservation)
         return array
 
-    def release_copies(self) -> None:
-        """Give back the budget of the region copies no output kept (``_region_copy``)."""
+    def _after_op(self) -> None:
+        """An op ended: give back the budget of its region copies that no output kept
+        (``_region_copy``). In a Batch that goes on, a copy that is a step's output stays
+        held (a later step may name it) until the Batch ends."""
         with self._lock:
-            copies, self._copies = self._copies, {}
-        for _, reservation in copies.values():
+            self._op_running = False
+            if self.step is None or self._ended:
+                done, self._copies = self._copies, {}
+            else:
+                outputs = {id(v) for step in self.produced.values() for v in step.values()}
+                done = {k: c for k, c in self._copies.items() if k not in outputs}
+                self._copies = {k: c for k, c in self._copies.items() if k in outputs}
+        for _, reservation in done.values():
             reservation.release()
 
     def end(self) -> None:
-        """The call is over (its response sent, or the call cancelled): release the
-        region copies, and those an op still running makes from now on."""
-        self._ended = True
-        self.release_copies()
+        """The call is over (its response sent, or the call cancelled, its op perhaps
+        still running): release the region copies now, or when that op ends."""
+        with self._lock:
+            self._ended = True
+            running = self._op_running
+            done = {} if running else self._copies
+            if not running:
+                self._copies = {}
+        for _, reservation in done.values():
+            reservation.release()
 
     def hand_over(self, value: TensorArg) -> None:
         """The op stores input ``value`` itself and charges it as stored (a TensorArray
-        write): a region copy stops being held for the call, so it is counted once."""
+        write, a tape holding it): a region copy stops being held for the call, so it is
+        counted once."""
         with self._lock:
             copy = self._copies.pop(id(value), None)
         if copy is not None:

@@ -86,3 +86,38 @@ def test_check_runs_before_every_step_and_can_abandon_the_call(monkeypatch):
 
     with pytest.raises(TimeoutError):
         _grads(backend_numpy, case, activations, seq_len_max=7, check=deadline)
+
+
+@pytest.mark.parametrize("peephole", [False, True])
+@pytest.mark.parametrize("clip", [0.0, 0.3])
+@pytest.mark.parametrize(
+    "poison",
+    [
+        {"h_grad": np.inf, "wco": 0.0, "wci": 0.0},  # inf meets a zero peephole weight
+        {"cs_grad": -np.inf},
+        {"h_grad": np.nan},
+        {"cs_grad": 3e38, "h_grad": 3e38},  # finite, overflows on the way back
+    ],
+    ids=["inf-and-zero-weights", "minus-inf", "nan", "overflow"],
+)
+def test_non_finite_gradients_match_the_generic_loop_exactly(poison, peephole, clip):
+    """Only products are regrouped, never sums: NaN and infinity land where the generic
+    loop (and the CUDA kernel) put them."""
+    case = random_case(np.random.default_rng(5), 6, 3, 4, 5, np.float32, 6, 1.0)
+    for name, value in poison.items():
+        if name in OUTPUT_GRADS:
+            case[name][3] = value
+        else:
+            case[name][:] = value
+    attrs = dict(seq_len_max=6, use_peephole=peephole, cell_clip=clip)
+    activations = lstm.block_lstm_forward(GENERIC, LSTMInputs(*(case[k] for k in INPUTS)), **attrs)
+    with np.errstate(all="ignore"):
+        got = _grads(backend_numpy, case, activations, **attrs)
+        want = _grads(GENERIC, case, activations, **attrs)
+    assert any(not np.isfinite(a).all() for a in want)  # the case reaches the outputs
+    for k, a, b in zip(GRADS, got, want):
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=k)
+        np.testing.assert_array_equal(np.isposinf(a), np.isposinf(b), err_msg=k)
+        np.testing.assert_array_equal(np.isneginf(a), np.isneginf(b), err_msg=k)
+        finite = np.isfinite(b)
+        assert scaled_error(a[finite], b[finite]) < TOLERANCE["float32"], k

@@ -8,6 +8,7 @@ import contextlib
 import gc
 import os
 import threading
+import time
 from multiprocessing import shared_memory
 
 import grpc
@@ -29,6 +30,7 @@ from gradserve.errors import (
 )
 from gradserve.server import run_server
 from gradserve.server.core import regions
+from gradserve.server.transport import shm_wire
 from gradserve.v1 import lstm_pb2, service_pb2, tensor_array_pb2, tensor_pb2
 from gradserve.v1 import shared_memory_pb2 as pb
 
@@ -393,6 +395,82 @@ def test_a_region_copy_written_to_a_tensor_array_is_charged_once(objects):
         c._call("TensorArrayWriteV3", req)
         assert s.store.get(c.session_id).budget.used == value.nbytes
         assert same_bits(c.raw_ops.TensorArrayReadV3(h, 0, flow, np.float32), value)
+
+
+def test_a_region_copy_held_by_a_tape_is_charged_once(objects):
+    """The tape holds StopGradient's output (the copy) and charges it: the call's hold
+    on the copy ends there, so the op fits the session as an inline value does."""
+    with _tight_session(objects) as (s, c, value, region):
+        with c.gradient_tape(persistent=True) as tape:
+            assert same_bits(codec.decode(_stop_gradient(c, region).value), value)
+            assert s.store.get(c.session_id).budget.used == value.nbytes
+        tape.release()
+        c.keep_alive()
+        assert s.store.get(c.session_id).budget.used == 0
+
+
+def test_a_batch_gives_back_each_steps_input_copies_that_are_not_outputs(objects):
+    """An LSTM's x read from a region is garbage once its step ends: three such steps
+    fit a Batch in a session that holds only two of the copies at once."""
+    steps, batch, inputs, units = 100, 32, 32, 1  # x: 400 KiB
+    with run_server(host="127.0.0.1", port=0, device="cpu", max_session_bytes=1 << 20) as s:
+        with gradserve.Client(f"127.0.0.1:{s.port}", shared_memory=False) as c:
+            x = np.ones((steps, batch, inputs), np.float32)
+            shm = objects.register(c, 512 << 10)
+            write(shm, x, offset=4096)
+            step = lstm_pb2.BlockLSTMV2Request(x=shared(shm, np.float32, x.shape, offset=4096))
+            for name, shape in dict(
+                cs_prev=(batch, units), h_prev=(batch, units), w=(inputs + units, 4 * units),
+                wci=(units,), wcf=(units,), wco=(units,), b=(4 * units,),
+            ).items():  # fmt: skip
+                codec.encode(np.zeros(shape, np.float32), getattr(step, name).value)
+            codec.encode(np.int64(steps), step.seq_len_max.value)
+            request = service_pb2.BatchRequest(
+                steps=[service_pb2.BatchStep(block_lstm_v2=step) for _ in range(3)]
+            )
+            reply = c._call("Batch", request)
+            assert not reply.HasField("failed_step") and len(reply.results) == 3
+            assert s.store.get(c.session_id).budget.used == 0
+
+
+def test_a_call_that_ends_before_its_op_keeps_the_copies_charged_until_the_op_ends(
+    objects, monkeypatch
+):
+    """Past its deadline the call is over for gRPC, but its op still holds the copies it
+    read: they stay charged until the op itself ends."""
+    read = shm_wire.read_tensor
+    reading = threading.Event()
+    go_on = threading.Event()
+
+    def slow_read(session, msg, field):
+        array = read(session, msg, field)
+        if field == "cs_prev":
+            reading.set()
+            go_on.wait(10)
+        return array
+
+    monkeypatch.setattr(shm_wire, "read_tensor", slow_read)
+    with _tight_session(objects) as (s, c, value, region):
+        request = lstm_pb2.BlockLSTMV2Request(x=region, cs_prev=shared_input(region, [8, 4]))
+        codec.encode(np.int64(1), request.seq_len_max.value)
+        with pytest.raises(DeadlineExceededError):
+            c._call("BlockLSTMV2", request, timeout=0.3)
+        assert reading.wait(10)
+        budget = s.store.get(c.session_id).budget
+        assert budget.used == value.nbytes + 8 * 4 * 4  # the op runs on: both copies held
+        go_on.set()
+        deadline = time.monotonic() + 10
+        while budget.used and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert budget.used == 0
+
+
+def shared_input(region: tensor_pb2.TensorInput, shape) -> tensor_pb2.TensorInput:
+    """The same place in the same region, as another shape."""
+    msg = tensor_pb2.TensorInput()
+    msg.CopyFrom(region)
+    msg.shared.shape[:] = shape
+    return msg
 
 
 # ---------------------------------------------------------------- a region broken under the server
