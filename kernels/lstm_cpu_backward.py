@@ -45,11 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from gradserve.kernels.lstm_cpu import keep_heap_warm, transpose_into
-
-Array = Any  # numpy.ndarray (see lstm_cpu)
-Offsets = tuple[int, int, int, int]
-Empty = Callable[[tuple[int, ...], Any], Array]
+from gradserve.kernels.lstm import Empty
+from gradserve.kernels.lstm_cpu import Array, Offsets, keep_heap_warm, transpose_into
 
 #: Elements of one per-block factor array (4 bytes each in float32): five of them and
 #: a block of the forward's activations fit in a core's L2 cache together.
