@@ -97,6 +97,7 @@ class CallIO:
         self.produced: dict[int, dict[str, TensorArg | str]] = {}
         #: Region copies made for op inputs, by ``id``, with their reservations.
         self._copies: dict[int, tuple[np.ndarray, TensorReservation]] = {}
+        self._new_copies: list[int] = []  # made by the op running now
         self._op_running = False  # ``run`` is running an op
         self._ended = False  # the call is over (``end``)
 
@@ -194,6 +195,7 @@ class CallIO:
             raise
         with self._lock:
             self._copies[id(array)] = (array, reservation)
+            self._new_copies.append(id(array))
         return array
 
     def _after_op(self) -> None:
@@ -202,13 +204,14 @@ class CallIO:
         held (a later step may name it) until the Batch ends."""
         with self._lock:
             self._op_running = False
+            made, self._new_copies = self._new_copies, []
             if self.step is None or self._ended:
-                done, self._copies = self._copies, {}
-            else:
-                outputs = {id(v) for step in self.produced.values() for v in step.values()}
-                done = {k: c for k, c in self._copies.items() if k not in outputs}
-                self._copies = {k: c for k, c in self._copies.items() if k in outputs}
-        for _, reservation in done.values():
+                done, self._copies = list(self._copies.values()), {}
+            else:  # this step's copies, but its outputs (O(copies): a Batch may be long)
+                outputs = {id(v) for v in self.produced.get(self.step, {}).values()}
+                gone = [k for k in made if k in self._copies and k not in outputs]
+                done = [self._copies.pop(k) for k in gone]
+        for _, reservation in done:
             reservation.release()
 
     def end(self) -> None:
