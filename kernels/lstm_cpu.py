@@ -251,6 +251,8 @@ def keep_heap_warm() -> bool:
     """Set glibc's mmap and trim thresholds (module docstring), once per process; False
     where the C library is not glibc (nothing changed then)."""
     global _heap_warm
+    if _heap_warm is not None:  # every call after the first: no lock
+        return _heap_warm
     with _heap_lock:
         if _heap_warm is None:
             try:
@@ -275,8 +277,7 @@ def forward_sequence(
     each [T, B, H], in the compute dtype; ``length`` >= 1). ``check`` runs before every
     step. ``formulation`` None: the planner's choice for this shape (measured now on a
     first call)."""
-    if _heap_warm is None:
-        keep_heap_warm()
+    keep_heap_warm()
     steps, batch, inputs = x.shape
     units = cs_prev.shape[1]
     run: Run = functools.partial(
