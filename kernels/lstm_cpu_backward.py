@@ -29,7 +29,10 @@ then about half the passes and the GEMM::
 Only products are regrouped, never sums: the peephole terms are added per step as
 TensorFlow adds them, so an infinite gradient meets a zero weight in the same sum and
 gives the same NaN as the generic loop (and the CUDA kernel), where folding
-``a_o wco`` into ``b_h`` gave an infinity. With the forward's ``cell_clip`` (the
+``a_o wco`` into ``b_h`` gave an infinity. NaN and infinities in the inputs land where
+the generic loop puts them; a product of activations that underflows to zero before
+it meets an infinite gradient (``f = 1e-20``, ``cs[t-1] = 1e-30``) can still give NaN
+where the loop's other grouping gives an infinity. With the forward's ``cell_clip`` (the
 gradient tape; ``lstm._mask_clipped``) a clipped cell passes nothing to ``i``, ``f``,
 ``ci`` or the past: the carry and those three gradients are multiplied by the
 unclipped mask after the carry is formed, in the generic loop's order.

@@ -454,10 +454,14 @@ class Session:
             tape.held[tensor_id] = kept
             return True
 
-    def keep_for_tapes(self, tapes: list[Tape], array: Array) -> str | None:
+    def keep_for_tapes(
+        self, tapes: list[Tape], array: Array, reserved: TensorReservation | None = None
+    ) -> str | None:
         """Hold ``array`` on every live tape of ``tapes`` under a new id, charged once
         to the session's budget (RESOURCE_EXHAUSTED past a limit); None if every one
-        was released meanwhile."""
+        was released meanwhile. ``reserved``: bytes already held for ``array`` (a
+        region copy's), which the tapes take over instead of charging them again; left
+        as it is when no tape is live."""
         if not hasattr(array, "__cuda_array_interface__"):
             array = np.asarray(array)
         nbytes = dtypes.nbytes(array)
@@ -466,7 +470,12 @@ class Session:
             live = list({id(t): t for t in tapes if not t.released}.values())
             if not live:
                 return None
-            self.budget.reserve(nbytes)
+            if reserved is not None and reserved in self._reservations:
+                self._reservations.discard(reserved)  # its bytes are the tapes' now
+                reserved.taken_over()
+                nbytes = reserved.nbytes
+            else:
+                self.budget.reserve(nbytes)
             kept = _Kept(array, nbytes, refs=len(live))
             tensor_id = new_token()
             for tape in live:
@@ -727,6 +736,10 @@ class TensorReservation:
         if self._open:
             self._open = False
             self.session._give_up(self)
+
+    def taken_over(self) -> None:
+        """(the session, under its lock) Another holder counts these bytes now."""
+        self._open = False
 
 
 class SessionStore:

@@ -28,13 +28,24 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 if TYPE_CHECKING:
-    from gradserve.server.core.sessions import Session, TensorArg
+    from gradserve.server.core.sessions import Session, TensorArg, TensorReservation
+
+
+class HeldBytes(Protocol):
+    """Bytes an op's call already holds in the budget for some of its values (region
+    copies of its inputs): ``take`` hands them over for ``value`` (None if none are
+    held), ``give_back`` returns what a holder did not take."""
+
+    def take(self, value: Any) -> TensorReservation | None: ...
+
+    def give_back(self, value: Any, reservation: TensorReservation) -> None: ...
+
 
 #: The most tapes one session may have alive at once.
 MAX_TAPES_PER_SESSION = 64
@@ -123,15 +134,15 @@ class Recorder:
         tapes: list[Tape],
         *,
         ordered: bool = False,
-        before_hold: Callable[[Any], None] | None = None,
+        held: HeldBytes | None = None,
     ) -> None:
         """``ordered``: the op changes or reads state whose order matters (a
         TensorArray): it runs holding the tapes' ``order`` locks (by id, so two ops
-        never wait on each other), until ``commit`` or ``rollback``. ``before_hold`` is
-        told of each value just before the tapes keep it under a new id and charge it
-        (the call lets go of what it held for that value: charged once)."""
+        never wait on each other), until ``commit`` or ``rollback``. ``held``: what the
+        call already holds for its values; a value the tapes keep takes that charge
+        over (counted once)."""
         self.session = session
-        self.before_hold = before_hold
+        self.held = held
         self.tapes = list({id(t): t for t in tapes}.values())  # each tape once
         self._locked: list[Tape] = []
         if ordered:
@@ -170,9 +181,15 @@ class Recorder:
         return self._keep(value)
 
     def _keep(self, value: Any) -> str | None:
-        if self.before_hold is not None:
-            self.before_hold(value)
-        held = self.session.keep_for_tapes(self.tapes, value)
+        reserved = self.held.take(value) if self.held is not None else None
+        try:
+            held = self.session.keep_for_tapes(self.tapes, value, reserved)
+        except BaseException:
+            if reserved is not None and self.held is not None:
+                self.held.give_back(value, reserved)
+            raise
+        if held is None and reserved is not None and self.held is not None:
+            self.held.give_back(value, reserved)  # no live tape took it
         if held is not None:
             self._held += [(tape, held) for tape in self.tapes]
         return held

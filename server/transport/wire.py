@@ -109,14 +109,12 @@ class CallIO:
         may stay behind holding bytes. ``ordered``: under tapes, the op is recorded in
         the order it ran relative to other ordered ops (``Recorder``)."""
         self._kept = []
-        with self._lock:
-            self._op_running = True
         recorder = None
         if self.tapes:
-            recorder = Recorder(
-                self.session, self.tapes, ordered=ordered, before_hold=self.hand_over
-            )
+            recorder = Recorder(self.session, self.tapes, ordered=ordered, held=self)
         self.recorder = recorder
+        with self._lock:
+            self._op_running = True
         try:
             response = handler(self, request)
             if recorder is not None:
@@ -181,8 +179,8 @@ class CallIO:
         """A copy of the tensor ``msg`` names in one of the session's regions. Its bytes
         are reserved in the session's budget before the copy is allocated and held until
         the op ends (in a Batch, a copy that is a step's output until the Batch ends);
-        an op that keeps the copy as an output (``_keep``), stores it or holds it on a
-        tape (``hand_over``) charges it once. Without this a call
+        an op that keeps the copy as an output (``_keep``), stores it (``hand_over``)
+        or holds it on a tape (``take``) charges it once. Without this a call
         naming one small region in each of its inputs made the server allocate inputs
         times --max-tensor-bytes that no budget counted."""
         dtype = codec.dtype_from_enum(msg.dtype, field=f"{field}.dtype")
@@ -209,7 +207,7 @@ class CallIO:
                 done, self._copies = list(self._copies.values()), {}
             else:  # this step's copies, but its outputs (O(copies): a Batch may be long)
                 outputs = {id(v) for v in self.produced.get(self.step, {}).values()}
-                gone = [k for k in made if k in self._copies and k not in outputs]
+                gone = {k for k in made if k in self._copies and k not in outputs}
                 done = [self._copies.pop(k) for k in gone]
         for _, reservation in done:
             reservation.release()
@@ -228,20 +226,29 @@ class CallIO:
 
     def hand_over(self, value: TensorArg) -> None:
         """The op stores input ``value`` itself and charges it as stored (a TensorArray
-        write, a tape holding it): a region copy stops being held for the call, so it is
-        counted once."""
+        write): a region copy stops being held for the call, so it is counted once."""
+        reservation = self.take(value)
+        if reservation is not None:
+            reservation.release()
+
+    def take(self, value: Any) -> TensorReservation | None:
+        """The reservation of region copy ``value``, for a holder that takes its charge
+        over (``tape.HeldBytes``); None if ``value`` is no held copy."""
         with self._lock:
             copy = self._copies.pop(id(value), None)
-        if copy is not None:
-            copy[1].release()
+        return None if copy is None else copy[1]
+
+    def give_back(self, value: Any, reservation: TensorReservation) -> None:
+        """A reservation ``take`` handed out that no holder took over."""
+        with self._lock:
+            self._copies[id(value)] = (value, reservation)
 
     def _keep(self, array: Any, nbytes: int) -> str:
         """``array`` kept in the session under a new id: a region copy on the bytes
         already reserved for it, anything else charged now."""
-        with self._lock:
-            copy = self._copies.pop(id(array), None)
-        if copy is not None:
-            return copy[1].keep(array)
+        reservation = self.take(array)
+        if reservation is not None:
+            return reservation.keep(array)
         return self.session.put(array, nbytes)
 
     def _step_output(self, ref: tensor_pb2.StepOutput, field: str) -> TensorArg | str:

@@ -88,6 +88,7 @@ def test_check_runs_before_every_step_and_can_abandon_the_call(monkeypatch):
         _grads(backend_numpy, case, activations, seq_len_max=7, check=deadline)
 
 
+@pytest.mark.parametrize("layout", list(lstm.GateLayout), ids=lambda g: g.value)
 @pytest.mark.parametrize("peephole", [False, True])
 @pytest.mark.parametrize("clip", [0.0, 0.3])
 @pytest.mark.parametrize(
@@ -100,7 +101,7 @@ def test_check_runs_before_every_step_and_can_abandon_the_call(monkeypatch):
     ],
     ids=["inf-and-zero-weights", "minus-inf", "nan", "overflow"],
 )
-def test_non_finite_gradients_match_the_generic_loop_exactly(poison, peephole, clip):
+def test_non_finite_gradients_match_the_generic_loop_exactly(poison, peephole, clip, layout):
     """Only products are regrouped, never sums: NaN and infinity land where the generic
     loop (and the CUDA kernel) put them."""
     case = random_case(np.random.default_rng(5), 6, 3, 4, 5, np.float32, 6, 1.0)
@@ -109,7 +110,7 @@ def test_non_finite_gradients_match_the_generic_loop_exactly(poison, peephole, c
             case[name][3] = value
         else:
             case[name][:] = value
-    attrs = dict(seq_len_max=6, use_peephole=peephole, cell_clip=clip)
+    attrs = dict(seq_len_max=6, use_peephole=peephole, cell_clip=clip, layout=layout)
     activations = lstm.block_lstm_forward(GENERIC, LSTMInputs(*(case[k] for k in INPUTS)), **attrs)
     with np.errstate(all="ignore"):
         got = _grads(backend_numpy, case, activations, **attrs)

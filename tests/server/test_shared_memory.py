@@ -409,6 +409,37 @@ def test_a_region_copy_held_by_a_tape_is_charged_once(objects):
         assert s.store.get(c.session_id).budget.used == 0
 
 
+def test_a_copy_no_tape_takes_stays_charged_to_the_call(objects, monkeypatch):
+    """The tape is released (by another call) while a Batch records on it: no tape
+    takes the step outputs' copies, which the Batch still holds, so they stay charged
+    until it ends."""
+    read = shm_wire.read_tensor
+    seen: list[int] = []
+    state: dict[str, str] = {}
+
+    def spy(session, msg, field):
+        if not seen:
+            session.release_tape(state["tape"])
+        array = read(session, msg, field)
+        seen.append(session.budget.used)
+        return array
+
+    monkeypatch.setattr(shm_wire, "read_tensor", spy)
+    with _tight_session(objects) as (s, c, value, region):
+        small = shared_input(region, [25 << 10])  # 100 KiB
+        step = tensor_array_pb2.StopGradientRequest(input=small)
+        request = service_pb2.BatchRequest(
+            steps=[service_pb2.BatchStep(stop_gradient=step) for _ in range(3)]
+        )
+        with c.gradient_tape(persistent=True) as tape:
+            state["tape"] = tape.id
+            c.keep_alive()  # the tape starts on the server
+            assert len(c._call("Batch", request).results) == 3
+        assert seen == [100 << 10, 200 << 10, 300 << 10]
+        c.keep_alive()
+        assert s.store.get(c.session_id).budget.used == 0
+
+
 def test_a_batch_gives_back_each_steps_input_copies_that_are_not_outputs(objects):
     """An LSTM's x read from a region is garbage once its step ends: three such steps
     fit a Batch in a session that holds only two of the copies at once."""
