@@ -217,11 +217,10 @@ class CallIO:
         still running): release the region copies now, or when that op ends."""
         with self._lock:
             self._ended = True
-            running = self._op_running
-            done = {} if running else self._copies
-            if not running:
-                self._copies = {}
-        for _, reservation in done.values():
+            if self._op_running:
+                return  # ``_after_op`` releases them
+            done, self._copies = list(self._copies.values()), {}
+        for _, reservation in done:
             reservation.release()
 
     def hand_over(self, value: TensorArg) -> None:
