@@ -120,6 +120,13 @@ def seconds(fn) -> float:
 
 
 def interleaved(fns: dict, rounds: int) -> dict[str, float]:
+    """Medians of ``rounds`` alternating calls of each fn, after one untimed call of
+    each: the CPU forward measures its formulations on the first call of a shape and
+    thread count (``lstm_cpu.Planner``), which a training loop pays once, not per
+    step; with few rounds that call moved the median (``--rounds 2``: 81 ms for a
+    20 ms forward)."""
+    for fn in fns.values():
+        fn()
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
