@@ -37,6 +37,7 @@ and GPU benchmark) calls is modelled; the rest is absent rather than loose.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import importlib
@@ -405,23 +406,38 @@ class DeviceArray:
 class DefaultPool:
     """cupy.get_default_memory_pool(): "used" counts the bytes of live device buffers
     allocated outside a private allocator (a buffer lives as long as any view of it);
-    "held" is the most ever used (a pool keeps freed blocks)."""
+    "held" is the most ever used (a pool keeps freed blocks).
+
+    A buffer's finalizer only appends its size to a deque: a garbage collection may run
+    it on a thread that holds ``_lock`` (inside ``_add``), where taking the lock again
+    deadlocked (a hang in ``make test``, in ``test_cuda_graphs``).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.used = self.peak = 0
+        self._freed: collections.deque[int] = collections.deque()
+        self._used = self.peak = 0
 
     def _track(self, buffer: np.ndarray) -> None:
         self._add(buffer.nbytes)
-        weakref.finalize(buffer, self._add, -buffer.nbytes)
+        weakref.finalize(buffer, self._freed.append, buffer.nbytes)
 
     def _add(self, nbytes: int) -> None:
         with self._lock:
-            self.used += nbytes
-            self.peak = max(self.peak, self.used)
+            self._used += nbytes - self._drain()
+            self.peak = max(self.peak, self._used)
+
+    def _drain(self) -> int:
+        """(holding ``_lock``) The bytes freed since the last call."""
+        freed = 0
+        while self._freed:
+            freed += self._freed.popleft()
+        return freed
 
     def used_bytes(self) -> int:
-        return self.used
+        with self._lock:
+            self._used -= self._drain()
+            return self._used
 
     def total_bytes(self) -> int:
         return self.peak

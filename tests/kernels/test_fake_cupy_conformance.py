@@ -17,8 +17,10 @@ and the recording with it when the versions agree.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -282,3 +284,38 @@ def test_every_cupy_name_the_cuda_code_uses_is_offered_by_the_stand_in():
     names = recorded.stand_in_names(stand_in())
     offered = {d.removeprefix("cupy.").removesuffix(RETURNED) for d, _, _ in names}
     assert used <= offered, used - offered
+
+
+def test_a_garbage_collection_inside_the_pool_lock_does_not_deadlock():
+    """A collection may run a freed buffer's finalizer on a thread that holds the
+    default pool's lock (it hung ``make test`` once, in ``test_cuda_graphs``): here one
+    runs each time the lock is taken, and the pool still counts every byte."""
+    pool = fake_cupy.DefaultPool()
+
+    class CollectingLock:
+        def __init__(self) -> None:
+            self._lock = threading.Lock()
+
+        def __enter__(self) -> None:
+            self._lock.acquire()
+            gc.collect()  # the worst moment for a collection
+
+        def __exit__(self, *exc: object) -> None:
+            self._lock.release()
+
+    pool._lock = CollectingLock()
+
+    def churn() -> None:
+        for _ in range(10):
+            buffer = np.empty(1 << 10, np.uint8)
+            cycle: list = [buffer]
+            cycle.append(cycle)  # freed only by a collection
+            pool._track(buffer)
+            del buffer, cycle
+
+    worker = threading.Thread(target=churn, daemon=True)
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive(), "deadlocked"
+    gc.collect()
+    assert pool.used_bytes() == 0 and pool.total_bytes() >= 1 << 10
