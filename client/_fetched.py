@@ -65,12 +65,14 @@ class Fetched:
             ids, self._ids = self._ids[:limit], self._ids[limit:]
         return ids
 
-    def give_back(self, ids: list[str]) -> None:
-        """Ids of a call that failed: the next call carries them."""
+    def give_back(self, ids: list[str], *, wake: bool = True) -> None:
+        """Ids of a call that failed: the next call carries them (or, with ``wake``,
+        the idle flush, if no call comes)."""
         if ids:
             with self._lock:
                 self._ids[:0] = ids
-            self._added.set()
+            if wake:
+                self._added.set()
 
     def __len__(self) -> int:
         with self._lock:
@@ -87,8 +89,7 @@ class Fetched:
             delete(ids)
         except GradserveError as e:
             log.warning("could not delete %d fetched tensor(s) yet: %s", len(ids), e)
-            with self._lock:  # no wake-up: the next call carries them
-                self._ids[:0] = ids
+            self.give_back(ids, wake=False)  # the next call carries them
 
     def close(self) -> None:
         self._closed.set()

@@ -182,14 +182,12 @@ class Recorder:
 
     def _keep(self, value: Any) -> str | None:
         reserved = self.held.take(value) if self.held is not None else None
+        held = None
         try:
             held = self.session.keep_for_tapes(self.tapes, value, reserved)
-        except BaseException:
-            if reserved is not None and self.held is not None:
-                self.held.give_back(value, reserved)
-            raise
-        if held is None and reserved is not None and self.held is not None:
-            self.held.give_back(value, reserved)  # no live tape took it
+        finally:
+            if held is None and reserved is not None and self.held is not None:
+                self.held.give_back(value, reserved)  # no live tape took it over
         if held is not None:
             self._held += [(tape, held) for tape in self.tapes]
         return held

@@ -129,8 +129,7 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         # Outputs stored for a response that never arrives (the deadline passed or the
         # client cancelled after the op's last check) would hold bytes under ids
         # nobody knows: the call's end deletes them.
-        context.add_done_callback(functools.partial(_forget_if_cancelled, io))
-        context.add_done_callback(lambda _: io.end())
+        context.add_done_callback(functools.partial(_call_over, io))
         return io
 
     async def _run(self, op: Op, io: CallIO, request: Message) -> Message:
@@ -335,9 +334,12 @@ class Liveness:
             raise NotFoundError("the session was closed", reason="SESSION_NOT_FOUND")
 
 
-def _forget_if_cancelled(io: CallIO, context: Any) -> None:
+def _call_over(io: CallIO, context: Any) -> None:
+    """The call ended (its response sent, or cancelled, or past its deadline): its
+    region copies go (``CallIO.end``), and so do its outputs if no response took them."""
     if context.cancelled():
         io.forget_outputs()
+    io.end()
 
 
 def _metadata(context: Any) -> dict[str, str]:

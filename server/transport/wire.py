@@ -95,9 +95,9 @@ class CallIO:
         #: op argument, or a TensorArray handle id).
         self.step: int | None = None
         self.produced: dict[int, dict[str, TensorArg | str]] = {}
-        #: Region copies made for op inputs, by ``id``, with their reservations.
-        self._copies: dict[int, tuple[np.ndarray, TensorReservation]] = {}
-        self._new_copies: list[int] = []  # made by the op running now
+        #: Region copies made for op inputs, by ``id``: (copy, reservation, the Batch
+        #: step that made it).
+        self._copies: dict[int, tuple[np.ndarray, TensorReservation, int | None]] = {}
         self._op_running = False  # ``run`` is running an op
         self._ended = False  # the call is over (``end``)
 
@@ -192,8 +192,7 @@ class CallIO:
             reservation.release()
             raise
         with self._lock:
-            self._copies[id(array)] = (array, reservation)
-            self._new_copies.append(id(array))
+            self._copies[id(array)] = (array, reservation, self.step)
         return array
 
     def _after_op(self) -> None:
@@ -202,14 +201,15 @@ class CallIO:
         held (a later step may name it) until the Batch ends."""
         with self._lock:
             self._op_running = False
-            made, self._new_copies = self._new_copies, []
             if self.step is None or self._ended:
                 done, self._copies = list(self._copies.values()), {}
-            else:  # this step's copies, but its outputs (O(copies): a Batch may be long)
+            else:  # this step's copies but its outputs (held: only earlier steps' outputs)
                 outputs = {id(v) for v in self.produced.get(self.step, {}).values()}
-                gone = {k for k in made if k in self._copies and k not in outputs}
+                gone = [
+                    k for k, c in self._copies.items() if c[2] == self.step and k not in outputs
+                ]
                 done = [self._copies.pop(k) for k in gone]
-        for _, reservation in done:
+        for _, reservation, _ in done:
             reservation.release()
 
     def end(self) -> None:
@@ -220,7 +220,7 @@ class CallIO:
             if self._op_running:
                 return  # ``_after_op`` releases them
             done, self._copies = list(self._copies.values()), {}
-        for _, reservation in done:
+        for _, reservation, _ in done:
             reservation.release()
 
     def hand_over(self, value: TensorArg) -> None:
@@ -240,7 +240,7 @@ class CallIO:
     def give_back(self, value: Any, reservation: TensorReservation) -> None:
         """A reservation ``take`` handed out that no holder took over."""
         with self._lock:
-            self._copies[id(value)] = (value, reservation)
+            self._copies[id(value)] = (value, reservation, self.step)
 
     def _keep(self, array: Any, nbytes: int) -> str:
         """``array`` kept in the session under a new id: a region copy on the bytes
