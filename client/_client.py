@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf import message_factory
 from google.protobuf.message import Message
 
 from gradserve import codec, dtypes, protocol
@@ -157,6 +158,22 @@ class Client:
             request_serializer=service_pb2.GetTensorRequest.SerializeToString,
             response_deserializer=codec.parse_chunk,
         )
+        # Op replies: their inline outputs are read from the bytes received as well.
+        for method in service_pb2.DESCRIPTOR.services_by_name["GradServe"].methods:
+            if method.client_streaming or method.server_streaming:
+                continue
+            parse = codec.reply_parser(message_factory.GetMessageClass(method.output_type))
+            if isinstance(parse, codec.ReplyParser):
+                request = message_factory.GetMessageClass(method.input_type)
+                setattr(
+                    self._stub,
+                    method.name,
+                    self._channel.unary_unary(
+                        f"/gradserve.v1.GradServe/{method.name}",
+                        request_serializer=request.SerializeToString,
+                        response_deserializer=parse,
+                    ),
+                )
         self._auth: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {token}"),) if token else ()
         )

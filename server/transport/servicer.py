@@ -303,7 +303,9 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
 
 def _op_rpc(op: Op) -> Any:
     async def method(self: GradServeServicer, request: Message, context: Any) -> Any:
-        return await self._run(op, self._io(context), request)
+        io = self._io(context)
+        io.inline_values = []  # the response is the call's own: see CallIO.inline_values
+        return await self._run(op, io, request)
 
     method.__name__ = method.__qualname__ = op.rpc
     method.__doc__ = f"Serves {op.rpc} with ``{op.handler.__module__}.{op.rpc}``."

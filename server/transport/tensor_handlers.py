@@ -66,7 +66,7 @@ class InlineTensorRPCs(ServicerPart):
             if key == protocol.RESPONSE_BUDGET_METADATA_KEY and str(value).isdigit():
                 budget = min(budget, int(value))
 
-        def get() -> Serialized:
+        def get() -> codec.Serialized:
             with session.reading(request.id) as kept:
                 size = protocol.encoded_size(dtypes.nbytes(kept), kept.ndim)
                 if size > budget:
@@ -75,7 +75,7 @@ class InlineTensorRPCs(ServicerPart):
                         f"({budget} bytes): fetch it with GetTensor",
                         reason="USE_GET_TENSOR",
                     )
-                message = Serialized(codec.serialize_tensor(host_array(self.compute, kept)))
+                message = codec.Serialized(codec.serialize_tensor(host_array(self.compute, kept)))
             if request.delete_after:
                 session.delete([request.id])
             return message
@@ -106,20 +106,3 @@ def on_loop(array: Any) -> bool:
         and array.dtype != dtypes.STRING
         and array.nbytes <= ON_LOOP_BYTES
     )
-
-
-class Serialized:
-    """A response already serialized: the server's response serializer
-    (``codec.serialize``) takes its ``SerializeToString``, the call's record its
-    ``ByteSize``."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    def SerializeToString(self) -> bytes:
-        return self.data
-
-    def ByteSize(self) -> int:
-        return len(self.data)

@@ -65,6 +65,10 @@ class CallIO:
     #: Same-host workers: the region this call writes its returned outputs into
     #: (``x-gradserve-output-region``), set by the servicer.
     shared_out: shm_wire.OutputArena | None = None
+    #: A unary op's own response: its inline outputs by field number, serialized
+    #: with it in one copy when the op ends (``codec.serialize_with_values``). None
+    #: where the response goes into another message (a Batch step's).
+    inline_values: list[tuple[int, np.ndarray]] | None = None
 
     def __init__(
         self,
@@ -117,6 +121,8 @@ class CallIO:
             self._op_running = True
         try:
             response = handler(self, request)
+            if self.inline_values:
+                response = self._with_inline_values(response)
             if recorder is not None:
                 recorder.commit()
             with self._lock:
@@ -127,6 +133,8 @@ class CallIO:
             self.session.delete(self._kept)
             return response
         except BaseException:
+            if self.inline_values:
+                self.inline_values = []
             if recorder is not None:
                 recorder.rollback()
             self.session.delete(self._kept)
@@ -137,6 +145,15 @@ class CallIO:
             self._kept = []
             self.recorder = None
             self._after_op()
+
+    def _with_inline_values(self, response: Any) -> codec.Serialized:
+        """``response`` serialized with its deferred inline outputs, here on the op's
+        thread (the event loop only passes the bytes on)."""
+        values, self.inline_values = self.inline_values or [], []
+        started = time.perf_counter()
+        serialized = codec.serialize_with_values(response, values)
+        observability.add_encode_time(time.perf_counter() - started)
+        return serialized
 
     def forget_outputs(self) -> None:
         """Delete what this call stored, and what its op still stores: its response did
@@ -310,8 +327,9 @@ class CallIO:
         """``response.field``: kept (as it is, host or device array), inline (from host
         memory) when it fits the response, else transient. ``tape_id``: a tape holds
         the output under that id, which the response carries and a kept or transient
-        ref shares (one tensor, charged once)."""
-        self.emit(array, getattr(response, field), field, keep, tape_id)
+        ref shares (one tensor, charged once). ``response`` is the handler's own."""
+        number = response.DESCRIPTOR.fields_by_name[field].number
+        self.emit(array, getattr(response, field), field, keep, tape_id, number)
 
     def emit(
         self,
@@ -320,9 +338,12 @@ class CallIO:
         field: str,
         keep: bool,
         tape_id: str | None = None,
+        number: int | None = None,
     ) -> None:
         """``output`` into the message ``out`` (an element of a repeated field), which
-        later Batch steps name ``field``."""
+        later Batch steps name ``field``. ``number``: ``out`` is the response's own
+        field of that number, whose inline value may be serialized with the response
+        (``inline_values``)."""
         if not hasattr(array, "__cuda_array_interface__"):  # scalars, lists: as NumPy
             array = np.asarray(array)
         self.produce(field, Resident(tape_id) if tape_id else array)
@@ -353,6 +374,13 @@ class CallIO:
             return
         self.response_left -= size
         array = host_array(self.compute, array)
+        if (
+            number is not None
+            and self.inline_values is not None
+            and codec.inlines_in_one_copy(array)
+        ):
+            self.inline_values.append((number, array))
+            return
         started = time.perf_counter()
         codec.encode(array, out.value)
         observability.add_encode_time(time.perf_counter() - started)

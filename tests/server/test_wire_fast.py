@@ -51,7 +51,7 @@ def same(out: np.ndarray, value: np.ndarray) -> bool:
 def test_serialized_tensors_are_what_protobuf_writes(array):
     expected = codec.encode(array).SerializeToString()
     assert serialize_tensor(array) == expected
-    served = tensor_handlers.Serialized(serialize_tensor(array))  # GetTensorInline's reply
+    served = codec.Serialized(serialize_tensor(array))  # GetTensorInline's reply
     assert served.SerializeToString() == expected and served.ByteSize() == len(expected)
 
 
