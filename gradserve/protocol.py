@@ -47,9 +47,9 @@ CHUNK_HEADER_BYTES = 1024
 
 def encoded_size(nbytes: int, ndim: int) -> int:
     """At most what a tensor of ``nbytes`` content and ``ndim`` dims adds to a message
-    (its content, dtype, tags and lengths, up to 11 bytes per dim): both ends budget
-    inline tensors with it."""
-    return nbytes + 32 + 11 * ndim
+    (its content, dtype, tags and lengths, up to 11 bytes per dim, and up to 17 bytes of
+    ``Tensor.padding``): both ends budget inline tensors with it."""
+    return nbytes + 48 + 11 * ndim
 
 
 #: Default ceiling of one unary message, each direction.

@@ -69,6 +69,8 @@ class CallIO:
     #: with it in one copy when the op ends (``codec.serialize_with_values``). None
     #: where the response goes into another message (a Batch step's).
     inline_values: list[tuple[int, np.ndarray]] | None = None
+    #: The response ``output`` wrote to: the one ``inline_values`` belong to.
+    _inline_owner: Any = None
 
     def __init__(
         self,
@@ -150,6 +152,8 @@ class CallIO:
         """``response`` serialized with its deferred inline outputs, here on the op's
         thread (the event loop only passes the bytes on)."""
         values, self.inline_values = self.inline_values or [], []
+        if response is not self._inline_owner:  # a handler's slip, never the client's
+            raise RuntimeError("the handler returned another message than its outputs'")
         started = time.perf_counter()
         serialized = codec.serialize_with_values(response, values)
         observability.add_encode_time(time.perf_counter() - started)
@@ -329,6 +333,7 @@ class CallIO:
         the output under that id, which the response carries and a kept or transient
         ref shares (one tensor, charged once). ``response`` is the handler's own."""
         number = response.DESCRIPTOR.fields_by_name[field].number
+        self._inline_owner = response
         self.emit(array, getattr(response, field), field, keep, tape_id, number)
 
     def emit(

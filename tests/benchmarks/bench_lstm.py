@@ -159,6 +159,15 @@ def blas_info() -> str:
         return f"threadpoolctl not installed; OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')}"
 
 
+def blas_environment() -> str:
+    """The variables that choose OpenBLAS's kernels. The project's machines set
+    ``OPENBLAS_CORETYPE=Haswell`` (older OpenBLAS builds went wrong on their CPU), which
+    holds a current NumPy to its AVX2 kernels on an AVX-512 CPU: a figure meant for a
+    deployment runs with both unset (``env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE``)."""
+    names = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+    return ", ".join(f"{n}={os.environ.get(n)}" for n in names)
+
+
 def bench_size(steps, batch, units, rounds, rpc_target):
     inputs = units
     weights, cs_grad, h_grad = make_inputs(steps, batch, units)
@@ -250,10 +259,7 @@ def main() -> None:
     parser.add_argument("--no-rpc", action="store_true")
     args = parser.parse_args()
     print(f"# gradserve LSTM benchmark (CPU, float32): {os.cpu_count()} CPUs; {blas_info()}")
-    print(
-        f"# OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')}; medians of "
-        f"{args.rounds} interleaved rounds"
-    )
+    print(f"# {blas_environment()}; medians of {args.rounds} interleaved rounds")
     server = None
     target = None
     if not args.no_rpc:

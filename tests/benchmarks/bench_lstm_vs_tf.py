@@ -359,7 +359,7 @@ def main() -> None:
         return
     if not args.tf_python:
         parser.error("--tf-python is required (a Python with tensorflow-cpu installed)")
-    from tests.benchmarks.bench_lstm import blas_info
+    from tests.benchmarks.bench_lstm import blas_environment, blas_info
 
     peephole = not args.no_peephole
     print(
@@ -368,8 +368,7 @@ def main() -> None:
         f"CPUs; medians of {args.rounds} interleaved rounds, {args.pause} s between calls; "
         f"'Nx TF' = TF time / ours\n"
         f"# commit {commit()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n"
-        f"# BLAS here: {blas_info()}; OPENBLAS_CORETYPE="
-        f"{os.environ.get('OPENBLAS_CORETYPE')} (the server inherits it)"
+        f"# BLAS here: {blas_info()}; {blas_environment()} (the server inherits them)"
     )
     results = []
     for threads in args.threads or [1, os.cpu_count()]:

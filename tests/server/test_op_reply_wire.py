@@ -5,6 +5,8 @@ protobuf writes and reads, for every dtype and every kind of output around them.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import random
 
 import numpy as np
@@ -34,15 +36,44 @@ def reply_with(values: dict[str, np.ndarray]) -> lstm_pb2.BlockLSTMResponse:
     return reply
 
 
+def without_padding(reply: lstm_pb2.BlockLSTMResponse) -> lstm_pb2.BlockLSTMResponse:
+    """``reply`` with every value's ``padding`` checked (zeros, at most 15 bytes) and
+    cleared."""
+    for name in FIELDS:
+        if getattr(reply, name).WhichOneof("result") != "value":
+            continue  # (clearing a field of an unset value would set it)
+        value = getattr(reply, name).value
+        assert value.padding == bytes(len(value.padding)) and len(value.padding) <= 15
+        value.ClearField("padding")
+    return reply
+
+
 @pytest.mark.parametrize(("array", "name"), NUMERIC, ids=[i for _, i in NUMERIC])
 def test_values_serialized_with_the_reply_read_as_protobuf_writes_them(array, name):
-    """The appended fields merge into the outputs protobuf already wrote (the tape id)."""
+    """The appended fields merge into the outputs protobuf already wrote (the tape id);
+    every content starts aligned in the message."""
     values = {"i": array, "h": array, "o": np.arange(3.0)}
     base = reply_with({})
     data = codec.serialize_with_values(
         base, [(NUMBER[k], v) for k, v in values.items()]
     ).SerializeToString()
-    assert lstm_pb2.BlockLSTMResponse.FromString(data) == reply_with(values)
+    parsed = lstm_pb2.BlockLSTMResponse.FromString(data)
+    for k in values:
+        content = getattr(parsed, k).value.content
+        if content:
+            assert _offsets(data, content) & {
+                o for o in range(0, len(data), codec.CONTENT_ALIGNMENT)
+            }
+    assert without_padding(parsed) == reply_with(values)
+
+
+def _offsets(data: bytes, part: bytes) -> set[int]:
+    """Where ``part`` occurs in ``data``."""
+    found, start = set(), data.find(part)
+    while start >= 0:
+        found.add(start)
+        start = data.find(part, start + 1)
+    return found
 
 
 def _random_reply(rng: random.Random) -> tuple[bytes, lstm_pb2.BlockLSTMResponse]:
@@ -79,12 +110,12 @@ def assert_same_reply(got, want: lstm_pb2.BlockLSTMResponse) -> None:
         which = theirs.WhichOneof("result")
         assert mine.WhichOneof("result") == which
         assert mine.tape_id == theirs.tape_id
+        a, b = _decoded(mine.value), _decoded(theirs.value)  # unset: the default's error
+        if isinstance(b, type):  # or protobuf's merge of two values: invalid
+            assert a is b
+        else:
+            assert isinstance(a, np.ndarray) and a.dtype == b.dtype and same(a, b)
         if which == "value":
-            a, b = _decoded(mine.value), _decoded(theirs.value)
-            if isinstance(b, type):  # protobuf's merge of two values: invalid
-                assert a is b
-            else:
-                assert isinstance(a, np.ndarray) and a.dtype == b.dtype and same(a, b)
             assert (mine.value.dtype, tuple(mine.value.shape)) == (
                 theirs.value.dtype,
                 tuple(theirs.value.shape),
@@ -101,9 +132,12 @@ def _decoded(value) -> np.ndarray | type:
         return type(e)
 
 
-@pytest.mark.parametrize("seed", range(60))
-def test_parsed_replies_read_as_protobuf_reads_them(seed, monkeypatch):
+@pytest.mark.parametrize("views_from", [0, codec.ONE_COPY_MIN_BYTES])
+@pytest.mark.parametrize("seed", range(40))
+def test_parsed_replies_read_as_protobuf_reads_them(seed, views_from, monkeypatch):
+    """``views_from``: the smallest value the parser leaves in the reply's bytes."""
     monkeypatch.setattr(codec, "REPLY_VIEW_MIN_BYTES", 0)
+    monkeypatch.setattr(codec, "ONE_COPY_MIN_BYTES", views_from)
     data, want = _random_reply(random.Random(seed))
     assert_same_reply(codec.reply_parser(lstm_pb2.BlockLSTMResponse)(data), want)
 
@@ -122,6 +156,28 @@ def test_inline_outputs_are_views_of_the_received_bytes():
     assert reply.ByteSize() == len(data)  # as received, as the message's would be
 
 
+def test_a_content_that_is_not_aligned_is_copied_aligned():
+    """What another writer sent unaligned is copied once: NumPy's slow path otherwise."""
+    data = b"\0" + np.arange(1000, dtype=np.float64).tobytes()
+    view = memoryview(data)[1:]
+    out = codec.decode(codec.WireTensor(tensor_pb2.DT_FLOAT64, (10, 100), view))
+    assert out.flags.aligned and not out.flags.writeable
+    assert np.array_equal(out.reshape(-1), np.arange(1000.0))
+    aligned = memoryview(np.arange(1000, dtype=np.float64).tobytes())
+    kept = codec.decode(codec.WireTensor(tensor_pb2.DT_FLOAT64, (1000,), aligned))
+    assert np.shares_memory(kept, np.frombuffer(aligned.obj, np.uint8))  # no copy
+
+
+def test_a_proxy_copies_and_prints(monkeypatch):
+    monkeypatch.setattr(codec, "REPLY_VIEW_MIN_BYTES", 0)
+    big = np.arange(1 << 14, dtype=np.float32)
+    data = codec.serialize_with_values(reply_with({}), [(1, big)]).SerializeToString()
+    reply = codec.reply_parser(lstm_pb2.BlockLSTMResponse)(data)
+    assert "Reply(" in repr(reply) and "InlineOutput(" in repr(reply.i)
+    copied = copy.copy(reply)
+    assert np.array_equal(codec.decode(copied.i.value), big)
+
+
 def test_small_replies_are_protobufs_own():
     data = reply_with({"i": np.arange(4.0)}).SerializeToString()
     assert len(data) < codec.REPLY_VIEW_MIN_BYTES
@@ -130,22 +186,34 @@ def test_small_replies_are_protobufs_own():
 
 
 def _unusual() -> list[bytes]:
-    """Encodings a parser must take but ``_split_values`` leaves to protobuf."""
-    value = codec.encode(np.arange(4, dtype=np.int32))
+    """Encodings a parser must take (or refuse) as protobuf does, values large enough
+    for ``_split_values`` to take them."""
+    value = codec.encode(np.arange(1 << 13, dtype=np.int32))  # 32 KiB
     output = tensor_pb2.TensorOutput(value=value).SerializeToString()
-    twice_in_one = tensor_pb2.TensorOutput(value=value).SerializeToString() * 2
-    field_1 = b"\x0a" + bytes([len(output)])  # BlockLSTMResponse.i, one-byte length
+    ref = tensor_pb2.TensorOutput(ref=tensor_pb2.ResidentTensor(id="r")).SerializeToString()
+
+    def field_1(body: bytes) -> bytes:  # BlockLSTMResponse.i
+        return b"\x0a" + codec._varint_bytes(len(body)) + body
+
+    size = codec._varint_bytes(len(output))  # the same number in 6 bytes:
+    over_long = bytes(b | 0x80 for b in size) + b"\x80" * (5 - len(size)) + b"\x00"
     return [
-        field_1 + output + field_1 + output,  # the same output's value twice: merged
-        b"\x0a" + bytes([len(twice_in_one)]) + twice_in_one,  # two values in one output
-        field_1 + output + b"\x40\x01",  # an unknown varint field (8)
-        field_1 + output + b"\x0a\x02\x18\x01",  # a varint inside a TensorOutput
-        field_1 + output[:-2],  # cut short
-        field_1 + output + b"\x0b",  # a group start: protobuf refuses it
+        field_1(output) + field_1(output),  # the same output's value twice: merged
+        field_1(output * 2),  # two values in one output
+        field_1(output) + field_1(ref),  # a later ref clears the value
+        field_1(output + ref),  # the same within one occurrence
+        field_1(output) + b"\x40\x01",  # an unknown varint field (8)
+        field_1(output) + b"\x0a\x02\x18\x01",  # a varint inside a TensorOutput
+        field_1(output)[:-2],  # cut short
+        field_1(output) + b"\x0b",  # a group start: protobuf refuses it
+        b"\x0a" + over_long + output,  # a length in 6 bytes: protobuf refuses it
     ]
 
 
-@pytest.mark.parametrize("data", _unusual())
+UNUSUAL = _unusual()
+
+
+@pytest.mark.parametrize("data", UNUSUAL, ids=[f"unusual{n}" for n in range(len(UNUSUAL))])
 def test_anything_unusual_is_left_to_protobuf(data, monkeypatch):
     """The same reply, or the same error, as protobuf's own parse."""
     monkeypatch.setattr(codec, "REPLY_VIEW_MIN_BYTES", 0)
@@ -164,9 +232,20 @@ def test_replies_without_outputs_at_the_top_are_protobufs_own():
 
 
 # ------------------------------------------------------------------ over the real path
-def test_an_lstm_forward_over_tcp_comes_in_one_copy_each_way(target, monkeypatch):
+def _owner(array: np.ndarray):
+    """The object whose memory ``array`` views."""
+    owner = array.base
+    while isinstance(owner, np.ndarray):
+        owner = owner.base
+    return owner.obj if isinstance(owner, memoryview) else owner
+
+
+@pytest.mark.parametrize("taped", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_an_lstm_forward_over_tcp_comes_in_one_copy_each_way(target, monkeypatch, dtype, taped):
     """The server serializes the large outputs with the reply; the SDK's arrays are
-    views of the one reply it received, equal to the kernel's outputs."""
+    aligned read-only views of the one reply it received, equal to the kernel's
+    outputs (under a tape too, where each output's tape id shifts the contents)."""
     from gradserve.kernels import backend_numpy, lstm
     from tests.benchmarks.bench_lstm import make_inputs
 
@@ -178,23 +257,22 @@ def test_an_lstm_forward_over_tcp_comes_in_one_copy_each_way(target, monkeypatch
         return serialize(message, values)
 
     monkeypatch.setattr(codec, "serialize_with_values", spy)
-    inputs, _, _ = make_inputs(6, 4, 256)  # each output 24 KiB
+    inputs, _, _ = make_inputs(6, 4, 256)  # each output 24 or 48 KiB
+    inputs = [np.asarray(a, dtype) for a in inputs]
     want = lstm.block_lstm_forward(
         backend_numpy, lstm.LSTMInputs(*inputs), seq_len_max=6, use_peephole=True
     )
     with gradserve.Client(target, shared_memory=False) as c:
-        got = c.raw_ops.BlockLSTMV2(np.int64(6), *inputs, use_peephole=True)
+        with c.gradient_tape() if taped else contextlib.nullcontext():
+            got = c.raw_ops.BlockLSTMV2(np.int64(6), *inputs, use_peephole=True)
     assert appended == [list(range(1, 8))]
-    bases = set()
+    owners = set()
     for mine, theirs in zip(got, want, strict=True):
         np.testing.assert_array_equal(mine, theirs)
-        assert not mine.flags.writeable
-        owner = mine.base
-        while isinstance(owner, np.ndarray):
-            owner = owner.base
-        assert isinstance(owner, memoryview) and isinstance(owner.obj, bytes)
-        bases.add(id(owner.obj))  # the reply's bytes
-    assert len(bases) == 1
+        assert mine.flags.aligned and not mine.flags.writeable
+        assert bool(getattr(mine, "tape_id", None)) == taped
+        owners.add(id(_owner(mine)))  # the reply's bytes
+    assert len(owners) == 1 and isinstance(_owner(got[0]), bytes)
 
 
 def test_small_and_large_outputs_of_one_reply_and_tape_ids(target):
@@ -212,3 +290,36 @@ def test_small_and_large_outputs_of_one_reply_and_tape_ids(target):
         np.testing.assert_array_equal(value, np.concatenate(rows))
         np.testing.assert_array_equal(lengths, [2, 2, 2])
         assert value.tape_id and lengths.tape_id and value.tape_id != lengths.tape_id
+        # The small output has bytes of its own: it does not keep the reply alive.
+        assert len(_owner(value)) > value.nbytes and len(_owner(lengths)) == lengths.nbytes
+
+
+def test_a_handler_that_returns_another_message_is_an_internal_slip(server):
+    """The values belong to the message ``output`` wrote to: appended to another they
+    would land in fields of another meaning, so the call fails instead."""
+    from gradserve.server.transport.wire import CallIO
+
+    session = server.store.create()
+    try:
+        io = CallIO(session, server.servicer.compute, inline_budget=1 << 24)
+        io.inline_values = []
+        big = np.arange(1 << 14, dtype=np.float32)
+
+        def handler(io, request):
+            io.output(big, lstm_pb2.BlockLSTMResponse(), "h", False)
+            return lstm_pb2.BlockLSTMResponse()
+
+        with pytest.raises(RuntimeError, match="another message"):
+            io.run(handler, None)
+        assert io.inline_values == []  # nothing left for a later op of the call
+
+        def right(io, request):
+            reply = lstm_pb2.BlockLSTMResponse()
+            io.output(big, reply, "h", False)
+            return reply
+
+        data = io.run(right, None).SerializeToString()
+        got = lstm_pb2.BlockLSTMResponse.FromString(data)
+        assert np.array_equal(codec.decode(got.h.value), big)
+    finally:
+        server.store.close(session.id, session.principal)

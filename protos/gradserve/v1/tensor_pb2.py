@@ -24,29 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19gradserve/v1/tensor.proto\x12\x0cgradserve.v1\"L\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.gradserve.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\x0c\"b\n\x0eResidentTensor\x12\n\n\x02id\x18\x01 \x01(\t\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.gradserve.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x11\n\ttransient\x18\x04 \x01(\x08\"\xac\x01\n\x0bTensorInput\x12%\n\x05value\x18\x01 \x01(\x0b\x32\x14.gradserve.v1.TensorH\x00\x12\r\n\x03ref\x18\x02 \x01(\tH\x00\x12/\n\x0bstep_output\x18\x03 \x01(\x0b\x32\x18.gradserve.v1.StepOutputH\x00\x12,\n\x06shared\x18\n \x01(\x0b\x32\x1a.gradserve.v1.SharedTensorH\x00\x42\x08\n\x06source\")\n\nStepOutput\x12\x0c\n\x04step\x18\x01 \x01(\x05\x12\r\n\x05\x66ield\x18\x02 \x01(\t\"\xab\x01\n\x0cTensorOutput\x12%\n\x05value\x18\x01 \x01(\x0b\x32\x14.gradserve.v1.TensorH\x00\x12+\n\x03ref\x18\x02 \x01(\x0b\x32\x1c.gradserve.v1.ResidentTensorH\x00\x12,\n\x06shared\x18\n \x01(\x0b\x32\x1a.gradserve.v1.SharedTensorH\x00\x12\x0f\n\x07tape_id\x18\x03 \x01(\tB\x08\n\x06result\"2\n\x0cPartialShape\x12\x14\n\x0cunknown_rank\x18\x01 \x01(\x08\x12\x0c\n\x04\x64ims\x18\x02 \x03(\x03\"e\n\x0bTensorChunk\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.gradserve.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x15\n\rcontent_bytes\x18\x04 \x01(\x03\"a\n\x0cSharedTensor\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.gradserve.v1.DType\x12\r\n\x05shape\x18\x04 \x03(\x03*\x8b\x02\n\x05\x44Type\x12\x0e\n\nDT_INVALID\x10\x00\x12\x0b\n\x07\x44T_BOOL\x10\x01\x12\x0b\n\x07\x44T_INT8\x10\x02\x12\x0c\n\x08\x44T_INT16\x10\x03\x12\x0c\n\x08\x44T_INT32\x10\x04\x12\x0c\n\x08\x44T_INT64\x10\x05\x12\x0c\n\x08\x44T_UINT8\x10\x06\x12\r\n\tDT_UINT16\x10\x07\x12\r\n\tDT_UINT32\x10\x08\x12\r\n\tDT_UINT64\x10\t\x12\x0e\n\nDT_FLOAT16\x10\n\x12\x0e\n\nDT_FLOAT32\x10\x0b\x12\x0e\n\nDT_FLOAT64\x10\x0c\x12\x10\n\x0c\x44T_COMPLEX64\x10\r\x12\x11\n\rDT_COMPLEX128\x10\x0e\x12\x0f\n\x0b\x44T_BFLOAT16\x10\x0f\x12\r\n\tDT_STRING\x10\x10\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19gradserve/v1/tensor.proto\x12\x0cgradserve.v1\"]\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.gradserve.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\x0c\x12\x0f\n\x07padding\x18\x0f \x01(\x0c\"b\n\x0eResidentTensor\x12\n\n\x02id\x18\x01 \x01(\t\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.gradserve.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x11\n\ttransient\x18\x04 \x01(\x08\"\xac\x01\n\x0bTensorInput\x12%\n\x05value\x18\x01 \x01(\x0b\x32\x14.gradserve.v1.TensorH\x00\x12\r\n\x03ref\x18\x02 \x01(\tH\x00\x12/\n\x0bstep_output\x18\x03 \x01(\x0b\x32\x18.gradserve.v1.StepOutputH\x00\x12,\n\x06shared\x18\n \x01(\x0b\x32\x1a.gradserve.v1.SharedTensorH\x00\x42\x08\n\x06source\")\n\nStepOutput\x12\x0c\n\x04step\x18\x01 \x01(\x05\x12\r\n\x05\x66ield\x18\x02 \x01(\t\"\xab\x01\n\x0cTensorOutput\x12%\n\x05value\x18\x01 \x01(\x0b\x32\x14.gradserve.v1.TensorH\x00\x12+\n\x03ref\x18\x02 \x01(\x0b\x32\x1c.gradserve.v1.ResidentTensorH\x00\x12,\n\x06shared\x18\n \x01(\x0b\x32\x1a.gradserve.v1.SharedTensorH\x00\x12\x0f\n\x07tape_id\x18\x03 \x01(\tB\x08\n\x06result\"2\n\x0cPartialShape\x12\x14\n\x0cunknown_rank\x18\x01 \x01(\x08\x12\x0c\n\x04\x64ims\x18\x02 \x03(\x03\"e\n\x0bTensorChunk\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.gradserve.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x15\n\rcontent_bytes\x18\x04 \x01(\x03\"a\n\x0cSharedTensor\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.gradserve.v1.DType\x12\r\n\x05shape\x18\x04 \x03(\x03*\x8b\x02\n\x05\x44Type\x12\x0e\n\nDT_INVALID\x10\x00\x12\x0b\n\x07\x44T_BOOL\x10\x01\x12\x0b\n\x07\x44T_INT8\x10\x02\x12\x0c\n\x08\x44T_INT16\x10\x03\x12\x0c\n\x08\x44T_INT32\x10\x04\x12\x0c\n\x08\x44T_INT64\x10\x05\x12\x0c\n\x08\x44T_UINT8\x10\x06\x12\r\n\tDT_UINT16\x10\x07\x12\r\n\tDT_UINT32\x10\x08\x12\r\n\tDT_UINT64\x10\t\x12\x0e\n\nDT_FLOAT16\x10\n\x12\x0e\n\nDT_FLOAT32\x10\x0b\x12\x0e\n\nDT_FLOAT64\x10\x0c\x12\x10\n\x0c\x44T_COMPLEX64\x10\r\x12\x11\n\rDT_COMPLEX128\x10\x0e\x12\x0f\n\x0b\x44T_BFLOAT16\x10\x0f\x12\r\n\tDT_STRING\x10\x10\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gradserve.v1.tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=868
-  _globals['_DTYPE']._serialized_end=1135
+  _globals['_DTYPE']._serialized_start=885
+  _globals['_DTYPE']._serialized_end=1152
   _globals['_TENSOR']._serialized_start=43
-  _globals['_TENSOR']._serialized_end=119
-  _globals['_RESIDENTTENSOR']._serialized_start=121
-  _globals['_RESIDENTTENSOR']._serialized_end=219
-  _globals['_TENSORINPUT']._serialized_start=222
-  _globals['_TENSORINPUT']._serialized_end=394
-  _globals['_STEPOUTPUT']._serialized_start=396
-  _globals['_STEPOUTPUT']._serialized_end=437
-  _globals['_TENSOROUTPUT']._serialized_start=440
-  _globals['_TENSOROUTPUT']._serialized_end=611
-  _globals['_PARTIALSHAPE']._serialized_start=613
-  _globals['_PARTIALSHAPE']._serialized_end=663
-  _globals['_TENSORCHUNK']._serialized_start=665
-  _globals['_TENSORCHUNK']._serialized_end=766
-  _globals['_SHAREDTENSOR']._serialized_start=768
-  _globals['_SHAREDTENSOR']._serialized_end=865
+  _globals['_TENSOR']._serialized_end=136
+  _globals['_RESIDENTTENSOR']._serialized_start=138
+  _globals['_RESIDENTTENSOR']._serialized_end=236
+  _globals['_TENSORINPUT']._serialized_start=239
+  _globals['_TENSORINPUT']._serialized_end=411
+  _globals['_STEPOUTPUT']._serialized_start=413
+  _globals['_STEPOUTPUT']._serialized_end=454
+  _globals['_TENSOROUTPUT']._serialized_start=457
+  _globals['_TENSOROUTPUT']._serialized_end=628
+  _globals['_PARTIALSHAPE']._serialized_start=630
+  _globals['_PARTIALSHAPE']._serialized_end=680
+  _globals['_TENSORCHUNK']._serialized_start=682
+  _globals['_TENSORCHUNK']._serialized_end=783
+  _globals['_SHAREDTENSOR']._serialized_start=785
+  _globals['_SHAREDTENSOR']._serialized_end=882
 # @@protoc_insertion_point(module_scope)

@@ -45,14 +45,16 @@ DT_BFLOAT16: DType
 DT_STRING: DType
 
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "content")
+    __slots__ = ("dtype", "shape", "content", "padding")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    PADDING_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     content: bytes
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., content: _Optional[bytes] = ...) -> None: ...
+    padding: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., content: _Optional[bytes] = ..., padding: _Optional[bytes] = ...) -> None: ...
 
 class ResidentTensor(_message.Message):
     __slots__ = ("id", "dtype", "shape", "transient")
