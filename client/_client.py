@@ -32,6 +32,7 @@ from gradserve.errors import (
     GradserveError,
     InvalidArgumentError,
     NotFoundError,
+    ResourceExhaustedError,
     UnavailableError,
     UnimplementedError,
 )
@@ -531,7 +532,8 @@ class Client:
             self._unary_tensors
             and isinstance(ref, TensorRef)
             and ref.dtype != dtypes.STRING
-            and ref.nbytes < min(self.stream_threshold, self.inline_budget)
+            and ref.nbytes < self.stream_threshold
+            and protocol.encoded_size(ref.nbytes, len(ref.shape)) <= self.inline_budget
         ):  # one unary call: cheaper than a stream
             request = service_pb2.GetTensorRequest(id=ref.id)
             try:
@@ -539,6 +541,9 @@ class Client:
                 return codec.decode(reply, field="GetTensorInline")
             except UnimplementedError:  # an older server: streams only
                 self._unary_tensors = False
+            except ResourceExhaustedError as e:  # a server that budgets it larger
+                if e.reason != "USE_GET_TENSOR":
+                    raise
         return self._fetch(ref.id if isinstance(ref, TensorRef) else ref, delete_after=False)
 
     def delete(self, *refs: TensorRef | str) -> int:

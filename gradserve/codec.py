@@ -682,6 +682,7 @@ def _split_values(data: bytes, names: dict[int, str]) -> tuple[bytes, dict[str, 
     end = len(data)
     parts: list[bytes | memoryview] = []
     values: dict[str, WireTensor] = {}
+    valued: set[int] = set()  # the outputs that carried a value
     pos = 0
     try:
         while pos < end:
@@ -701,10 +702,12 @@ def _split_values(data: bytes, names: dict[int, str]) -> tuple[bytes, dict[str, 
                     raise _UnusualError
                 found = _output_without_content(view[pos:stop]) if number in names else None
                 pos = stop
-                if found is not None:
-                    output, value = found
-                    if names[number] in values:
+                if found is not None:  # a value: one per output, as protobuf would merge
+                    if number in valued:
                         raise _UnusualError
+                    valued.add(number)
+                if found is not None and found is not _SMALL_VALUE:
+                    output, value = found
                     values[names[number]] = value
                     parts += (_length_delimited(number, len(output)), output)
                     continue
@@ -718,11 +721,15 @@ def _split_values(data: bytes, names: dict[int, str]) -> tuple[bytes, dict[str, 
     return b"".join(parts), values
 
 
-def _output_without_content(data: memoryview) -> tuple[bytes, WireTensor] | None:
+#: ``_output_without_content``'s answer for a value it leaves to protobuf.
+_SMALL_VALUE: Any = object()
+
+
+def _output_without_content(data: memoryview) -> tuple[bytes, WireTensor] | Any | None:
     """A serialized ``TensorOutput`` with its ``value`` reduced to dtype and shape, and
-    that value; None where it has no value, or one under ``ONE_COPY_MIN_BYTES`` (left
-    to protobuf: a small output that outlives the others should not keep the whole
-    reply in memory)."""
+    that value; None where it has no value; ``_SMALL_VALUE`` for a value under
+    ``ONE_COPY_MIN_BYTES``, left to protobuf (a small output that outlives the others
+    should not keep the whole reply in memory)."""
     end = len(data)
     parts: list[bytes | memoryview] = []
     value = None
@@ -742,7 +749,7 @@ def _output_without_content(data: memoryview) -> tuple[bytes, WireTensor] | None
                 raise _UnusualError
             dtype, shape, content, _ = _fields(data[pos:stop], 3)
             if len(content) < ONE_COPY_MIN_BYTES:
-                return None  # a small value: its own bytes, not a view of the reply
+                return _SMALL_VALUE
             value = WireTensor(dtype, shape, content)
             enum: Any = dtype  # DType is an open enum: any value parses
             placeholder = tensor_pb2.Tensor(dtype=enum, shape=shape)

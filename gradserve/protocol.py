@@ -47,8 +47,10 @@ CHUNK_HEADER_BYTES = 1024
 
 def encoded_size(nbytes: int, ndim: int) -> int:
     """At most what a tensor of ``nbytes`` content and ``ndim`` dims adds to a message
-    (its content, dtype, tags and lengths, up to 11 bytes per dim, and up to 17 bytes of
-    ``Tensor.padding``): both ends budget inline tensors with it."""
+    (its content, dtype, tags and lengths, up to 11 bytes per dim, and ``Tensor.padding``:
+    17 bytes, or up to 33 where the padding pushes a length past a varint boundary,
+    which only a content of 2 MiB or more has, whose dims then use at most 5 of their
+    11 bytes): both ends budget inline tensors with it."""
     return nbytes + 48 + 11 * ndim
 
 

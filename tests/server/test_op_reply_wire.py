@@ -37,13 +37,13 @@ def reply_with(values: dict[str, np.ndarray]) -> lstm_pb2.BlockLSTMResponse:
 
 
 def without_padding(reply: lstm_pb2.BlockLSTMResponse) -> lstm_pb2.BlockLSTMResponse:
-    """``reply`` with every value's ``padding`` checked (zeros, at most 15 bytes) and
+    """``reply`` with every value's ``padding`` checked (zeros, at most 31 bytes) and
     cleared."""
     for name in FIELDS:
         if getattr(reply, name).WhichOneof("result") != "value":
             continue  # (clearing a field of an unset value would set it)
         value = getattr(reply, name).value
-        assert value.padding == bytes(len(value.padding)) and len(value.padding) <= 15
+        assert value.padding == bytes(len(value.padding)) and len(value.padding) <= 31
         value.ClearField("padding")
     return reply
 
@@ -156,6 +156,21 @@ def test_inline_outputs_are_views_of_the_received_bytes():
     assert reply.ByteSize() == len(data)  # as received, as the message's would be
 
 
+@pytest.mark.parametrize("nbytes", [2_097_124, 2_097_129, (1 << 21) - 7])
+def test_padding_past_a_length_boundary_still_aligns(nbytes):
+    """Where the padding pushes a length past a varint boundary (2**21 here), the
+    shortest padding that aligns is longer than 17 bytes; it is still found."""
+    array = np.arange(nbytes, dtype=np.uint64).astype(np.uint8)
+    data = codec.serialize_tensor(array)
+    assert (len(data) - nbytes) % codec.CONTENT_ALIGNMENT == 0  # the content comes last
+    assert np.array_equal(codec.decode(tensor_pb2.Tensor.FromString(data)), array)
+    data = codec.serialize_with_values(reply_with({}), [(5, array)]).SerializeToString()
+    assert (len(data) - nbytes) % codec.CONTENT_ALIGNMENT == 0
+    out = codec.decode(codec.reply_parser(lstm_pb2.BlockLSTMResponse)(data).ci.value)
+    assert out.flags.aligned and np.array_equal(out, array)
+    assert np.shares_memory(out, np.frombuffer(data, np.uint8))
+
+
 def test_a_content_that_is_not_aligned_is_copied_aligned():
     """What another writer sent unaligned is copied once: NumPy's slow path otherwise."""
     data = b"\0" + np.arange(1000, dtype=np.float64).tobytes()
@@ -195,11 +210,15 @@ def _unusual() -> list[bytes]:
     def field_1(body: bytes) -> bytes:  # BlockLSTMResponse.i
         return b"\x0a" + codec._varint_bytes(len(body)) + body
 
+    small = tensor_pb2.TensorOutput(value=codec.encode(np.arange(4, dtype=np.int32)))
+    small_output = small.SerializeToString()
     size = codec._varint_bytes(len(output))  # the same number in 6 bytes:
     over_long = bytes(b | 0x80 for b in size) + b"\x80" * (5 - len(size)) + b"\x00"
     return [
         field_1(output) + field_1(output),  # the same output's value twice: merged
         field_1(output * 2),  # two values in one output
+        field_1(output) + field_1(small_output),  # a large and a small value: merged
+        field_1(small_output) + field_1(output),
         field_1(output) + field_1(ref),  # a later ref clears the value
         field_1(output + ref),  # the same within one occurrence
         field_1(output) + b"\x40\x01",  # an unknown varint field (8)
@@ -323,3 +342,31 @@ def test_a_handler_that_returns_another_message_is_an_internal_slip(server):
         assert np.array_equal(codec.decode(got.h.value), big)
     finally:
         server.store.close(session.id, session.principal)
+
+
+@pytest.mark.parametrize("nbytes", [99_941, 99_942, 99_958, 99_999, 100_000])
+def test_a_get_at_the_edge_of_the_inline_budget_comes_back(target, nbytes):
+    """The SDK budgets a unary get as the server does (``encoded_size``), and a server
+    that budgets it larger still says USE_GET_TENSOR: then it streams it."""
+    value = np.arange(nbytes, dtype=np.uint64).astype(np.uint8)
+    budget = 100_000  # the client's inline budget: its limit less the message overhead
+    max_bytes = budget + gradserve.protocol.MESSAGE_OVERHEAD_BYTES
+    with gradserve.Client(target, shared_memory=False, max_message_bytes=max_bytes) as c:
+        ref = c.put(value)
+        assert np.array_equal(c.get(ref), value)
+
+
+def test_a_get_the_server_budgets_larger_is_streamed(target, monkeypatch):
+    """A client whose budget of a tensor is smaller than the server's (another version's
+    ``encoded_size``) is refused USE_GET_TENSOR, and streams the tensor instead."""
+    import types
+
+    from gradserve.client import _client
+
+    shim = types.SimpleNamespace(**vars(gradserve.protocol))
+    shim.encoded_size = lambda nbytes, ndim: nbytes  # no room for tags: too small
+    monkeypatch.setattr(_client, "protocol", shim)
+    value = np.arange(99_999, dtype=np.uint64).astype(np.uint8)
+    max_bytes = 100_000 + gradserve.protocol.MESSAGE_OVERHEAD_BYTES
+    with gradserve.Client(target, shared_memory=False, max_message_bytes=max_bytes) as c:
+        assert np.array_equal(c.get(c.put(value)), value)
