@@ -206,15 +206,11 @@ class WireContent:
             yield _with_data(b"", raw[start : start + step])
 
 
-#: ``TensorChunk.data``'s tag: field 3, length-delimited.
-_DATA_TAG = bytes([3 << 3 | 2])
-
-
 def _with_data(head: bytes, data: memoryview) -> bytes:
-    """``head`` followed by the serialized field ``data = data``."""
+    """``head`` followed by the serialized field ``data = data`` (``TensorChunk``'s 3)."""
     if not len(data):
         return head
-    return b"".join((head, _DATA_TAG, _varint_bytes(len(data)), data))
+    return b"".join((head, _length_delimited(3, len(data)), data))
 
 
 def _varint_bytes(value: int) -> bytes:
@@ -636,7 +632,7 @@ def reply_parser(message_type: Any) -> Callable[[bytes], Any]:
     names = {
         f.number: f.name
         for f in message_type.DESCRIPTOR.fields
-        if f.message_type is tensor_pb2.TensorOutput.DESCRIPTOR and not _is_repeated(f)
+        if f.message_type is tensor_pb2.TensorOutput.DESCRIPTOR and not f.is_repeated
     }
     return ReplyParser(message_type, names) if names else message_type.FromString
 
@@ -664,13 +660,6 @@ class ReplyParser:
             return self.message_type.FromString(data)
         message = self.message_type.FromString(rest)
         return Reply(message, values, len(data)) if values else message
-
-
-def _is_repeated(field: Any) -> bool:
-    is_repeated = getattr(field, "is_repeated", None)  # protobuf >= 5.29
-    if is_repeated is not None:
-        return bool(is_repeated)
-    return bool(field.label == field.LABEL_REPEATED)
 
 
 def _split_values(data: bytes, names: dict[int, str]) -> tuple[bytes, dict[str, WireTensor]]:
