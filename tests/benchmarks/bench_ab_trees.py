@@ -36,15 +36,21 @@ def worker(target: str, op: str, steps: int, batch: int, units: int, shm: bool) 
     import gradserve
     from tests.benchmarks.bench_lstm import make_inputs
 
-    inputs, cs_grad, h_grad = make_inputs(steps, batch, units)
     client = gradserve.Client(target, shared_memory=shm)
-    length = np.int64(steps)
-    refs = [client.put(a) for a in inputs]
     raw = client.raw_ops
+    if op != "stop":
+        inputs, cs_grad, h_grad = make_inputs(steps, batch, units)
+        length = np.int64(steps)
+        refs = [client.put(a) for a in inputs]
     if op == "fwd":
 
         def call():
             return raw.BlockLSTMV2(length, *refs, use_peephole=True)
+    elif op == "stop":  # one output of T * B * H float32, inline below the threshold
+        ref = client.put(np.ones(steps * batch * units, np.float32))
+
+        def call():
+            return raw.StopGradient(input=ref)
     elif op == "kept":
 
         def call():
@@ -108,7 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old", help="the old checkout")
     parser.add_argument("--new", default=".", help="the new checkout")
-    parser.add_argument("--op", choices=["fwd", "kept", "bwd"], default="fwd")
+    parser.add_argument("--op", choices=["fwd", "kept", "bwd", "stop"], default="fwd")
     parser.add_argument("--size", type=int, nargs=3, default=[50, 32, 256], metavar="N")
     parser.add_argument("--threads", type=int, default=2, help="BLAS threads of both servers")
     parser.add_argument("--transport", choices=["tcp", "shm"], default="tcp")
