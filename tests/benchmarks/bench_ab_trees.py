@@ -83,6 +83,16 @@ class Tree:
              "--max-message-bytes", str(1 << 30)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=path,
         )  # fmt: skip
+        try:
+            self._start_worker(path, python, env, args)
+        except BaseException:
+            self.server.kill()  # a worker that did not start leaves no server behind
+            self.server.wait()
+            raise
+
+    def _start_worker(
+        self, path: str, python: str, env: dict[str, str], args: argparse.Namespace
+    ) -> None:
         match = None
         while match is None:
             line = self.server.stdout.readline()
@@ -97,6 +107,8 @@ class Tree:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=path,
         )  # fmt: skip
         if self.worker.stdout.readline().strip() != "ready":
+            self.worker.kill()
+            self.worker.wait()
             raise RuntimeError(f"the client of {path} stopped")
 
     def call(self) -> float:
