@@ -301,7 +301,16 @@ def _tensor_parts(
     head = tensor_pb2.Tensor(dtype=content.dtype, shape=content.shape).SerializeToString()
     data = content.data
     data_field = _length_delimited(3, len(data)) if len(data) else b""
-    for padding in _PADDINGS:
+    # The padding that aligns the content if the fields before it keep their size. A
+    # padding can only make them longer, by a byte for each length that holds it and
+    # crosses a varint boundary (``wrap``'s two at most), so the search starts two
+    # bytes short of that padding: at most five tries, not up to 33.
+    unpadded = len(head) + len(data_field) + len(data)
+    start = offset + sum(map(len, wrap(unpadded))) + len(head) + len(data_field)
+    need = -start % CONTENT_ALIGNMENT
+    if need == 1:  # a padding field is 0 or at least 2 bytes
+        need += CONTENT_ALIGNMENT
+    for padding in _PADDINGS[max(0, need - 4) :]:  # _PADDINGS[k] is k + 1 bytes long
         tensor_size = len(head) + len(padding) + len(data_field) + len(data)
         before = wrap(tensor_size)
         start = offset + sum(map(len, before)) + len(head) + len(padding) + len(data_field)

@@ -135,8 +135,6 @@ class CallIO:
             self.session.delete(self._kept)
             return response
         except BaseException:
-            if self.inline_values:
-                self.inline_values = []
             if recorder is not None:
                 recorder.rollback()
             self.session.delete(self._kept)
@@ -145,17 +143,18 @@ class CallIO:
             raise
         finally:
             self._kept = []
+            if self.inline_values:  # serialized, or the op failed: none for a next op
+                self.inline_values.clear()
             self.recorder = None
             self._after_op()
 
     def _with_inline_values(self, response: Any) -> codec.Serialized:
         """``response`` serialized with its deferred inline outputs, here on the op's
         thread (the event loop only passes the bytes on)."""
-        values, self.inline_values = self.inline_values or [], []
         if response is not self._inline_owner:  # a handler's slip, never the client's
             raise RuntimeError("the handler returned another message than its outputs'")
         started = time.perf_counter()
-        serialized = codec.serialize_with_values(response, values)
+        serialized = codec.serialize_with_values(response, self.inline_values or [])
         observability.add_encode_time(time.perf_counter() - started)
         return serialized
 

@@ -370,3 +370,34 @@ def test_a_get_the_server_budgets_larger_is_streamed(target, monkeypatch):
     max_bytes = 100_000 + gradserve.protocol.MESSAGE_OVERHEAD_BYTES
     with gradserve.Client(target, shared_memory=False, max_message_bytes=max_bytes) as c:
         assert np.array_equal(c.get(c.put(value)), value)
+
+
+@pytest.mark.parametrize("number", [1, 300])
+def test_the_padding_is_the_shortest_that_aligns(number):
+    """Against every padding tried in turn, around the lengths where a varint grows
+    (the one that holds the output and the one that holds its value both may)."""
+
+    def wrap(size: int) -> list[bytes]:
+        value = codec._length_delimited(1, size)
+        return [codec._length_delimited(number, len(value) + size), value]
+
+    for size in [*range(90, 130), *range(16_330, 16_390)]:
+        content = codec.WireContent(np.zeros(size, np.uint8))
+        head = len(tensor_pb2.Tensor(dtype=content.dtype, shape=content.shape).SerializeToString())
+        for offset in range(0, 32, 3):
+            parts = codec._tensor_parts(content, offset, wrap)
+            chosen = parts[-3]
+            shortest = next(
+                p
+                for p in codec._PADDINGS
+                if (
+                    offset
+                    + sum(map(len, wrap(head + len(p) + len(parts[-2]) + size)))
+                    + head
+                    + len(p)
+                    + len(parts[-2])
+                )
+                % codec.CONTENT_ALIGNMENT
+                == 0
+            )
+            assert chosen == shortest, (size, offset)
