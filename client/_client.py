@@ -16,7 +16,7 @@ import numpy as np
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 
-from gradserve import codec, dtypes, protocol
+from gradserve import codec, dtypes, heap, protocol
 from gradserve.client import _shm
 from gradserve.client._convert import to_array
 from gradserve.client._errors import CHANNEL_GONE, answered, dropped, from_rpc_error
@@ -85,6 +85,13 @@ class Client:
         back a nonce written into a fresh region) and the wire otherwise; True
         raises if it cannot be used; False never uses it. String tensors always
         travel on the wire.
+    keep_heap_warm:
+        Set glibc's malloc thresholds for this process (once; ``gradserve.heap``):
+        buffers under 32 MiB come from the heap and up to 128 MiB of freed heap
+        stay mapped, so the replies this client receives land in memory touched
+        before instead of fresh pages (a fault per 4 KiB page cost a 1 MiB put
+        1.3 ms more on each side of the wire here). Process-wide: False leaves
+        malloc's settings as they are (another client may still set them).
 
     Every call carries an ``x-request-id`` (also on raised errors as
     ``.request_id``) that the server logs. Use as a context manager: the
@@ -109,7 +116,10 @@ class Client:
         keepalive: bool = True,
         shared_memory: bool | str = "auto",
         shared_memory_min_bytes: int = _shm.DEFAULT_MIN_BYTES,
+        keep_heap_warm: bool = True,
     ) -> None:
+        if keep_heap_warm:
+            heap.keep_warm()
         self.target = target
         self.timeout = timeout
         self.stream_threshold = stream_threshold
@@ -499,7 +509,6 @@ class Client:
         if (
             self._unary_tensors
             and nbytes < self.stream_threshold
-            and nbytes <= _UNARY_PUT_BYTES
             and protocol.encoded_size(nbytes, array.ndim) <= self.request_budget
         ):  # one unary call: cheaper than a stream
             try:
@@ -643,11 +652,6 @@ OUTCOME_UNKNOWN = (
 #: RPCs that record on the gradient tapes active when they are called.
 _RECORDED = (set(protocol.BATCH_FIELDS) | {"Batch"}) - {"Gradients"}
 
-#: ``put`` sends tensors up to this size in one unary message: above it, the server
-#: takes one message in slower than a stream of smaller ones, each copy of it landing
-#: in freshly mapped memory (loopback, 2 cores: 256 KiB unary in 0.9 ms, streamed 1.2;
-#: 384 KiB 1.55 ms unary, 1.3 streamed; 1 MiB 1.7-3.1 ms unary, 1.5-1.7 streamed).
-_UNARY_PUT_BYTES = 256 * 1024
 #: The smallest chunk ``put`` cuts (the server's floor as well).
 _MIN_CHUNK_BYTES = 64 * 1024
 

@@ -137,7 +137,7 @@ def _strings(content: bytes | memoryview, shape: tuple[int, ...], field: str) ->
     return array
 
 
-def decode(msg: tensor_pb2.Tensor, *, field: str = "tensor") -> np.ndarray:
+def decode(msg: tensor_pb2.Tensor | WireTensor, *, field: str = "tensor") -> np.ndarray:
     """A read-only array viewing the message's bytes; validates dtype and size."""
     dtype = dtype_from_enum(msg.dtype, field=field)
     shape = tuple(msg.shape)
@@ -511,11 +511,14 @@ def _fields(data: bytes | memoryview, last: int) -> tuple[int, tuple[int, ...], 
     """dtype (1), shape (2), bytes (3) and, if ``last`` is 4, content_bytes (4) of a
     serialized ``Tensor`` or ``TensorChunk``, the bytes a view of ``data``; raises
     ``_UnusualError`` for anything but the plain encoding of those fields as protobuf
-    writes it (unknown or repeated fields, negative numbers, data cut short), but a
-    ``Tensor``'s ``padding``, skipped."""
+    writes it (unknown or repeated fields, negative numbers, data cut short, more dims
+    than ``shapes.MAX_RANK``: a hostile request's, a loop of Python per dim on the
+    server's event loop, where protobuf reads them in C), but a ``Tensor``'s
+    ``padding``, skipped."""
     view = memoryview(data)
     end = len(data)
-    dtype, count, shape, content = 0, 0, [], view[:0]
+    dtype, count, content = 0, 0, view[:0]
+    shape: list[int] = []
     seen: set[int] = set()
     pos = 0
     try:
@@ -530,14 +533,16 @@ def _fields(data: bytes | memoryview, last: int) -> tuple[int, tuple[int, ...], 
             elif number == 2 and wire_type == 2:  # packed dims
                 size, pos = _key_or_length(data, pos)
                 stop = pos + size
-                while pos < stop:
+                while pos < stop and len(shape) <= shapes.MAX_RANK:
                     dim, pos = _varint(data, pos)
                     shape.append(dim)
-                if pos != stop:
+                if pos != stop or len(shape) > shapes.MAX_RANK:
                     raise _UnusualError
             elif number == 2 and wire_type == 0:
                 dim, pos = _varint(data, pos)
                 shape.append(dim)
+                if len(shape) > shapes.MAX_RANK:
+                    raise _UnusualError
             elif number in (3, 15) and wire_type == 2:
                 if number == 15 and last != 3:
                     raise _UnusualError  # padding is a Tensor's

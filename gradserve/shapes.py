@@ -71,9 +71,28 @@ def merge(a: PartialShape, b: PartialShape) -> PartialShape:
 _MAX_ARRAY_BYTES = int(np.iinfo(np.intp).max)
 
 
+def _max_rank() -> int:
+    for rank in (64, 32):
+        try:
+            np.empty((1,) * rank)
+            return rank
+        except ValueError:
+            continue
+    return 32
+
+
+#: The most dims a NumPy array has (64 in NumPy 2, 32 before): a wire shape with more
+#: can be no tensor here (TensorFlow allows 254).
+MAX_RANK = _max_rank()
+
+
 def num_elements(shape: Sequence[int], itemsize: int = 1, *, what: str = "tensor") -> int:
     """Elements of a shape that is to become an array: every dim non-negative, and a
     shape NumPy can represent; otherwise InvalidArgumentError naming ``what``."""
+    if len(shape) > MAX_RANK:
+        raise InvalidArgumentError(
+            f"{what}: a shape of {len(shape)} dimensions (at most {MAX_RANK})", field=what
+        )
     if any(d < 0 for d in shape):
         raise InvalidArgumentError(
             f"{what}: shape {list(shape)} has a negative dimension", field=what

@@ -27,20 +27,14 @@ than the hoisted GEMM saved at (100, 64, 512). Both caches are thread-safe; a
 workspace serves one call at a time.
 
 The seven outputs outlive the call (they are returned or kept in a session), so they
-cannot come from a cache; but their pages can be warm. glibc serves allocations above
-its mmap threshold with fresh ``mmap`` pages and returns freed heap tops above its trim
-threshold to the kernel, so every call's outputs page-faulted afresh: 4 ms of a 10-16
-ms forward at (50, 32, 256). ``keep_heap_warm`` (once, on the first forward) fixes
-both thresholds, so freed outputs are reused warm: allocations under 32 MiB (glibc's
-own ceiling for its dynamic threshold) come from the heap, and up to 128 MiB of free
-heap top per arena stay mapped. This is process-wide and bounded; nothing else
-changes.
+cannot come from a cache; but their pages can be warm: every forward and backward
+calls ``gradserve.heap.keep_warm`` (once per process), so freed outputs are reused
+warm instead of page-faulting afresh (4 ms of a 10-16 ms forward at (50, 32, 256)).
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
 import enum
 import functools
 import importlib
@@ -51,6 +45,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from gradserve import heap
 
 Array = Any  # numpy.ndarray; ``Any`` as in backend_numpy (in-place ufunc annotations)
 Offsets = tuple[int, int, int, int]
@@ -64,10 +60,6 @@ WORKSPACE_CACHE_BYTES = 64 << 20
 PLAN_CACHE_ENTRIES = 256
 #: Rows of W_h transposed at a time when preparing ``HOISTED_T``'s W_h^T.
 TRANSPOSE_STRIP_ROWS = 16
-#: glibc's mallopt parameters and values for ``keep_heap_warm``.
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-HEAP_MMAP_THRESHOLD_BYTES = 32 << 20
-HEAP_TRIM_THRESHOLD_BYTES = 128 << 20
 #: Steps and rounds of a measurement: each candidate runs a prefix of the sequence.
 PROBE_STEPS = 24
 PROBE_ROUNDS = 3
@@ -243,30 +235,6 @@ def _blas_controllers() -> list[Any]:
         return _controllers
 
 
-_heap_warm: bool | None = None  # None: not tried; else whether glibc took the settings
-_heap_lock = threading.Lock()
-
-
-def keep_heap_warm() -> bool:
-    """Set glibc's mmap and trim thresholds (module docstring), once per process; False
-    where the C library is not glibc (nothing changed then)."""
-    global _heap_warm
-    if _heap_warm is not None:  # every call after the first: no lock
-        return _heap_warm
-    with _heap_lock:
-        if _heap_warm is None:
-            try:
-                mallopt = ctypes.CDLL(None).mallopt
-                mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-                _heap_warm = bool(
-                    mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD_BYTES)
-                    and mallopt(M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD_BYTES)
-                )
-            except (AttributeError, OSError):  # not glibc
-                _heap_warm = False
-        return _heap_warm
-
-
 def forward_sequence(
     x: Array, cs_prev: Array, h_prev: Array, w: Array, wci: Array, wcf: Array, wco: Array,
     b: Array, outs: Sequence[Array], *, length: int, offsets: Offsets, forget_bias: float,
@@ -277,7 +245,7 @@ def forward_sequence(
     each [T, B, H], in the compute dtype; ``length`` >= 1). ``check`` runs before every
     step. ``formulation`` None: the planner's choice for this shape (measured now on a
     first call)."""
-    keep_heap_warm()
+    heap.keep_warm()
     steps, batch, inputs = x.shape
     units = cs_prev.shape[1]
     run: Run = functools.partial(

@@ -48,8 +48,9 @@ from typing import Any
 
 import numpy as np
 
+from gradserve import heap
 from gradserve.kernels.lstm import Empty
-from gradserve.kernels.lstm_cpu import Array, Offsets, keep_heap_warm, transpose_into
+from gradserve.kernels.lstm_cpu import Array, Offsets, transpose_into
 
 #: Elements of one per-block factor array (4 bytes each in float32): five of them and
 #: a block of the forward's activations fit in a core's L2 cache together.
@@ -69,7 +70,7 @@ def backward_sequence(
     ``dh`` and ``dcs`` (zeros on entry) end as the gradients of ``h_prev`` and
     ``cs_prev``. ``clip_at``: the forward's cell clip as stored, or None without one.
     ``check`` runs before every step; ``empty`` allocates ``W_h^T`` and the factors."""
-    keep_heap_warm()
+    heap.keep_warm()
     batch, units = dh.shape
     ct = dh.dtype
     w_h_t = empty((w_h.shape[1], w_h.shape[0]), ct)

@@ -27,7 +27,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -35,7 +35,7 @@ from google.protobuf import message_factory
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gradserve import codec
+from gradserve import codec, heap
 from gradserve.errors import InvalidArgumentError
 from gradserve.kernels.compute import Compute, compute_for
 from gradserve.kernels.device import select_device
@@ -173,12 +173,24 @@ def _credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     )
 
 
+#: Requests whose tensor bytes are read where gRPC received them: protobuf's parse
+#: copies a ``bytes`` field in and reading it copies it out again, two passes over
+#: every byte of a put (the SDK parses GetTensor's replies the same way). The put
+#: keeps a view of the request (``PutTensorInline``) or copies each chunk once into
+#: its buffer (``PutTensor``). What the parser finds unusual goes to protobuf.
+VIEW_PARSERS: dict[str, Callable[[bytes], Any]] = {
+    "PutTensorInline": codec.parse_tensor,
+    "PutTensor": codec.parse_chunk,
+}
+
+
 def service_handler(servicer: GradServeServicer) -> grpc.GenericRpcHandler:
     """The GradServe service's method handlers, from its descriptor: each method's
     kind, messages and servicer coroutine, with a deserializer that never raises."""
     handlers = {}
     for method in SERVICE.methods:
         request = message_factory.GetMessageClass(method.input_type)
+        parse = VIEW_PARSERS.get(method.name, request.FromString)
         kind = "_".join(
             "stream" if streaming else "unary"
             for streaming in (method.client_streaming, method.server_streaming)
@@ -186,7 +198,7 @@ def service_handler(servicer: GradServeServicer) -> grpc.GenericRpcHandler:
         make = getattr(grpc, f"{kind}_rpc_method_handler")
         handlers[method.name] = make(
             getattr(servicer, method.name),
-            request_deserializer=boundary.lenient(request.FromString, method.input_type.full_name),
+            request_deserializer=boundary.lenient(parse, method.input_type.full_name),
             # Messages, or bytes already serialized (GetTensor's chunks): as they are.
             response_serializer=codec.serialize,
         )
@@ -304,6 +316,7 @@ def serve(config: ServerConfig) -> int:
     # Compute threads run Python between NumPy calls while holding the GIL; a short
     # switch interval lets the event loop (health, small calls) in sooner.
     sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
+    heap.keep_warm()  # messages and outputs reuse warm memory (gradserve/heap.py)
     server = start(config)
     extra = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
     print(f"listening on {config.host}:{server.port} (device: {server.device}{extra})", flush=True)

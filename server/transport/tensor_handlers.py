@@ -17,7 +17,7 @@ device-to-host copy) and larger tensors go to the ``light`` lane as before.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -39,9 +39,10 @@ class InlineTensorRPCs(ServicerPart):
 
     @boundary.guarded
     async def PutTensorInline(
-        self, request: tensor_pb2.Tensor, context: Any
+        self, request: codec.WireTensor | tensor_pb2.Tensor, context: Any
     ) -> tensor_pb2.ResidentTensor:
-        """The request's tensor kept in the session (its bytes charged as ``put``'s)."""
+        """The request's tensor kept in the session (its bytes charged as ``put``'s): a
+        view of the bytes gRPC received (``app.VIEW_PARSERS``), no copy."""
         session = self._session(context)
 
         def put() -> str:
@@ -52,7 +53,8 @@ class InlineTensorRPCs(ServicerPart):
             tensor_id = put()
         else:
             tensor_id = await self.light.run(put)
-        return tensor_pb2.ResidentTensor(id=tensor_id, dtype=request.dtype, shape=request.shape)
+        dtype = cast(tensor_pb2.DType, request.dtype)  # a WireTensor's is an int
+        return tensor_pb2.ResidentTensor(id=tensor_id, dtype=dtype, shape=request.shape)
 
     @boundary.guarded
     async def GetTensorInline(self, request: service_pb2.GetTensorRequest, context: Any) -> Any:
@@ -86,7 +88,7 @@ class InlineTensorRPCs(ServicerPart):
         return await self.light.run(get)
 
 
-def _declared_bytes(request: tensor_pb2.Tensor) -> int:
+def _declared_bytes(request: codec.WireTensor | tensor_pb2.Tensor) -> int:
     """The bytes a numeric ``Tensor`` declares (dtype and shape: no pass over its
     content, which ``ByteSize`` would serialize); a string or malformed one counts as
     unbounded (``decode`` reports what is wrong, on the lane)."""

@@ -38,7 +38,8 @@ def worker(target: str, op: str, steps: int, batch: int, units: int, shm: bool) 
 
     client = gradserve.Client(target, shared_memory=shm)
     raw = client.raw_ops
-    if op != "stop":
+    release = None  # what frees the last call's outputs on the server (else dropping them)
+    if op not in ("stop", "put", "get"):
         inputs, cs_grad, h_grad = make_inputs(steps, batch, units)
         length = np.int64(steps)
         refs = [client.put(a) for a in inputs]
@@ -51,6 +52,18 @@ def worker(target: str, op: str, steps: int, batch: int, units: int, shm: bool) 
 
         def call():
             return raw.StopGradient(input=ref)
+    elif op == "put":  # a tensor of T * B * H float32 kept in the session (deleted after)
+        array = np.ones(steps * batch * units, np.float32)
+
+        def call():
+            return client.put(array)
+
+        release = client.delete
+    elif op == "get":  # the same tensor fetched back
+        ref = client.put(np.ones(steps * batch * units, np.float32))
+
+        def call():
+            return client.get(ref)
     elif op == "kept":
 
         def call():
@@ -65,6 +78,8 @@ def worker(target: str, op: str, steps: int, batch: int, units: int, shm: bool) 
     held = [call()]  # the last call's outputs (a warm-up first), freed before the next
     print("ready", flush=True)
     for _ in sys.stdin:
+        if release is not None:
+            release(*held)
         held.clear()
         started = time.perf_counter()
         held.append(call())
@@ -126,7 +141,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old", help="the old checkout")
     parser.add_argument("--new", default=".", help="the new checkout")
-    parser.add_argument("--op", choices=["fwd", "kept", "bwd", "stop"], default="fwd")
+    parser.add_argument("--op", choices=["fwd", "kept", "bwd", "stop", "put", "get"], default="fwd")
     parser.add_argument("--size", type=int, nargs=3, default=[50, 32, 256], metavar="N")
     parser.add_argument("--threads", type=int, default=2, help="BLAS threads of both servers")
     parser.add_argument("--transport", choices=["tcp", "shm"], default="tcp")

@@ -12,7 +12,6 @@ import pytest
 
 import gradserve
 from gradserve import codec, dtypes
-from gradserve.client import _client
 from gradserve.codec import WireChunk, WireTensor, parse_chunk, parse_tensor, serialize_tensor
 from gradserve.errors import GradserveError, InvalidArgumentError, ResourceExhaustedError
 from gradserve.server import run_server
@@ -148,22 +147,13 @@ def streams(client, monkeypatch) -> list[str]:
     return seen
 
 
-@pytest.mark.parametrize("nbytes", [4, 64 * KIB, 256 * KIB])
-def test_up_to_256_kib_a_put_is_one_unary_call(client, monkeypatch, nbytes):
+@pytest.mark.parametrize("nbytes", [4, 64 * KIB, 256 * KIB, 256 * KIB + 1, MIB, 4 * MIB - 8])
+def test_below_the_threshold_a_put_and_a_get_are_one_unary_call_each(client, monkeypatch, nbytes):
     seen, opened = calls(client, monkeypatch), streams(client, monkeypatch)
     value = np.random.default_rng(nbytes).integers(0, 255, nbytes, dtype=np.uint8)
     ref = client.put(value)
     out = client.get(ref)
     assert seen == ["PutTensorInline", "GetTensorInline"] and opened == []
-    assert np.array_equal(out, value)
-
-
-@pytest.mark.parametrize("nbytes", [256 * KIB + 1, MIB, 4 * MIB - 8])
-def test_above_it_a_put_streams_and_a_get_below_the_threshold_is_unary(client, monkeypatch, nbytes):
-    seen, opened = calls(client, monkeypatch), streams(client, monkeypatch)
-    value = np.random.default_rng(nbytes).integers(0, 255, nbytes, dtype=np.uint8)
-    out = client.get(client.put(value))
-    assert seen == ["PutTensor", "GetTensorInline"] and opened == []
     assert np.array_equal(out, value)
 
 
@@ -181,7 +171,6 @@ def test_at_the_threshold_both_stream(client, monkeypatch):
 )
 def test_either_side_of_the_event_loop_limit(client, monkeypatch, nbytes):
     """Served on the event loop or on the lane: the same values, the same errors."""
-    monkeypatch.setattr(_client, "_UNARY_PUT_BYTES", 2 * tensor_handlers.ON_LOOP_BYTES)
     seen = calls(client, monkeypatch)
     value = np.random.default_rng(1).standard_normal(nbytes // 8)
     ref = client.put(value)

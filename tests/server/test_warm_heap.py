@@ -1,0 +1,172 @@
+"""Tensors move through memory touched before (``gradserve.heap``), and a put keeps
+the bytes gRPC received (``app.VIEW_PARSERS``): the page faults and copies the wire
+paid per call, checked where they were paid."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import gradserve
+from gradserve import codec, shapes
+from gradserve.errors import InvalidArgumentError
+from gradserve.v1 import tensor_pb2
+from tests.server_process import ServerProcess
+
+MIB = 1 << 20
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+glibc_linux = pytest.mark.skipif(
+    platform.libc_ver()[0] != "glibc" or not os.path.exists("/proc/self/stat"),
+    reason="glibc's malloc and /proc: the thresholds and the fault counts",
+)
+
+
+def minor_faults(pid: int | str = "self") -> int:
+    """Minor page faults of a process so far (/proc/PID/stat, field 10)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[7])
+
+
+# A get's pattern in the SDK: gRPC's reply bytes, protobuf's copy of them, the field
+# read out of it, all freed at once: glibc gave the pages back every time.
+_PATTERN = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    from gradserve import codec, heap
+    from gradserve.v1 import tensor_pb2
+    from tests.server.test_warm_heap import minor_faults
+    warm = sys.argv[1] == "warm"
+    if warm:
+        assert heap.keep_warm() and heap.keep_warm()  # once; later calls cheap and True
+    raw = codec.serialize_tensor(np.ones(1 << 20, np.float32))  # 4 MiB
+    for _ in range(3):
+        codec.decode(tensor_pb2.Tensor.FromString(raw))
+    before = minor_faults()
+    for _ in range(20):
+        codec.decode(tensor_pb2.Tensor.FromString(raw))
+    print((minor_faults() - before) / 20)
+    """
+)
+
+
+def _faults_per_decode(mode: str) -> float:
+    out = subprocess.run(
+        [sys.executable, "-c", _PATTERN, mode], capture_output=True, text=True, check=True
+    )
+    return float(out.stdout)
+
+
+@glibc_linux
+def test_keep_warm_reuses_the_pages_of_freed_buffers():
+    pages = 4 * MIB // PAGE
+    warm, default = _faults_per_decode("warm"), _faults_per_decode("default")
+    # glibc's own thresholds fault about every page of it twice over on each decode;
+    # kept warm, only a few (Python's small objects).
+    assert warm < pages / 16, f"{warm} faults per 4 MiB decode kept warm ({default} without)"
+
+
+@glibc_linux
+def test_a_served_put_and_get_reuse_warm_memory_on_both_sides():
+    """The server process (its entry point) and the SDK (``Client``) keep their heaps
+    warm: a 1 MiB unary put and get fault in a few pages, not the 256 per MiB
+    (times the copies) that fresh memory costs."""
+    value = np.arange(MIB // 4, dtype=np.float32)
+    server = ServerProcess()
+    try:
+        with gradserve.Client(server.target, shared_memory=False) as client:
+            for _ in range(5):  # warm-up: the heaps grow to their working size
+                client.get(ref := client.put(value))
+                client.delete(ref)
+            server_before, client_before = minor_faults(server.proc.pid), minor_faults()
+            for _ in range(20):
+                ref = client.put(value)
+                assert np.array_equal(client.get(ref), value)
+                client.delete(ref)
+            server_faults = (minor_faults(server.proc.pid) - server_before) / 20
+            client_faults = (minor_faults() - client_before) / 20
+    finally:
+        server.stop()
+    pages = MIB // PAGE
+    assert server_faults < pages / 4, f"server: {server_faults} faults per 1 MiB put and get"
+    assert client_faults < pages / 4, f"client: {client_faults} faults per 1 MiB put and get"
+
+
+def _owner(array: np.ndarray) -> object:
+    """The object whose memory ``array`` views (through views and memoryviews)."""
+    base: object = array
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    return base.obj if isinstance(base, memoryview) else base
+
+
+def test_a_unary_put_keeps_the_bytes_grpc_received(server, target):
+    """No copy on the server: the session holds a view of the request itself."""
+    value = np.random.default_rng(0).standard_normal((256, 512))  # 1 MiB
+    with gradserve.Client(target, shared_memory=False) as client:
+        ref = client.put(value)
+        kept = server.store.get(client.session_id).get(ref.id)
+        owner = _owner(kept)
+        assert isinstance(owner, bytes) and 0 < len(owner) - value.nbytes < 64
+        assert not kept.flags.writeable and kept.ctypes.data % 16 == 0
+        assert np.array_equal(client.get(ref), value)
+
+
+@pytest.mark.parametrize("rank", [shapes.MAX_RANK, shapes.MAX_RANK + 1, 100_000])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
+def test_a_long_shape_is_left_to_protobuf(rank, packed):
+    """``_fields`` reads shapes of up to ``MAX_RANK`` dims: a longer one (a Python
+    loop per dim on the server's event loop) goes to protobuf's C parser, and no
+    tensor has it."""
+    shape = [1] * (rank - 1) + [3]
+    content = np.arange(3, dtype=np.float32).tobytes()
+    if packed:
+        data = tensor_pb2.Tensor(dtype=tensor_pb2.DT_FLOAT32, shape=shape, content=content)
+        raw = data.SerializeToString()
+    else:  # each dim its own varint field, as an older writer may send them
+        raw = b"\x08" + bytes([tensor_pb2.DT_FLOAT32])
+        raw += b"".join(b"\x10" + bytes([d]) for d in shape)
+        raw += b"\x1a" + bytes([len(content)]) + content
+    parsed = codec.parse_tensor(raw)
+    expected = tensor_pb2.Tensor.FromString(raw)
+    assert list(parsed.shape) == shape
+    if rank <= shapes.MAX_RANK:
+        assert isinstance(parsed, codec.WireTensor)
+        assert np.array_equal(codec.decode(parsed), codec.decode(expected))
+    else:
+        assert isinstance(parsed, tensor_pb2.Tensor) and parsed == expected
+        with pytest.raises(InvalidArgumentError, match=f"{rank} dimensions"):
+            codec.decode(parsed)
+
+
+@pytest.mark.parametrize("rpc", ["PutTensorInline", "PutTensor"])
+@pytest.mark.parametrize("rank", [shapes.MAX_RANK, shapes.MAX_RANK + 1, 100_000])
+def test_a_put_of_too_many_dims_is_refused_and_the_server_serves_on(target, rpc, rank):
+    shape = [1] * (rank - 1) + [2]
+    content = np.arange(2, dtype=np.float32).tobytes()
+    with gradserve.Client(target, shared_memory=False) as client:
+        if rpc == "PutTensorInline":
+            request: object = tensor_pb2.Tensor(
+                dtype=tensor_pb2.DT_FLOAT32, shape=shape, content=content
+            ).SerializeToString()
+        else:
+            chunk = tensor_pb2.TensorChunk(
+                dtype=tensor_pb2.DT_FLOAT32, shape=shape, data=content, content_bytes=8
+            ).SerializeToString()
+            request = lambda: iter([chunk])  # noqa: E731 - a request stream
+        if rank <= shapes.MAX_RANK:
+            reply = client._call(rpc, request)
+            assert list(reply.shape) == shape
+            assert np.array_equal(
+                client.get(reply.id), np.arange(2, dtype=np.float32).reshape(shape)
+            )
+        else:
+            with pytest.raises(InvalidArgumentError, match=f"{rank} dimensions"):
+                client._call(rpc, request)
+        assert np.array_equal(client.get(client.put(np.ones(3))), np.ones(3))
