@@ -288,8 +288,15 @@ def serialize_with_values(message: Any, values: Sequence[tuple[int, np.ndarray]]
 CONTENT_ALIGNMENT = 16
 #: ``Tensor.padding``'s key: field 15, length-delimited.
 _PADDING_KEY = _varint_bytes(15 << 3 | 2)
+#: The longest ``Tensor.padding`` a writer here needs (near a varint boundary); the
+#: parsers leave a longer one to protobuf, which copies the content out of it (a view
+#: would keep the padding in memory, uncharged, as long as the tensor).
+MAX_PADDING_BYTES = 2 * CONTENT_ALIGNMENT - 1
 #: The ``Tensor.padding`` fields to choose from: none, then 0 to 31 bytes of it.
-_PADDINGS = [b"", *(_PADDING_KEY + _varint_bytes(n) + bytes(n) for n in range(32))]
+_PADDINGS = [
+    b"",
+    *(_PADDING_KEY + _varint_bytes(n) + bytes(n) for n in range(MAX_PADDING_BYTES + 1)),
+]
 
 
 def _tensor_parts(
@@ -416,10 +423,11 @@ def decode_chunks(
     chunks: Iterable[tensor_pb2.TensorChunk],
     *,
     before_allocating: Callable[[int], None] = lambda nbytes: None,
+    allocate: Callable[[int], np.ndarray] = lambda nbytes: np.empty(nbytes, np.uint8),
     field: str = "stream",
 ) -> np.ndarray:
     """The read-only array a chunk stream carries (see ``ChunkAssembler``)."""
-    assembler = ChunkAssembler(before_allocating=before_allocating, field=field)
+    assembler = ChunkAssembler(before_allocating=before_allocating, allocate=allocate, field=field)
     for chunk in chunks:
         assembler.add(chunk)
     return assembler.finish()
@@ -456,14 +464,21 @@ def serialize_tensor(array: np.ndarray) -> bytes:
 
 class WireTensor:
     """A serialized ``Tensor``'s dtype, shape and content, the content a view of the
-    received bytes: ``decode`` takes it as it takes the message."""
+    received bytes: ``decode`` takes it as it takes the message, and ``ByteSize`` is
+    the serialized size, as the message's (the server's received-bytes metric)."""
 
-    __slots__ = ("content", "dtype", "shape")
+    __slots__ = ("content", "dtype", "shape", "size")
 
-    def __init__(self, dtype: int, shape: tuple[int, ...], content: memoryview) -> None:
+    def __init__(
+        self, dtype: int, shape: tuple[int, ...], content: memoryview, size: int = 0
+    ) -> None:
         self.dtype = dtype
         self.shape = shape
         self.content = content
+        self.size = size
+
+    def ByteSize(self) -> int:  # noqa: N802 - protobuf's name
+        return self.size
 
 
 class WireChunk:
@@ -511,21 +526,26 @@ def _fields(data: bytes | memoryview, last: int) -> tuple[int, tuple[int, ...], 
     """dtype (1), shape (2), bytes (3) and, if ``last`` is 4, content_bytes (4) of a
     serialized ``Tensor`` or ``TensorChunk``, the bytes a view of ``data``; raises
     ``_UnusualError`` for anything but the plain encoding of those fields as protobuf
-    writes it (unknown or repeated fields, negative numbers, data cut short, more dims
-    than ``shapes.MAX_RANK``: a hostile request's, a loop of Python per dim on the
-    server's event loop, where protobuf reads them in C), but a ``Tensor``'s
-    ``padding``, skipped."""
+    writes it (unknown or repeated fields, negative numbers, data cut short), but a
+    ``Tensor``'s ``padding`` of up to ``MAX_PADDING_BYTES``, skipped. The server parses
+    requests with it on its event loop: more than ``shapes.MAX_RANK`` shape fields or
+    dims (a loop turn of Python each; protobuf reads them in C) are unusual too."""
     view = memoryview(data)
     end = len(data)
     dtype, count, content = 0, 0, view[:0]
     shape: list[int] = []
     seen: set[int] = set()
+    shape_fields = 0  # a loop turn each, even an empty packed one (no dim)
     pos = 0
     try:
         while pos < end:
             key, pos = _key_or_length(data, pos)
             number, wire_type = key >> 3, key & 7
-            if number in seen and number != 2:
+            if number == 2:
+                shape_fields += 1
+                if shape_fields > shapes.MAX_RANK:
+                    raise _UnusualError
+            elif number in seen:
                 raise _UnusualError
             seen.add(number)
             if number == 1 and wire_type == 0:
@@ -547,7 +567,7 @@ def _fields(data: bytes | memoryview, last: int) -> tuple[int, tuple[int, ...], 
                 if number == 15 and last != 3:
                     raise _UnusualError  # padding is a Tensor's
                 size, pos = _key_or_length(data, pos)
-                if pos + size > end:
+                if pos + size > end or (number == 15 and size > MAX_PADDING_BYTES):
                     raise _UnusualError
                 if number == 3:
                     content = view[pos : pos + size]
@@ -572,7 +592,7 @@ def parse_tensor(data: bytes) -> WireTensor | tensor_pb2.Tensor:
         dtype, shape, content, _ = _fields(data, 3)
     except _UnusualError:
         return tensor_pb2.Tensor.FromString(data)
-    return WireTensor(dtype, shape, content)
+    return WireTensor(dtype, shape, content, len(data))
 
 
 def parse_chunk(data: bytes) -> WireChunk | tensor_pb2.TensorChunk:
@@ -753,7 +773,7 @@ def _output_without_content(data: memoryview) -> tuple[bytes, WireTensor] | Any 
             dtype, shape, content, _ = _fields(data[pos:stop], 3)
             if len(content) < ONE_COPY_MIN_BYTES:
                 return _SMALL_VALUE
-            value = WireTensor(dtype, shape, content)
+            value = WireTensor(dtype, shape, content, stop - pos)
             enum: Any = dtype  # DType is an open enum: any value parses
             placeholder = tensor_pb2.Tensor(dtype=enum, shape=shape)
             head = placeholder.SerializeToString()

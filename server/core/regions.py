@@ -60,7 +60,7 @@ from gradserve.errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
-from gradserve.server.core.warm_buffers import WarmBuffers
+from gradserve.warm_buffers import WarmBuffers
 
 #: Where POSIX shared-memory objects live (``shm_open`` names) on Linux.
 SHM_DIR = "/dev/shm"

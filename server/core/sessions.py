@@ -39,7 +39,7 @@ from gradserve.server.core.budget import MemoryBudget
 from gradserve.server.core.regions import RegionTable
 from gradserve.server.core.tape import MAX_TAPES_PER_SESSION, Tape
 from gradserve.server.core.tensor_array import TensorArray, TensorArrayState
-from gradserve.server.core.warm_buffers import DEFAULT_LIMIT_BYTES, WarmBuffers
+from gradserve.warm_buffers import DEFAULT_LIMIT_BYTES, WarmBuffers
 
 #: The principal of every session when authentication is off.
 ANONYMOUS = "anonymous"

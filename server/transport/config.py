@@ -11,7 +11,7 @@ import os
 
 from gradserve import protocol
 from gradserve.kernels.cuda_graphs import DEFAULT_CACHE_BYTES
-from gradserve.server.core.warm_buffers import DEFAULT_LIMIT_BYTES as DEFAULT_HOST_CACHE_BYTES
+from gradserve.warm_buffers import DEFAULT_LIMIT_BYTES as DEFAULT_HOST_CACHE_BYTES
 
 #: ``max_principal_bytes`` default: this share of ``max_server_bytes``.
 SERVER_FRACTION = -1

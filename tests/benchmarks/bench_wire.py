@@ -23,7 +23,7 @@ absolute numbers. GB/s are 10^9 bytes per second of tensor bytes moved.
 Goals (issue 17): put and get >= 1 GB/s from 4 MiB to 256 MiB; below 4 MiB a put or
 get within the bare echo's small-message latency plus its bytes at 1 GB/s; put+get of
 256 MiB through shared memory >= 50% of memcpy (the ``memcpy`` column). Since the
-server keeps freed buffers warm (``server/core/warm_buffers.py``) its side of a put
+server keeps freed buffers warm (``gradserve/warm_buffers.py``) its side of a put
 pays no page faults while ``memcpy`` does, so the row also gives the ratio to
 ``warm``: the honest ceiling.
 """

@@ -52,6 +52,9 @@ def test_metrics(metered):
             )
         assert value(text, 'gradserve_received_bytes_total{method="StopGradient"}') > 3 * 8000
         assert value(text, 'gradserve_sent_bytes_total{method="StopGradient"}') > 3 * 8000
+        # A unary put's tensor is parsed as a view (``app.VIEW_PARSERS``), still counted.
+        assert 2048 < value(text, 'gradserve_received_bytes_total{method="PutTensorInline"}') < 2100
+        assert value(text, 'gradserve_received_bytes_total{method="PutTensor"}') >= 8 << 20
         assert value(text, "gradserve_sessions_open") == 1
         assert value(text, "gradserve_bytes_held") == 2048
         assert value(text, "gradserve_host_cache_bytes") == 8 << 20

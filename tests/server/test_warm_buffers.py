@@ -1,4 +1,4 @@
-"""Warm host buffers (``server.core.warm_buffers``): a freed large tensor's buffer is
+"""Warm host buffers (``gradserve.warm_buffers``): a freed large tensor's buffer is
 reused by the next tensor of its size, never while any view of it lives, within the
 cache's byte limit and idle time; and over the real RPC path, tensors put into
 reused buffers read back exactly (shared memory and streamed puts alike)."""
@@ -14,7 +14,7 @@ import pytest
 import gradserve
 from gradserve.server import run_server
 from gradserve.server.core.sessions import SessionStore
-from gradserve.server.core.warm_buffers import MIN_BYTES, PAGE, WarmBuffers
+from gradserve.warm_buffers import MIN_BYTES, PAGE, WarmBuffers
 
 MIB = 1 << 20
 

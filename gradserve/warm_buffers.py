@@ -2,18 +2,20 @@
 
 Why: the first write to a fresh buffer costs the kernel a page fault and a zeroed
 page for every page of it. glibc hands allocations above its mmap threshold (32 MiB
-at most) back to the kernel when they are freed, so every large tensor the server
-received paid that again: on the project's machine a 256 MiB shared-memory read
-into a fresh buffer took 50 ms (79 ms split over 4 threads, whose page faults
-contend) against 28 ms into a reused one. This cache keeps the buffers of freed
-large tensors, as CuPy's memory pool keeps device memory, for the next tensor of
-the same byte size: the common case of a training loop, which sends the same
-shapes every step.
+at most, even kept warm: ``gradserve.heap``) back to the kernel when they are freed,
+so every large tensor received paid that again: on the project's machine a 256 MiB
+shared-memory read into a fresh buffer took 50 ms (79 ms split over 4 threads, whose
+page faults contend) against 28 ms into a reused one. This cache keeps the buffers of
+freed large tensors, as CuPy's memory pool keeps device memory, for the next tensor of
+the same byte size: the common case of a training loop, which sends the same shapes
+every step. The server keeps one for what it receives and computes
+(``SessionStore.buffers``); the SDK one per client, for the streams it fetches.
 
 Bounded: at most ``limit_bytes`` of free buffers are kept (least recently freed
-dropped first), and ``expire_idle`` (the session reaper's) drops those unused for
-``idle_seconds``, so an idle server gives the memory back (``memory.Trimmer``'s
-concern: a high-water RSS looks like a leak to an orchestrator).
+dropped first), and ``expire_idle`` (the server's session reaper, the SDK's keep-alive
+thread) drops those unused for ``idle_seconds``, so an idle process gives the memory
+back (``memory.Trimmer``'s concern on the server: a high-water RSS looks like a leak to
+an orchestrator).
 
 How a buffer comes back: every array handed out is a view of an owner array (a
 subclass, so NumPy does not collapse views past it onto the buffer), whose
