@@ -93,10 +93,11 @@ class Client:
         Set glibc's malloc thresholds for this process (once; ``gradserve.heap``):
         buffers under 32 MiB come from the heap and up to 128 MiB of freed heap
         stay mapped, so the replies this client receives land in memory touched
-        before instead of fresh pages (a fault per 4 KiB page cost a 1 MiB put
-        1.3 ms more on each side of the wire here). It costs memory: freed memory
-        stays mapped, and the heap fragments more. Process-wide: False leaves
-        malloc's settings as they are (another client may still set them).
+        before instead of fresh pages (a 1 MiB put and delete in a loop took
+        5.3 ms with glibc's defaults, 1.3-1.7 ms kept warm, here). It costs
+        memory: freed memory stays mapped, and the heap fragments more.
+        Process-wide: False leaves malloc's settings as they are (another client
+        may still set them).
     host_cache_bytes:
         Freed buffers of fetched tensors kept for the next fetch of the same size
         (``gradserve.warm_buffers``, as the server's ``--host-cache-bytes``), for

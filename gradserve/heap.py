@@ -11,9 +11,9 @@ process that moves tensors paid those faults on every call:
   parse and its ``bytes`` field;
 - an LSTM's seven outputs (4 ms of a 10-16 ms forward at (50, 32, 256)).
 
-A unary put of 1 MiB over loopback took 5.3 ms with 950 page faults in the server and
-480 in the client per call, and 1.3 ms with about one after ``keep_warm`` in both
-(``tests/benchmarks/bench_wire.py`` times the wire).
+A unary put and delete of 1 MiB over loopback, in a loop, took 5.3 ms with 950 page
+faults in the server and 480 in the client per call, and 1.3-1.7 ms with about one
+after these settings in both (``tests/benchmarks/bench_wire.py`` times the wire).
 
 ``keep_warm`` sets both thresholds once per process: allocations under 32 MiB (glibc's
 own ceiling for its dynamic threshold) come from the heap, and up to 128 MiB of free
