@@ -16,7 +16,7 @@ import numpy as np
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 
-from gradserve import codec, dtypes, heap, protocol
+from gradserve import codec, dtypes, heap, protocol, warm_buffers
 from gradserve.client import _shm
 from gradserve.client._convert import to_array
 from gradserve.client._errors import CHANNEL_GONE, answered, dropped, from_rpc_error
@@ -103,7 +103,8 @@ class Client:
         (``gradserve.warm_buffers``, as the server's ``--host-cache-bytes``), for
         tensors above the 32 MiB that a warm heap serves: a 256 MiB ``get`` took
         118 ms into a reused buffer, 150 ms into fresh memory. Buffers unused for a
-        minute are dropped, all of them on ``close``; 0 keeps none.
+        minute are dropped (by the keep-alive thread, else at the next fetch), all
+        of them on ``close``; 0 keeps none. Without a warm heap, from 4 MiB.
 
     Every call carries an ``x-request-id`` (also on raised errors as
     ``.request_id``) that the server logs. Use as a context manager: the
@@ -133,8 +134,12 @@ class Client:
     ) -> None:
         if keep_heap_warm:
             heap.keep_warm()
-        #: Buffers for fetched tensors (see ``host_cache_bytes``).
-        self._buffers = WarmBuffers(host_cache_bytes, min_bytes=heap.MMAP_THRESHOLD_BYTES)
+        #: Buffers for fetched tensors (see ``host_cache_bytes``): those a warm heap
+        #: does not serve.
+        self._buffers = WarmBuffers(
+            host_cache_bytes,
+            min_bytes=heap.MMAP_THRESHOLD_BYTES if heap.is_warm() else warm_buffers.MIN_BYTES,
+        )
         self.target = target
         self.timeout = timeout
         self.stream_threshold = stream_threshold
@@ -273,6 +278,7 @@ class Client:
                     log.warning("could not close session %s…: %s", self.session_id[:8], e)
         finally:
             self._prefetcher.close()
+            self._buffers.limit_bytes = 0  # what returns later (arrays still held) is dropped
             self._buffers.clear()
             if self._own_channel:
                 self._channel_closed = True
@@ -611,6 +617,7 @@ class Client:
         call (``_fetched``), not by the server as it sends the last chunk: a stream that
         breaks after that would have lost it. A server that does not say it deletes
         fetched ids (``KeepAlive``: an older one) deletes as it sends."""
+        self._buffers.expire_idle()  # also the keep-alive thread's, when there is one
         chunk = max(1, min(self.chunk_bytes, self.max_message_bytes - protocol.CHUNK_HEADER_BYTES))
         by_next_call = delete_after and self._server_deletes_fetched
         request = service_pb2.GetTensorRequest(

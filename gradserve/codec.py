@@ -469,9 +469,7 @@ class WireTensor:
 
     __slots__ = ("content", "dtype", "shape", "size")
 
-    def __init__(
-        self, dtype: int, shape: tuple[int, ...], content: memoryview, size: int = 0
-    ) -> None:
+    def __init__(self, dtype: int, shape: tuple[int, ...], content: memoryview, size: int) -> None:
         self.dtype = dtype
         self.shape = shape
         self.content = content
@@ -556,13 +554,11 @@ def _fields(data: bytes | memoryview, last: int) -> tuple[int, tuple[int, ...], 
                 while pos < stop and len(shape) <= shapes.MAX_RANK:
                     dim, pos = _varint(data, pos)
                     shape.append(dim)
-                if pos != stop or len(shape) > shapes.MAX_RANK:
+                if pos != stop:
                     raise _UnusualError
             elif number == 2 and wire_type == 0:
                 dim, pos = _varint(data, pos)
                 shape.append(dim)
-                if len(shape) > shapes.MAX_RANK:
-                    raise _UnusualError
             elif number in (3, 15) and wire_type == 2:
                 if number == 15 and last != 3:
                     raise _UnusualError  # padding is a Tensor's
@@ -578,6 +574,8 @@ def _fields(data: bytes | memoryview, last: int) -> tuple[int, tuple[int, ...], 
                 raise _UnusualError
     except IndexError:
         raise _UnusualError from None
+    if len(shape) > shapes.MAX_RANK:
+        raise _UnusualError
     if dtype >= 1 << 31 or count >= 1 << 63 or any(dim >= 1 << 63 for dim in shape):
         raise _UnusualError  # negative numbers: protobuf's own values and errors
     return dtype, tuple(shape), content, count

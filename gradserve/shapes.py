@@ -72,13 +72,11 @@ _MAX_ARRAY_BYTES = int(np.iinfo(np.intp).max)
 
 
 def _max_rank() -> int:
-    for rank in (64, 32):
-        try:
-            np.empty((1,) * rank)
-            return rank
-        except ValueError:
-            continue
-    return 32
+    try:
+        np.empty((1,) * 64)
+    except ValueError:
+        return 32
+    return 64
 
 
 #: The most dims a NumPy array has (64 in NumPy 2, 32 before): a wire shape with more

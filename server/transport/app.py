@@ -208,6 +208,7 @@ def service_handler(servicer: GradServeServicer) -> grpc.GenericRpcHandler:
 def start(config: ServerConfig) -> Server:
     """Build, bind and start a server for ``config`` on its own event-loop thread;
     raises if it cannot."""
+    heap.keep_warm()  # messages and outputs reuse warm memory (gradserve/heap.py)
     credentials = _credentials(config)
     tokens = _tokens(config)
     device = select_device(config.device)
@@ -316,7 +317,6 @@ def serve(config: ServerConfig) -> int:
     # Compute threads run Python between NumPy calls while holding the GIL; a short
     # switch interval lets the event loop (health, small calls) in sooner.
     sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
-    heap.keep_warm()  # messages and outputs reuse warm memory (gradserve/heap.py)
     server = start(config)
     extra = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
     print(f"listening on {config.host}:{server.port} (device: {server.device}{extra})", flush=True)

@@ -17,12 +17,11 @@ and the RSS falls back.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import threading
 import time
-from collections.abc import Callable
+
+from gradserve import heap
 
 log = logging.getLogger(__name__)
 
@@ -32,17 +31,6 @@ DEFAULT_THRESHOLD = 16 * 1024 * 1024
 #: for such a spell (a server never quiet still trims, this often at most).
 DEFAULT_QUIET_SECONDS = 5.0
 DEFAULT_MAX_WAIT_SECONDS = 60.0
-
-
-def _malloc_trim() -> Callable[[], None] | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return lambda: trim(0)
 
 
 class Trimmer:
@@ -56,7 +44,7 @@ class Trimmer:
         self.quiet_seconds = quiet_seconds
         self.max_wait_seconds = max_wait_seconds
         self.trims = 0
-        self._trim = _malloc_trim()
+        self._trim = heap.trim if heap.can_trim() else None
         self._lock = threading.Lock()
         self._freed = 0
         self._last_release = 0.0

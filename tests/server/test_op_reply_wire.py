@@ -16,6 +16,7 @@ from google.protobuf.message import DecodeError
 import gradserve
 from gradserve import codec, dtypes
 from gradserve.v1 import lstm_pb2, tensor_pb2
+from tests.memory_owner import memory_owner
 from tests.server.test_wire_fast import ARRAYS, IDS, same
 
 NUMERIC = [(a, i) for a, i in zip(ARRAYS, IDS, strict=True) if a.dtype != dtypes.STRING]
@@ -175,11 +176,11 @@ def test_a_content_that_is_not_aligned_is_copied_aligned():
     """What another writer sent unaligned is copied once: NumPy's slow path otherwise."""
     data = b"\0" + np.arange(1000, dtype=np.float64).tobytes()
     view = memoryview(data)[1:]
-    out = codec.decode(codec.WireTensor(tensor_pb2.DT_FLOAT64, (10, 100), view))
+    out = codec.decode(codec.WireTensor(tensor_pb2.DT_FLOAT64, (10, 100), view, len(view)))
     assert out.flags.aligned and not out.flags.writeable
     assert np.array_equal(out.reshape(-1), np.arange(1000.0))
     aligned = memoryview(np.arange(1000, dtype=np.float64).tobytes())
-    kept = codec.decode(codec.WireTensor(tensor_pb2.DT_FLOAT64, (1000,), aligned))
+    kept = codec.decode(codec.WireTensor(tensor_pb2.DT_FLOAT64, (1000,), aligned, len(aligned)))
     assert np.shares_memory(kept, np.frombuffer(aligned.obj, np.uint8))  # no copy
 
 
@@ -251,14 +252,6 @@ def test_replies_without_outputs_at_the_top_are_protobufs_own():
 
 
 # ------------------------------------------------------------------ over the real path
-def _owner(array: np.ndarray):
-    """The object whose memory ``array`` views."""
-    owner = array.base
-    while isinstance(owner, np.ndarray):
-        owner = owner.base
-    return owner.obj if isinstance(owner, memoryview) else owner
-
-
 @pytest.mark.parametrize("taped", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_an_lstm_forward_over_tcp_comes_in_one_copy_each_way(target, monkeypatch, dtype, taped):
@@ -290,8 +283,8 @@ def test_an_lstm_forward_over_tcp_comes_in_one_copy_each_way(target, monkeypatch
         np.testing.assert_array_equal(mine, theirs)
         assert mine.flags.aligned and not mine.flags.writeable
         assert bool(getattr(mine, "tape_id", None)) == taped
-        owners.add(id(_owner(mine)))  # the reply's bytes
-    assert len(owners) == 1 and isinstance(_owner(got[0]), bytes)
+        owners.add(id(memory_owner(mine)))  # the reply's bytes
+    assert len(owners) == 1 and isinstance(memory_owner(got[0]), bytes)
 
 
 def test_small_and_large_outputs_of_one_reply_and_tape_ids(target):
@@ -310,7 +303,9 @@ def test_small_and_large_outputs_of_one_reply_and_tape_ids(target):
         np.testing.assert_array_equal(lengths, [2, 2, 2])
         assert value.tape_id and lengths.tape_id and value.tape_id != lengths.tape_id
         # The small output has bytes of its own: it does not keep the reply alive.
-        assert len(_owner(value)) > value.nbytes and len(_owner(lengths)) == lengths.nbytes
+        assert (
+            len(memory_owner(value)) > value.nbytes and len(memory_owner(lengths)) == lengths.nbytes
+        )
 
 
 def test_a_handler_that_returns_another_message_is_an_internal_slip(server):

@@ -33,6 +33,7 @@ from gradserve.server.core import regions
 from gradserve.server.transport import shm_wire
 from gradserve.v1 import lstm_pb2, service_pb2, tensor_array_pb2, tensor_pb2
 from gradserve.v1 import shared_memory_pb2 as pb
+from tests.memory_owner import memory_owner
 
 NUMERIC = [dt for dt in dtypes.SUPPORTED if dt != dtypes.STRING]
 
@@ -803,16 +804,8 @@ def test_reading_from_a_forgotten_region_is_a_clean_error(shm_client):
 
 
 # ------------------------------------------------------------ zero-copy get
-def owner(array: np.ndarray):
-    """What finally holds ``array``'s memory (a ``Pinned`` for a zero-copy get)."""
-    base = array
-    while isinstance(base, np.ndarray) and base.base is not None:
-        base = base.base
-    return base
-
-
 def pinned_region(array: np.ndarray) -> str:
-    held = owner(array)
+    held = memory_owner(array)
     assert isinstance(held, _shm.Pinned), f"not zero-copy: {type(held)}"
     return held.region
 
@@ -840,7 +833,7 @@ def test_zero_copy_get_equals_the_wire(shm_client, wire_client, dtype):
 def test_small_gets_are_copies(shm_client):
     for value in (np.arange(1000, dtype=np.float32), np.zeros((0, 3))):
         got = shm_client.get(shm_client.put(value))
-        assert not isinstance(owner(got), _shm.Pinned) and same_bits(got, value)
+        assert not isinstance(memory_owner(got), _shm.Pinned) and same_bits(got, value)
     assert not shm_client._shm.pool._pinned
 
 
@@ -891,7 +884,7 @@ def test_arrays_past_their_share_of_the_pool_are_copies(shm_client):
     value = np.arange(1 << 18, dtype=np.float32)
     ref = shm_client.put(value)
     kept = [shm_client.get(ref) for _ in range(_shm.MAX_PINNED_REGIONS + 2)]
-    held = [isinstance(owner(a), _shm.Pinned) for a in kept]
+    held = [isinstance(memory_owner(a), _shm.Pinned) for a in kept]
     assert held == [True] * _shm.MAX_PINNED_REGIONS + [False, False]
     assert all(same_bits(a, value) for a in kept)
     lease = _shm.Lease(shm_client._shm.pool)  # puts and op inputs still have regions
@@ -1030,7 +1023,7 @@ def test_writing_into_op_outputs_changes_no_later_call(shm_client):
 def test_small_op_outputs_are_copies(shm_client):
     value = np.arange(1 << 16, dtype=np.float32)  # 256 KiB: under the zero-copy floor
     got = shm_client.raw_ops.StopGradient(input=value)
-    assert not isinstance(owner(got), _shm.Pinned) and same_bits(got, value)
+    assert not isinstance(memory_owner(got), _shm.Pinned) and same_bits(got, value)
     assert not shm_client._shm.pool._pinned
 
 
@@ -1043,7 +1036,7 @@ def test_op_outputs_past_the_pinned_share_are_copies_and_correct(shm_client):
         shm_client.raw_ops.BlockLSTMV2(**args, use_peephole=True)
         for _ in range(_shm.MAX_PINNED_REGIONS + 2)
     ]
-    held = [isinstance(owner(outs[0]), _shm.Pinned) for outs in kept]
+    held = [isinstance(memory_owner(outs[0]), _shm.Pinned) for outs in kept]
     assert held == [True] * _shm.MAX_PINNED_REGIONS + [False, False]
     for outs in kept:
         assert all(same_bits(a, b) for a, b in zip(outs, want))
@@ -1068,9 +1061,9 @@ def test_small_outputs_beside_large_ones_are_copies(shm_client):
     acts = shm_client.raw_ops.BlockLSTMV2(**args, use_peephole=True, keep=True)
     grad = np.ones((32, 32, 256), np.float32)
     grads = shm_client.raw_ops.BlockLSTMGradV2(*args.values(), *acts, grad, grad, use_peephole=True)
-    assert isinstance(owner(grads.x_grad), _shm.Pinned)
+    assert isinstance(memory_owner(grads.x_grad), _shm.Pinned)
     for small in (grads.b_grad, grads.wci_grad, grads.cs_prev_grad):
-        assert not isinstance(owner(small), _shm.Pinned)
+        assert not isinstance(memory_owner(small), _shm.Pinned)
     b_grad = grads.b_grad
     del grads
     gc.collect()
@@ -1087,7 +1080,7 @@ def test_an_lstm_call_leases_a_region_for_its_outputs_up_front(target, wire_clie
         assert len({pinned_region(a) for a in outs}) == 1
         grad = np.ones((48, 32, 256), np.float32)
         grads = c.raw_ops.BlockLSTMGradV2(*args.values(), *outs, grad, grad, use_peephole=True)
-        assert isinstance(owner(grads.x_grad), _shm.Pinned)
+        assert isinstance(memory_owner(grads.x_grad), _shm.Pinned)
         want = wire_client.raw_ops.BlockLSTMGradV2(
             *args.values(), *outs, grad, grad, use_peephole=True
         )

@@ -9,14 +9,17 @@ import platform
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
 
 import gradserve
-from gradserve import codec, heap, shapes
+from gradserve import codec, heap, shapes, warm_buffers
 from gradserve.errors import InvalidArgumentError
+from gradserve.server import run_server
 from gradserve.v1 import tensor_pb2
+from tests.memory_owner import memory_owner
 from tests.server_process import ServerProcess
 
 MIB = 1 << 20
@@ -98,21 +101,13 @@ def test_a_served_put_and_get_reuse_warm_memory_on_both_sides():
     assert client_faults < pages / 2, f"client: {client_faults} faults per 1 MiB put and get"
 
 
-def _owner(array: np.ndarray) -> object:
-    """The object whose memory ``array`` views (through views and memoryviews)."""
-    base: object = array
-    while isinstance(base, np.ndarray) and base.base is not None:
-        base = base.base
-    return base.obj if isinstance(base, memoryview) else base
-
-
 def test_a_unary_put_keeps_the_bytes_grpc_received(server, target):
     """No copy on the server: the session holds a view of the request itself."""
     value = np.random.default_rng(0).standard_normal((256, 512))  # 1 MiB
     with gradserve.Client(target, shared_memory=False) as client:
         ref = client.put(value)
         kept = server.store.get(client.session_id).get(ref.id)
-        owner = _owner(kept)
+        owner = memory_owner(kept)
         assert isinstance(owner, bytes) and 0 < len(owner) - value.nbytes < 64
         assert not kept.flags.writeable and kept.ctypes.data % 16 == 0
         assert np.array_equal(client.get(ref), value)
@@ -244,7 +239,7 @@ def test_a_long_padding_is_not_kept_with_the_tensor(server, target, padding):
     with gradserve.Client(target, shared_memory=False) as client:
         reply = client._call("PutTensorInline", raw)
         kept = server.store.get(client.session_id).get(reply.id)
-        assert len(_owner(kept)) < len(content) + 64
+        assert len(memory_owner(kept)) < len(content) + 64
         assert np.array_equal(kept, np.arange(4, dtype=np.float32))
 
 
@@ -257,3 +252,79 @@ def test_a_client_keeps_the_heap_warm_unless_told_not_to(target, monkeypatch):
         assert called == [True]
     with gradserve.Client(target, shared_memory=False, keep_heap_warm=False):
         assert called == [True]
+
+
+def test_an_array_held_past_close_leaves_nothing_in_the_cache(target):
+    value = np.ones(LARGE, np.uint8)
+    with gradserve.Client(target, shared_memory=False) as client:
+        held = client.get(client.put(value))
+    assert client._buffers.cached_bytes == 0
+    del held  # its buffer returns to a closed client's cache: dropped
+    assert client._buffers.cached_bytes == 0
+
+
+def test_idle_buffers_expire_at_the_next_fetch_without_a_keepalive(target):
+    value = np.ones(LARGE, np.uint8)
+    with gradserve.Client(target, shared_memory=False, keepalive=False) as client:
+        ref = client.put(value)
+        client.get(ref)
+        assert client._buffers.cached_bytes >= LARGE
+        client._buffers.idle_seconds = 0.0
+        small = client.put(np.ones(4))
+        client.get(small)  # a unary get: no fetch, nothing expires
+        assert client._buffers.cached_bytes >= LARGE
+        client._fetch(small.id, delete_after=False)  # any fetch expires idle buffers
+        assert client._buffers.cached_bytes == 0
+
+
+def test_idle_buffers_expire_by_the_keepalive_thread():
+    with run_server(host="127.0.0.1", port=0, device="cpu", session_ttl=0.3) as server:
+        with gradserve.Client(f"127.0.0.1:{server.port}", shared_memory=False) as client:
+            client.get(client.put(np.ones(LARGE, np.uint8)))
+            assert client._buffers.cached_bytes >= LARGE
+            client._buffers.idle_seconds = 0.0
+            deadline = time.monotonic() + 10
+            while client._buffers.cached_bytes and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert client._buffers.cached_bytes == 0
+
+
+@pytest.fixture
+def no_glibc(monkeypatch):
+    """This process seen as one without glibc (musl, macOS, Windows), the heap's
+    cached lookups redone on both sides of the test."""
+    monkeypatch.setattr(platform, "libc_ver", lambda *args, **kwargs: ("", ""))
+    heap._glibc.cache_clear()
+    heap._set_thresholds.cache_clear()
+    yield
+    monkeypatch.undo()
+    heap._glibc.cache_clear()
+    heap._set_thresholds.cache_clear()
+    heap.keep_warm()
+
+
+def test_without_glibc_the_heap_is_left_alone_and_a_client_still_works(no_glibc, target):
+    assert heap.keep_warm() is False and not heap.is_warm() and not heap.can_trim()
+    heap.trim()  # nothing to do, nothing raised
+    with gradserve.Client(target, shared_memory=False) as client:
+        assert client._buffers.min_bytes == warm_buffers.MIN_BYTES  # no warm heap below 32 MiB
+        assert np.array_equal(client.get(client.put(np.arange(5.0))), np.arange(5.0))
+
+
+def test_a_long_packed_shape_is_read_no_further_than_max_rank(monkeypatch):
+    """The bound is on the work, not only on the result: a packed shape of 100,000
+    dims is given up after ``MAX_RANK`` of them, not read to its end."""
+    raw = tensor_pb2.Tensor(
+        dtype=tensor_pb2.DT_FLOAT32, shape=[1] * 100_000, content=b""
+    ).SerializeToString()
+    calls = 0
+    varint = codec._varint
+
+    def counting(data, pos):
+        nonlocal calls
+        calls += 1
+        return varint(data, pos)
+
+    monkeypatch.setattr(codec, "_varint", counting)
+    assert isinstance(codec.parse_tensor(raw), tensor_pb2.Tensor)
+    assert calls <= shapes.MAX_RANK + 8  # the dims read, the dtype's and lengths'
