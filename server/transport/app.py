@@ -198,7 +198,9 @@ def service_handler(servicer: GradServeServicer) -> grpc.GenericRpcHandler:
         make = getattr(grpc, f"{kind}_rpc_method_handler")
         handlers[method.name] = make(
             getattr(servicer, method.name),
-            request_deserializer=boundary.lenient(parse, method.input_type.full_name),
+            request_deserializer=boundary.lenient(
+                parse, method.input_type.full_name, servicer.request_freed
+            ),
             # Messages, or bytes already serialized (GetTensor's chunks): as they are.
             response_serializer=codec.serialize,
         )
@@ -235,6 +237,7 @@ def start(config: ServerConfig) -> Server:
             config.stream_idle_timeout, config.stream_min_rate, config.stream_rate_grace
         ),
         max_message_bytes=config.max_message_bytes,
+        request_freed=trimmer.released,
     )
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="gradserve-loop", daemon=True)

@@ -106,10 +106,15 @@ class Unparsed:
         self.message = f"the request does not parse as {what}: {type(error).__name__}: {error}"
 
 
-def lenient(parse: Callable[[bytes], Any], what: str) -> Callable[[bytes], Any]:
-    """A request deserializer that returns ``Unparsed`` instead of raising."""
+def lenient(
+    parse: Callable[[bytes], Any], what: str, received: Callable[[int], None] = lambda n: None
+) -> Callable[[bytes], Any]:
+    """A request deserializer that returns ``Unparsed`` instead of raising; tells
+    ``received`` the size of every message (the server's trimmer: see
+    ``GradServeServicer.request_freed``)."""
 
     def deserialize(data: bytes) -> Any:
+        received(len(data))
         try:
             return parse(data)
         except Exception as error:  # noqa: BLE001 - any parse failure is the client's

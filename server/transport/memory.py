@@ -3,7 +3,9 @@
 glibc's allocator keeps the pages of freed arrays for reuse, so a server whose
 sessions came and went shows the high-water mark in its RSS long after the bytes
 were released — an orchestrator sees a leak. ``Trimmer`` counts released bytes
-(``SessionStore``'s server budget tells it of every release) and, once at least
+(``SessionStore``'s server budget tells it of every release, and the request
+deserializer of every request message: a refused put's bytes pass no budget) and,
+once at least
 ``threshold`` bytes were freed and then none for ``quiet_seconds``, asks glibc
 to hand free pages back (``malloc_trim(0)``), on a thread of its own so no call
 waits for it. Where libc is not glibc nothing is done.

@@ -15,7 +15,7 @@ import contextlib
 import functools
 import threading
 import time
-from collections.abc import AsyncIterable
+from collections.abc import AsyncIterable, Callable
 from typing import Any
 
 from google.protobuf.message import Message
@@ -66,6 +66,7 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         stream_limits: StreamLimits | None = None,
         max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
         chunk_bytes: int = protocol.DEFAULT_CHUNK_BYTES,
+        request_freed: Callable[[int], None] = lambda nbytes: None,
     ) -> None:
         self.store = store
         self.compute = compute
@@ -77,6 +78,11 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         self.stream_limits = stream_limits or StreamLimits()
         self.max_message_bytes = max_message_bytes
         self.chunk_bytes = chunk_bytes
+        #: Told the size of every request message as it is parsed (``app``, through
+        #: ``boundary.lenient``): the server's trimmer, so that memory a request held
+        #: but no session budget saw (a refused put, an op's inline inputs) is handed
+        #: back once calls stop, as the trimmer waits for them to.
+        self.request_freed = request_freed
 
     # ---------------------------------------------------------------- helpers
     def principal(self, context: Any) -> str:

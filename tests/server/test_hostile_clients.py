@@ -321,6 +321,24 @@ def test_a_server_never_quiet_still_trims():
     assert trimmer.trims >= 2
 
 
+def test_refused_puts_leave_memory_the_trimmer_hands_back():
+    """A unary put refused by the session's budget is released by no budget: its
+    bytes still count for the trimmer (each request message as it is parsed). A
+    streamed one is refused at its first chunk, before the rest is sent."""
+    with run_server(host="127.0.0.1", port=0, device="cpu", max_session_bytes=MIB) as server:
+        server.trimmer.quiet_seconds = 0.05
+        if server.trimmer._trim is None:
+            pytest.skip("not glibc: malloc_trim does not exist")
+        with gradserve.Client(
+            f"127.0.0.1:{server.port}", shared_memory=False, stream_threshold=64 * MIB
+        ) as client:
+            for _ in range(3):  # 24 MiB refused, past the trimmer's 16 MiB
+                with pytest.raises(ResourceExhaustedError):
+                    client.put(np.ones(MIB, np.float64))
+            assert client.put(np.ones(4)).shape == (4,)  # and the server serves on
+        assert wait_until(lambda: server.trimmer.trims >= 1, 5)
+
+
 def test_outputs_of_a_call_that_ended_while_computing_are_not_kept():
     # The deadline passes while the LSTM computes on its lane; it then stores its
     # (transient) outputs for a response nobody receives: they must not stay charged.
