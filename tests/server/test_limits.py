@@ -4,6 +4,7 @@ other clients still served, memory back to zero when sessions close."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -177,55 +178,63 @@ def wait_until(condition, timeout=30.0):
         time.sleep(0.005)
 
 
-def long_lstm_args(steps=150_000):
-    """An LSTM call that computes for a second or two (tiny cells, many steps)."""
+def lstm_args(steps=10):
+    """An LSTM call's inputs (tiny cells; 100,000 steps compute for a second or two)."""
     rng = np.random.default_rng(0)
     r = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     return [np.int64(steps), r(steps, 2, 4), r(2, 4), r(2, 4), r(8, 16), r(4), r(4), r(4), r(16)]
 
 
+@contextlib.contextmanager
+def compute_held(server):
+    """The server's compute lane's thread held by a job of the test (no RPC) until
+    the block ends: LSTM calls wait (or are refused), deterministically. Calls that
+    computed for a second or two raced here: with the server in this process, its
+    compute thread could finish before this process's next call was sent."""
+    release = threading.Event()
+    blocker = asyncio.run_coroutine_threadsafe(
+        server.servicer.heavy.run(lambda: release.wait(60)), server._loop
+    )
+    heavy = server.servicer.heavy
+    wait_until(lambda: heavy._slots is not None and heavy._slots.locked())
+    try:
+        yield
+    finally:
+        release.set()
+        blocker.result(10)
+
+
 def test_compute_queue_over_rpc():
     with run_server(device="cpu", compute_slots=1, max_queued_compute=0) as server:
         target = f"127.0.0.1:{server.port}"
-        started = threading.Event()
-
-        def long_call():
-            with gradserve.Client(target, shared_memory=False, keepalive=False) as c:
-                started.set()
-                c.raw_ops.BlockLSTMV2(*long_lstm_args(100_000))  # its only RPC
-
-        # Ready before the long call starts.
         with gradserve.Client(target, shared_memory=False) as client:
-            worker = threading.Thread(target=long_call)
-            worker.start()
-            started.wait()
-            heavy = server.servicer.heavy
-            wait_until(lambda: heavy._slots is not None and heavy._slots.locked())
-            with pytest.raises(ResourceExhaustedError, match="compute queue full"):
-                client.raw_ops.BlockLSTMV2(*long_lstm_args(10))
-            assert client.stop_gradient(np.ones(1))[0] == 1  # light ops are not gated
-        worker.join()
+            with compute_held(server):
+                with pytest.raises(ResourceExhaustedError, match="compute queue full"):
+                    client.raw_ops.BlockLSTMV2(*lstm_args())
+                assert client.stop_gradient(np.ones(1))[0] == 1  # light ops are not gated
+            assert len(client.raw_ops.BlockLSTMV2(*lstm_args())) == 7  # served again
 
 
 def test_max_concurrent_rpcs():
-    with run_server(device="cpu", max_concurrent_rpcs=2) as server:
+    with run_server(device="cpu", max_concurrent_rpcs=2, compute_slots=1) as server:
         target = f"127.0.0.1:{server.port}"
         # No shared memory, no background keep-alive, inputs inline: the LSTM call is
-        # each client's only RPC, so two in flight are the two long calls.
+        # each client's only RPC, so two in flight are the two LSTM calls (waiting for
+        # the held compute lane).
         with (
             gradserve.Client(target, shared_memory=False, keepalive=False) as a,
             gradserve.Client(target, shared_memory=False, keepalive=False) as b,
         ):
             calls = [
-                threading.Thread(target=c.raw_ops.BlockLSTMV2, args=long_lstm_args(100_000))
-                for c in (a, b)
+                threading.Thread(target=c.raw_ops.BlockLSTMV2, args=lstm_args()) for c in (a, b)
             ]
-            for t in calls:
-                t.start()
-            admission = server.servicer.admission
-            wait_until(lambda: admission.in_flight - admission.streams >= 2)
-            with pytest.raises(ResourceExhaustedError):
-                a.stop_gradient(np.ones(1))
+            with compute_held(server):
+                for t in calls:
+                    t.start()
+                admission = server.servicer.admission
+                wait_until(lambda: admission.in_flight - admission.streams >= 2)
+                with pytest.raises(ResourceExhaustedError):
+                    a.stop_gradient(np.ones(1))
             for t in calls:
                 t.join()
             assert a.stop_gradient(np.ones(1))[0] == 1

@@ -677,7 +677,7 @@ def test_no_tensor_is_placed_over_a_regions_nonce(shm_client):
 def test_regions_of_a_call_that_got_no_reply_are_never_reused(target):
     """The server may still read its inputs or write its outputs after the client's
     deadline: those regions are discarded, not leased to the next call."""
-    from tests.server.test_limits import long_lstm_args
+    from tests.server.test_limits import lstm_args
 
     with gradserve.Client(target, timeout=0.3, shared_memory=True) as c:
         pool = c._shm.pool
@@ -685,7 +685,7 @@ def test_regions_of_a_call_that_got_no_reply_are_never_reused(target):
         discard = pool.discard
         pool.discard = lambda regions: (discarded.extend(regions), discard(regions))
         with pytest.raises(DeadlineExceededError):
-            c.raw_ops.BlockLSTMV2(*long_lstm_args(100_000))
+            c.raw_ops.BlockLSTMV2(*lstm_args(100_000))
         assert discarded, "the call's regions were discarded"
         names = {r.name for r in discarded}
         assert not names & set(pool._all) and not names & {r.name for r in pool._free}
