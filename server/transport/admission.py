@@ -48,6 +48,8 @@ class Lane:
         )
         self._slots: asyncio.Semaphore | None = None
         self.waiting = 0
+        #: Work running on the lane's threads now (a call its client left included).
+        self.running = 0
 
     async def run(self, fn: Callable[[], T]) -> T:
         slots = self._semaphore()
@@ -66,8 +68,17 @@ class Lane:
         future = asyncio.get_running_loop().run_in_executor(
             self._executor, functools.partial(context.run, fn)
         )
-        future.add_done_callback(lambda done: _finished(done, slots))
+        self.running += 1
+        future.add_done_callback(self._finished)
         return await asyncio.shield(future)
+
+    def _finished(self, future: asyncio.Future[Any]) -> None:
+        """Free the slot; read the outcome, which nobody awaits if the caller went
+        away."""
+        self.running -= 1
+        self._semaphore().release()
+        if not future.cancelled():
+            future.exception()
 
     def _semaphore(self) -> asyncio.Semaphore:
         if self._slots is None:  # made on first use, inside the server's loop
@@ -76,13 +87,6 @@ class Lane:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _finished(future: asyncio.Future[Any], slots: asyncio.Semaphore) -> None:
-    """Free the slot; read the outcome, which nobody awaits if the caller went away."""
-    slots.release()
-    if not future.cancelled():
-        future.exception()
 
 
 class Admission:

@@ -158,6 +158,7 @@ class _ReplicaCollector:
             "gradserve_compute_queue_depth", "LSTM ops waiting for a compute slot", heavy.waiting
         )
         yield gauge("gradserve_compute_slots", "--compute-slots", heavy.threads)
+        yield gauge("gradserve_compute_running", "LSTM ops computing now", heavy.running)
         yield gauge(
             "gradserve_draining", "1 while the replica drains (SIGTERM)", int(admission.draining)
         )

@@ -115,7 +115,8 @@ def test_sigterm_under_load():
 
     in_flight = threading.Thread(target=long_call)
     in_flight.start()
-    time.sleep(0.5)
+    # Computing before the signal (a fixed sleep raced the 32 load threads here).
+    assert server.wait_for("gradserve_compute_running", 1) == 1
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.2)
     with pytest.raises(UnavailableError):

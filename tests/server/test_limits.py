@@ -159,11 +159,13 @@ def test_compute_lane_refuses_past_the_queue_and_never_runs_more_than_its_thread
         with pytest.raises(ResourceExhaustedError, match="compute queue full") as info:
             await lane.run(work)
         assert info.value.reason == "COMPUTE_QUEUE_FULL"
+        assert lane.running == 1 and lane.waiting == 1
         first.cancel()  # its client went away: the work still holds the thread
         await asyncio.sleep(0.1)
-        assert not second.done()
+        assert not second.done() and lane.running == 1
         release.set()
         assert await second == "done"
+        assert lane.running == 0 and lane.waiting == 0
         lane.shutdown()
 
     asyncio.run(scenario())
