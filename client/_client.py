@@ -164,47 +164,7 @@ class Client:
             else:
                 channel = grpc.insecure_channel(target, options=options)
         self._channel = channel
-        self._stub = service_pb2_grpc.GradServeStub(self._channel)
-        # PutTensor's chunks come serialized (``WireContent.encoded_chunks``): one copy.
-        self._stub.PutTensor = self._channel.stream_unary(
-            "/gradserve.v1.GradServe/PutTensor",
-            request_serializer=codec.serialize,
-            response_deserializer=tensor_pb2.ResidentTensor.FromString,
-        )
-        # PutTensorInline's tensor comes serialized as well (``codec.serialize_tensor``), and
-        # GetTensorInline's tensor and GetTensor's chunks are read from the bytes
-        # received, not copied into a message and out again (``codec.parse_tensor``).
-        self._stub.PutTensorInline = self._channel.unary_unary(
-            "/gradserve.v1.GradServe/PutTensorInline",
-            request_serializer=codec.serialize,
-            response_deserializer=tensor_pb2.ResidentTensor.FromString,
-        )
-        self._stub.GetTensorInline = self._channel.unary_unary(
-            "/gradserve.v1.GradServe/GetTensorInline",
-            request_serializer=service_pb2.GetTensorRequest.SerializeToString,
-            response_deserializer=codec.parse_tensor,
-        )
-        self._stub.GetTensor = self._channel.unary_stream(
-            "/gradserve.v1.GradServe/GetTensor",
-            request_serializer=service_pb2.GetTensorRequest.SerializeToString,
-            response_deserializer=codec.parse_chunk,
-        )
-        # Op replies: their inline outputs are read from the bytes received as well.
-        for method in service_pb2.DESCRIPTOR.services_by_name["GradServe"].methods:
-            if method.client_streaming or method.server_streaming:
-                continue
-            parse = codec.reply_parser(message_factory.GetMessageClass(method.output_type))
-            if isinstance(parse, codec.ReplyParser):
-                request = message_factory.GetMessageClass(method.input_type)
-                setattr(
-                    self._stub,
-                    method.name,
-                    self._channel.unary_unary(
-                        f"/gradserve.v1.GradServe/{method.name}",
-                        request_serializer=request.SerializeToString,
-                        response_deserializer=parse,
-                    ),
-                )
+        self._stub = _stub(self._channel)
         self._auth: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {token}"),) if token else ()
         )
@@ -672,6 +632,48 @@ OUTCOME_UNKNOWN = (
     "it may or may not have been applied; it was not repeated (repeating a write could "
     "apply it twice). Check the state (e.g. read the element back) before writing again. "
 )
+
+#: Requests the codec serializes itself, straight from the array: one copy
+#: (``WireContent.encoded_chunks``, ``codec.serialize_tensor``).
+_SERIALIZERS: dict[str, Callable[[Any], bytes]] = {
+    "PutTensor": codec.serialize,
+    "PutTensorInline": codec.serialize,
+}
+#: Replies whose tensors are read from the bytes received, not copied into a message
+#: and out again; op replies too (``codec.reply_parser``).
+_PARSERS: dict[str, Callable[[bytes], Any]] = {
+    "GetTensorInline": codec.parse_tensor,
+    "GetTensor": codec.parse_chunk,
+}
+
+
+def _stub(channel: grpc.Channel) -> Any:
+    """The generated stub, its methods that move tensors replaced by ones with the
+    codec's serializers and parsers (as the server's ``app.VIEW_PARSERS``)."""
+    stub = service_pb2_grpc.GradServeStub(channel)
+    service = service_pb2.DESCRIPTOR.services_by_name["GradServe"]
+    for method in service.methods:
+        request = message_factory.GetMessageClass(method.input_type)
+        reply = message_factory.GetMessageClass(method.output_type)
+        serialize = _SERIALIZERS.get(method.name, request.SerializeToString)
+        parse = _PARSERS.get(method.name) or codec.reply_parser(reply)
+        if serialize == request.SerializeToString and parse == reply.FromString:
+            continue  # the generated method does the same
+        kind = "_".join(
+            "stream" if streaming else "unary"
+            for streaming in (method.client_streaming, method.server_streaming)
+        )
+        setattr(
+            stub,
+            method.name,
+            getattr(channel, kind)(
+                f"/{service.full_name}/{method.name}",
+                request_serializer=serialize,
+                response_deserializer=parse,
+            ),
+        )
+    return stub
+
 
 #: RPCs that record on the gradient tapes active when they are called.
 _RECORDED = (set(protocol.BATCH_FIELDS) | {"Batch"}) - {"Gradients"}

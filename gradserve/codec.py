@@ -317,7 +317,7 @@ def _tensor_parts(
     need = -start % CONTENT_ALIGNMENT
     if need == 1:  # a padding field is 0 or at least 2 bytes
         need += CONTENT_ALIGNMENT
-    for padding in _PADDINGS[max(0, need - 4) :]:  # _PADDINGS[k] is k + 1 bytes long
+    for padding in _PADDINGS[max(0, need - 4) :]:  # _PADDINGS[k], k >= 1, is k + 1 bytes
         tensor_size = len(head) + len(padding) + len(data_field) + len(data)
         before = wrap(tensor_size)
         start = offset + sum(map(len, before)) + len(head) + len(padding) + len(data_field)

@@ -78,6 +78,7 @@ def is_warm() -> bool:
 
 
 def can_trim() -> bool:
+    """Whether ``trim`` can hand pages back (glibc's ``malloc_trim``)."""
     return _glibc() is not None
 
 
