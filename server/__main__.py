@@ -2,7 +2,7 @@
 
 import sys
 
-from gradserve.server.transport.cli import main
+from gradserve.server.transport.entry import main
 
 argv = sys.argv[1:]
 if not argv or argv[0] not in ("serve", "health", "-h", "--help"):
