@@ -11,11 +11,10 @@ from collections.abc import MutableMapping
 
 #: OpenBLAS's worker threads spin for 2**N CPU cycles after each BLAS call before
 #: they sleep (``OPENBLAS_THREAD_TIMEOUT``, 4-30). OpenBLAS's default, 28, is about
-#: 0.1 s: after every LSTM op each worker thread burnt a core for that long, taking
-#: it from the event loop sending the op's outputs and from the calls that came
-#: next. 20 is about 0.35 ms, longer than the elementwise work between two steps'
-#: GEMMs, so the threads still spin through an op and sleep soon after it
-#: (README, "BLAS threads").
+#: 0.1 s: after every LSTM op each worker thread burnt a core's time for that long,
+#: CPU that a container's quota counts. 20 is about 0.35 ms, longer than the
+#: elementwise work between two steps' GEMMs, so the threads still spin through an op
+#: and sleep soon after it (README, "BLAS threads").
 BLAS_THREAD_TIMEOUT = "20"
 
 

@@ -1,8 +1,8 @@
 """The server process's BLAS threads sleep soon after an op (``entry.BLAS_THREAD_TIMEOUT``).
 
 OpenBLAS's worker threads spin about 0.1 s after each BLAS call by default; a server
-that let them burnt a core for that long after every LSTM op, while the op's outputs
-were being sent and the next calls came. The server's entry point sets a short
+that let them burnt a core's time for that long after every LSTM op, CPU that a
+container's quota counts. The server's entry point sets a short
 timeout unless the operator set one. Checked on the real process: the CPU time it
 uses while idle after an op, with its default and with OpenBLAS's own (the control,
 which also shows that an operator's value is kept).
