@@ -3,10 +3,12 @@ LSTM call runs on it (the eager per-step loop, or replayed CUDA graphs)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 from gradserve.kernels import lstm
 from gradserve.kernels.backends import get_backend
+from gradserve.kernels.blas_threads import BLAS, BlasThreads
 
 if TYPE_CHECKING:
     from gradserve.kernels.cuda_graphs import GraphCache
@@ -16,7 +18,11 @@ class Compute:
     """The device's backend (``xp``, ``to_host``, the fused steps) plus the LSTM runner."""
 
     def __init__(
-        self, backend: Any, graphs: GraphCache | None = None, empty: lstm.Empty | None = None
+        self,
+        backend: Any,
+        graphs: GraphCache | None = None,
+        empty: lstm.Empty | None = None,
+        blas: BlasThreads | None = None,
     ) -> None:
         self.backend = backend
         #: A ``cuda_graphs.GraphCache``, or None for the eager loop.
@@ -24,6 +30,12 @@ class Compute:
         #: Allocates the eager LSTM's outputs and scratch (None: ``xp.empty``): on the
         #: CPU, the server's warm buffers, so a large call does not fault in fresh pages.
         self.empty = empty
+        #: On the CPU, the process's BLAS threads, divided among the LSTM ops computing
+        #: at once (None: each op uses the count as it is).
+        self.blas = blas
+
+    def _computing(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext() if self.blas is None else self.blas.share()
 
     @property
     def name(self) -> str:
@@ -48,9 +60,10 @@ class Compute:
         """``lstm.block_lstm_forward`` on this device (from a graph where one is kept)."""
         if self.graphs is not None:
             return self.graphs.forward(inputs, **attrs)
-        result: lstm.LSTMActivations[Any] = lstm.block_lstm_forward(
-            self.backend, inputs, empty=self.empty, **attrs
-        )
+        with self._computing():
+            result: lstm.LSTMActivations[Any] = lstm.block_lstm_forward(
+                self.backend, inputs, empty=self.empty, **attrs
+            )
         return result
 
     def lstm_backward(
@@ -63,9 +76,10 @@ class Compute:
         """``lstm.block_lstm_backward`` on this device (from a graph where one is kept)."""
         if self.graphs is not None:
             return self.graphs.backward(inputs, activations, output_grads, **attrs)
-        result: lstm.LSTMGrads[Any] = lstm.block_lstm_backward(
-            self.backend, inputs, activations, output_grads, empty=self.empty, **attrs
-        )
+        with self._computing():
+            result: lstm.LSTMGrads[Any] = lstm.block_lstm_backward(
+                self.backend, inputs, activations, output_grads, empty=self.empty, **attrs
+            )
         return result
 
 
@@ -81,10 +95,13 @@ def compute_for(
     ``cuda_graphs`` (CUDA only) replays whole LSTM calls as graphs, keeping at most
     ``graph_cache_bytes`` of GPU memory in captured plans. ``host_empty`` allocates
     the CPU LSTM's outputs and scratch (unused on CUDA, whose arrays CuPy's pool keeps).
+    On the CPU the LSTM ops computing at once divide the BLAS threads (``BLAS``).
     """
     backend = get_backend(device)
     if not cuda_graphs:
-        return Compute(backend, empty=host_empty if device == "cpu" else None)
+        if device == "cpu":
+            return Compute(backend, empty=host_empty, blas=BLAS)
+        return Compute(backend)
     if device != "cuda":
         raise ValueError("CUDA graphs need --device cuda")
     from gradserve.kernels import cuda_graphs as graphs

@@ -37,7 +37,6 @@ from __future__ import annotations
 import collections
 import enum
 import functools
-import importlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -47,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from gradserve import heap
+from gradserve.kernels.blas_threads import BLAS
 
 Array = Any  # numpy.ndarray; ``Any`` as in backend_numpy (in-place ufunc annotations)
 Offsets = tuple[int, int, int, int]
@@ -209,30 +209,10 @@ PLANNER = Planner()
 
 
 def blas_threads() -> int | None:
-    """The BLAS thread count now (through threadpoolctl, where installed): part of the
-    plan key, since the best formulation differs between 1 and 2 threads. None
-    without threadpoolctl (then nothing in the process changes it after start)."""
-    libs = _blas_controllers()
-    if not libs:
-        return None
-    return max(int(lib.get_num_threads()) for lib in libs)
-
-
-_controllers: list[Any] | None = None
-_controllers_lock = threading.Lock()
-
-
-def _blas_controllers() -> list[Any]:
-    global _controllers
-    with _controllers_lock:
-        if _controllers is None:
-            try:
-                threadpoolctl = importlib.import_module("threadpoolctl")
-                controller = threadpoolctl.ThreadpoolController()
-                _controllers = [c for c in controller.lib_controllers if c.user_api == "blas"]
-            except Exception:  # noqa: BLE001 - absent or failing: threads unknown
-                _controllers = []
-        return _controllers
+    """The BLAS thread count now: part of the plan key, since the best formulation
+    differs between 1 and 2 threads (and an op computing beside others gets fewer:
+    ``blas_threads.BLAS.share``)."""
+    return BLAS.count()
 
 
 def forward_sequence(
