@@ -12,8 +12,9 @@ the first of them started, and the last one to end puts it back.
 threadpoolctl finds and sets the count of whichever BLAS NumPy loaded. With NumPy's
 own OpenBLAS (one pool of threads for the process) a change applies from the next BLAS
 call of every thread, so an op that was computing alone drops to its share at its next
-GEMM. A BLAS whose count is per calling thread (OpenBLAS built on OpenMP) takes each
-op's share for that op's own thread only, which is still its share.
+GEMM. Where the count is per calling thread (OpenBLAS built on OpenMP) each set
+reaches only the thread of the op that starts or ends, so an op already computing
+keeps the count it started with.
 """
 
 from __future__ import annotations
