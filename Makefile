@@ -28,6 +28,7 @@ bench: $(STAMP)  ## benchmarks (figures, not pass/fail)
 	$(PY) -m tests.benchmarks.bench_core
 	$(PY) -m tests.benchmarks.bench_lstm
 	$(PY) -m tests.benchmarks.bench_load
+	$(PY) -m tests.benchmarks.bench_concurrent_lstm
 	$(PY) -m tests.benchmarks.bench_hostile
 	$(PY) -m tests.benchmarks.bench_wire
 	$(PY) -m tests.benchmarks.bench_tape

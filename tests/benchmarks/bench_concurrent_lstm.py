@@ -1,0 +1,112 @@
+"""LSTM ops from several clients at once (``make bench``): forwards with their outputs
+kept, from 1, 2 and 4 clients, against a server in its own process at ``--threads``
+BLAS threads; ops per second. What it shows: the ops computing at once divide the BLAS
+threads (``kernels/blas_threads.py``) instead of each running every GEMM on all of
+them.
+
+``--old TREE`` adds another checkout's server (started from ``TREE/.venv``, as
+``bench_ab_trees`` does), measured interleaved with this one, the clients from this
+checkout's SDK::
+
+    python -m tests.benchmarks.bench_concurrent_lstm --old /tmp/old --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+import gradserve
+from tests.benchmarks.bench_lstm import make_inputs
+
+
+def start_server(tree: str, threads: int) -> tuple[subprocess.Popen, str]:
+    """The server of checkout ``tree`` (its ``.venv``; this interpreter for this one)."""
+    here = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    python = sys.executable if tree == here else os.path.join(tree, ".venv", "bin", "python")
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": str(threads)}
+    proc = subprocess.Popen(
+        [python, "-m", "gradserve.server", "serve", "--port", "0", "--device", "cpu"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tree,
+    )  # fmt: skip
+    match = None
+    while match is None:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the server of {tree} stopped")
+        match = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+    threading.Thread(target=proc.stdout.read, daemon=True).start()
+    return proc, f"127.0.0.1:{match.group(1)}"
+
+
+def ops_per_second(target: str, clients: int, seconds: float, size: tuple[int, int, int]) -> float:
+    """Forwards with kept outputs (deleted after each) from ``clients`` threads, each
+    its own client and session, for ``seconds``."""
+    inputs, _, _ = make_inputs(*size)
+    length = np.int64(size[0])
+    sdks = [gradserve.Client(target, shared_memory=False) for _ in range(clients)]
+    refs = [[sdk.put(a) for a in inputs] for sdk in sdks]
+    for sdk, r in zip(sdks, refs):  # warm-up: the plan and the buffers of this shape
+        sdk.delete(*sdk.raw_ops.BlockLSTMV2(length, *r, use_peephole=True, keep=True))
+    done = [0] * clients
+    stop = time.monotonic() + seconds
+
+    def loop(i: int) -> None:
+        sdk, r = sdks[i], refs[i]
+        while time.monotonic() < stop:
+            sdk.delete(*sdk.raw_ops.BlockLSTMV2(length, *r, use_peephole=True, keep=True))
+            done[i] += 1
+
+    workers = [threading.Thread(target=loop, args=(i,)) for i in range(clients)]
+    started = time.monotonic()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    elapsed = time.monotonic() - started
+    for sdk in sdks:
+        sdk.close()
+    return sum(done) / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--old", help="another checkout to compare, interleaved")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--size", type=int, nargs=3, default=[50, 32, 256], metavar="N")
+    parser.add_argument("--seconds", type=float, default=3.0, help="per client count")
+    parser.add_argument("--rounds", type=int, default=1)
+    args = parser.parse_args()
+    here = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    trees = {"this": here} | ({"old": os.path.abspath(args.old)} if args.old else {})
+    servers = {}
+    try:
+        for name, tree in trees.items():
+            servers[name] = start_server(tree, args.threads)
+        print(
+            f"# LSTM forwards (outputs kept) at {tuple(args.size)} from concurrent clients; "
+            f"servers at {args.threads} BLAS thread(s), {os.cpu_count()} CPUs; ops/s"
+        )
+        for _ in range(args.rounds):
+            for clients in (1, 2, 4):
+                row = []
+                for name, (_, target) in servers.items():
+                    time.sleep(0.3)  # the last server's BLAS threads go to sleep
+                    rate = ops_per_second(target, clients, args.seconds, tuple(args.size))
+                    row.append(f"{name} {rate:6.1f}")
+                print(f"{clients} client(s): " + "  ".join(row), flush=True)
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(30)
+
+
+if __name__ == "__main__":
+    main()
