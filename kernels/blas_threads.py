@@ -7,35 +7,43 @@ threads, clients calling the (50, 32, 256) forward, outputs kept): one client 56
 ops/s, two clients 40-47 ops/s, and two clients against a server at one BLAS thread
 65-66 ops/s. So ``share`` re-divides the count as each op starts and ends: ``total //
 running`` threads (at least one), where ``total`` is the count the process had when
-the first of them started, and the last one to end puts it back.
+its first op started (``OPENBLAS_NUM_THREADS``, else one per core), and the last op to
+end puts it back. The server owns the count from then on: in a process that embeds
+it, a count other code sets is replaced at the next op.
 
-threadpoolctl finds and sets the count of whichever BLAS NumPy loaded. With NumPy's
-own OpenBLAS (one pool of threads for the process) a change applies from the next BLAS
-call of every thread, so an op that was computing alone drops to its share at its next
-GEMM. Where the count is per calling thread (OpenBLAS built on OpenMP) each set
-reaches only the thread of the op that starts or ends, so an op already computing
-keeps the count it started with.
+threadpoolctl finds the library and sets its count; only NumPy's own is touched where
+NumPy bundles one (its wheels), so another library in the process (SciPy's, torch's)
+keeps its count. With NumPy's OpenBLAS (one pool of threads for the process) a change
+applies from the next BLAS call of every thread, so an op that was computing alone
+drops to its share at its next GEMM. Where the count is per calling thread (OpenBLAS
+built on OpenMP) a set would reach only the thread of the op that starts or ends and
+leave that thread's count behind for its next op, so there the count is left alone.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import numpy  # noqa: F401 - its BLAS loaded before threadpoolctl looks for it
+import numpy
 import threadpoolctl
 
 
 def _blas_libraries() -> list[Any]:
-    """threadpoolctl's controllers of the process's BLAS libraries (none if it fails).
-    threadpoolctl finds the libraries loaded so far: NumPy's, imported above."""
+    """threadpoolctl's controllers of NumPy's BLAS: the one in NumPy's wheel
+    (``numpy.libs``) where there is one, else every BLAS library loaded (threadpoolctl
+    finds the libraries loaded so far: NumPy's, imported above). None if it fails."""
     try:
         controller = threadpoolctl.ThreadpoolController()
     except Exception:  # noqa: BLE001 - an unknown library: leave the threads alone
         return []
-    return [lib for lib in controller.lib_controllers if lib.user_api == "blas"]
+    libs = [lib for lib in controller.lib_controllers if lib.user_api == "blas"]
+    bundled = os.path.join(os.path.dirname(os.path.dirname(numpy.__file__)), "numpy.libs")
+    own = [lib for lib in libs if os.path.realpath(lib.filepath).startswith(bundled)]
+    return own or libs
 
 
 class BlasThreads:
@@ -46,7 +54,10 @@ class BlasThreads:
         self._libraries: list[Any] | None = None
         self._lock = threading.Lock()
         self._running = 0
-        self._total: int | None = None  # the count before the first running op
+        self._total: int | None = None  # the count when the first op started
+        #: How many times ``share`` changed the count: a measurement that saw it change
+        #: was not taken at one count (``lstm_cpu``'s planner does not keep it).
+        self.changes = 0
 
     def _libs(self) -> list[Any]:
         if self._libraries is None:
@@ -62,25 +73,21 @@ class BlasThreads:
         libs = self._libs()
         return max(int(lib.get_num_threads()) for lib in libs) if libs else None
 
-    def _set(self, threads: int) -> None:
-        for lib in self._libs():
-            lib.set_num_threads(threads)
-            # threadpoolctl lets only the thread that first set OpenBLAS's (shared)
-            # count set it again, until that thread lets go. Ops compute on several
-            # threads, so each lets go at once; a thread inside ``threadpool_limits``
-            # keeps its hold, and then its limit stands and these sets do nothing.
-            let_go = getattr(lib, "clear_controlling_thread", None)
-            if let_go is not None:
-                let_go()
+    def _divisible(self) -> bool:
+        """One count for the whole process (not per thread, as on OpenMP)."""
+        libs = self._libs()
+        return bool(libs) and all(getattr(lib, "threading_layer", "") != "openmp" for lib in libs)
 
     @contextmanager
     def share(self) -> Iterator[None]:
         """Compute in the block with this op's share of the threads."""
         with self._lock:
-            if self._running == 0:
-                self._total = self._count()
             self._running += 1
-            self._divide()
+            try:
+                self._divide()
+            except BaseException:
+                self._running -= 1
+                raise
         try:
             yield
         finally:
@@ -89,12 +96,23 @@ class BlasThreads:
                 self._divide()
 
     def _divide(self) -> None:
+        if not self._divisible():
+            return
+        if self._total is None:
+            self._total = self._count()
         if self._total is None:
             return
-        if self._running == 0:
-            self._set(self._total)
-        else:
-            self._set(max(1, self._total // self._running))
+        share = self._total if self._running == 0 else max(1, self._total // self._running)
+        if share != self._count():
+            self.changes += 1
+        for lib in self._libs():
+            lib.set_num_threads(share)
+            # threadpoolctl (3.8) lets only the thread that first set OpenBLAS's shared
+            # count set it again, until that thread lets go. Ops compute on several
+            # threads, so each lets go at once.
+            let_go = getattr(lib, "clear_controlling_thread", None)
+            if let_go is not None:
+                let_go()
 
 
 #: The process's one count (a BLAS library has one).

@@ -15,7 +15,7 @@ Each is reported in GFLOP/s of its GEMM work (2 * flops of the forward GEMMs
 for the backward), measured interleaved (ours, baseline, matmul, ...) and
 reported as medians. Then the same backward through the RPC with the
 activations resident, as overhead over in-process. BLAS threads are printed
-and, where threadpoolctl is installed, both 1 and all threads are measured.
+and both 1 and all BLAS threads are measured (threadpoolctl).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import statistics
 import time
 
 import numpy as np
+from threadpoolctl import threadpool_info, threadpool_limits
 
 from gradserve import protocol
 from gradserve.kernels import backend_numpy, lstm
@@ -136,27 +137,17 @@ def interleaved(fns: dict, rounds: int) -> dict[str, float]:
 
 @contextlib.contextmanager
 def blas_threads(n: int | None):
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        yield
-        return
     with threadpool_limits(limits=n, user_api="blas"):
         yield
 
 
 def blas_info() -> str:
-    try:
-        from threadpoolctl import threadpool_info
-
-        infos = [i for i in threadpool_info() if i.get("user_api") == "blas"]
-        return ", ".join(
-            f"{i['internal_api']} {i.get('version')} ({i.get('architecture')}), "
-            f"{i['num_threads']} threads"
-            for i in infos
-        )
-    except ImportError:
-        return f"threadpoolctl not installed; OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')}"
+    infos = [i for i in threadpool_info() if i.get("user_api") == "blas"]
+    return ", ".join(
+        f"{i['internal_api']} {i.get('version')} ({i.get('architecture')}), "
+        f"{i['num_threads']} threads"
+        for i in infos
+    )
 
 
 def blas_environment() -> str:
@@ -198,7 +189,7 @@ def bench_size(steps, batch, units, rounds, rpc_target):
         "matmul": lambda: np.matmul(big_a, w, out=out),
     }
     results = {}
-    for threads in [1, None] if _has_threadpoolctl() else [None]:
+    for threads in [1, None]:
         with blas_threads(threads):
             t = interleaved(fns, rounds)
         label = "1 thread" if threads == 1 else f"{os.cpu_count()} threads (all)"
@@ -243,14 +234,6 @@ def bench_size(steps, batch, units, rounds, rpc_target):
             f" results sent back inline below {protocol.DEFAULT_STREAM_THRESHOLD_BYTES >> 20} MiB,"
             " streamed above)"
         )
-
-
-def _has_threadpoolctl() -> bool:
-    try:
-        import threadpoolctl  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def main() -> None:

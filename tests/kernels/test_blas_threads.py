@@ -4,20 +4,23 @@ forwards computing together through ``Compute``."""
 
 from __future__ import annotations
 
+import glob
+import os
 import threading
 
 import numpy as np
 import pytest
 import threadpoolctl
 
-from gradserve.kernels import blas_threads, lstm
-from gradserve.kernels.blas_threads import BLAS, BlasThreads
-from gradserve.kernels.compute import compute_for
-from gradserve.kernels.lstm_cpu import blas_threads as plan_threads
+from gradserve.kernels import backend_numpy, blas_threads, lstm
+from gradserve.kernels.blas_threads import BlasThreads
+from gradserve.kernels.compute import Compute, compute_for
 
 
 class FakeLibrary:
     """A BLAS library as threadpoolctl controls one: its count, and every change."""
+
+    threading_layer = "pthreads"
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
@@ -68,17 +71,51 @@ def test_a_failing_op_gives_its_share_back():
     assert lib.threads == 4
 
 
-def test_the_count_between_ops_is_the_callers():
-    """A count set while no op computes (threadpool_limits in a benchmark) is the one
-    the next ops divide and the last one restores."""
+def test_the_count_is_the_one_the_first_op_found():
+    """The server owns the count: one set between ops (by an embedding process's
+    ``threadpool_limits`` that recorded a divided count, say) is replaced at the next
+    op and the first op's count put back, so the server never stays at a share."""
     lib = FakeLibrary(4)
     blas = BlasThreads(lambda: [lib])
     with blas.share(), blas.share():
+        assert lib.threads == 2
+    lib.threads = 1
+    with blas.share():
+        assert lib.threads == 4
+    assert lib.threads == 4
+
+
+def test_a_failing_set_leaves_no_op_counted():
+    class Refusing(FakeLibrary):
+        def set_num_threads(self, threads: int) -> None:
+            raise OSError("refused")
+
+    lib = Refusing(4)
+    blas = BlasThreads(lambda: [lib])
+    with pytest.raises(OSError), blas.share():
         pass
-    lib.threads = 2
+    assert blas._running == 0
+
+
+def test_a_per_thread_count_is_left_alone():
+    """OpenBLAS on OpenMP keeps a count per calling thread: a set would reach only the
+    thread of the op that starts or ends, so nothing is set."""
+    lib = FakeLibrary(4)
+    lib.threading_layer = "openmp"
+    blas = BlasThreads(lambda: [lib])
     with blas.share(), blas.share():
-        assert lib.threads == 1
-    assert lib.threads == 2
+        assert lib.threads == 4
+    assert lib.changes == []
+
+
+def test_changes_counts_the_changes():
+    lib = FakeLibrary(2)
+    blas = BlasThreads(lambda: [lib])
+    with blas.share():
+        assert blas.changes == 0
+        with blas.share():
+            assert blas.changes == 1
+    assert blas.changes == 2
 
 
 def test_no_library_found_changes_nothing():
@@ -87,14 +124,24 @@ def test_no_library_found_changes_nothing():
         assert blas.count() is None
 
 
+def _real() -> BlasThreads:
+    """A fresh count over NumPy's real BLAS, its first op's count the caller's limit.
+    Skipped only where NumPy bundles no BLAS threadpoolctl can see."""
+    blas = BlasThreads()
+    if blas.count() is None:
+        bundled = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
+        assert not glob.glob(os.path.join(bundled, "*openblas*")), "NumPy's OpenBLAS not found"
+        pytest.skip("threadpoolctl finds no BLAS library in this NumPy")
+    return blas
+
+
 def test_the_real_library():
     """NumPy's BLAS, through threadpoolctl: two ops at 2 threads get one each."""
-    if BLAS.count() is None:
-        pytest.skip("threadpoolctl finds no BLAS library in this NumPy")
     with threadpoolctl.threadpool_limits(2, user_api="blas"):
-        with BLAS.share():
+        blas = _real()
+        with blas.share():
             assert _library_threads() == 2
-            with BLAS.share():
+            with blas.share():
                 assert _library_threads() == 1
             assert _library_threads() == 2
         assert _library_threads() == 2
@@ -104,13 +151,11 @@ def _library_threads() -> int:
     return max(i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas")
 
 
-def test_two_forwards_computing_together_each_get_one_thread():
-    """Two CPU LSTM forwards through ``Compute``, held together inside their step loops
+@pytest.mark.parametrize("op", ["forward", "backward"])
+def test_two_ops_computing_together_each_get_one_thread(op):
+    """Two CPU LSTM ops through ``Compute``, held together inside their step loops
     (``check`` runs between steps): each sees one of the two threads, and what it
     computes is what it computes alone, to rounding."""
-    if BLAS.count() is None:
-        pytest.skip("threadpoolctl finds no BLAS library in this NumPy")
-    compute = compute_for("cpu")
     rng = np.random.default_rng(0)
     r = lambda *s: (rng.standard_normal(s) * 0.1).astype(np.float32)  # noqa: E731
     steps, batch, units = 4, 3, 5
@@ -119,20 +164,30 @@ def test_two_forwards_computing_together_each_get_one_thread():
         r(units), r(units), r(units), r(4 * units),
     )  # fmt: skip
     attrs = dict(seq_len_max=steps, use_peephole=True)
+    activations = lstm.block_lstm_forward(backend_numpy, inputs, **attrs)
+    grads = lstm.LSTMOutputGrads(r(steps, batch, units), r(steps, batch, units))
     with threadpoolctl.threadpool_limits(2, user_api="blas"):
-        alone = compute.lstm_forward(inputs, **attrs)
+        blas = _real()
+        compute = Compute(backend_numpy, blas=blas)
+
+        def call(**more):
+            if op == "forward":
+                return compute.lstm_forward(inputs, **attrs, **more)
+            return compute.lstm_backward(inputs, activations, grads, **attrs, **more)
+
+        alone = call()
         together = threading.Barrier(2, timeout=30)
         seen: list[int | None] = []
-        results: list[lstm.LSTMActivations] = []
+        results: list[tuple] = []
 
         def check() -> None:
             if len(seen) < 2:
                 together.wait()  # both ops are inside their step loops now
-                seen.append(plan_threads())
+                seen.append(blas.count())
                 together.wait()
 
         def run() -> None:
-            results.append(compute.lstm_forward(inputs, check=check, **attrs))
+            results.append(call(check=check))
 
         workers = [threading.Thread(target=run) for _ in range(2)]
         for w in workers:
@@ -151,3 +206,31 @@ def test_two_forwards_computing_together_each_get_one_thread():
 
 def test_the_server_divides_them():
     assert compute_for("cpu").blas is blas_threads.BLAS
+
+
+def test_a_plan_measured_while_the_count_changed_is_not_kept():
+    """The planner keys a formulation by the thread count its op started with; timings
+    taken while another op changed the count are used once, not kept under that key."""
+    from gradserve.kernels import lstm_cpu
+
+    rng = np.random.default_rng(1)
+    steps, batch, units = 3, 7, 9  # a shape no other test plans
+    r = lambda *s: (rng.standard_normal(s) * 0.1).astype(np.float32)  # noqa: E731
+    inputs = lstm.LSTMInputs(
+        r(steps, batch, units), r(batch, units), r(batch, units), r(2 * units, 4 * units),
+        r(units), r(units), r(units), r(4 * units),
+    )  # fmt: skip
+    key = (batch, units, units, "<f4", lstm_cpu.blas_threads(), True)
+    lstm_cpu.PLANNER.clear()
+    changed: list[int] = []
+
+    def another_op_starts() -> None:
+        if not changed:
+            changed.append(1)
+            blas_threads.BLAS.changes += 1
+
+    attrs = dict(seq_len_max=steps, use_peephole=True)
+    lstm.block_lstm_forward(backend_numpy, inputs, check=another_op_starts, **attrs)
+    assert changed and lstm_cpu.PLANNER.lookup(key) is None
+    lstm.block_lstm_forward(backend_numpy, inputs, **attrs)
+    assert lstm_cpu.PLANNER.lookup(key) is not None
