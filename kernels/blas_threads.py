@@ -41,7 +41,8 @@ def _blas_libraries() -> list[Any]:
     except Exception:  # noqa: BLE001 - an unknown library: leave the threads alone
         return []
     libs = [lib for lib in controller.lib_controllers if lib.user_api == "blas"]
-    bundled = os.path.join(os.path.dirname(os.path.dirname(numpy.__file__)), "numpy.libs")
+    site = os.path.dirname(os.path.dirname(os.path.realpath(numpy.__file__)))
+    bundled = os.path.join(site, "numpy.libs") + os.sep
     own = [lib for lib in libs if os.path.realpath(lib.filepath).startswith(bundled)]
     return own or libs
 

@@ -234,3 +234,24 @@ def test_a_plan_measured_while_the_count_changed_is_not_kept():
     assert changed and lstm_cpu.PLANNER.lookup(key) is None
     lstm.block_lstm_forward(backend_numpy, inputs, **attrs)
     assert lstm_cpu.PLANNER.lookup(key) is not None
+
+
+def test_only_numpys_own_library_is_set(monkeypatch):
+    """Where NumPy's wheel bundles its BLAS, another BLAS in the process (SciPy's,
+    torch's) keeps its count; without a bundled one, every BLAS found is NumPy's
+    candidate."""
+    site = os.path.dirname(os.path.dirname(os.path.realpath(np.__file__)))
+    bundled = os.path.join(site, "numpy.libs")
+    own, other = FakeLibrary(2), FakeLibrary(1)
+    own.user_api = other.user_api = "blas"
+    own.filepath = os.path.join(bundled, "libscipy_openblas64_-x.so")
+    other.filepath = "/opt/other/libopenblas.so"
+
+    class Controller:
+        def __init__(self, libs):
+            self.lib_controllers = libs
+
+    monkeypatch.setattr(threadpoolctl, "ThreadpoolController", lambda: Controller([own, other]))
+    assert blas_threads._blas_libraries() == [own]
+    monkeypatch.setattr(threadpoolctl, "ThreadpoolController", lambda: Controller([other]))
+    assert blas_threads._blas_libraries() == [other]
