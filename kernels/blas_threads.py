@@ -104,13 +104,15 @@ class BlasThreads:
         if self._total is None:
             return
         share = self._total if self._running == 0 else max(1, self._total // self._running)
-        if share != self._count():
-            self.changes += 1
+        if share == self._count():
+            return
+        self.changes += 1
         for lib in self._libs():
             lib.set_num_threads(share)
-            # threadpoolctl (3.8) lets only the thread that first set OpenBLAS's shared
-            # count set it again, until that thread lets go. Ops compute on several
-            # threads, so each lets go at once.
+            # threadpoolctl (3.8) heeds only the thread that set OpenBLAS's shared
+            # count first, until that thread lets go or ends. Ops compute on several
+            # long-lived threads, so each lets go at once. Another thread that holds it
+            # (inside ``threadpool_limits``) keeps it: these sets then do nothing.
             let_go = getattr(lib, "clear_controlling_thread", None)
             if let_go is not None:
                 let_go()

@@ -187,8 +187,12 @@ class Planner:
                 self._plans.move_to_end(key)
             return form
 
+    @staticmethod
+    def fastest(timings: dict[Formulation, float]) -> Formulation:
+        return min(timings, key=timings.__getitem__)
+
     def record(self, key: PlanKey, timings: dict[Formulation, float]) -> Formulation:
-        best = min(timings, key=lambda f: timings[f])
+        best = self.fastest(timings)
         with self._lock:
             self._plans[key] = best
             self._plans.move_to_end(key)
@@ -241,7 +245,7 @@ def forward_sequence(
             if BLAS.changes == changes:
                 formulation = PLANNER.record(key, timings)
             else:  # another op started or ended: not all timings are at the key's count
-                formulation = min(timings, key=timings.__getitem__)
+                formulation = PLANNER.fastest(timings)
     run(formulation, length, check)
 
 

@@ -4,6 +4,7 @@ forwards computing together through ``Compute``."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import threading
@@ -50,7 +51,7 @@ def test_ops_divide_the_threads_and_the_last_one_restores_them():
     assert lib.threads == 8  # the op that started second computes alone now: all
     second.__exit__(None, None, None)
     assert lib.threads == 8
-    assert lib.changes[-2:] == [8, 8]
+    assert lib.changes == [4, 2, 4, 8, 4, 8]  # only changes are set
 
 
 def test_at_least_one_thread_each():
@@ -92,9 +93,10 @@ def test_a_failing_set_leaves_no_op_counted():
 
     lib = Refusing(4)
     blas = BlasThreads(lambda: [lib])
-    with pytest.raises(OSError), blas.share():
-        pass
-    assert blas._running == 0
+    with blas.share():  # alone: the count as it is, nothing set
+        with pytest.raises(OSError), blas.share():
+            pass
+        assert blas._running == 1
 
 
 def test_a_per_thread_count_is_left_alone():
@@ -137,7 +139,7 @@ def _real() -> BlasThreads:
 
 def test_the_real_library():
     """NumPy's BLAS, through threadpoolctl: two ops at 2 threads get one each."""
-    with threadpoolctl.threadpool_limits(2, user_api="blas"):
+    with process_count(2):
         blas = _real()
         with blas.share():
             assert _library_threads() == 2
@@ -145,6 +147,29 @@ def test_the_real_library():
                 assert _library_threads() == 1
             assert _library_threads() == 2
         assert _library_threads() == 2
+
+
+@contextlib.contextmanager
+def process_count(threads: int):
+    """NumPy's BLAS at ``threads`` in the block, set as a server process has it: by no
+    thread that keeps threadpoolctl's hold (``threadpool_limits`` would keep it, and
+    then the ops' threads could not divide the count)."""
+    libs = threadpoolctl.ThreadpoolController().lib_controllers
+    blas = [lib for lib in libs if lib.user_api == "blas"]
+    before = [lib.get_num_threads() for lib in blas]
+
+    def set_all(counts):
+        for lib, count in zip(blas, counts):
+            lib.set_num_threads(count)
+            let_go = getattr(lib, "clear_controlling_thread", None)  # threadpoolctl 3.8
+            if let_go is not None:
+                let_go()
+
+    set_all([threads] * len(blas))
+    try:
+        yield
+    finally:
+        set_all(before)
 
 
 def _library_threads() -> int:
@@ -166,7 +191,7 @@ def test_two_ops_computing_together_each_get_one_thread(op):
     attrs = dict(seq_len_max=steps, use_peephole=True)
     activations = lstm.block_lstm_forward(backend_numpy, inputs, **attrs)
     grads = lstm.LSTMOutputGrads(r(steps, batch, units), r(steps, batch, units))
-    with threadpoolctl.threadpool_limits(2, user_api="blas"):
+    with process_count(2):
         blas = _real()
         compute = Compute(backend_numpy, blas=blas)
 
@@ -255,3 +280,42 @@ def test_only_numpys_own_library_is_set(monkeypatch):
     assert blas_threads._blas_libraries() == [own]
     monkeypatch.setattr(threadpoolctl, "ThreadpoolController", lambda: Controller([other]))
     assert blas_threads._blas_libraries() == [other]
+
+
+def test_each_op_thread_may_divide_after_another_did():
+    """threadpoolctl (3.8) heeds only the thread that set the count first, until it
+    lets go or ends; a server's compute threads live on between ops. So an op whose
+    thread set the count lets go, or the next op on another thread could not divide."""
+    with process_count(2):
+        blas = _real()
+        done = threading.Event()
+        seen: list[int | None] = []
+
+        def op(finished: threading.Event) -> None:
+            with blas.share():
+                seen.append(blas.count())
+            finished.set()
+            done.wait(30)  # the thread lives on, as a lane's does
+
+        long_in, long_out = threading.Event(), threading.Event()
+
+        def long_op() -> None:
+            with blas.share():
+                long_in.set()
+                long_out.wait(30)
+            done.wait(30)
+
+        threads = [threading.Thread(target=long_op)]
+        threads[0].start()
+        long_in.wait(30)
+        for _ in range(2):  # one after the other, each beside the long op
+            finished = threading.Event()
+            threads.append(threading.Thread(target=op, args=(finished,)))
+            threads[-1].start()
+            finished.wait(30)
+        long_out.set()
+        done.set()
+        for t in threads:
+            t.join(30)
+        assert seen == [1, 1]
+        assert _library_threads() == 2
