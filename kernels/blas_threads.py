@@ -56,9 +56,6 @@ class BlasThreads:
         self._lock = threading.Lock()
         self._running = 0
         self._total: int | None = None  # the count when the first op started
-        #: How many times ``share`` changed the count: a measurement that saw it change
-        #: was not taken at one count (``lstm_cpu``'s planner does not keep it).
-        self.changes = 0
 
     def _libs(self) -> list[Any]:
         if self._libraries is None:
@@ -68,6 +65,15 @@ class BlasThreads:
     def count(self) -> int | None:
         """The thread count now (None where no BLAS library was found)."""
         with self._lock:
+            return self._count()
+
+    def plan_count(self) -> int | None:
+        """The count an op's plan is keyed by: while ops divide the threads, the
+        process's own (``total``), so an op plans, and computes its bits, the same way
+        however many compute beside it; else the count now."""
+        with self._lock:
+            if self._running and self._total is not None:
+                return self._total
             return self._count()
 
     def _count(self) -> int | None:
@@ -106,7 +112,6 @@ class BlasThreads:
         share = self._total if self._running == 0 else max(1, self._total // self._running)
         if share == self._count():
             return
-        self.changes += 1
         for lib in self._libs():
             lib.set_num_threads(share)
             # threadpoolctl (3.8) heeds only the thread that set OpenBLAS's shared

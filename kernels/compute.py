@@ -6,9 +6,8 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from gradserve.kernels import lstm
+from gradserve.kernels import blas_threads, lstm
 from gradserve.kernels.backends import get_backend
-from gradserve.kernels.blas_threads import BLAS, BlasThreads
 
 if TYPE_CHECKING:
     from gradserve.kernels.cuda_graphs import GraphCache
@@ -22,7 +21,7 @@ class Compute:
         backend: Any,
         graphs: GraphCache | None = None,
         empty: lstm.Empty | None = None,
-        blas: BlasThreads | None = None,
+        blas: blas_threads.BlasThreads | None = None,
     ) -> None:
         self.backend = backend
         #: A ``cuda_graphs.GraphCache``, or None for the eager loop.
@@ -95,12 +94,12 @@ def compute_for(
     ``cuda_graphs`` (CUDA only) replays whole LSTM calls as graphs, keeping at most
     ``graph_cache_bytes`` of GPU memory in captured plans. ``host_empty`` allocates
     the CPU LSTM's outputs and scratch (unused on CUDA, whose arrays CuPy's pool keeps).
-    On the CPU the LSTM ops computing at once divide the BLAS threads (``BLAS``).
+    On the CPU the LSTM ops computing at once divide the BLAS threads (``blas_threads.BLAS``).
     """
     backend = get_backend(device)
     if not cuda_graphs:
         if device == "cpu":
-            return Compute(backend, empty=host_empty, blas=BLAS)
+            return Compute(backend, empty=host_empty, blas=blas_threads.BLAS)
         return Compute(backend)
     if device != "cuda":
         raise ValueError("CUDA graphs need --device cuda")

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from gradserve import heap
-from gradserve.kernels.blas_threads import BLAS
+from gradserve.kernels import blas_threads as blas
 
 Array = Any  # numpy.ndarray; ``Any`` as in backend_numpy (in-place ufunc annotations)
 Offsets = tuple[int, int, int, int]
@@ -187,12 +187,8 @@ class Planner:
                 self._plans.move_to_end(key)
             return form
 
-    @staticmethod
-    def fastest(timings: dict[Formulation, float]) -> Formulation:
-        return min(timings, key=timings.__getitem__)
-
     def record(self, key: PlanKey, timings: dict[Formulation, float]) -> Formulation:
-        best = self.fastest(timings)
+        best = min(timings, key=lambda f: timings[f])
         with self._lock:
             self._plans[key] = best
             self._plans.move_to_end(key)
@@ -213,10 +209,11 @@ PLANNER = Planner()
 
 
 def blas_threads() -> int | None:
-    """The BLAS thread count now: part of the plan key, since the best formulation
-    differs between 1 and 2 threads (and an op computing beside others gets fewer:
-    ``blas_threads.BLAS.share``)."""
-    return BLAS.count()
+    """The BLAS thread count of the plan key, since the best formulation differs
+    between 1 and 2 threads: the process's count, not an op's share of it while others
+    compute beside it (``blas.BLAS.share``). The formulations sum in different
+    orders, so a key that followed the share gave an op other bits under load."""
+    return blas.BLAS.plan_count()
 
 
 def forward_sequence(
@@ -240,12 +237,7 @@ def forward_sequence(
         key: PlanKey = (batch, inputs, units, x.dtype.str, blas_threads(), use_peephole)
         formulation = PLANNER.lookup(key)
         if formulation is None:
-            changes = BLAS.changes
-            timings = _measure(run, length, check)
-            if BLAS.changes == changes:
-                formulation = PLANNER.record(key, timings)
-            else:  # another op started or ended: not all timings are at the key's count
-                formulation = PLANNER.fastest(timings)
+            formulation = PLANNER.record(key, _measure(run, length, check))
     run(formulation, length, check)
 
 

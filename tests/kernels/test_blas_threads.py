@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import threadpoolctl
 
-from gradserve.kernels import backend_numpy, blas_threads, lstm
+from gradserve.kernels import backend_numpy, blas_threads, lstm, lstm_cpu
 from gradserve.kernels.blas_threads import BlasThreads
-from gradserve.kernels.compute import Compute, compute_for
+from gradserve.kernels.compute import compute_for
+from gradserve.kernels.lstm_cpu import Formulation
 
 
 class FakeLibrary:
@@ -110,14 +111,16 @@ def test_a_per_thread_count_is_left_alone():
     assert lib.changes == []
 
 
-def test_changes_counts_the_changes():
-    lib = FakeLibrary(2)
+def test_plans_are_keyed_by_the_process_count():
+    """While ops divide the threads, an op's plan is keyed by the process's count, not
+    its share; outside ops, by the count as it is."""
+    lib = FakeLibrary(4)
     blas = BlasThreads(lambda: [lib])
-    with blas.share():
-        assert blas.changes == 0
-        with blas.share():
-            assert blas.changes == 1
-    assert blas.changes == 2
+    assert blas.plan_count() == 4
+    with blas.share(), blas.share():
+        assert lib.threads == 2 and blas.plan_count() == 4
+    lib.threads = 1  # a caller's limit around a kernel call of its own
+    assert blas.plan_count() == 1
 
 
 def test_no_library_found_changes_nothing():
@@ -177,10 +180,10 @@ def _library_threads() -> int:
 
 
 @pytest.mark.parametrize("op", ["forward", "backward"])
-def test_two_ops_computing_together_each_get_one_thread(op):
+def test_two_ops_computing_together_each_get_one_thread(op, monkeypatch):
     """Two CPU LSTM ops through ``Compute``, held together inside their step loops
-    (``check`` runs between steps): each sees one of the two threads, and what it
-    computes is what it computes alone, to rounding."""
+    (``check`` runs between steps): each sees one of the two threads, and computes
+    what it computes alone, bit for bit."""
     rng = np.random.default_rng(0)
     r = lambda *s: (rng.standard_normal(s) * 0.1).astype(np.float32)  # noqa: E731
     steps, batch, units = 4, 3, 5
@@ -193,7 +196,16 @@ def test_two_ops_computing_together_each_get_one_thread(op):
     grads = lstm.LSTMOutputGrads(r(steps, batch, units), r(steps, batch, units))
     with process_count(2):
         blas = _real()
-        compute = Compute(backend_numpy, blas=blas)
+        monkeypatch.setattr(blas_threads, "BLAS", blas)  # the server's, first op to come
+        compute = compute_for("cpu")
+        # The plans: CONCAT at the process's 2 threads, HOISTED at 1. They sum in
+        # different orders: had the key followed the share, the ops computing together
+        # would have used HOISTED and differed from the op alone in the last bits.
+        key = (batch, units, units, "<f4")
+        lstm_cpu.PLANNER.clear()
+        for threads, form in ((2, Formulation.CONCAT), (1, Formulation.HOISTED)):
+            timings = {f: 1.0 for f in Formulation} | {form: 0.5}
+            lstm_cpu.PLANNER.record((*key, threads, True), timings)
 
         def call(**more):
             if op == "forward":
@@ -208,7 +220,7 @@ def test_two_ops_computing_together_each_get_one_thread(op):
         def check() -> None:
             if len(seen) < 2:
                 together.wait()  # both ops are inside their step loops now
-                seen.append(blas.count())
+                seen.append((blas.count(), lstm_cpu.blas_threads()))
                 together.wait()
 
         def run() -> None:
@@ -219,46 +231,16 @@ def test_two_ops_computing_together_each_get_one_thread(op):
             w.start()
         for w in workers:
             w.join(60)
-        assert seen == [1, 1]
+        assert seen == [(1, 2), (1, 2)]  # each op's share; the plan's count
         assert len(results) == 2
-        for result in results:
+        for result in results:  # bit for bit: the same plan, and no sum split by threads
             for got, want in zip(result, alone):
-                # Not bit for bit: at one thread the planner may choose another
-                # formulation, which sums in another order.
-                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+                np.testing.assert_array_equal(got, want)
         assert _library_threads() == 2
 
 
 def test_the_server_divides_them():
     assert compute_for("cpu").blas is blas_threads.BLAS
-
-
-def test_a_plan_measured_while_the_count_changed_is_not_kept():
-    """The planner keys a formulation by the thread count its op started with; timings
-    taken while another op changed the count are used once, not kept under that key."""
-    from gradserve.kernels import lstm_cpu
-
-    rng = np.random.default_rng(1)
-    steps, batch, units = 3, 7, 9  # a shape no other test plans
-    r = lambda *s: (rng.standard_normal(s) * 0.1).astype(np.float32)  # noqa: E731
-    inputs = lstm.LSTMInputs(
-        r(steps, batch, units), r(batch, units), r(batch, units), r(2 * units, 4 * units),
-        r(units), r(units), r(units), r(4 * units),
-    )  # fmt: skip
-    key = (batch, units, units, "<f4", lstm_cpu.blas_threads(), True)
-    lstm_cpu.PLANNER.clear()
-    changed: list[int] = []
-
-    def another_op_starts() -> None:
-        if not changed:
-            changed.append(1)
-            blas_threads.BLAS.changes += 1
-
-    attrs = dict(seq_len_max=steps, use_peephole=True)
-    lstm.block_lstm_forward(backend_numpy, inputs, check=another_op_starts, **attrs)
-    assert changed and lstm_cpu.PLANNER.lookup(key) is None
-    lstm.block_lstm_forward(backend_numpy, inputs, **attrs)
-    assert lstm_cpu.PLANNER.lookup(key) is not None
 
 
 def test_only_numpys_own_library_is_set(monkeypatch):
