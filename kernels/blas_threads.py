@@ -2,14 +2,18 @@
 
 A BLAS library has one thread count per process. An op computing alone should get all
 of it; ops computing together should split it, or every GEMM of each runs with every
-thread and the cores are oversubscribed. Measured on 2 cores (a server at 2 BLAS
-threads, clients calling the (50, 32, 256) forward, outputs kept): one client 56-59
-ops/s, two clients 40-47 ops/s, and two clients against a server at one BLAS thread
-65-66 ops/s. So ``share`` re-divides the count as each op starts and ends: ``total //
-running`` threads (at least one), where ``total`` is the count the process had when
-its first op started (``OPENBLAS_NUM_THREADS``, else one per core), and the last op to
-end puts it back. The server owns the count from then on: in a process that embeds
-it, a count other code sets is replaced at the next op.
+thread and the cores are oversubscribed (``make bench``'s ``bench_concurrent_lstm``
+measures both). With ``--share-blas-threads on`` the server's ``Compute`` wraps each
+CPU LSTM op in ``share``, which re-divides the count as each op starts and ends:
+``total // running`` threads (at least one), where ``total`` is the count when the
+server started (``OPENBLAS_NUM_THREADS``, else one per core), put back when the last op
+ends. The server owns the count from then on: in a process that embeds it, a count
+other code sets is replaced at the next op.
+
+The price is determinism: OpenBLAS sums a large GEMM in another order at 1 thread than
+at 2, so an op's last bits depend on how many ops computed beside it. That is why it is
+off by default. (The formulation the CPU forward uses is keyed by ``total`` either way,
+``plan_count``, so at least that does not change with the load.)
 
 threadpoolctl finds the library and sets its count; only NumPy's own is touched where
 NumPy bundles one (its wheels), so another library in the process (SciPy's, torch's)
@@ -56,6 +60,13 @@ class BlasThreads:
         self._lock = threading.Lock()
         self._running = 0
         self._total: int | None = None  # the count when the first op started
+
+    def start(self) -> None:
+        """Take the count to divide now (a server starting), not at the first op, when
+        other code in the process may hold a limit of its own."""
+        with self._lock:
+            if self._total is None:
+                self._total = self._count()
 
     def _libs(self) -> list[Any]:
         if self._libraries is None:

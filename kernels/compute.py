@@ -88,19 +88,25 @@ def compute_for(
     cuda_graphs: bool = False,
     graph_cache_bytes: int | None = None,
     host_empty: lstm.Empty | None = None,
+    share_blas_threads: bool = False,
 ) -> Compute:
     """The ``Compute`` of a resolved device name ("cpu" or "cuda").
 
     ``cuda_graphs`` (CUDA only) replays whole LSTM calls as graphs, keeping at most
     ``graph_cache_bytes`` of GPU memory in captured plans. ``host_empty`` allocates
     the CPU LSTM's outputs and scratch (unused on CUDA, whose arrays CuPy's pool keeps).
-    On the CPU the LSTM ops computing at once divide the BLAS threads (``blas_threads.BLAS``).
+    ``share_blas_threads`` (CPU only): the LSTM ops computing at once divide the BLAS
+    threads (``blas_threads.BLAS``), taking the count they divide now.
     """
     backend = get_backend(device)
     if not cuda_graphs:
-        if device == "cpu":
-            return Compute(backend, empty=host_empty, blas=blas_threads.BLAS)
-        return Compute(backend)
+        if device != "cpu":
+            return Compute(backend)
+        blas = None
+        if share_blas_threads:
+            blas = blas_threads.BLAS
+            blas.start()
+        return Compute(backend, empty=host_empty, blas=blas)
     if device != "cuda":
         raise ValueError("CUDA graphs need --device cuda")
     from gradserve.kernels import cuda_graphs as graphs

@@ -179,6 +179,30 @@ class Planner:
         self._plans: collections.OrderedDict[PlanKey, Formulation] = collections.OrderedDict()
         #: Per key, the seconds each candidate took on its probe (for the benchmark).
         self.measured: dict[PlanKey, dict[Formulation, float]] = {}
+        self._measuring: dict[PlanKey, threading.Event] = {}
+
+    def plan(self, key: PlanKey, measure: Callable[[], dict[Formulation, float]]) -> Formulation:
+        """The formulation of ``key``, measured (``measure``) by the first call of the
+        key. Calls that come while it measures wait for its choice: each choosing for
+        itself, two calls of one shape computed other bits (the formulations sum in
+        different orders). If the measuring call fails, the next one measures."""
+        while True:
+            with self._lock:
+                form = self._plans.get(key)
+                if form is not None:
+                    self._plans.move_to_end(key)
+                    return form
+                pending = self._measuring.get(key)
+                if pending is None:
+                    pending = self._measuring[key] = threading.Event()
+                    break
+            pending.wait()
+        try:
+            return self.record(key, measure())
+        finally:
+            with self._lock:
+                del self._measuring[key]
+            pending.set()
 
     def lookup(self, key: PlanKey) -> Formulation | None:
         with self._lock:
@@ -235,9 +259,7 @@ def forward_sequence(
     )  # fmt: skip
     if formulation is None:
         key: PlanKey = (batch, inputs, units, x.dtype.str, blas_threads(), use_peephole)
-        formulation = PLANNER.lookup(key)
-        if formulation is None:
-            formulation = PLANNER.record(key, _measure(run, length, check))
+        formulation = PLANNER.plan(key, functools.partial(_measure, run, length, check))
     run(formulation, length, check)
 
 

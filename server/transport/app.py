@@ -144,6 +144,7 @@ def _compute(config: ServerConfig, device: str, store: SessionStore) -> Compute:
         cuda_graphs=config.cuda_graphs and device == "cuda",
         graph_cache_bytes=config.cuda_graph_cache_bytes,
         host_empty=store.buffers.array,
+        share_blas_threads=config.share_blas_threads,
     )
 
 
@@ -227,7 +228,7 @@ def start(config: ServerConfig) -> Server:
         store,
         compute=compute,
         light=Lane("light", config.workers),
-        heavy=Lane("compute", config.compute_slots, config.max_queued_compute),
+        heavy=Lane("compute", config.slots(device), config.max_queued_compute),
         admission=Admission(
             config.max_concurrent_rpcs, config.max_streams, config.streams_per_principal()
         ),

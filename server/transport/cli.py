@@ -22,6 +22,16 @@ def _optional(kind):
     return parse
 
 
+def _auto(kind):
+    """A flag value of ``kind``, or None for "auto" (the server decides)."""
+
+    def parse(text: str):
+        return None if text.lower() == "auto" else kind(text)
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def _on_off(text: str) -> bool:
     """ "on"/"off" (also true/false, yes/no, 1/0)."""
     value = text.lower()
@@ -76,7 +86,18 @@ SERVE_FLAGS = [
     ("max_concurrent_rpcs", _optional(int), "calls in flight; more get RESOURCE_EXHAUSTED"),
     ("max_streams", _optional(int), "PutTensor/GetTensor streams open, all principals"),
     ("max_streams_per_principal", _optional(int), "streams open of one principal"),
-    ("compute_slots", int, "heavy ops (LSTM) computing at once"),
+    (
+        "compute_slots",
+        _auto(int),
+        "heavy ops (LSTM) computing at once; auto: on the CPU, cores // BLAS threads "
+        "(one op per core with --share-blas-threads on)",
+    ),
+    (
+        "share_blas_threads",
+        _on_off,
+        "on | off: CPU LSTM ops computing at once divide the BLAS threads (on: more "
+        "throughput under concurrent calls, but an op's last bits depend on the load)",
+    ),
     ("max_queued_compute", int, "heavy ops waiting for a slot; more get RESOURCE_EXHAUSTED"),
     ("stream_idle_timeout", _optional(float), "end a stream after this many idle seconds"),
     ("stream_min_rate", _optional(float), "bytes/s a stream must average after the grace"),

@@ -10,6 +10,7 @@ import dataclasses
 import os
 
 from gradserve import protocol
+from gradserve.kernels import blas_threads
 from gradserve.kernels.cuda_graphs import DEFAULT_CACHE_BYTES
 from gradserve.warm_buffers import DEFAULT_LIMIT_BYTES as DEFAULT_HOST_CACHE_BYTES
 
@@ -75,8 +76,13 @@ class ServerConfig:
     #: a stalled stream costs no thread, but a call and the data gRPC buffers for it.
     max_streams: int | None = 1024
     max_streams_per_principal: int | None = 512
-    #: Heavy ops (LSTM) computing at once, and how many may wait for a slot.
-    compute_slots: int = max(1, os.cpu_count() or 1)
+    #: Heavy ops (LSTM) computing at once (None: as many as the cores hold, ``slots``),
+    #: and how many may wait for a slot.
+    compute_slots: int | None = None
+    #: On the CPU, LSTM ops computing at once divide the BLAS threads (more throughput
+    #: under concurrent calls; an op's last bits then depend on how many compute beside
+    #: it). Off: every op computes with all of them, bit for bit the same under load.
+    share_blas_threads: bool = False
     max_queued_compute: int = 64
     #: A stream (PutTensor, GetTensor) ends when no chunk moves for this long, or when
     #: after ``stream_rate_grace`` seconds it averages under ``stream_min_rate`` bytes/s.
@@ -112,6 +118,21 @@ class ServerConfig:
         if self.adopt_dir is not None:
             return self.adopt_dir
         return os.path.join(self.state_dir, "adopt") if self.state_dir else None
+
+    def slots(self, device: str) -> int:
+        """``compute_slots`` resolved for the resolved ``device``. By default, on the
+        CPU, as many ops as the cores hold when each computes with all the BLAS threads
+        (``OPENBLAS_NUM_THREADS``, else one per core): ``cores // threads``. More would
+        oversubscribe the cores: at (100, 64, 512) on 2 cores and 2 BLAS threads, 2-4
+        clients got 5.3-6.1 ops/s from a slot per core against 7.0-8.0 from one slot
+        (README, "BLAS threads"). Ops that divide the threads (``share_blas_threads``),
+        and GPU ops, get a slot per core."""
+        if self.compute_slots is not None:
+            return self.compute_slots
+        cores = max(1, os.cpu_count() or 1)
+        if device != "cpu" or self.share_blas_threads:
+            return cores
+        return max(1, cores // (blas_threads.BLAS.count() or 1))
 
     def principal_bytes(self) -> int | None:
         """``max_principal_bytes`` resolved: by default half the server's budget where

@@ -1,12 +1,12 @@
 """LSTM ops from several clients at once (``make bench``): forwards with their outputs
-kept, from 1, 2 and 4 clients, against a server in its own process at ``--threads``
-BLAS threads; ops per second. What it shows: the ops computing at once divide the BLAS
-threads (``kernels/blas_threads.py``) instead of each running every GEMM on all of
-them.
+kept, from 1, 2 and 4 clients, against servers in their own processes at ``--threads``
+BLAS threads; ops per second, measured interleaved. Two servers of this checkout: one as
+it starts by default (every op computes with all the BLAS threads, ``cores // threads``
+of them at once) and one with ``--share-blas-threads on`` (a slot per core, the ops
+computing at once dividing the threads, ``kernels/blas_threads.py``).
 
 ``--old TREE`` adds another checkout's server (started from ``TREE/.venv``, as
-``bench_ab_trees`` does), measured interleaved with this one, the clients from this
-checkout's SDK::
+``bench_ab_trees`` does), the clients from this checkout's SDK::
 
     python -m tests.benchmarks.bench_concurrent_lstm --old /tmp/old --threads 2
 """
@@ -27,13 +27,13 @@ import gradserve
 from tests.benchmarks.bench_lstm import make_inputs
 
 
-def start_server(tree: str, threads: int) -> tuple[subprocess.Popen, str]:
+def start_server(tree: str, threads: int, *flags: str) -> tuple[subprocess.Popen, str]:
     """The server of checkout ``tree`` (its ``.venv``; this interpreter for this one)."""
     here = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
     python = sys.executable if tree == here else os.path.join(tree, ".venv", "bin", "python")
     env = {**os.environ, "OPENBLAS_NUM_THREADS": str(threads)}
     proc = subprocess.Popen(
-        [python, "-m", "gradserve.server", "serve", "--port", "0", "--device", "cpu"],
+        [python, "-m", "gradserve.server", "serve", "--port", "0", "--device", "cpu", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tree,
     )  # fmt: skip
     match = None
@@ -85,11 +85,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
     here = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-    trees = {"this": here} | ({"old": os.path.abspath(args.old)} if args.old else {})
+    trees = {"all": (here,), "shared": (here, "--share-blas-threads", "on")}
+    if args.old:
+        trees["old"] = (os.path.abspath(args.old),)
     servers = {}
     try:
-        for name, tree in trees.items():
-            servers[name] = start_server(tree, args.threads)
+        for name, (tree, *flags) in trees.items():
+            servers[name] = start_server(tree, args.threads, *flags)
         print(
             f"# LSTM forwards (outputs kept) at {tuple(args.size)} from concurrent clients; "
             f"servers at {args.threads} BLAS thread(s), {os.cpu_count()} CPUs; ops/s"
