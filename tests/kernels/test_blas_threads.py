@@ -15,7 +15,7 @@ import threadpoolctl
 
 from gradserve.kernels import backend_numpy, blas_threads, lstm, lstm_cpu
 from gradserve.kernels.blas_threads import BlasThreads
-from gradserve.kernels.compute import compute_for
+from gradserve.kernels.compute import Compute, compute_for
 from gradserve.kernels.lstm_cpu import Formulation
 
 
@@ -350,3 +350,57 @@ def test_each_op_thread_may_divide_after_another_did():
             t.join(30)
         assert seen == [1, 1]
         assert _library_threads() == 2
+
+
+def test_by_default_ops_together_compute_the_bits_of_one_alone(monkeypatch):
+    """Without sharing, two forwards held together compute exactly what one computes
+    alone, at a size where OpenBLAS splits the GEMMs between its threads (shared, each
+    would compute with one thread and differ in the last bits: the control)."""
+    rng = np.random.default_rng(2)
+    steps, batch, units = 8, 32, 256
+    r = lambda *s: (rng.standard_normal(s) * 0.1).astype(np.float32)  # noqa: E731
+    inputs = lstm.LSTMInputs(
+        r(steps, batch, units), r(batch, units), r(batch, units), r(2 * units, 4 * units),
+        r(units), r(units), r(units), r(4 * units),
+    )  # fmt: skip
+    attrs = dict(seq_len_max=steps, use_peephole=True)
+
+    def together(compute) -> list:
+        barrier = threading.Barrier(2, timeout=30)
+        held: list[int] = []
+        results: list = []
+
+        def check() -> None:
+            if len(held) < 2:
+                barrier.wait()
+                held.append(1)
+                barrier.wait()
+
+        def run() -> None:
+            results.append(compute.lstm_forward(inputs, check=check, **attrs))
+
+        workers = [threading.Thread(target=run) for _ in range(2)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(60)
+        assert len(results) == 2
+        return results
+
+    def differs(results, alone) -> bool:
+        return any(not np.array_equal(g, w) for res in results for g, w in zip(res, alone))
+
+    # One plan for both counts (a measuring op would wait for the other at the barrier):
+    # what differs between them is then the threads' split of the GEMMs alone.
+    monkeypatch.setattr(lstm_cpu, "PLANNER", lstm_cpu.Planner())
+    for threads in (1, 2):
+        timings = {f: 1.0 for f in Formulation} | {Formulation.CONCAT: 0.5}
+        lstm_cpu.PLANNER.record((batch, units, units, "<f4", threads, True), timings)
+    with process_count(2):
+        _real()
+        compute = compute_for("cpu")
+        alone = compute.lstm_forward(inputs, **attrs)
+        assert not differs(together(compute), alone)
+        shared = Compute(backend_numpy, blas=BlasThreads())
+        shared.blas.start()
+        assert differs(together(shared), alone), "the control: shared ops computed alike"
