@@ -29,7 +29,13 @@ def _auto(kind):
         return None if text.lower() == "auto" else kind(text)
 
     parse.__name__ = kind.__name__
+    parse.none_means = "auto"  # type: ignore[attr-defined]
     return parse
+
+
+def _shown(kind, default) -> str:
+    """A flag's default as ``--help`` shows it ("auto" for an ``_auto`` flag's None)."""
+    return str(getattr(kind, "none_means", None) if default is None else default)
 
 
 def _on_off(text: str) -> bool:
@@ -152,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
             dest=field,
             type=kind,
             default=default,
-            help=f"{text} (default: {default})",
+            help=f"{text} (default: {_shown(kind, default)})",
             **extra,
         )
     serve.add_argument("--log-level", default="INFO", help="DEBUG logs one line per RPC")
