@@ -59,7 +59,7 @@ class BlasThreads:
         self._libraries: list[Any] | None = None
         self._lock = threading.Lock()
         self._running = 0
-        self._total: int | None = None  # the count when the first op started
+        self._total: int | None = None  # the count to divide: at ``start``, else the first op
 
     def start(self) -> None:
         """Take the count to divide now (a server starting), not at the first op, when

@@ -13,13 +13,21 @@ import urllib.request
 
 
 class ServerProcess:
-    """``python -m gradserve.server serve --port 0 --device cpu --metrics-port 0 *flags``."""
+    """``python -m gradserve.server serve --port 0 --device cpu --metrics-port 0 *flags``:
+    this interpreter's, or (benchmarks comparing checkouts) ``python`` run in ``cwd``
+    with ``env``."""
 
-    def __init__(self, *flags: str) -> None:
-        command = [sys.executable, "-m", "gradserve.server", "serve", "--port", "0"]
+    def __init__(
+        self,
+        *flags: str,
+        python: str = sys.executable,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        command = [python, "-m", "gradserve.server", "serve", "--port", "0"]
         command += ["--device", "cpu", "--metrics-port", "0", *flags]
         self.proc = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env
         )
         # Log lines may come first (a restore from --state-dir): read up to "listening".
         pattern = re.compile(r"listening on 127\.0\.0\.1:(\d+).*metrics on :(\d+)")

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 
@@ -91,34 +89,28 @@ class Tree:
     """A checkout's server and client worker, started from its own ``.venv``."""
 
     def __init__(self, path: str, args: argparse.Namespace) -> None:
+        # Here, not at the top: a worker runs this file in another checkout's Python,
+        # where ``tests`` is importable only once ``worker`` has put it on the path.
+        from tests.server_process import ServerProcess
+
         python = os.path.join(path, ".venv", "bin", "python")
         env = {**os.environ, "OPENBLAS_NUM_THREADS": str(args.threads)}
-        self.server = subprocess.Popen(
-            [python, "-m", "gradserve.server", "serve", "--port", "0", "--device", "cpu",
-             "--max-message-bytes", str(1 << 30)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=path,
-        )  # fmt: skip
+        self.server = ServerProcess(
+            "--max-message-bytes", str(1 << 30), python=python, cwd=path, env=env
+        )
         try:
             self._start_worker(path, python, env, args)
         except BaseException:
-            self.server.kill()  # a worker that did not start leaves no server behind
-            self.server.wait()
+            self.server.proc.kill()  # a worker that did not start leaves no server behind
+            self.server.proc.wait()
             raise
 
     def _start_worker(
         self, path: str, python: str, env: dict[str, str], args: argparse.Namespace
     ) -> None:
-        match = None
-        while match is None:
-            line = self.server.stdout.readline()
-            if not line:
-                raise RuntimeError(f"the server of {path} stopped")
-            match = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
-        threading.Thread(target=self.server.stdout.read, daemon=True).start()
         self.worker = subprocess.Popen(
-            [python, os.path.abspath(__file__), "--worker",
-             f"127.0.0.1:{match.group(1)}", "--op", args.op, "--transport", args.transport,
-             "--size", *map(str, args.size)],
+            [python, os.path.abspath(__file__), "--worker", self.server.target,
+             "--op", args.op, "--transport", args.transport, "--size", *map(str, args.size)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=path,
         )  # fmt: skip
         if self.worker.stdout.readline().strip() != "ready":
@@ -132,9 +124,10 @@ class Tree:
         return float(self.worker.stdout.readline())
 
     def stop(self) -> None:
-        for proc in (self.worker, self.server):
-            proc.kill()
-            proc.wait()
+        self.worker.kill()
+        self.worker.wait()
+        self.server.proc.kill()
+        self.server.proc.wait()
 
 
 def main() -> None:

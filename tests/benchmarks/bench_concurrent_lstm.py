@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import subprocess
 import sys
 import threading
 import time
@@ -25,25 +23,15 @@ import numpy as np
 
 import gradserve
 from tests.benchmarks.bench_lstm import make_inputs
+from tests.server_process import ServerProcess
 
 
-def start_server(tree: str, threads: int, *flags: str) -> tuple[subprocess.Popen, str]:
+def start_server(tree: str, threads: int, *flags: str) -> ServerProcess:
     """The server of checkout ``tree`` (its ``.venv``; this interpreter for this one)."""
     here = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
     python = sys.executable if tree == here else os.path.join(tree, ".venv", "bin", "python")
     env = {**os.environ, "OPENBLAS_NUM_THREADS": str(threads)}
-    proc = subprocess.Popen(
-        [python, "-m", "gradserve.server", "serve", "--port", "0", "--device", "cpu", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tree,
-    )  # fmt: skip
-    match = None
-    while match is None:
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the server of {tree} stopped")
-        match = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
-    threading.Thread(target=proc.stdout.read, daemon=True).start()
-    return proc, f"127.0.0.1:{match.group(1)}"
+    return ServerProcess(*flags, python=python, cwd=tree, env=env)
 
 
 def ops_per_second(target: str, clients: int, seconds: float, size: tuple[int, int, int]) -> float:
@@ -99,15 +87,14 @@ def main() -> None:
         for _ in range(args.rounds):
             for clients in (1, 2, 4):
                 row = []
-                for name, (_, target) in servers.items():
+                for name, server in servers.items():
                     time.sleep(0.3)  # the last server's BLAS threads go to sleep
-                    rate = ops_per_second(target, clients, args.seconds, tuple(args.size))
+                    rate = ops_per_second(server.target, clients, args.seconds, tuple(args.size))
                     row.append(f"{name} {rate:6.1f}")
                 print(f"{clients} client(s): " + "  ".join(row), flush=True)
     finally:
-        for proc, _ in servers.values():
-            proc.terminate()
-            proc.wait(30)
+        for server in servers.values():
+            server.stop()
 
 
 if __name__ == "__main__":
