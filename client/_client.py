@@ -48,6 +48,22 @@ log = logging.getLogger(__name__)
 #: ``host_cache_bytes``' default: the largest tensor ``make bench`` moves.
 DEFAULT_HOST_CACHE_BYTES = 256 << 20
 
+#: How the SDK's own channel connects.
+#:
+#: - Its own subchannels: gRPC otherwise shares one connection per address (and
+#:   channel arguments) among all the channels of a process, backoff included. A
+#:   Client then failed at once, with the old "Connection refused", to a server
+#:   just started at an address where another Client of the process had seen a
+#:   server gone (a restart, or a new server on a reused port).
+#: - Reconnect backoff of at most 1 s (gRPC's default grows to 120 s): until the
+#:   backoff ends, every call fails unsent, so a longer one would waste the retries
+#:   with which the SDK waits out a restart (``_with_retries``).
+CONNECTION_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.use_local_subchannel_pool", 1),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
 
 class Client:
     """A session on a gradserve server.
@@ -155,7 +171,7 @@ class Client:
         self.retries = retries
         self._own_channel = channel is None
         if channel is None:
-            options = protocol.channel_options(max_message_bytes)
+            options = protocol.channel_options(max_message_bytes) + CONNECTION_OPTIONS
             if root_certificates or private_key or certificate_chain:
                 creds = grpc.ssl_channel_credentials(
                     root_certificates, private_key, certificate_chain

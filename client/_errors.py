@@ -9,6 +9,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from gradserve.errors import (
+    NOT_CONNECTED_REASON,
     Code,
     GradserveError,
     SessionLostError,
@@ -33,6 +34,13 @@ def answered(exc: BaseException) -> bool:
 CHANNEL_GONE = frozenset(
     {"Channel closed!", "Channel deallocated!", "Call cancelled in fork child"}
 )
+
+
+#: How gRPC's status starts for a call it failed before sending it: the channel's
+#: pick_first policy connected to none of the target's addresses (its transient
+#: failure picker; grpc/src/core/load_balancing/pick_first). Such a call never
+#: reached a server, so it counts as unrun (``NOT_CONNECTED_REASON``).
+NOT_CONNECTED_DETAILS = "failed to connect to all addresses"
 
 
 #: How the message of a ``dropped`` call starts.
@@ -81,6 +89,9 @@ def from_rpc_error(error: grpc.RpcError) -> GradserveError:
             detail.Unpack(bad)
             if bad.field_violations:
                 field = bad.field_violations[0].field
+    if code == grpc.StatusCode.UNAVAILABLE and not reason:
+        if (message or "").startswith(NOT_CONNECTED_DETAILS):
+            reason = NOT_CONNECTED_REASON
     trailing: Any = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
     cls = error_class_for(Code[code.name])
     if code == grpc.StatusCode.NOT_FOUND and reason == SESSION_LOST_REASON:

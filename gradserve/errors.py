@@ -35,6 +35,7 @@ __all__ = [
     "error_class_for",
     "DRAINING_REASON",
     "NOT_FORWARDED_REASON",
+    "NOT_CONNECTED_REASON",
     "UNRUN_REASONS",
 ]
 
@@ -66,11 +67,14 @@ class Code(enum.IntEnum):
 
 
 #: Reasons (``GradserveError.reason``) that say a call did not run, so the SDK repeats it
-#: whatever it is: a draining server refused it before doing anything, or a proxy
-#: passed no byte of it to any replica (deploy/nginx's template).
+#: whatever it is: a draining server refused it before doing anything, a proxy
+#: passed no byte of it to any replica (deploy/nginx's template), or (the SDK's own
+#: reason, from gRPC's status) the channel connected to no address, so gRPC sent
+#: nothing: the server is down or restarting.
 DRAINING_REASON = "DRAINING"
 NOT_FORWARDED_REASON = "NOT_FORWARDED"
-UNRUN_REASONS = frozenset({DRAINING_REASON, NOT_FORWARDED_REASON})
+NOT_CONNECTED_REASON = "NOT_CONNECTED"
+UNRUN_REASONS = frozenset({DRAINING_REASON, NOT_FORWARDED_REASON, NOT_CONNECTED_REASON})
 
 
 class GradserveError(Exception):

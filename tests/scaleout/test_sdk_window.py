@@ -17,7 +17,9 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 import gradserve
+from gradserve.client._client import OUTCOME_UNKNOWN
 from gradserve.errors import (
+    NOT_CONNECTED_REASON,
     UNRUN_REASONS,
     AbortedError,
     CancelledError,
@@ -26,6 +28,8 @@ from gradserve.errors import (
     SessionLostError,
     UnavailableError,
 )
+from gradserve.server import run_server
+from tests.scaleout.cluster import Replica
 
 
 class Refused(grpc.RpcError):
@@ -82,6 +86,77 @@ def test_only_gradserves_own_reasons_say_a_call_did_not_run(client, monkeypatch)
         with pytest.raises(UnavailableError, match="^outcome unknown") as info:
             client._with_retries(attempt, safe=False)
         assert len(calls) == 1 and info.value.reason == ""
+
+
+def test_a_call_grpc_could_not_send_is_repeated_whatever_it_is(client, monkeypatch):
+    """gRPC fails a call at once, unsent, while its channel connects to no address
+    (pick_first's transient failure): reason NOT_CONNECTED, repeated like DRAINING."""
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    unsent = "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:9: refused"
+    attempt, calls = failing(2, Refused(grpc.StatusCode.UNAVAILABLE, message=unsent))
+    assert client._with_retries(attempt, safe=False) == "done" and len(calls) == 3
+    attempt, calls = failing(9, Refused(grpc.StatusCode.UNAVAILABLE, message=unsent))
+    with pytest.raises(UnavailableError) as info:  # still down: said so, not "unknown"
+        client._with_retries(attempt, safe=False)
+    assert info.value.reason == NOT_CONNECTED_REASON and len(calls) == client.retries + 1
+    assert not str(info.value).startswith(OUTCOME_UNKNOWN)
+    for other in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED):
+        attempt, calls = failing(1, Refused(other, message=unsent))
+        with pytest.raises(gradserve.errors.GradserveError) as info:
+            client._with_retries(attempt, safe=False)  # only UNAVAILABLE is gRPC's unsent
+        assert info.value.reason == "" and len(calls) == 1
+    quoted = Refused(grpc.StatusCode.UNAVAILABLE, message="upstream: " + unsent)
+    attempt, calls = failing(1, quoted)  # a message that quotes it is not gRPC's own
+    with pytest.raises(UnavailableError, match="^outcome unknown"):
+        client._with_retries(attempt, safe=False)
+    assert len(calls) == 1
+
+
+def test_a_client_is_not_refused_for_another_clients_dead_server():
+    """gRPC shares a connection per address among a process's channels, backoff and
+    all: a Client made just after a server (re)started where another Client had seen
+    a dead one failed at once with the old "Connection refused". Each Client now has
+    its own."""
+    with run_server() as first:
+        port = first.port
+        old = gradserve.Client(f"127.0.0.1:{port}", shared_memory=False, retries=0)
+        old.put(np.ones(3, np.float32))
+    for _ in range(3):  # the old channel in reconnect backoff
+        with pytest.raises(UnavailableError) as down:
+            old.put(np.ones(3, np.float32))
+        assert down.value.reason == NOT_CONNECTED_REASON
+    with run_server(port=port):
+        with gradserve.Client(f"127.0.0.1:{port}", shared_memory=False, retries=0) as new:
+            assert np.array_equal(new.get(new.put(np.arange(3))), np.arange(3))
+    old.close()
+
+
+@pytest.mark.slow
+def test_a_write_while_the_server_restarts_is_repeated_not_left_unknown(tmp_path):
+    """Straight to a server (no proxy) that restarts with its --state-dir: a write sent
+    while nothing listens was never sent (NOT_CONNECTED), so it is repeated through the
+    window, not reported as of unknown outcome; gRPC's reconnect backoff (at most 1 s)
+    lets the repeats reach the restarted server."""
+    replica = Replica("r0", tmp_path).start()
+    c = gradserve.Client(replica.target, keepalive=False, retries=0, shared_memory=False)
+    ta = c.tensor_array(np.float32, size=2, element_shape=(3,))
+    ta = ta.write(0, np.arange(3, dtype=np.float32))
+    assert replica.stop() == 0, replica.log()  # drained, its session saved
+    with pytest.raises(UnavailableError) as refused:
+        ta.write(1, np.ones(3, np.float32))
+    assert refused.value.reason == NOT_CONNECTED_REASON
+    assert not str(refused.value).startswith(OUTCOME_UNKNOWN)
+    time.sleep(3)  # the channel's backoff grows while nothing listens
+    restarted = threading.Timer(1.0, replica.start)
+    restarted.start()
+    c.retries = 10
+    try:
+        ta = ta.write(1, np.ones(3, np.float32))
+        assert np.array_equal(ta.stack(), [[0, 1, 2], [1, 1, 1]])
+    finally:
+        restarted.join()
+        c.close()
+        replica.stop()
 
 
 def test_a_write_lost_in_flight_is_not_repeated_and_says_so(client):
