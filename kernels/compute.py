@@ -4,9 +4,10 @@ LSTM call runs on it (the eager per-step loop, or replayed CUDA graphs)."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from gradserve.kernels import blas_threads, lstm
+from gradserve.kernels import blas_threads, lstm, lstm_cpu
 from gradserve.kernels.backends import get_backend
 
 if TYPE_CHECKING:
@@ -22,6 +23,7 @@ class Compute:
         graphs: GraphCache | None = None,
         empty: lstm.Empty | None = None,
         blas: blas_threads.BlasThreads | None = None,
+        formulation: lstm_cpu.Formulation | None = None,
     ) -> None:
         self.backend = backend
         #: A ``cuda_graphs.GraphCache``, or None for the eager loop.
@@ -32,9 +34,19 @@ class Compute:
         #: On the CPU, the process's BLAS threads, divided among the LSTM ops computing
         #: at once (None: each op uses the count as it is).
         self.blas = blas
+        #: On the CPU, the forward's GEMM formulation for every shape (None: measured
+        #: per shape, ``lstm_cpu.Planner``).
+        self.formulation = formulation
 
-    def _computing(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext() if self.blas is None else self.blas.share()
+    @contextlib.contextmanager
+    def _computing(self) -> Iterator[None]:
+        """Around an eager LSTM op: its share of the BLAS threads, its formulation."""
+        pinned = lstm_cpu.PINNED.set(self.formulation)
+        try:
+            with contextlib.nullcontext() if self.blas is None else self.blas.share():
+                yield
+        finally:
+            lstm_cpu.PINNED.reset(pinned)
 
     @property
     def name(self) -> str:
@@ -89,6 +101,7 @@ def compute_for(
     graph_cache_bytes: int | None = None,
     host_empty: lstm.Empty | None = None,
     share_blas_threads: bool = False,
+    lstm_formulation: str | None = None,
 ) -> Compute:
     """The ``Compute`` of a resolved device name ("cpu" or "cuda").
 
@@ -97,6 +110,8 @@ def compute_for(
     the CPU LSTM's outputs and scratch (unused on CUDA, whose arrays CuPy's pool keeps).
     ``share_blas_threads`` (CPU only): the LSTM ops computing at once divide the BLAS
     threads (``blas_threads.BLAS``), taking the count they divide now.
+    ``lstm_formulation`` (CPU only; a ``lstm_cpu.Formulation`` value): every forward
+    computes in it, instead of the formulation measured fastest for its shape.
     """
     backend = get_backend(device)
     if not cuda_graphs:
@@ -106,7 +121,8 @@ def compute_for(
         if share_blas_threads:
             blas = blas_threads.BLAS
             blas.start()
-        return Compute(backend, empty=host_empty, blas=blas)
+        pinned = None if lstm_formulation is None else lstm_cpu.Formulation(lstm_formulation)
+        return Compute(backend, empty=host_empty, blas=blas, formulation=pinned)
     if device != "cuda":
         raise ValueError("CUDA graphs need --device cuda")
     from gradserve.kernels import cuda_graphs as graphs

@@ -35,6 +35,7 @@ warm instead of page-faulting afresh (4 ms of a 10-16 ms forward at (50, 32, 256
 from __future__ import annotations
 
 import collections
+import contextvars
 import enum
 import functools
 import threading
@@ -231,6 +232,17 @@ class Planner:
 WORKSPACES = Workspaces()
 PLANNER = Planner()
 
+#: The formulation of the forwards run in this context, instead of the planner's timed
+#: choice: a server started with ``--lstm-formulation`` sets it around each op
+#: (``compute.Compute``). The formulations sum in different orders, and a timed choice
+#: may differ between processes (a noisy probe, another machine's load), so replicas,
+#: or one server before and after a restart, could return other last bits for the
+#: same call; pinned, they all compute the same (given the BLAS library, its thread
+#: count and the CPU). None: the planner's choice.
+PINNED: contextvars.ContextVar[Formulation | None] = contextvars.ContextVar(
+    "gradserve_lstm_formulation", default=None
+)
+
 
 def blas_threads() -> int | None:
     """The BLAS thread count of the plan key, since the best formulation differs
@@ -248,8 +260,8 @@ def forward_sequence(
 ) -> None:  # fmt: skip
     """Steps 0 .. ``length - 1`` of the forward into ``outs`` (i, cs, f, o, ci, co, h,
     each [T, B, H], in the compute dtype; ``length`` >= 1). ``check`` runs before every
-    step. ``formulation`` None: the planner's choice for this shape (measured now on a
-    first call)."""
+    step. ``formulation`` None: the one ``PINNED`` in this context, else the planner's
+    choice for this shape (measured now on a first call)."""
     heap.keep_warm()
     steps, batch, inputs = x.shape
     units = cs_prev.shape[1]
@@ -257,6 +269,8 @@ def forward_sequence(
         _run, x, cs_prev, h_prev, w, wci, wcf, wco, b, outs, offsets=offsets,
         forget_bias=forget_bias, cell_clip=cell_clip, use_peephole=use_peephole,
     )  # fmt: skip
+    if formulation is None:
+        formulation = PINNED.get()
     if formulation is None:
         key: PlanKey = (batch, inputs, units, x.dtype.str, blas_threads(), use_peephole)
         formulation = PLANNER.plan(key, functools.partial(_measure, run, length, check))

@@ -43,7 +43,7 @@ from gradserve.server.core.sessions import SessionStore
 from gradserve.server.transport import boundary
 from gradserve.server.transport.admission import Admission, Lane
 from gradserve.server.transport.auth import TokenTable, is_loopback
-from gradserve.server.transport.config import ServerConfig
+from gradserve.server.transport.config import LSTM_FORMULATIONS, ServerConfig
 from gradserve.server.transport.memory import Trimmer
 from gradserve.server.transport.observability import Metrics, Observer
 from gradserve.server.transport.replicas import StateKeeper, register_metrics
@@ -139,12 +139,20 @@ def _store(config: ServerConfig, trimmer: Trimmer) -> SessionStore:
 def _compute(config: ServerConfig, device: str, store: SessionStore) -> Compute:
     if config.cuda_graphs and device != "cuda":
         log.warning("--cuda-graphs on has no effect on device %s: the LSTM runs eagerly", device)
+    if config.lstm_formulation not in (None, *LSTM_FORMULATIONS):
+        raise ConfigError(
+            f"--lstm-formulation {config.lstm_formulation!r}: expected one of "
+            f"{', '.join(LSTM_FORMULATIONS)}, or None (auto)"
+        )
+    if config.lstm_formulation is not None and device != "cpu":
+        log.warning("--lstm-formulation has no effect on device %s: it is the CPU's", device)
     return compute_for(
         device,
         cuda_graphs=config.cuda_graphs and device == "cuda",
         graph_cache_bytes=config.cuda_graph_cache_bytes,
         host_empty=store.buffers.array,
         share_blas_threads=config.share_blas_threads,
+        lstm_formulation=config.lstm_formulation if device == "cpu" else None,
     )
 
 

@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from gradserve.server.transport.config import ServerConfig
+from gradserve.server.transport.config import LSTM_FORMULATIONS, ServerConfig
 
 
 def _optional(kind):
@@ -49,6 +49,22 @@ def _on_off(text: str) -> bool:
 
 
 _on_off.__name__ = "on|off"
+
+
+def _formulation(text: str) -> str | None:
+    """ "auto" (None: measured per shape) or one of ``LSTM_FORMULATIONS``."""
+    value = text.lower()
+    if value == "auto":
+        return None
+    if value not in LSTM_FORMULATIONS:
+        raise argparse.ArgumentTypeError(
+            f"expected auto or one of {', '.join(LSTM_FORMULATIONS)}, got {text!r}"
+        )
+    return value
+
+
+_formulation.__name__ = "formulation"
+_formulation.none_means = "auto"  # type: ignore[attr-defined]
 
 # (config field, value type, help). Flags are the field names with dashes.
 SERVE_FLAGS = [
@@ -103,6 +119,13 @@ SERVE_FLAGS = [
         _on_off,
         "on | off: CPU LSTM ops computing at once divide the BLAS threads (on: more "
         "throughput under concurrent calls, but an op's last bits depend on the load)",
+    ),
+    (
+        "lstm_formulation",
+        _formulation,
+        "auto | concat | hoisted | hoisted-t: the CPU LSTM forward's GEMMs (auto: the "
+        "fastest, measured per shape; fixed: every replica and restart computes the "
+        "same bits)",
     ),
     ("max_queued_compute", int, "heavy ops waiting for a slot; more get RESOURCE_EXHAUSTED"),
     ("stream_idle_timeout", _optional(float), "end a stream after this many idle seconds"),

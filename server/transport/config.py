@@ -10,7 +10,7 @@ import dataclasses
 import os
 
 from gradserve import protocol
-from gradserve.kernels import blas_threads
+from gradserve.kernels import blas_threads, lstm_cpu
 from gradserve.kernels.cuda_graphs import DEFAULT_CACHE_BYTES
 from gradserve.warm_buffers import DEFAULT_LIMIT_BYTES as DEFAULT_HOST_CACHE_BYTES
 
@@ -23,6 +23,10 @@ def _half_of_memory() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
     except (ValueError, OSError, AttributeError):
         return None
+
+
+#: ``--lstm-formulation``'s values (besides auto).
+LSTM_FORMULATIONS = tuple(form.value for form in lstm_cpu.Formulation)
 
 
 @dataclasses.dataclass
@@ -83,6 +87,11 @@ class ServerConfig:
     #: under concurrent calls; an op's last bits then depend on how many compute beside
     #: it). Off: every op computes with all of them, bit for bit the same under load.
     share_blas_threads: bool = False
+    #: On the CPU, the LSTM forward's GEMM formulation ("concat", "hoisted",
+    #: "hoisted-t": ``kernels/lstm_cpu.py``) for every shape. None: the one measured
+    #: fastest on the first call of a shape, which another process may measure
+    #: otherwise, so replicas (or a restart) could differ in the last bits.
+    lstm_formulation: str | None = None
     max_queued_compute: int = 64
     #: A stream (PutTensor, GetTensor) ends when no chunk moves for this long, or when
     #: after ``stream_rate_grace`` seconds it averages under ``stream_min_rate`` bytes/s.

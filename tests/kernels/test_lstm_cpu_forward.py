@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gradserve.kernels import backend_numpy, lstm, lstm_cpu
-from gradserve.kernels.compute import compute_for
+from gradserve.kernels.compute import Compute, compute_for
 from gradserve.lstm_signature import LSTMInputs
 from tests.kernels.lstm_cases import (
     GENERIC,
@@ -190,3 +190,32 @@ def test_steps_past_seq_len_max_are_zero_in_reused_memory():
         )  # fmt: skip
         for name, out in (*short._asdict().items(), ("x_grad", short_grads.x_grad)):
             assert not out[length:].any(), name
+
+
+def test_a_pinned_formulation_is_computed_without_measuring(monkeypatch):
+    """``Compute(formulation=...)`` (``--lstm-formulation``): every forward in that
+    formulation, with no timed choice, so any process computes the same bits. At this
+    shape the three formulations give three different results: each pinned result is
+    its formulation's, bit for bit."""
+    planner = lstm_cpu.Planner()
+    monkeypatch.setattr(lstm_cpu, "PLANNER", planner)
+    case = random_case(np.random.default_rng(3), 5, 8, 48, 40, np.float32)
+    inputs = LSTMInputs(*(case[k] for k in INPUTS))
+    attrs = dict(seq_len_max=5, use_peephole=True)
+    pinned = {
+        form: Compute(backend_numpy, formulation=form).lstm_forward(inputs, **attrs)
+        for form in FORMULATIONS
+    }
+    assert not planner.measured  # nothing timed
+    assert lstm_cpu.PINNED.get() is None  # the pin ends with the op
+    for form in FORMULATIONS:
+        monkeypatch.setattr(lstm_cpu, "PLANNER", lstm_cpu.Planner((form,)))
+        own = lstm.block_lstm_forward(backend_numpy, inputs, **attrs)
+        for a, b in zip(pinned[form], own):
+            np.testing.assert_array_equal(a, b)
+    hoisted, hoisted_t, concat = (pinned[f].h for f in FORMULATIONS)
+    assert not np.array_equal(hoisted, concat) and not np.array_equal(hoisted_t, concat)
+    assert not np.array_equal(hoisted, hoisted_t)
+    monkeypatch.setattr(lstm_cpu, "PLANNER", planner)
+    Compute(backend_numpy).lstm_forward(inputs, **attrs)  # unpinned: measured
+    assert len(planner.measured) == 1
