@@ -19,13 +19,20 @@ from google.protobuf.message import Message
 from gradserve import codec, dtypes, heap, protocol, warm_buffers
 from gradserve.client import _shm
 from gradserve.client._convert import to_array
-from gradserve.client._errors import CHANNEL_GONE, answered, dropped, from_rpc_error
+from gradserve.client._errors import (
+    CHANNEL_GONE,
+    answered,
+    certificate_rejected,
+    dropped,
+    from_rpc_error,
+)
 from gradserve.client._fetched import Fetched
 from gradserve.client._prefetch import Prefetcher
 from gradserve.client._raw_ops import RawOps, Staging
 from gradserve.client._tape import GradientTape, Recording
 from gradserve.client._types import StepOutput, TapedArray, TensorRef
 from gradserve.errors import (
+    NOT_CONNECTED_REASON,
     UNRUN_REASONS,
     CancelledError,
     DataLossError,
@@ -48,16 +55,16 @@ log = logging.getLogger(__name__)
 #: ``host_cache_bytes``' default: the largest tensor ``make bench`` moves.
 DEFAULT_HOST_CACHE_BYTES = 256 << 20
 
-#: How the SDK's own channel connects.
+#: How the SDK's own channel connects (``Client.channel_options``).
 #:
-#: - Its own subchannels: gRPC otherwise shares one connection per address (and
-#:   channel arguments) among all the channels of a process, backoff included. A
-#:   Client then failed at once, with the old "Connection refused", to a server
-#:   just started at an address where another Client of the process had seen a
-#:   server gone (a restart, or a new server on a reused port).
-#: - Reconnect backoff of at most 1 s (gRPC's default grows to 120 s): until the
-#:   backoff ends, every call fails unsent, so a longer one would waste the retries
-#:   with which the SDK waits out a restart (``_with_retries``).
+#: - Its own subchannels, so each Client has its own TCP connection: gRPC otherwise
+#:   shares one per address (and channel arguments) among all the channels of a
+#:   process, backoff included. A Client then failed at once, with the old
+#:   "Connection refused", to a server just started at an address where another
+#:   Client of the process had seen a server gone (a restart, or a reused port).
+#: - Reconnect backoff of at most 1 s, plus gRPC's 20% jitter (its default grows to
+#:   120 s): until the backoff ends every call fails unsent, so a longer one would
+#:   waste the retries with which the SDK waits out a restart (``_with_retries``).
 CONNECTION_OPTIONS: list[tuple[str, int]] = [
     ("grpc.use_local_subchannel_pool", 1),
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -93,8 +100,20 @@ class Client:
     retries:
         Attempts after the first for calls that are safe to repeat (session
         keep-alive, health, size, StopGradient, LSTM ops without ``keep``,
-        tensor fetches and deletes), on UNAVAILABLE, with exponential backoff.
-        Writes and clearing reads are never retried.
+        tensor fetches and deletes), on UNAVAILABLE, with exponential backoff
+        (0.1 s doubling up to 5 s, times 1-2). Writes and clearing reads are
+        repeated only when the call did not run: a draining server refused it, a
+        proxy forwarded none of it, or this client's channel connected to no
+        address (reason ``NOT_CONNECTED``; the repeat goes as soon as it connects).
+        A server that stays down thus costs a call the whole budget: about 1-2 s
+        at 3, 16-32 s at 8. A rejected TLS certificate is never repeated, nor is
+        ``close``'s CloseSession.
+    channel:
+        A gRPC channel of your own (e.g. with interceptors) instead of one made
+        from ``target`` and the TLS arguments; left open on ``close``. Build it with
+        ``Client.channel_options()``. A call that fails on it as not connected is
+        not known to be unsent (a retry policy in its service config may have
+        sent it first), so a write is then not repeated.
     keepalive:
         Refresh the session in the background while the client is open, so
         that the server's idle timeout does not close it.
@@ -171,7 +190,7 @@ class Client:
         self.retries = retries
         self._own_channel = channel is None
         if channel is None:
-            options = protocol.channel_options(max_message_bytes) + CONNECTION_OPTIONS
+            options = self.channel_options(max_message_bytes)
             if root_certificates or private_key or certificate_chain:
                 creds = grpc.ssl_channel_credentials(
                     root_certificates, private_key, certificate_chain
@@ -225,6 +244,14 @@ class Client:
             self.close()
             raise
 
+    @staticmethod
+    def channel_options(
+        max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> list[tuple[str, int]]:
+        """The options of the channel a Client makes (its message limits and how it
+        connects, ``CONNECTION_OPTIONS``), for a channel of your own."""
+        return protocol.channel_options(max_message_bytes) + CONNECTION_OPTIONS
+
     # ---------------------------------------------------------------- lifecycle
     def __enter__(self) -> Client:
         return self
@@ -245,8 +272,8 @@ class Client:
             if not self.owns_session:  # the session stays: free what this client fetched
                 self._fetched.flush()
             else:
-                try:
-                    self._call("CloseSession", service_pb2.CloseSessionRequest())
+                try:  # once: a server that is down frees it by its idle timeout
+                    self._call("CloseSession", service_pb2.CloseSessionRequest(), retries=0)
                 except NotFoundError:
                     pass  # already gone (expired, or the server restarted): nothing to free
                 except UnavailableError as e:
@@ -308,8 +335,10 @@ class Client:
         metadata: Metadata | Callable[[], Metadata | None] | None = None,
         timeout: float | None = None,
         tapes: Sequence[Any] | None = None,
+        retries: int | None = None,
     ) -> Any:
-        """Invoke ``rpc``; a failure raises its ``gradserve.errors`` class. An op records
+        """Invoke ``rpc``; a failure raises its ``gradserve.errors`` class (repeated as
+        ``_with_retries`` says, at most ``retries`` times: default ``self.retries``). An op records
         on ``tapes`` (default: the tapes recording on this thread). ``metadata`` may
         be a function, called for each attempt (an op's output region: see
         ``_run_op``). So may ``request``, which a request stream must be: an attempt
@@ -343,13 +372,19 @@ class Client:
 
         # A call that records on a tape is not repeated blindly: it would record twice.
         safe = _safe_to_repeat(rpc, request) and not recorded
-        return self._with_retries(attempt, safe=safe)
+        return self._with_retries(attempt, safe=safe, retries=retries)
 
-    def _with_retries(self, attempt: Callable[[], Any], *, safe: bool) -> Any:
+    def _with_retries(
+        self, attempt: Callable[[], Any], *, safe: bool, retries: int | None = None
+    ) -> Any:
         """Run ``attempt``; repeat it on UNAVAILABLE with exponential backoff when ``safe``,
         or whatever it is when it did not run (reason ``DRAINING``: a replica shutting
-        down refused it; ``NOT_FORWARDED``: a proxy reached no replica. The repeat
-        reaches the replica again once restarted, or another one for a new session).
+        down refused it; ``NOT_FORWARDED``: a proxy reached no replica;
+        ``NOT_CONNECTED``: this client's own channel connected to no address, so gRPC
+        sent nothing. The repeat reaches the replica again once restarted, or another
+        one for a new session). Not connected, the repeat waits for the channel to
+        connect rather than for its whole backoff; a rejected TLS certificate is
+        raised at once.
 
         An unsafe call that failed UNAVAILABLE otherwise may or may not have been
         applied: it is never repeated, and its error says so. A call that ended
@@ -357,7 +392,7 @@ class Client:
         (``dropped``), unless its channel was closed under it (``close`` from another
         thread): that is CancelledError, never repeated, as is any call after it."""
         delay = 0.1
-        for remaining in range(self.retries, -1, -1):
+        for remaining in range(self.retries if retries is None else retries, -1, -1):
             try:
                 return attempt()
             except ValueError as e:  # gRPC Python: "Cannot invoke RPC on closed channel!"
@@ -374,18 +409,35 @@ class Client:
                     ) from None
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                     raise from_rpc_error(e) from None
-                err = from_rpc_error(e)
+                err = from_rpc_error(e, unsent_is_known=self._own_channel)
                 if code == grpc.StatusCode.CANCELLED:
                     err = dropped(err)
                 unrun = err.reason in UNRUN_REASONS
-                if remaining and (safe or unrun):
-                    time.sleep(delay * (1 + random.random()))
+                if remaining and (safe or unrun) and not certificate_rejected(err):
+                    pause = delay * (1 + random.random())
+                    if err.reason == NOT_CONNECTED_REASON:
+                        self._await_connection(pause)
+                    else:
+                        time.sleep(pause)
                     delay = min(2 * delay, 5.0)
                     continue
                 if not (safe or unrun):
                     err.message = OUTCOME_UNKNOWN + err.message
                     err.args = (err.message,)
                 raise err from None
+
+    def _await_connection(self, timeout: float) -> None:
+        """Until this client's channel connects, or ``timeout`` seconds (at once when
+        it is closed: the next attempt says so)."""
+        if self._channel_closed:  # gRPC's poller would raise in its thread
+            return
+        ready = grpc.channel_ready_future(self._channel)
+        try:
+            ready.result(timeout=timeout)
+        except (grpc.FutureTimeoutError, grpc.FutureCancelledError):
+            pass
+        finally:
+            ready.cancel()  # unsubscribes from the channel's state
 
     def _staging(self) -> Staging:
         """A new request's temporary uploads and inline budget."""

@@ -38,9 +38,22 @@ CHANNEL_GONE = frozenset(
 
 #: How gRPC's status starts for a call it failed before sending it: the channel's
 #: pick_first policy connected to none of the target's addresses (its transient
-#: failure picker; grpc/src/core/load_balancing/pick_first). Such a call never
-#: reached a server, so it counts as unrun (``NOT_CONNECTED_REASON``).
-NOT_CONNECTED_DETAILS = "failed to connect to all addresses"
+#: failure picker; grpc/src/core/load_balancing/pick_first), or its resolver found
+#: none (the native resolver's words, then c-ares'). Such a call never reached a
+#: server, so it counts as unrun (``NOT_CONNECTED_REASON``).
+NOT_CONNECTED_DETAILS = (
+    "failed to connect to all addresses",
+    "errors resolving ",
+    "DNS resolution failed for ",
+)
+
+
+def certificate_rejected(error: GradserveError) -> bool:
+    """Whether a call failed unsent because a TLS handshake rejected a certificate (the
+    server's, against this client's roots, or its name): a setting to fix, which no
+    repeat mends. Other handshake failures (a server stopping mid-handshake) may."""
+    text = error.message.lower()
+    return error.reason == NOT_CONNECTED_REASON and ("certificate" in text or "peer name" in text)
 
 
 #: How the message of a ``dropped`` call starts.
@@ -69,8 +82,13 @@ def dropped(error: GradserveError) -> UnavailableError:
 SESSION_LOST_REASON = "SESSION_NOT_FOUND"
 
 
-def from_rpc_error(error: grpc.RpcError) -> GradserveError:
-    """The typed exception for a failed call, with reason, field and request id."""
+def from_rpc_error(error: grpc.RpcError, *, unsent_is_known: bool = False) -> GradserveError:
+    """The typed exception for a failed call, with reason, field and request id.
+
+    ``unsent_is_known``: the call went through a channel the SDK made, so gRPC's
+    not-connected status means it was never sent (``NOT_CONNECTED_REASON``). Not on a
+    caller's channel: a retry policy in its service config may have sent the call,
+    and then failed the repeat that found the server gone."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     message = error.details() if hasattr(error, "details") else str(error)
     reason = field = ""
@@ -89,7 +107,7 @@ def from_rpc_error(error: grpc.RpcError) -> GradserveError:
             detail.Unpack(bad)
             if bad.field_violations:
                 field = bad.field_violations[0].field
-    if code == grpc.StatusCode.UNAVAILABLE and not reason:
+    if unsent_is_known and code == grpc.StatusCode.UNAVAILABLE and not reason:
         if (message or "").startswith(NOT_CONNECTED_DETAILS):
             reason = NOT_CONNECTED_REASON
     trailing: Any = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None

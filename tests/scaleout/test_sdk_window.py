@@ -1,12 +1,14 @@
 """The SDK through a replica's restart window: a call the server refused unrun
-(UNAVAILABLE, reason DRAINING) is repeated whatever it is; a write that failed
-UNAVAILABLE otherwise is not repeated and says its outcome is unknown; a call the server
-or a proxy ended CANCELLED (gRPC does so to calls a server shutting down had not yet
-handed over) counts as UNAVAILABLE; a session the server does not hold is
-SessionLostError, saying why."""
+(UNAVAILABLE, reason DRAINING), or that gRPC could not send (reason NOT_CONNECTED: the
+client's own channel connected to no address), is repeated whatever it is; a write
+that failed UNAVAILABLE otherwise is not repeated and says its outcome is unknown; a
+call the server or a proxy ended CANCELLED (gRPC does so to calls a server shutting
+down had not yet handed over) counts as UNAVAILABLE; a session the server does not
+hold is SessionLostError, saying why."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -88,28 +90,108 @@ def test_only_gradserves_own_reasons_say_a_call_did_not_run(client, monkeypatch)
         assert len(calls) == 1 and info.value.reason == ""
 
 
+UNSENT = "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:9: refused"
+
+
 def test_a_call_grpc_could_not_send_is_repeated_whatever_it_is(client, monkeypatch):
-    """gRPC fails a call at once, unsent, while its channel connects to no address
-    (pick_first's transient failure): reason NOT_CONNECTED, repeated like DRAINING."""
-    monkeypatch.setattr("time.sleep", lambda s: None)
-    unsent = "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:9: refused"
-    attempt, calls = failing(2, Refused(grpc.StatusCode.UNAVAILABLE, message=unsent))
-    assert client._with_retries(attempt, safe=False) == "done" and len(calls) == 3
-    attempt, calls = failing(9, Refused(grpc.StatusCode.UNAVAILABLE, message=unsent))
+    """gRPC fails a call at once, unsent, while the client's channel connects to no
+    address (pick_first's transient failure) or resolves none: reason NOT_CONNECTED,
+    repeated like DRAINING, each repeat once the channel connects."""
+    waits = []
+    monkeypatch.setattr(client, "_await_connection", waits.append)
+    unresolved = "errors resolving gs.invalid:1: [field:hostname lookup error: not found]"
+    for message in (UNSENT, unresolved, "DNS resolution failed for gs.invalid:1: C-ares"):
+        waits.clear()
+        attempt, calls = failing(2, Refused(grpc.StatusCode.UNAVAILABLE, message=message))
+        assert client._with_retries(attempt, safe=False) == "done" and len(calls) == 3
+        assert len(waits) == 2 and 0.1 <= waits[0] < waits[1]
+    attempt, calls = failing(9, Refused(grpc.StatusCode.UNAVAILABLE, message=UNSENT))
     with pytest.raises(UnavailableError) as info:  # still down: said so, not "unknown"
         client._with_retries(attempt, safe=False)
     assert info.value.reason == NOT_CONNECTED_REASON and len(calls) == client.retries + 1
     assert not str(info.value).startswith(OUTCOME_UNKNOWN)
     for other in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED):
-        attempt, calls = failing(1, Refused(other, message=unsent))
+        attempt, calls = failing(1, Refused(other, message=UNSENT))
         with pytest.raises(gradserve.errors.GradserveError) as info:
             client._with_retries(attempt, safe=False)  # only UNAVAILABLE is gRPC's unsent
         assert info.value.reason == "" and len(calls) == 1
-    quoted = Refused(grpc.StatusCode.UNAVAILABLE, message="upstream: " + unsent)
+    quoted = Refused(grpc.StatusCode.UNAVAILABLE, message="upstream: " + UNSENT)
     attempt, calls = failing(1, quoted)  # a message that quotes it is not gRPC's own
     with pytest.raises(UnavailableError, match="^outcome unknown"):
         client._with_retries(attempt, safe=False)
     assert len(calls) == 1
+
+
+def test_a_rejected_certificate_is_not_repeated(client, monkeypatch):
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    monkeypatch.setattr(client, "_await_connection", lambda s: None)
+    for why in (
+        "Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:1000007d:SSL "
+        "routines:OPENSSL_internal:CERTIFICATE_VERIFY_FAILED: self signed certificate",
+        "Peer name gradserve.example is not in peer certificate",
+    ):
+        message = UNSENT.replace("refused", why)
+        for safe in (True, False):
+            attempt, calls = failing(1, Refused(grpc.StatusCode.UNAVAILABLE, message=message))
+            with pytest.raises(UnavailableError) as info:
+                client._with_retries(attempt, safe=safe)
+            assert len(calls) == 1 and info.value.reason == NOT_CONNECTED_REASON
+    dying = UNSENT.replace("refused", "Tls handshake failed: Socket closed")
+    attempt, calls = failing(1, Refused(grpc.StatusCode.UNAVAILABLE, message=dying))
+    assert client._with_retries(attempt, safe=False) == "done" and len(calls) == 2
+
+
+def test_on_a_callers_channel_not_connected_is_not_known_unsent(target, monkeypatch):
+    """A channel the caller made may carry a retry policy that sent the call before
+    its last attempt found the server gone: a write is then not repeated."""
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    channel = grpc.insecure_channel(target, options=gradserve.Client.channel_options())
+    with gradserve.Client(target, channel=channel, keepalive=False) as c:
+        attempt, calls = failing(1, Refused(grpc.StatusCode.UNAVAILABLE, message=UNSENT))
+        with pytest.raises(UnavailableError, match="^outcome unknown") as info:
+            c._with_retries(attempt, safe=False)
+        assert len(calls) == 1 and info.value.reason == ""
+    channel.close()
+
+
+def test_close_does_not_wait_out_a_server_that_is_down(monkeypatch):
+    """CloseSession is tried once: the server's idle timeout frees the session."""
+    with run_server(device="cpu") as server:
+        c = gradserve.Client(f"127.0.0.1:{server.port}", shared_memory=False, retries=8)
+    waits = []
+    monkeypatch.setattr("time.sleep", waits.append)
+    monkeypatch.setattr(c, "_await_connection", waits.append)
+    c.close()
+    assert waits == []
+
+
+def test_the_channel_retries_connecting_at_least_once_a_second():
+    """``Client.channel_options``: reconnect backoff from 0.1 s, at most 1 s (plus 20%
+    jitter). gRPC's own (1 s, growing 1.6x to 120 s) tries 3 times in 3 s; these 7."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted = []
+
+    def accept() -> None:  # every connection closed at once: a failed attempt
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted.append(time.monotonic())
+            conn.close()
+
+    threading.Thread(target=accept, daemon=True).start()
+    target = f"127.0.0.1:{listener.getsockname()[1]}"
+    channel = grpc.insecure_channel(target, options=gradserve.Client.channel_options())
+    try:
+        ready = grpc.channel_ready_future(channel)  # keeps it connecting
+        with pytest.raises(grpc.FutureTimeoutError):
+            ready.result(timeout=3.0)
+        ready.cancel()
+    finally:
+        channel.close()
+        listener.close()
+    assert len(accepted) >= 5, accepted
 
 
 def test_a_client_is_not_refused_for_another_clients_dead_server():
@@ -117,44 +199,45 @@ def test_a_client_is_not_refused_for_another_clients_dead_server():
     all: a Client made just after a server (re)started where another Client had seen
     a dead one failed at once with the old "Connection refused". Each Client now has
     its own."""
-    with run_server() as first:
+    with run_server(device="cpu") as first:
         port = first.port
         old = gradserve.Client(f"127.0.0.1:{port}", shared_memory=False, retries=0)
-        old.put(np.ones(3, np.float32))
-    for _ in range(3):  # the old channel in reconnect backoff
-        with pytest.raises(UnavailableError) as down:
-            old.put(np.ones(3, np.float32))
-        assert down.value.reason == NOT_CONNECTED_REASON
-    with run_server(port=port):
-        with gradserve.Client(f"127.0.0.1:{port}", shared_memory=False, retries=0) as new:
-            assert np.array_equal(new.get(new.put(np.arange(3))), np.arange(3))
-    old.close()
+    try:
+        for _ in range(3):  # the old channel in reconnect backoff
+            with pytest.raises(UnavailableError) as down:
+                old.put(np.ones(3, np.float32))
+            assert down.value.reason == NOT_CONNECTED_REASON
+        with run_server(device="cpu", port=port):
+            with gradserve.Client(f"127.0.0.1:{port}", shared_memory=False, retries=0) as new:
+                assert np.array_equal(new.get(new.put(np.arange(3))), np.arange(3))
+    finally:
+        old.close()
 
 
 @pytest.mark.slow
 def test_a_write_while_the_server_restarts_is_repeated_not_left_unknown(tmp_path):
     """Straight to a server (no proxy) that restarts with its --state-dir: a write sent
     while nothing listens was never sent (NOT_CONNECTED), so it is repeated through the
-    window, not reported as of unknown outcome; gRPC's reconnect backoff (at most 1 s)
-    lets the repeats reach the restarted server."""
+    window, not reported as of unknown outcome."""
     replica = Replica("r0", tmp_path).start()
     c = gradserve.Client(replica.target, keepalive=False, retries=0, shared_memory=False)
-    ta = c.tensor_array(np.float32, size=2, element_shape=(3,))
-    ta = ta.write(0, np.arange(3, dtype=np.float32))
-    assert replica.stop() == 0, replica.log()  # drained, its session saved
-    with pytest.raises(UnavailableError) as refused:
-        ta.write(1, np.ones(3, np.float32))
-    assert refused.value.reason == NOT_CONNECTED_REASON
-    assert not str(refused.value).startswith(OUTCOME_UNKNOWN)
-    time.sleep(3)  # the channel's backoff grows while nothing listens
-    restarted = threading.Timer(1.0, replica.start)
-    restarted.start()
-    c.retries = 10
     try:
-        ta = ta.write(1, np.ones(3, np.float32))
+        ta = c.tensor_array(np.float32, size=2, element_shape=(3,))
+        ta = ta.write(0, np.arange(3, dtype=np.float32))
+        assert replica.stop() == 0, replica.log()  # drained, its session saved
+        with pytest.raises(UnavailableError) as refused:
+            ta.write(1, np.ones(3, np.float32))
+        assert refused.value.reason == NOT_CONNECTED_REASON
+        assert not str(refused.value).startswith(OUTCOME_UNKNOWN)
+        restarted = threading.Timer(1.0, replica.start)
+        restarted.start()
+        c.retries = 10
+        try:
+            ta = ta.write(1, np.ones(3, np.float32))
+        finally:
+            restarted.join()
         assert np.array_equal(ta.stack(), [[0, 1, 2], [1, 1, 1]])
     finally:
-        restarted.join()
         c.close()
         replica.stop()
 
