@@ -27,6 +27,7 @@ test: $(STAMP)  ## set up and run every test (CPU only)
 bench: $(STAMP)  ## benchmarks (figures, not pass/fail)
 	$(PY) -m tests.benchmarks.bench_core
 	$(PY) -m tests.benchmarks.bench_lstm
+	$(PY) -m tests.benchmarks.bench_formulations
 	$(PY) -m tests.benchmarks.bench_load
 	$(PY) -m tests.benchmarks.bench_concurrent_lstm
 	$(PY) -m tests.benchmarks.bench_hostile

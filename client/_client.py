@@ -7,7 +7,6 @@ import logging
 import os
 import random
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -207,7 +206,15 @@ class Client:
         #: Set just before ``close`` closes the channel (calls in flight then end
         #: CANCELLED: not the server's doing).
         self._channel_closed = False
-        self._stop_keepalive = threading.Event()
+        #: Set when ``close`` begins: the keep-alive thread stops, pauses between
+        #: attempts end, and no call is repeated (a server that is down must not hold
+        #: ``close`` for the whole retry budget).
+        self._closing = threading.Event()
+        #: The ``channel_ready_future``s that calls wait on (``_pause``), which
+        #: ``close`` cancels; the lock orders a new wait against ``close``, and makes
+        #: one of them cancel each future.
+        self._waits: set[grpc.Future] = set()
+        self._waits_lock = threading.Lock()
         self._shm: _shm.ClientSharedMemory | None = None
         #: Transient outputs read in full, for the next call to delete (``_fetched``),
         #: when the server says it does (``KeepAlive``); an older one deletes them as
@@ -264,7 +271,11 @@ class Client:
         if self._closed:
             return
         self._closed = True
-        self._stop_keepalive.set()
+        with self._waits_lock:
+            self._closing.set()
+            for ready in self._waits:
+                ready.cancel()
+            self._waits.clear()
         self._fetched.close()
         try:
             if self._shm is not None:  # the session's close unregisters its regions
@@ -272,8 +283,8 @@ class Client:
             if not self.owns_session:  # the session stays: free what this client fetched
                 self._fetched.flush()
             else:
-                try:  # once: a server that is down frees it by its idle timeout
-                    self._call("CloseSession", service_pb2.CloseSessionRequest(), retries=0)
+                try:  # once (``_closing``): a server that is down frees it when idle
+                    self._call("CloseSession", service_pb2.CloseSessionRequest())
                 except NotFoundError:
                     pass  # already gone (expired, or the server restarted): nothing to free
                 except UnavailableError as e:
@@ -304,7 +315,7 @@ class Client:
         interval = max(0.05, min(60.0, idle_timeout / 3))
 
         def loop() -> None:
-            while not self._stop_keepalive.wait(interval):
+            while not self._closing.wait(interval):
                 self._buffers.expire_idle()
                 try:
                     self.keep_alive()
@@ -335,10 +346,9 @@ class Client:
         metadata: Metadata | Callable[[], Metadata | None] | None = None,
         timeout: float | None = None,
         tapes: Sequence[Any] | None = None,
-        retries: int | None = None,
     ) -> Any:
         """Invoke ``rpc``; a failure raises its ``gradserve.errors`` class (repeated as
-        ``_with_retries`` says, at most ``retries`` times: default ``self.retries``). An op records
+        ``_with_retries`` says). An op records
         on ``tapes`` (default: the tapes recording on this thread). ``metadata`` may
         be a function, called for each attempt (an op's output region: see
         ``_run_op``). So may ``request``, which a request stream must be: an attempt
@@ -372,11 +382,9 @@ class Client:
 
         # A call that records on a tape is not repeated blindly: it would record twice.
         safe = _safe_to_repeat(rpc, request) and not recorded
-        return self._with_retries(attempt, safe=safe, retries=retries)
+        return self._with_retries(attempt, safe=safe)
 
-    def _with_retries(
-        self, attempt: Callable[[], Any], *, safe: bool, retries: int | None = None
-    ) -> Any:
+    def _with_retries(self, attempt: Callable[[], Any], *, safe: bool) -> Any:
         """Run ``attempt``; repeat it on UNAVAILABLE with exponential backoff when ``safe``,
         or whatever it is when it did not run (reason ``DRAINING``: a replica shutting
         down refused it; ``NOT_FORWARDED``: a proxy reached no replica;
@@ -384,7 +392,7 @@ class Client:
         sent nothing. The repeat reaches the replica again once restarted, or another
         one for a new session). Not connected, the repeat waits for the channel to
         connect rather than for its whole backoff; a rejected TLS certificate is
-        raised at once.
+        raised at once. Once ``close`` has begun, nothing is repeated.
 
         An unsafe call that failed UNAVAILABLE otherwise may or may not have been
         applied: it is never repeated, and its error says so. A call that ended
@@ -392,7 +400,7 @@ class Client:
         (``dropped``), unless its channel was closed under it (``close`` from another
         thread): that is CancelledError, never repeated, as is any call after it."""
         delay = 0.1
-        for remaining in range(self.retries if retries is None else retries, -1, -1):
+        for remaining in range(self.retries, -1, -1):
             try:
                 return attempt()
             except ValueError as e:  # gRPC Python: "Cannot invoke RPC on closed channel!"
@@ -413,12 +421,10 @@ class Client:
                 if code == grpc.StatusCode.CANCELLED:
                     err = dropped(err)
                 unrun = err.reason in UNRUN_REASONS
-                if remaining and (safe or unrun) and not certificate_rejected(err):
+                repeat = (safe or unrun) and not certificate_rejected(err)
+                if remaining and repeat and not self._closing.is_set():
                     pause = delay * (1 + random.random())
-                    if err.reason == NOT_CONNECTED_REASON:
-                        self._await_connection(pause)
-                    else:
-                        time.sleep(pause)
+                    self._pause(pause, until_connected=err.reason == NOT_CONNECTED_REASON)
                     delay = min(2 * delay, 5.0)
                     continue
                 if not (safe or unrun):
@@ -426,18 +432,26 @@ class Client:
                     err.args = (err.message,)
                 raise err from None
 
-    def _await_connection(self, timeout: float) -> None:
-        """Until this client's channel connects, or ``timeout`` seconds (at once when
-        it is closed: the next attempt says so)."""
-        if self._channel_closed:  # gRPC's poller would raise in its thread
+    def _pause(self, seconds: float, *, until_connected: bool = False) -> None:
+        """Wait ``seconds`` before repeating a call; less once ``close`` begins, or with
+        ``until_connected``, once this client's channel connects."""
+        if not until_connected:
+            self._closing.wait(seconds)
             return
-        ready = grpc.channel_ready_future(self._channel)
+        with self._waits_lock:
+            if self._closing.is_set():  # the channel may be closed: gRPC's poller raises
+                return
+            ready = grpc.channel_ready_future(self._channel)
+            self._waits.add(ready)
         try:
-            ready.result(timeout=timeout)
+            ready.result(timeout=seconds)
         except (grpc.FutureTimeoutError, grpc.FutureCancelledError):
             pass
         finally:
-            ready.cancel()  # unsubscribes from the channel's state
+            with self._waits_lock:  # cancelled once (gRPC's second cancel raises)
+                if ready in self._waits:
+                    self._waits.discard(ready)
+                    ready.cancel()  # unsubscribes from the channel's state
 
     def _staging(self) -> Staging:
         """A new request's temporary uploads and inline budget."""

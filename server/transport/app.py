@@ -146,6 +146,8 @@ def _compute(config: ServerConfig, device: str, store: SessionStore) -> Compute:
         )
     if config.lstm_formulation is not None and device != "cpu":
         log.warning("--lstm-formulation has no effect on device %s: it is the CPU's", device)
+    elif config.lstm_formulation is not None:
+        log.info("LSTM forward formulation: %s for every shape", config.lstm_formulation)
     return compute_for(
         device,
         cuda_graphs=config.cuda_graphs and device == "cuda",

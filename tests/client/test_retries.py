@@ -38,14 +38,14 @@ def flaky(failures: int, code=grpc.StatusCode.UNAVAILABLE):
 
 
 def test_safe_calls_are_retried_until_they_succeed(client, monkeypatch):
-    monkeypatch.setattr("time.sleep", lambda s: None)
+    monkeypatch.setattr(client, "_pause", lambda s, **k: None)
     attempt, calls = flaky(2)
     assert client._with_retries(attempt, safe=True) == "done"
     assert len(calls) == 3
 
 
 def test_retries_stop_after_the_budget(client, monkeypatch):
-    monkeypatch.setattr("time.sleep", lambda s: None)
+    monkeypatch.setattr(client, "_pause", lambda s, **k: None)
     attempt, calls = flaky(10)
     with pytest.raises(UnavailableError):
         client._with_retries(attempt, safe=True)
@@ -64,7 +64,7 @@ def test_unsafe_calls_and_other_codes_are_not_retried(client):
 
 def test_backoff_grows(client, monkeypatch):
     sleeps = []
-    monkeypatch.setattr("time.sleep", sleeps.append)
+    monkeypatch.setattr(client, "_pause", lambda s, **k: sleeps.append(s))
     attempt, _ = flaky(3)
     client._with_retries(attempt, safe=True)
     assert len(sleeps) == 3 and sleeps[0] < sleeps[2] and sleeps[2] >= 0.4

@@ -70,6 +70,20 @@ def test_the_statefulset_gives_each_replica_an_identity_a_volume_and_time_to_sav
     assert any(p["spec"]["selector"] == spec["selector"] for p in by_kind("PodDisruptionBudget"))
 
 
+def test_the_replicas_compute_the_same_bits_within_their_cpu_request():
+    """One LSTM formulation, the BLAS threads of the CPU request, and as many compute
+    slots as those fill: the flags parse, and agree with the request."""
+    from gradserve.server.transport.cli import build_parser
+
+    (sts,) = by_kind("StatefulSet")
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    flags = build_parser().parse_args(container["args"][1:])
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    threads, cpus = int(env["OPENBLAS_NUM_THREADS"]), int(container["resources"]["requests"]["cpu"])
+    assert flags.lstm_formulation is not None
+    assert flags.compute_slots == max(1, cpus // threads)
+
+
 def test_the_proxy_configmap_is_the_nginx_template():
     (config,) = [c for c in by_kind("ConfigMap") if c["metadata"]["name"] == "gradserve-proxy"]
     assert config["data"]["gradserve.conf.template"].strip() == TEMPLATE.read_text().strip()

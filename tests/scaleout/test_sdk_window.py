@@ -73,13 +73,13 @@ def failing(times: int, error: grpc.RpcError):
 
 
 def test_a_write_refused_while_draining_is_repeated(client, monkeypatch):
-    monkeypatch.setattr("time.sleep", lambda s: None)
+    monkeypatch.setattr(client, "_pause", lambda s, **k: None)
     attempt, calls = failing(2, Refused(grpc.StatusCode.UNAVAILABLE, "DRAINING"))
     assert client._with_retries(attempt, safe=False) == "done" and len(calls) == 3
 
 
 def test_only_gradserves_own_reasons_say_a_call_did_not_run(client, monkeypatch):
-    monkeypatch.setattr("time.sleep", lambda s: None)
+    monkeypatch.setattr(client, "_pause", lambda s, **k: None)
     for reason in UNRUN_REASONS:
         attempt, calls = failing(1, Refused(grpc.StatusCode.UNAVAILABLE, reason))
         assert client._with_retries(attempt, safe=False) == "done" and len(calls) == 2
@@ -98,13 +98,14 @@ def test_a_call_grpc_could_not_send_is_repeated_whatever_it_is(client, monkeypat
     address (pick_first's transient failure) or resolves none: reason NOT_CONNECTED,
     repeated like DRAINING, each repeat once the channel connects."""
     waits = []
-    monkeypatch.setattr(client, "_await_connection", waits.append)
+    monkeypatch.setattr(client, "_pause", lambda s, **k: waits.append((s, k)))
     unresolved = "errors resolving gs.invalid:1: [field:hostname lookup error: not found]"
     for message in (UNSENT, unresolved, "DNS resolution failed for gs.invalid:1: C-ares"):
         waits.clear()
         attempt, calls = failing(2, Refused(grpc.StatusCode.UNAVAILABLE, message=message))
         assert client._with_retries(attempt, safe=False) == "done" and len(calls) == 3
-        assert len(waits) == 2 and 0.1 <= waits[0] < waits[1]
+        assert [k for _, k in waits] == [{"until_connected": True}] * 2
+        assert 0.1 <= waits[0][0] < waits[1][0]
     attempt, calls = failing(9, Refused(grpc.StatusCode.UNAVAILABLE, message=UNSENT))
     with pytest.raises(UnavailableError) as info:  # still down: said so, not "unknown"
         client._with_retries(attempt, safe=False)
@@ -123,8 +124,7 @@ def test_a_call_grpc_could_not_send_is_repeated_whatever_it_is(client, monkeypat
 
 
 def test_a_rejected_certificate_is_not_repeated(client, monkeypatch):
-    monkeypatch.setattr("time.sleep", lambda s: None)
-    monkeypatch.setattr(client, "_await_connection", lambda s: None)
+    monkeypatch.setattr(client, "_pause", lambda s, **k: None)
     for why in (
         "Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:1000007d:SSL "
         "routines:OPENSSL_internal:CERTIFICATE_VERIFY_FAILED: self signed certificate",
@@ -144,7 +144,6 @@ def test_a_rejected_certificate_is_not_repeated(client, monkeypatch):
 def test_on_a_callers_channel_not_connected_is_not_known_unsent(target, monkeypatch):
     """A channel the caller made may carry a retry policy that sent the call before
     its last attempt found the server gone: a write is then not repeated."""
-    monkeypatch.setattr("time.sleep", lambda s: None)
     channel = grpc.insecure_channel(target, options=gradserve.Client.channel_options())
     with gradserve.Client(target, channel=channel, keepalive=False) as c:
         attempt, calls = failing(1, Refused(grpc.StatusCode.UNAVAILABLE, message=UNSENT))
@@ -154,15 +153,68 @@ def test_on_a_callers_channel_not_connected_is_not_known_unsent(target, monkeypa
     channel.close()
 
 
-def test_close_does_not_wait_out_a_server_that_is_down(monkeypatch):
-    """CloseSession is tried once: the server's idle timeout frees the session."""
+@pytest.mark.parametrize("owner", [True, False])
+def test_close_does_not_wait_out_a_server_that_is_down(monkeypatch, owner):
+    """``close`` repeats nothing: the owner's CloseSession, a joined client's
+    UnregisterSharedMemory of its regions (the server's idle timeout frees both)."""
     with run_server(device="cpu") as server:
-        c = gradserve.Client(f"127.0.0.1:{server.port}", shared_memory=False, retries=8)
+        target = f"127.0.0.1:{server.port}"
+        first = gradserve.Client(target, shared_memory=False, keepalive=False)
+        joined = gradserve.Client(
+            target, session_id=first.session_id, shared_memory=True, keepalive=False
+        )
+        joined.put(np.ones(1 << 16, np.float32))  # 256 KiB: through a region
+        assert joined._shm is not None and joined._shm.pool._all  # registered
+    c, other = (first, joined) if owner else (joined, first)
+    c.retries = 8
     waits = []
-    monkeypatch.setattr("time.sleep", waits.append)
-    monkeypatch.setattr(c, "_await_connection", waits.append)
+    monkeypatch.setattr(c, "_pause", lambda s, **k: waits.append(s))
     c.close()
     assert waits == []
+    monkeypatch.undo()
+    other.retries = 0
+    other.close()
+
+
+@pytest.mark.parametrize("until_connected", [True, False])
+def test_close_ends_the_pauses_between_attempts(until_connected):
+    with run_server(device="cpu") as server:
+        c = gradserve.Client(f"127.0.0.1:{server.port}", shared_memory=False)
+    returned = []
+    pause = threading.Thread(
+        target=lambda: returned.append(c._pause(60.0, until_connected=until_connected))
+    )
+    pause.start()
+    time.sleep(0.3)
+    c.close()
+    pause.join(10.0)
+    assert returned == [None]  # returned, early
+    assert not c._waits  # each wait unsubscribed
+
+
+def test_close_ends_the_wait_of_a_call_on_another_thread():
+    """A write waiting to repeat (the server is down) ends soon after ``close`` from
+    another thread: its retry budget (16-32 s at 8) is not waited out. It says what
+    it met: the server was not reached."""
+    with run_server(device="cpu") as server:
+        c = gradserve.Client(f"127.0.0.1:{server.port}", shared_memory=False, retries=8)
+    ended: dict[str, BaseException] = {}
+
+    def write() -> None:
+        try:
+            c.put(np.ones(3, np.float32))
+        except BaseException as e:  # noqa: BLE001 - the test looks at it
+            ended["error"] = e
+
+    caller = threading.Thread(target=write)
+    caller.start()
+    time.sleep(1.0)  # past its first waits
+    assert caller.is_alive()
+    c.close()
+    caller.join(5.0)
+    assert not caller.is_alive()
+    assert isinstance(ended["error"], UnavailableError), ended
+    assert ended["error"].reason == NOT_CONNECTED_REASON
 
 
 def test_the_channel_retries_connecting_at_least_once_a_second():
@@ -252,7 +304,7 @@ def test_a_write_lost_in_flight_is_not_repeated_and_says_so(client):
 def test_a_call_the_server_cancelled_counts_as_unavailable(client, monkeypatch):
     """What gRPC core sends for a call received but not handed over at shutdown
     (grpc/grpc#41785): repeated when safe; otherwise outcome unknown, not repeated."""
-    monkeypatch.setattr("time.sleep", lambda s: None)
+    monkeypatch.setattr(client, "_pause", lambda s, **k: None)
     cancelled = Refused(grpc.StatusCode.CANCELLED, message="CANCELLED")
     attempt, calls = failing(2, cancelled)
     assert client._with_retries(attempt, safe=True) == "done" and len(calls) == 3

@@ -1,0 +1,68 @@
+"""What ``--lstm-formulation`` costs (``make bench``): not a test, prints figures.
+
+The CPU forward computes a shape in the GEMM formulation it measured fastest on the
+first call (``kernels/lstm_cpu.py``'s planner); a server started with
+``--lstm-formulation`` computes every shape in one, so that replicas return the same
+bits. This times the in-process forward (``Compute.lstm_forward``, float32, peepholes)
+in each formulation and as the planner chooses ("auto", with its choice), interleaved
+call by call, at the LSTM benchmark's sizes and at 1 and all BLAS threads; medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+from gradserve.kernels import backend_numpy, lstm_cpu
+from gradserve.kernels.compute import Compute
+from gradserve.lstm_signature import LSTMInputs
+from tests.benchmarks.bench_lstm import (
+    SIZES,
+    blas_environment,
+    blas_info,
+    blas_threads,
+    make_inputs,
+)
+
+
+def bench_size(steps: int, batch: int, units: int, calls: int) -> None:
+    weights, _, _ = make_inputs(steps, batch, units)
+    inputs = LSTMInputs(*weights)
+    computes = {
+        form.value: Compute(backend_numpy, formulation=form) for form in lstm_cpu.Formulation
+    }
+    computes["auto"] = Compute(backend_numpy)
+    for compute in computes.values():  # warm: workspaces, the planner's measurement
+        compute.lstm_forward(inputs, seq_len_max=steps, use_peephole=True)
+    samples: dict[str, list[float]] = {name: [] for name in computes}
+    for _ in range(calls):
+        for name, compute in computes.items():
+            start = time.perf_counter()
+            compute.lstm_forward(inputs, seq_len_max=steps, use_peephole=True)
+            samples[name].append(time.perf_counter() - start)
+    key = (batch, units, units, "<f4", lstm_cpu.blas_threads(), True)
+    chosen = lstm_cpu.PLANNER.lookup(key)
+    medians = {name: statistics.median(s) for name, s in samples.items()}
+    best = min(medians.values())
+    cells = ", ".join(f"{name} {1e3 * m:.1f} ms ({m / best:.2f}x)" for name, m in medians.items())
+    print(f"  ({steps}, {batch}, {units}): {cells}; auto chose {chosen and chosen.value}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calls", type=int, default=0, help="per formulation (0: 15, 5 large)")
+    args = parser.parse_args()
+    print(f"# LSTM forward per formulation (CPU, float32): {os.cpu_count()} CPUs; {blas_info()}")
+    print(f"# {blas_environment()}; medians of interleaved calls; (x) = / the fastest")
+    for threads in (1, None):
+        with blas_threads(threads):
+            print(f"\nBLAS threads: {lstm_cpu.blas_threads()}")
+            for steps, batch, units in SIZES:
+                calls = args.calls or (15 if steps * batch * units < 1 << 20 else 5)
+                bench_size(steps, batch, units, calls)
+
+
+if __name__ == "__main__":
+    main()
