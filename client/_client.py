@@ -7,6 +7,7 @@ import logging
 import os
 import random
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -64,6 +65,11 @@ DEFAULT_HOST_CACHE_BYTES = 256 << 20
 #: - Reconnect backoff of at most 1 s, plus gRPC's 20% jitter (its default grows to
 #:   120 s): until the backoff ends every call fails unsent, so a longer one would
 #:   waste the retries with which the SDK waits out a restart (``_with_retries``).
+#: While a call is not connected (reason NOT_CONNECTED), how often it is tried again
+#: through each backoff pause: such a try fails at once, unsent, until the channel
+#: has connected.
+CONNECT_POLL_SECONDS = 0.1
+
 CONNECTION_OPTIONS: list[tuple[str, int]] = [
     ("grpc.use_local_subchannel_pool", 1),
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -210,11 +216,6 @@ class Client:
         #: attempts end, and no call is repeated (a server that is down must not hold
         #: ``close`` for the whole retry budget).
         self._closing = threading.Event()
-        #: The ``channel_ready_future``s that calls wait on (``_pause``), which
-        #: ``close`` cancels; the lock orders a new wait against ``close``, and makes
-        #: one of them cancel each future.
-        self._waits: set[grpc.Future] = set()
-        self._waits_lock = threading.Lock()
         self._shm: _shm.ClientSharedMemory | None = None
         #: Transient outputs read in full, for the next call to delete (``_fetched``),
         #: when the server says it does (``KeepAlive``); an older one deletes them as
@@ -271,11 +272,7 @@ class Client:
         if self._closed:
             return
         self._closed = True
-        with self._waits_lock:
-            self._closing.set()
-            for ready in self._waits:
-                ready.cancel()
-            self._waits.clear()
+        self._closing.set()
         self._fetched.close()
         try:
             if self._shm is not None:  # the session's close unregisters its regions
@@ -390,9 +387,13 @@ class Client:
         down refused it; ``NOT_FORWARDED``: a proxy reached no replica;
         ``NOT_CONNECTED``: this client's own channel connected to no address, so gRPC
         sent nothing. The repeat reaches the replica again once restarted, or another
-        one for a new session). Not connected, the repeat waits for the channel to
-        connect rather than for its whole backoff; a rejected TLS certificate is
-        raised at once. Once ``close`` has begun, nothing is repeated.
+        one for a new session). Not connected, the call is tried again every
+        ``CONNECT_POLL_SECONDS`` through each backoff pause (such an attempt fails at
+        once, unsent, until the channel connects), so the repeat goes soon after the
+        server is back, not at the end of the pause. (Waiting on gRPC's connectivity
+        instead, ``channel_ready_future``, left its poller thread raising "Channel
+        closed!" when the client closed.) A rejected TLS certificate is raised at
+        once. Once ``close`` has begun, nothing is repeated, and pauses end.
 
         An unsafe call that failed UNAVAILABLE otherwise may or may not have been
         applied: it is never repeated, and its error says so. A call that ended
@@ -400,7 +401,9 @@ class Client:
         (``dropped``), unless its channel was closed under it (``close`` from another
         thread): that is CancelledError, never repeated, as is any call after it."""
         delay = 0.1
-        for remaining in range(self.retries, -1, -1):
+        remaining = self.retries
+        poll_until = 0.0  # not connected: the end of the pause being polled through
+        while True:
             try:
                 return attempt()
             except ValueError as e:  # gRPC Python: "Cannot invoke RPC on closed channel!"
@@ -422,36 +425,32 @@ class Client:
                     err = dropped(err)
                 unrun = err.reason in UNRUN_REASONS
                 repeat = (safe or unrun) and not certificate_rejected(err)
-                if remaining and repeat and not self._closing.is_set():
-                    pause = delay * (1 + random.random())
-                    self._pause(pause, until_connected=err.reason == NOT_CONNECTED_REASON)
-                    delay = min(2 * delay, 5.0)
-                    continue
+                if repeat and not self._closing.is_set():
+                    polling = err.reason == NOT_CONNECTED_REASON
+                    left = poll_until - self._clock() if polling else 0.0
+                    if left > 0:  # still within a pause: another unsent try, free
+                        self._pause(min(CONNECT_POLL_SECONDS, left))
+                        continue
+                    if remaining:
+                        remaining -= 1
+                        pause = delay * (1 + random.random())
+                        delay = min(2 * delay, 5.0)
+                        if polling:
+                            poll_until = self._clock() + pause
+                            pause = min(CONNECT_POLL_SECONDS, pause)
+                        self._pause(pause)
+                        continue
                 if not (safe or unrun):
                     err.message = OUTCOME_UNKNOWN + err.message
                     err.args = (err.message,)
                 raise err from None
 
-    def _pause(self, seconds: float, *, until_connected: bool = False) -> None:
-        """Wait ``seconds`` before repeating a call; less once ``close`` begins, or with
-        ``until_connected``, once this client's channel connects."""
-        if not until_connected:
-            self._closing.wait(seconds)
-            return
-        with self._waits_lock:
-            if self._closing.is_set():  # the channel may be closed: gRPC's poller raises
-                return
-            ready = grpc.channel_ready_future(self._channel)
-            self._waits.add(ready)
-        try:
-            ready.result(timeout=seconds)
-        except (grpc.FutureTimeoutError, grpc.FutureCancelledError):
-            pass
-        finally:
-            with self._waits_lock:  # cancelled once (gRPC's second cancel raises)
-                if ready in self._waits:
-                    self._waits.discard(ready)
-                    ready.cancel()  # unsubscribes from the channel's state
+    def _pause(self, seconds: float) -> None:
+        """Wait ``seconds`` before trying a call again; less once ``close`` begins."""
+        self._closing.wait(seconds)
+
+    #: The clock of ``_with_retries``' pauses (a test steps it with ``_pause``).
+    _clock = staticmethod(time.monotonic)
 
     def _staging(self) -> Staging:
         """A new request's temporary uploads and inline budget."""
