@@ -55,6 +55,11 @@ log = logging.getLogger(__name__)
 #: ``host_cache_bytes``' default: the largest tensor ``make bench`` moves.
 DEFAULT_HOST_CACHE_BYTES = 256 << 20
 
+#: While a call is not connected (reason NOT_CONNECTED), how often it is tried again
+#: through each backoff pause: such a try fails at once, unsent, until the channel
+#: has connected.
+CONNECT_POLL_SECONDS = 0.1
+
 #: How the SDK's own channel connects (``Client.channel_options``).
 #:
 #: - Its own subchannels, so each Client has its own TCP connection: gRPC otherwise
@@ -64,12 +69,7 @@ DEFAULT_HOST_CACHE_BYTES = 256 << 20
 #:   Client of the process had seen a server gone (a restart, or a reused port).
 #: - Reconnect backoff of at most 1 s, plus gRPC's 20% jitter (its default grows to
 #:   120 s): until the backoff ends every call fails unsent, so a longer one would
-#:   waste the retries with which the SDK waits out a restart (``_with_retries``).
-#: While a call is not connected (reason NOT_CONNECTED), how often it is tried again
-#: through each backoff pause: such a try fails at once, unsent, until the channel
-#: has connected.
-CONNECT_POLL_SECONDS = 0.1
-
+#:   keep a write waiting out a restart long after the server is back.
 CONNECTION_OPTIONS: list[tuple[str, int]] = [
     ("grpc.use_local_subchannel_pool", 1),
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -109,10 +109,10 @@ class Client:
         (0.1 s doubling up to 5 s, times 1-2). Writes and clearing reads are
         repeated only when the call did not run: a draining server refused it, a
         proxy forwarded none of it, or this client's channel connected to no
-        address (reason ``NOT_CONNECTED``; the repeat goes as soon as it connects).
-        A server that stays down thus costs a call the whole budget: about 1-2 s
-        at 3, 16-32 s at 8. A rejected TLS certificate is never repeated, nor is
-        ``close``'s CloseSession.
+        address (reason ``NOT_CONNECTED``; tried again every 0.1 s through each
+        pause, so the repeat goes soon after it connects). A server that stays down
+        thus costs a call the whole budget: about 1-2 s at 3, 16-32 s at 8. A
+        rejected TLS certificate is never repeated, and ``close`` repeats nothing.
     channel:
         A gRPC channel of your own (e.g. with interceptors) instead of one made
         from ``target`` and the TLS arguments; left open on ``close``. Build it with
