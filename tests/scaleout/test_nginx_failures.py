@@ -20,6 +20,7 @@ import gradserve
 from gradserve.client._client import OUTCOME_UNKNOWN
 from gradserve.errors import NOT_FORWARDED_REASON, UnavailableError
 from gradserve.protocol import ERROR_DOMAIN
+from tests.scaleout import workload
 from tests.scaleout.proxies import template_part
 
 
@@ -37,24 +38,11 @@ def test_the_templates_error_details_agree_with_its_message_and_the_sdk():
 
 @pytest.mark.scaleout
 def test_a_write_while_its_replica_restarts_is_repeated_not_left_unknown(make_cluster):
+    """Behind nginx, nothing listening: NOT_FORWARDED (no byte reached a replica)."""
     cluster = make_cluster("nginx", 1)
-    r0 = cluster.replicas["r0"]
-    c = gradserve.Client(cluster.proxy.target, keepalive=False, retries=0)
-    ta = c.tensor_array(np.float32, size=2, element_shape=(3,))
-    ta = ta.write(0, np.arange(3, dtype=np.float32))
-    assert r0.stop() == 0  # drained, its session saved in --state-dir
-    with pytest.raises(UnavailableError) as refused:  # nothing listens: not forwarded
-        ta.write(1, np.ones(3, np.float32))
-    assert refused.value.reason == NOT_FORWARDED_REASON
-    assert not str(refused.value).startswith(OUTCOME_UNKNOWN)
-    restarted = threading.Timer(1.0, r0.start)
-    restarted.start()
-    c.retries = 10
-    try:  # a write, repeated through the window until the replica is back
-        ta = ta.write(1, np.ones(3, np.float32))
-    finally:
-        restarted.join()
-    assert np.array_equal(ta.stack(), [[0, 1, 2], [1, 1, 1]])
+    workload.write_through_a_restart(
+        cluster.proxy.target, cluster.replicas["r0"], NOT_FORWARDED_REASON
+    )
 
 
 @pytest.mark.scaleout

@@ -31,6 +31,7 @@ from gradserve.errors import (
     UnavailableError,
 )
 from gradserve.server import run_server
+from tests.scaleout import workload
 from tests.scaleout.cluster import Replica
 
 
@@ -281,25 +282,9 @@ def test_a_write_while_the_server_restarts_is_repeated_not_left_unknown(tmp_path
     while nothing listens was never sent (NOT_CONNECTED), so it is repeated through the
     window, not reported as of unknown outcome."""
     replica = Replica("r0", tmp_path).start()
-    c = gradserve.Client(replica.target, keepalive=False, retries=0, shared_memory=False)
     try:
-        ta = c.tensor_array(np.float32, size=2, element_shape=(3,))
-        ta = ta.write(0, np.arange(3, dtype=np.float32))
-        assert replica.stop() == 0, replica.log()  # drained, its session saved
-        with pytest.raises(UnavailableError) as refused:
-            ta.write(1, np.ones(3, np.float32))
-        assert refused.value.reason == NOT_CONNECTED_REASON
-        assert not str(refused.value).startswith(OUTCOME_UNKNOWN)
-        restarted = threading.Timer(1.0, replica.start)
-        restarted.start()
-        c.retries = 10
-        try:
-            ta = ta.write(1, np.ones(3, np.float32))
-        finally:
-            restarted.join()
-        assert np.array_equal(ta.stack(), [[0, 1, 2], [1, 1, 1]])
+        workload.write_through_a_restart(replica.target, replica, NOT_CONNECTED_REASON)
     finally:
-        c.close()
         replica.stop()
 
 

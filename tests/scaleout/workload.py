@@ -206,3 +206,33 @@ class Load:
             s.client.close()
         for ch in self.channels:
             ch.close()
+
+
+def write_through_a_restart(target: str, replica, reason: str) -> None:
+    """A write to ``target`` while ``replica`` (which holds the write's session) restarts
+    with its --state-dir: while nothing listens it fails unrun with ``reason``, never
+    "outcome unknown"; with retries it is repeated through the window and lands once
+    the replica is back (``replica``: ``tests.scaleout.cluster.Replica``)."""
+    from gradserve.client._client import OUTCOME_UNKNOWN
+
+    c = gradserve.Client(target, keepalive=False, retries=0, shared_memory=False)
+    try:
+        ta = c.tensor_array(np.float32, size=2, element_shape=(3,))
+        ta = ta.write(0, np.arange(3, dtype=np.float32))
+        assert replica.stop() == 0, replica.log()  # drained, its session saved
+        try:
+            ta.write(1, np.ones(3, np.float32))
+            raise AssertionError("a write with nothing listening succeeded")
+        except UnavailableError as refused:
+            assert refused.reason == reason, refused
+            assert not str(refused).startswith(OUTCOME_UNKNOWN), refused
+        restarted = threading.Timer(1.0, replica.start)
+        restarted.start()
+        c.retries = 10
+        try:
+            ta = ta.write(1, np.ones(3, np.float32))
+        finally:
+            restarted.join()
+        assert np.array_equal(ta.stack(), [[0, 1, 2], [1, 1, 1]])
+    finally:
+        c.close()
