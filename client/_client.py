@@ -25,6 +25,7 @@ from gradserve.client._errors import (
     certificate_rejected,
     dropped,
     from_rpc_error,
+    not_sent,
 )
 from gradserve.client._fetched import Fetched
 from gradserve.client._prefetch import Prefetcher
@@ -340,16 +341,17 @@ class Client:
         request: Any,
         *,
         session: bool = True,
-        metadata: Metadata | Callable[[], Metadata | None] | None = None,
+        metadata: Metadata | Callable[[bool], Metadata | None] | None = None,
         timeout: float | None = None,
         tapes: Sequence[Any] | None = None,
     ) -> Any:
         """Invoke ``rpc``; a failure raises its ``gradserve.errors`` class (repeated as
-        ``_with_retries`` says). An op records
-        on ``tapes`` (default: the tapes recording on this thread). ``metadata`` may
-        be a function, called for each attempt (an op's output region: see
-        ``_run_op``). So may ``request``, which a request stream must be: an attempt
-        consumes its iterator, and a repeat needs the whole stream again."""
+        ``_with_retries`` says). An op records on ``tapes`` (default: the tapes
+        recording on this thread). ``metadata`` may be a function, called for each
+        attempt with whether the last attempt may have reached the server (an op's
+        output region: see ``_run_op``). So may ``request``, which a request stream
+        must be: an attempt consumes its iterator, and a repeat needs the whole stream
+        again."""
         default = self._metadata if session else self._auth
         if tapes is None:
             tapes = self._recording.tapes if session and rpc in _RECORDED else ()
@@ -359,12 +361,15 @@ class Client:
         method = getattr(self._stub, rpc)
         timeout = timeout if timeout is not None else self.timeout
 
+        sent_before = False  # the last attempt may have reached the server
+
         def attempt():
+            nonlocal sent_before
             fetched = self._fetched.take() if session else []
             try:
                 if fetched and len(self._fetched):  # more than a call carries: rest first
                     self._fetched.flush()
-                base = metadata() if callable(metadata) else metadata
+                base = metadata(sent_before) if callable(metadata) else metadata
                 sent = (*(default if base is None else base), *extra, _request_id())
                 if fetched:  # the server deletes them first (client/_fetched.py)
                     sent = (*sent, (protocol.FETCHED_METADATA_KEY, ",".join(fetched)))
@@ -372,8 +377,11 @@ class Client:
                 # (``metadata()`` may register a new output region).
                 self._recording.call_tapes = tapes
                 body = request() if callable(request) else request
+                sent_before = True
                 return method(body, metadata=sent, timeout=timeout)
-            except BaseException:
+            except BaseException as e:
+                if isinstance(e, grpc.RpcError) and self._own_channel and not_sent(e):
+                    sent_before = False  # gRPC sent nothing
                 self._fetched.give_back(fetched)
                 raise
 
@@ -463,16 +471,15 @@ class Client:
             shm.pool.note_output_need(_shm.aligned_total(temps.output_sizes))
             out = shm.output_lease()
         replied = False
-        attempts = 0
 
-        def metadata() -> Metadata | None:
-            """The output region for this attempt: a repeated call (UNAVAILABLE) gets
-            a fresh one, as the attempt that got no reply may still write its own."""
-            nonlocal attempts
-            attempts += 1
+        def metadata(sent_before: bool) -> Metadata | None:
+            """The output region for this attempt: a call repeated after an attempt
+            that may have reached the server (UNAVAILABLE) gets a fresh one, as that
+            attempt may still write its own; after one gRPC never sent (NOT_CONNECTED,
+            tried every 0.1 s while the server is down) it keeps it."""
             if shm is None or out is None:
                 return None
-            if attempts > 1:
+            if sent_before:
                 out.renew_output()
             return shm.output_metadata(out, self._metadata)
 

@@ -48,6 +48,14 @@ NOT_CONNECTED_DETAILS = (
 )
 
 
+def not_sent(error: grpc.RpcError) -> bool:
+    """Whether gRPC says it failed the call before sending it (``NOT_CONNECTED_DETAILS``;
+    to be trusted on a channel the SDK made: see ``from_rpc_error``)."""
+    code = error.code() if hasattr(error, "code") else None
+    details = error.details() if hasattr(error, "details") else None
+    return code == grpc.StatusCode.UNAVAILABLE and (details or "").startswith(NOT_CONNECTED_DETAILS)
+
+
 def certificate_rejected(error: GradserveError) -> bool:
     """Whether a call failed unsent because a TLS handshake rejected a certificate (the
     server's, against this client's roots, or its name): a setting to fix, which no
@@ -107,9 +115,8 @@ def from_rpc_error(error: grpc.RpcError, *, unsent_is_known: bool = False) -> Gr
             detail.Unpack(bad)
             if bad.field_violations:
                 field = bad.field_violations[0].field
-    if unsent_is_known and code == grpc.StatusCode.UNAVAILABLE and not reason:
-        if (message or "").startswith(NOT_CONNECTED_DETAILS):
-            reason = NOT_CONNECTED_REASON
+    if unsent_is_known and not reason and not_sent(error):
+        reason = NOT_CONNECTED_REASON
     trailing: Any = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
     cls = error_class_for(Code[code.name])
     if code == grpc.StatusCode.NOT_FOUND and reason == SESSION_LOST_REASON:

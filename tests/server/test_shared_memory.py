@@ -773,6 +773,44 @@ def test_a_repeated_call_writes_into_a_fresh_output_region(shm_client):
     assert same_bits(got, value)
 
 
+class _NotSent(_Unavailable):
+    def details(self):
+        return "failed to connect to all addresses; last error: refused (simulated)"
+
+
+def test_a_call_grpc_never_sent_keeps_its_output_region(shm_client):
+    """Repeated after gRPC sent nothing (NOT_CONNECTED: tried every 0.1 s while the
+    server is down), a call names the same region: no server saw it, and a fresh
+    one per try would create and register a region ten times a second."""
+    pool = shm_client._shm.pool
+    real = shm_client._stub
+    named: list[str] = []
+
+    class NotSentTwice:
+        def __getattr__(self, rpc):
+            method = getattr(real, rpc)
+
+            def call(request, metadata, timeout):
+                if rpc != "StopGradient":
+                    return method(request, metadata=metadata, timeout=timeout)
+                named.append(dict(metadata).get(protocol.OUTPUT_REGION_METADATA_KEY))
+                if len(named) <= 2:
+                    raise _NotSent()
+                return method(request, metadata=metadata, timeout=timeout)
+
+            return call
+
+    value = np.arange(1 << 18, dtype=np.float32)
+    shm_client._stub = NotSentTwice()
+    try:
+        got = shm_client.raw_ops.StopGradient(input=value)
+    finally:
+        shm_client._stub = real
+    assert len(named) == 3 and None not in named and len(set(named)) == 1
+    assert named[0] in pool._all
+    assert same_bits(got, value)
+
+
 def test_a_gradient_call_without_a_reply_discards_its_leases(target):
     with gradserve.Client(target, shared_memory=True) as c:
         x = c.put(np.linspace(-1, 1, 1 << 16).astype(np.float32))
