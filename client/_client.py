@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import random
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -25,7 +25,9 @@ from gradserve.client._errors import (
     certificate_rejected,
     dropped,
     from_rpc_error,
+    never_sent,
     not_sent,
+    reached,
 )
 from gradserve.client._fetched import Fetched
 from gradserve.client._prefetch import Prefetcher
@@ -193,6 +195,8 @@ class Client:
         self.request_limit = max_message_bytes
         self.request_budget = self.inline_budget
         self.chunk_bytes = chunk_bytes
+        if retries < 0:
+            raise ValueError(f"retries must be 0 or more, not {retries}")
         self.retries = retries
         self._own_channel = channel is None
         if channel is None:
@@ -221,7 +225,7 @@ class Client:
         #: Transient outputs read in full, for the next call to delete (``_fetched``),
         #: when the server says it does (``KeepAlive``); an older one deletes them as
         #: it sends them (``delete_after``).
-        self._fetched = Fetched(self._delete_ids)
+        self._fetched = Fetched(self._delete_fetched)
         self._server_deletes_fetched = False
         self._prefetcher = Prefetcher(functools.partial(self._fetch, delete_after=True))
         #: The server has PutTensorInline/GetTensorInline (until one says UNIMPLEMENTED).
@@ -247,7 +251,7 @@ class Client:
         self.raw_ops = RawOps(self, self._run_op, self._staging)
         try:
             self._shm = _shm.ClientSharedMemory.connect(
-                self._call, shared_memory, shared_memory_min_bytes
+                functools.partial(self._call, once=True), shared_memory, shared_memory_min_bytes
             )
         except BaseException:
             self.close()
@@ -344,9 +348,12 @@ class Client:
         metadata: Metadata | Callable[[bool], Metadata | None] | None = None,
         timeout: float | None = None,
         tapes: Sequence[Any] | None = None,
+        once: bool = False,
     ) -> Any:
         """Invoke ``rpc``; a failure raises its ``gradserve.errors`` class (repeated as
-        ``_with_retries`` says). An op records on ``tapes`` (default: the tapes
+        ``_with_retries`` says; with ``once``, never: the SDK's own housekeeping within
+        other calls, its shared-memory regions and deletes, so that a server that is
+        down costs a call one retry budget, not one per nested call). An op records on ``tapes`` (default: the tapes
         recording on this thread). ``metadata`` may be a function, called for each
         attempt with whether the last attempt may have reached the server (an op's
         output region: see ``_run_op``). So may ``request``, which a request stream
@@ -362,9 +369,10 @@ class Client:
         timeout = timeout if timeout is not None else self.timeout
 
         sent_before = False  # the last attempt may have reached the server
+        ever_sent = False  # any attempt may have
 
         def attempt():
-            nonlocal sent_before
+            nonlocal sent_before, ever_sent
             fetched = self._fetched.take() if session else []
             try:
                 if fetched and len(self._fetched):  # more than a call carries: rest first
@@ -382,14 +390,18 @@ class Client:
             except BaseException as e:
                 if isinstance(e, grpc.RpcError) and self._own_channel and not_sent(e):
                     sent_before = False  # gRPC sent nothing
+                ever_sent |= sent_before
                 self._fetched.give_back(fetched)
                 raise
 
         # A call that records on a tape is not repeated blindly: it would record twice.
         safe = _safe_to_repeat(rpc, request) and not recorded
-        return self._with_retries(attempt, safe=safe)
+        try:
+            return self._with_retries(attempt, safe=safe, once=once)
+        except GradserveError as e:
+            raise (e if ever_sent else never_sent(e)) from None
 
-    def _with_retries(self, attempt: Callable[[], Any], *, safe: bool) -> Any:
+    def _with_retries(self, attempt: Callable[[], Any], *, safe: bool, once: bool = False) -> Any:
         """Run ``attempt``; repeat it on UNAVAILABLE with exponential backoff when ``safe``,
         or whatever it is when it did not run (reason ``DRAINING``: a replica shutting
         down refused it; ``NOT_FORWARDED``: a proxy reached no replica;
@@ -401,7 +413,8 @@ class Client:
         server is back, not at the end of the pause. (Waiting on gRPC's connectivity
         instead, ``channel_ready_future``, left its poller thread raising "Channel
         closed!" when the client closed.) A rejected TLS certificate is raised at
-        once. Once ``close`` has begun, nothing is repeated, and pauses end.
+        once. Once ``close`` has begun, nothing is repeated, and pauses end. With
+        ``once``, nothing is repeated either.
 
         An unsafe call that failed UNAVAILABLE otherwise may or may not have been
         applied: it is never repeated, and its error says so. A call that ended
@@ -409,8 +422,9 @@ class Client:
         (``dropped``), unless its channel was closed under it (``close`` from another
         thread): that is CancelledError, never repeated, as is any call after it."""
         delay = 0.1
-        remaining = self.retries
-        poll_until = 0.0  # not connected: the end of the pause being polled through
+        remaining = 0 if once else self.retries
+        polls = 0  # not connected: tries left in the pause being polled through
+        step = 0.0  # and the wait before each
         while True:
             try:
                 return attempt()
@@ -433,20 +447,23 @@ class Client:
                     err = dropped(err)
                 unrun = err.reason in UNRUN_REASONS
                 repeat = (safe or unrun) and not certificate_rejected(err)
-                if repeat and not self._closing.is_set():
-                    polling = err.reason == NOT_CONNECTED_REASON
-                    left = poll_until - self._clock() if polling else 0.0
-                    if left > 0:  # still within a pause: another unsent try, free
-                        self._pause(min(CONNECT_POLL_SECONDS, left))
-                        continue
-                    if remaining:
-                        remaining -= 1
-                        pause = delay * (1 + random.random())
-                        delay = min(2 * delay, 5.0)
-                        if polling:
-                            poll_until = self._clock() + pause
-                            pause = min(CONNECT_POLL_SECONDS, pause)
-                        self._pause(pause)
+                polls = polls if err.reason == NOT_CONNECTED_REASON else 0
+                wait: float | None = None
+                if not repeat or self._closing.is_set():
+                    pass
+                elif polls > 0:  # still within a pause: another unsent try, free
+                    polls -= 1
+                    wait = step
+                elif remaining > 0:
+                    remaining -= 1
+                    wait = delay * (1 + random.random())
+                    delay = min(2 * delay, 5.0)
+                    if err.reason == NOT_CONNECTED_REASON:  # the pause, cut into tries
+                        polls = max(1, math.ceil(wait / CONNECT_POLL_SECONDS)) - 1
+                        wait = step = wait / (polls + 1)
+                if wait is not None:
+                    self._pause(wait)
+                    if not self._closing.is_set():  # else close() ended the pause
                         continue
                 if not (safe or unrun):
                     err.message = OUTCOME_UNKNOWN + err.message
@@ -456,9 +473,6 @@ class Client:
     def _pause(self, seconds: float) -> None:
         """Wait ``seconds`` before trying a call again; less once ``close`` begins."""
         self._closing.wait(seconds)
-
-    #: The clock of ``_with_retries``' pauses (a test steps it with ``_pause``).
-    _clock = staticmethod(time.monotonic)
 
     def _staging(self) -> Staging:
         """A new request's temporary uploads and inline budget."""
@@ -471,6 +485,7 @@ class Client:
             shm.pool.note_output_need(_shm.aligned_total(temps.output_sizes))
             out = shm.output_lease()
         replied = False
+        up = True  # the server answered (else it may be down: deletes tried once)
 
         def metadata(sent_before: bool) -> Metadata | None:
             """The output region for this attempt: a call repeated after an attempt
@@ -493,10 +508,10 @@ class Client:
                     reply = self._call(rpc, request, metadata=metadata)
                 replied = True
             except BaseException as e:
-                replied = answered(e)
+                replied, up = answered(e), reached(e)
                 raise
             finally:
-                self._clean_up(temps, replied=replied)
+                self._clean_up(temps, replied=replied, reached=up)
             if shm is None or out is None:
                 return self._parse(reply, parse)
             with shm.outputs_in_place(out, reply):  # large outputs: views, no copy
@@ -630,32 +645,40 @@ class Client:
         """Free resident tensors; returns how many existed."""
         return self._delete_ids([r.id if isinstance(r, TensorRef) else r for r in refs])
 
-    def _delete_ids(self, ids: Iterable[str]) -> int:
-        """Delete tensors by id, in as many requests as the message limit needs."""
+    def _delete_fetched(self, ids: list[str]) -> int:
+        """``Fetched``'s deletes: housekeeping, often inside another call, tried once
+        (what fails waits for the next call to carry it)."""
+        return self._delete_ids(ids, once=True)
+
+    def _delete_ids(self, ids: Iterable[str], *, once: bool = False) -> int:
+        """Delete tensors by id, in as many requests as the message limit needs (each
+        tried ``once``, for housekeeping inside another call: ``_call``)."""
         deleted, size = 0, 0
         batch: list[str] = []
         for tensor_id in [*ids, None]:
             if tensor_id is None or size + len(tensor_id) + 8 > self.request_budget:
                 if batch or tensor_id is None:
                     request = service_pb2.DeleteTensorRequest(ids=batch)
-                    deleted += self._call("DeleteTensor", request).deleted
+                    deleted += self._call("DeleteTensor", request, once=once).deleted
                 batch, size = [], 0
             if tensor_id is not None:
                 batch.append(tensor_id)
                 size += len(tensor_id) + 8
         return deleted
 
-    def _clean_up(self, ids: list[str], *, replied: bool = True) -> None:
+    def _clean_up(self, ids: list[str], *, replied: bool = True, reached: bool = True) -> None:
         """Delete temporary uploads after a call; a failure here is logged, not raised,
         so it never hides the call's own result or error (the session's idle timeout
-        frees what could not be deleted). Shared-memory leases of a call that got no
-        reply are discarded, not reused: the server may still be reading them."""
+        frees what could not be deleted). ``replied``: the server is done with the
+        call (it answered, or never saw it); if not, its shared-memory leases are
+        discarded, not reused: the server may still be reading them. ``reached``: the
+        server answered; if not, it may be down, and the deletes are tried once."""
         if self._shm is not None:
             ids = self._shm.release_temps(ids, discard=not replied)
         if not ids:
             return
-        try:
-            self._delete_ids(ids)
+        try:  # the server did not answer the call: it may well be down, try once
+            self._delete_ids(ids, once=not reached)
         except GradserveError as e:
             log.warning("could not delete %d temporary tensor(s): %s", len(ids), e)
 

@@ -8,6 +8,7 @@ hold is SessionLostError, saying why."""
 
 from __future__ import annotations
 
+import collections
 import socket
 import threading
 import time
@@ -100,14 +101,8 @@ def test_a_call_grpc_could_not_send_is_repeated_whatever_it_is(client, monkeypat
     repeated like DRAINING. Through each backoff pause it is tried again every
     CONNECT_POLL_SECONDS, so the repeat goes soon after the server is back; the
     pauses add up to the backoff's, and then it says the server was not reached."""
-    now, pauses = [0.0], []
-
-    def pause(seconds: float) -> None:  # a clock that the pauses step
-        pauses.append(seconds)
-        now[0] += seconds
-
-    monkeypatch.setattr(client, "_pause", pause)
-    monkeypatch.setattr(client, "_clock", lambda: now[0])
+    pauses: list[float] = []
+    monkeypatch.setattr(client, "_pause", pauses.append)
     unresolved = "errors resolving gs.invalid:1: [field:hostname lookup error: not found]"
     for message in (UNSENT, unresolved, "DNS resolution failed for gs.invalid:1: C-ares"):
         pauses.clear()
@@ -121,7 +116,7 @@ def test_a_call_grpc_could_not_send_is_repeated_whatever_it_is(client, monkeypat
     assert info.value.reason == NOT_CONNECTED_REASON
     assert not str(info.value).startswith(OUTCOME_UNKNOWN)
     backoff = sum(0.1 * 2**i for i in range(client.retries))  # each pause times 1-2
-    assert backoff <= sum(pauses) <= 2 * backoff + CONNECT_POLL_SECONDS
+    assert backoff - 1e-9 <= sum(pauses) <= 2 * backoff + 1e-9
     assert max(pauses) <= CONNECT_POLL_SECONDS and len(calls) == len(pauses) + 1
     assert len(calls) > 2 * (client.retries + 1)  # polled through the pauses
     for other in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -134,6 +129,19 @@ def test_a_call_grpc_could_not_send_is_repeated_whatever_it_is(client, monkeypat
     with pytest.raises(UnavailableError, match="^outcome unknown"):
         client._with_retries(attempt, safe=False)
     assert len(calls) == 1
+
+
+def test_retries_are_not_negative_and_none_follows_close(client, monkeypatch):
+    """A negative budget is refused (it once repeated forever); once ``close`` has
+    ended a pause (from another thread), the call is not tried again."""
+    with pytest.raises(ValueError, match="retries"):
+        gradserve.Client(client.target, retries=-1)
+    monkeypatch.setattr(client, "_pause", lambda s: client._closing.set())
+    attempt, calls = failing(5, Refused(grpc.StatusCode.UNAVAILABLE, message=UNSENT))
+    with pytest.raises(UnavailableError):
+        client._with_retries(attempt, safe=False)
+    assert len(calls) == 1
+    client._closing.clear()
 
 
 def test_a_rejected_certificate_is_not_repeated(client, monkeypatch):
@@ -364,3 +372,35 @@ def test_closing_the_client_under_a_call_cancels_it_and_every_later_call(target)
         c.keep_alive()
     owner.keep_alive()  # the session is the owner's, and open
     owner.close()
+
+
+def test_a_call_the_server_never_answered_deletes_its_uploads_once(target, monkeypatch):
+    """A large input goes up first (PutTensor); if the op then fails unsent (the server
+    went down), deleting that upload is tried once: the server may well be down, and
+    each try polls (the session's idle timeout frees it otherwise)."""
+    c = gradserve.Client(target, shared_memory=False, keepalive=False)
+    real, attempts = c._stub, collections.Counter()
+
+    class DownAfterUpload:
+        def __getattr__(self, rpc):
+            method = getattr(real, rpc)
+
+            def call(request, metadata=None, timeout=None):
+                attempts[rpc] += 1
+                if rpc in ("StopGradient", "DeleteTensor"):
+                    raise Refused(grpc.StatusCode.UNAVAILABLE, message=UNSENT)
+                return method(request, metadata=metadata, timeout=timeout)
+
+            return call
+
+    monkeypatch.setattr(c, "_pause", lambda s: None)
+    c._stub = DownAfterUpload()
+    try:
+        with pytest.raises(UnavailableError) as down:
+            c.raw_ops.StopGradient(input=np.ones(1 << 20, np.float32))  # 4 MiB: uploaded
+        assert down.value.reason == NOT_CONNECTED_REASON
+        assert attempts["PutTensor"] == 1 and attempts["StopGradient"] > 1
+        assert attempts["DeleteTensor"] == 1, attempts
+    finally:
+        c._stub = real
+        c.close()

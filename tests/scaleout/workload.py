@@ -226,13 +226,24 @@ def write_through_a_restart(target: str, replica, reason: str) -> None:
         except UnavailableError as refused:
             assert refused.reason == reason, refused
             assert not str(refused).startswith(OUTCOME_UNKNOWN), refused
-        restarted = threading.Timer(1.0, replica.start)
-        restarted.start()
+        failed: list[BaseException] = []
+
+        def restart() -> None:  # its failure is the test's, not a lost thread's
+            time.sleep(1.0)
+            try:
+                replica.start()
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                failed.append(e)
+
+        restarter = threading.Thread(target=restart)
+        restarter.start()
         c.retries = 10
         try:
             ta = ta.write(1, np.ones(3, np.float32))
         finally:
-            restarted.join()
+            restarter.join()
+            if failed:
+                raise failed[0]
         assert np.array_equal(ta.stack(), [[0, 1, 2], [1, 1, 1]])
     finally:
         c.close()

@@ -4,6 +4,7 @@ can break a region under the server (it must answer with an error and serve on).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import os
@@ -20,6 +21,7 @@ import gradserve
 from gradserve import codec, dtypes, protocol
 from gradserve.client import _shm
 from gradserve.errors import (
+    NOT_CONNECTED_REASON,
     AlreadyExistsError,
     DeadlineExceededError,
     FailedPreconditionError,
@@ -27,6 +29,7 @@ from gradserve.errors import (
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
+    UnavailableError,
 )
 from gradserve.server import run_server
 from gradserve.server.core import regions
@@ -778,12 +781,17 @@ class _NotSent(_Unavailable):
         return "failed to connect to all addresses; last error: refused (simulated)"
 
 
-def test_a_call_grpc_never_sent_keeps_its_output_region(shm_client):
+@pytest.mark.parametrize("own_channel", [True, False], ids=["own-channel", "callers-channel"])
+def test_a_call_grpc_never_sent_keeps_its_output_region(target, own_channel):
     """Repeated after gRPC sent nothing (NOT_CONNECTED: tried every 0.1 s while the
     server is down), a call names the same region: no server saw it, and a fresh
-    one per try would create and register a region ten times a second."""
-    pool = shm_client._shm.pool
-    real = shm_client._stub
+    one per try would create and register a region ten times a second. On a caller's
+    channel gRPC's word is not trusted (its retry policy may have sent the call): a
+    fresh region each time, as after any attempt that may have reached the server."""
+    channel = None if own_channel else grpc.insecure_channel(target)
+    c = gradserve.Client(target, channel=channel, shared_memory=True, keepalive=False)
+    pool = c._shm.pool
+    real = c._stub
     named: list[str] = []
 
     class NotSentTwice:
@@ -801,14 +809,57 @@ def test_a_call_grpc_never_sent_keeps_its_output_region(shm_client):
             return call
 
     value = np.arange(1 << 18, dtype=np.float32)
-    shm_client._stub = NotSentTwice()
+    c._stub = NotSentTwice()
     try:
-        got = shm_client.raw_ops.StopGradient(input=value)
+        got = c.raw_ops.StopGradient(input=value)
+        held = set(pool._all)
     finally:
-        shm_client._stub = real
-    assert len(named) == 3 and None not in named and len(set(named)) == 1
-    assert named[0] in pool._all
-    assert same_bits(got, value)
+        c._stub = real
+        c.close()
+        if channel is not None:
+            channel.close()
+    assert len(named) == 3 and None not in named and same_bits(got, value)
+    if own_channel:
+        assert len(set(named)) == 1 and named[0] in held
+    else:
+        assert len(set(named)) == 3
+
+
+def test_a_call_to_a_server_that_is_down_costs_one_retry_budget_and_no_region():
+    """Every attempt unsent: the SDK's housekeeping inside the call (registering a new
+    region, unregistering, deleting) is tried once each, so the pauses add up to one
+    retry budget (it was one per nested call: 5.7 s at retries=3), and the regions it
+    held are kept: no server saw them."""
+    with run_server(device="cpu") as server:
+        c = gradserve.Client(
+            f"127.0.0.1:{server.port}", shared_memory=True, keepalive=False, retries=3
+        )
+        value = np.ones(1 << 16, np.float32)
+        c.raw_ops.StopGradient(input=value)  # regions made and registered
+        held = set(c._shm.pool._all)
+    real, calls, pauses = c._stub, collections.Counter(), []
+
+    class Counting:
+        def __getattr__(self, rpc):
+            calls[rpc] += 1
+            return getattr(real, rpc)
+
+    c._stub = Counting()
+    c._pause = pauses.append
+    try:
+        with pytest.raises(UnavailableError) as down:  # in the regions it holds
+            c.raw_ops.StopGradient(input=value)
+        assert down.value.reason == NOT_CONNECTED_REASON
+        assert held <= set(c._shm.pool._all)  # nothing discarded
+        pauses.clear()
+        with pytest.raises(UnavailableError) as down:  # a new region: to register
+            c.raw_ops.StopGradient(input=np.ones(1 << 20, np.float32))
+        assert down.value.reason == NOT_CONNECTED_REASON
+        assert calls["RegisterSharedMemory"]  # housekeeping was tried
+        assert sum(pauses) <= 2 * (0.1 + 0.2 + 0.4) + 1e-9  # retries=3: one budget
+    finally:
+        c._stub = real
+        c.close()
 
 
 def test_a_gradient_call_without_a_reply_discards_its_leases(target):
