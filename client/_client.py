@@ -251,7 +251,10 @@ class Client:
         self.raw_ops = RawOps(self, self._run_op, self._staging)
         try:
             self._shm = _shm.ClientSharedMemory.connect(
-                functools.partial(self._call, once=True), shared_memory, shared_memory_min_bytes
+                self._call,
+                shared_memory,
+                shared_memory_min_bytes,
+                housekeeping=functools.partial(self._call, once=True),
             )
         except BaseException:
             self.close()

@@ -532,22 +532,33 @@ class ClientSharedMemory:
     written into one, ``put``/``get`` by region. Every method answers None (or False)
     where the wire should be used instead."""
 
-    def __init__(self, pool: SharedMemoryPool, min_bytes: int) -> None:
+    def __init__(
+        self, pool: SharedMemoryPool, min_bytes: int, call: Callable[[str, Any], Any]
+    ) -> None:
         self.pool = pool
         self.min_bytes = min_bytes
+        #: Runs ``put``'s and ``get``'s RPCs (the pool's own calls may be tried once).
+        self._call = call
 
     @classmethod
     def connect(
-        cls, call: Callable[[str, Any], Any], mode: bool | str, min_bytes: int
+        cls,
+        call: Callable[[str, Any], Any],
+        mode: bool | str,
+        min_bytes: int,
+        *,
+        housekeeping: Callable[[str, Any], Any] | None = None,
     ) -> ClientSharedMemory | None:
         """Shared memory with the server of ``call``, if ``mode`` asks for it and the
         server proves it shares this host. ``mode``: "auto" (the wire otherwise),
-        True (raise otherwise) or False (never)."""
+        True (raise otherwise) or False (never). ``housekeeping`` (default ``call``)
+        runs the pool's own RPCs, which registering and dropping regions make inside
+        other calls."""
         if mode not in (True, False, "auto"):
             raise ValueError(f"shared_memory must be 'auto', True or False, not {mode!r}")
         if mode is False:
             return None
-        pool = SharedMemoryPool(call)
+        pool = SharedMemoryPool(housekeeping or call)
         try:
             pool.start()
         except (OSError, GradserveError) as e:
@@ -555,7 +566,7 @@ class ClientSharedMemory:
                 raise
             log.info("shared memory unavailable (%s): using the wire", e)
             return None
-        return cls(pool, min_bytes)
+        return cls(pool, min_bytes, call)
 
     # ---------------------------------------------------------------- op calls
     def encode_input(self, array: np.ndarray, msg: tensor_pb2.TensorInput, temps: list) -> bool:
@@ -584,11 +595,11 @@ class ClientSharedMemory:
 
     def _call_recovering(self, rpc: str, request: Any) -> Any:
         try:
-            return self.pool._call(rpc, request)
+            return self._call(rpc, request)
         except NotFoundError as e:
             if not self.recover(e):
                 raise
-            return self.pool._call(rpc, request)
+            return self._call(rpc, request)
 
     def output_lease(self) -> Lease:
         return Lease(self.pool)

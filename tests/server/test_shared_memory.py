@@ -825,6 +825,36 @@ def test_a_call_grpc_never_sent_keeps_its_output_region(target, own_channel):
         assert len(set(named)) == 3
 
 
+def test_puts_and_gets_through_regions_are_repeated_as_on_the_wire(shm_client, monkeypatch):
+    """Only the pool's own calls (registering, dropping regions) are tried once: a put
+    or get through a region that gRPC never sent is repeated."""
+    real, attempts = shm_client._stub, collections.Counter()
+    failures = {"PutSharedTensor": _NotSent(), "GetSharedTensor": _NotSent()}
+
+    class FailingTwice:
+        def __getattr__(self, rpc):
+            method = getattr(real, rpc)
+
+            def call(request, metadata=None, timeout=None):
+                attempts[rpc] += 1
+                if rpc in failures and attempts[rpc] <= 2:
+                    raise failures[rpc]
+                return method(request, metadata=metadata, timeout=timeout)
+
+            return call
+
+    monkeypatch.setattr(shm_client, "_pause", lambda s: None)
+    value = np.arange(1 << 16, dtype=np.float32)
+    shm_client._stub = FailingTwice()
+    try:
+        ref = shm_client.put(value)
+        got = shm_client.get(ref)
+    finally:
+        shm_client._stub = real
+    assert attempts["PutSharedTensor"] == 3 and attempts["GetSharedTensor"] == 3, attempts
+    assert same_bits(got, value)
+
+
 def test_a_call_to_a_server_that_is_down_costs_one_retry_budget_and_no_region():
     """Every attempt unsent: the SDK's housekeeping inside the call (registering a new
     region, unregistering, deleting) is tried once each, so the pauses add up to one
