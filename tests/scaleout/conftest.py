@@ -35,9 +35,13 @@ class Cluster:
         self.replicas: dict[str, Replica] = {}
         self.routes: dict[str, int] = {}
         self.create: list[int] = []
-        for i in range(n):
-            self.add(f"r{i}", route=False)
-        self.route()
+        try:
+            for i in range(n):
+                self.add(f"r{i}", route=False)
+            self.route()
+        except BaseException:  # stop what started: nothing outlives a failed setup
+            self.stop()
+            raise
 
     def add(self, name: str, *, route: bool = True) -> Replica:
         replica = Replica(name, self.workdir, *self.flags).start()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import random
 import shutil
 import signal
 import socket
@@ -23,8 +24,40 @@ def have(binary: str) -> bool:
     return os.path.exists(binary) and os.access(binary, os.X_OK)
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+_PORTS = random.Random()
+#: Ports handed out in this process: two picks before either is bound differ.
+_HANDED: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port that a replica or proxy started later can bind: free now, and outside
+    the ephemeral range, so that no outgoing connection (the tests' clients open
+    hundreds) takes it between now and then. A port from ``bind(0)`` came from that
+    range, and a setup once failed so and left its replicas running."""
+    low, _ = _ephemeral_ports()
+    first = 10_000 if low > 12_000 else 1_024
+    for _ in range(200):
+        port = _PORTS.randrange(first, low)
+        if port in _HANDED:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED.add(port)
+        return port
+    with socket.socket() as s:  # no free port below the range: any free one
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
