@@ -8,7 +8,6 @@ hold is SessionLostError, saying why."""
 
 from __future__ import annotations
 
-import collections
 import socket
 import threading
 import time
@@ -32,6 +31,7 @@ from gradserve.errors import (
     UnavailableError,
 )
 from gradserve.server import run_server
+from tests.failing_stub import FailingStub
 from tests.scaleout import workload
 from tests.scaleout.cluster import Replica
 
@@ -379,22 +379,11 @@ def test_a_call_the_server_never_answered_deletes_its_uploads_once(target, monke
     went down), deleting that upload is tried once: the server may well be down, and
     each try polls (the session's idle timeout frees it otherwise)."""
     c = gradserve.Client(target, shared_memory=False, keepalive=False)
-    real, attempts = c._stub, collections.Counter()
-
-    class DownAfterUpload:
-        def __getattr__(self, rpc):
-            method = getattr(real, rpc)
-
-            def call(request, metadata=None, timeout=None):
-                attempts[rpc] += 1
-                if rpc in ("StopGradient", "DeleteTensor"):
-                    raise Refused(grpc.StatusCode.UNAVAILABLE, message=UNSENT)
-                return method(request, metadata=metadata, timeout=timeout)
-
-            return call
-
+    real, down = c._stub, [Refused(grpc.StatusCode.UNAVAILABLE, message=UNSENT)] * 1000
+    stub = FailingStub(real, {"StopGradient": down, "DeleteTensor": down})
+    attempts = stub.attempts
     monkeypatch.setattr(c, "_pause", lambda s: None)
-    c._stub = DownAfterUpload()
+    c._stub = stub
     try:
         with pytest.raises(UnavailableError) as down:
             c.raw_ops.StopGradient(input=np.ones(1 << 20, np.float32))  # 4 MiB: uploaded

@@ -4,7 +4,6 @@ can break a region under the server (it must answer with an error and serve on).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import gc
 import os
@@ -36,6 +35,7 @@ from gradserve.server.core import regions
 from gradserve.server.transport import shm_wire
 from gradserve.v1 import lstm_pb2, service_pb2, tensor_array_pb2, tensor_pb2
 from gradserve.v1 import shared_memory_pb2 as pb
+from tests.failing_stub import FailingStub
 from tests.memory_owner import memory_owner
 
 NUMERIC = [dt for dt in dtypes.SUPPORTED if dt != dtypes.STRING]
@@ -748,28 +748,14 @@ def test_a_repeated_call_writes_into_a_fresh_output_region(shm_client):
     repeat names another, and the first is never leased again."""
     pool = shm_client._shm.pool
     real = shm_client._stub
-    named: list[str] = []
-
-    class FailingOnce:
-        def __getattr__(self, rpc):
-            method = getattr(real, rpc)
-
-            def call(request, metadata, timeout):
-                if rpc != "StopGradient":
-                    return method(request, metadata=metadata, timeout=timeout)
-                named.append(dict(metadata).get(protocol.OUTPUT_REGION_METADATA_KEY))
-                if len(named) == 1:
-                    raise _Unavailable()
-                return method(request, metadata=metadata, timeout=timeout)
-
-            return call
-
+    stub = FailingStub(real, {"StopGradient": [_Unavailable()]})
     value = np.arange(1 << 18, dtype=np.float32)
-    shm_client._stub = FailingOnce()
+    shm_client._stub = stub
     try:
         got = shm_client.raw_ops.StopGradient(input=value)
     finally:
         shm_client._stub = real
+    named = stub.regions["StopGradient"]
     assert len(named) == 2 and None not in named and named[0] != named[1]
     assert named[0] not in pool._all  # discarded: unregistered and unlinked
     assert not os.path.exists(f"/dev/shm/{named[0]}")
@@ -792,24 +778,9 @@ def test_a_call_grpc_never_sent_keeps_its_output_region(target, own_channel):
     c = gradserve.Client(target, channel=channel, shared_memory=True, keepalive=False)
     pool = c._shm.pool
     real = c._stub
-    named: list[str] = []
-
-    class NotSentTwice:
-        def __getattr__(self, rpc):
-            method = getattr(real, rpc)
-
-            def call(request, metadata, timeout):
-                if rpc != "StopGradient":
-                    return method(request, metadata=metadata, timeout=timeout)
-                named.append(dict(metadata).get(protocol.OUTPUT_REGION_METADATA_KEY))
-                if len(named) <= 2:
-                    raise _NotSent()
-                return method(request, metadata=metadata, timeout=timeout)
-
-            return call
-
+    stub = FailingStub(real, {"StopGradient": [_NotSent(), _NotSent()]})
     value = np.arange(1 << 18, dtype=np.float32)
-    c._stub = NotSentTwice()
+    c._stub = stub
     try:
         got = c.raw_ops.StopGradient(input=value)
         held = set(pool._all)
@@ -818,6 +789,7 @@ def test_a_call_grpc_never_sent_keeps_its_output_region(target, own_channel):
         c.close()
         if channel is not None:
             channel.close()
+    named = stub.regions["StopGradient"]
     assert len(named) == 3 and None not in named and same_bits(got, value)
     if own_channel:
         assert len(set(named)) == 1 and named[0] in held
@@ -828,29 +800,18 @@ def test_a_call_grpc_never_sent_keeps_its_output_region(target, own_channel):
 def test_puts_and_gets_through_regions_are_repeated_as_on_the_wire(shm_client, monkeypatch):
     """Only the pool's own calls (registering, dropping regions) are tried once: a put
     or get through a region that gRPC never sent is repeated."""
-    real, attempts = shm_client._stub, collections.Counter()
-    failures = {"PutSharedTensor": _NotSent(), "GetSharedTensor": _NotSent()}
-
-    class FailingTwice:
-        def __getattr__(self, rpc):
-            method = getattr(real, rpc)
-
-            def call(request, metadata=None, timeout=None):
-                attempts[rpc] += 1
-                if rpc in failures and attempts[rpc] <= 2:
-                    raise failures[rpc]
-                return method(request, metadata=metadata, timeout=timeout)
-
-            return call
-
+    real = shm_client._stub
+    twice = [_NotSent(), _NotSent()]
+    stub = FailingStub(real, {"PutSharedTensor": twice, "GetSharedTensor": twice})
     monkeypatch.setattr(shm_client, "_pause", lambda s: None)
     value = np.arange(1 << 16, dtype=np.float32)
-    shm_client._stub = FailingTwice()
+    shm_client._stub = stub
     try:
         ref = shm_client.put(value)
         got = shm_client.get(ref)
     finally:
         shm_client._stub = real
+    attempts = stub.attempts
     assert attempts["PutSharedTensor"] == 3 and attempts["GetSharedTensor"] == 3, attempts
     assert same_bits(got, value)
 
@@ -867,14 +828,10 @@ def test_a_call_to_a_server_that_is_down_costs_one_retry_budget_and_no_region():
         value = np.ones(1 << 16, np.float32)
         c.raw_ops.StopGradient(input=value)  # regions made and registered
         held = set(c._shm.pool._all)
-    real, calls, pauses = c._stub, collections.Counter(), []
-
-    class Counting:
-        def __getattr__(self, rpc):
-            calls[rpc] += 1
-            return getattr(real, rpc)
-
-    c._stub = Counting()
+    real, pauses = c._stub, []
+    stub = FailingStub(real, {})
+    calls = stub.attempts
+    c._stub = stub
     c._pause = pauses.append
     try:
         with pytest.raises(UnavailableError) as down:  # in the regions it holds
