@@ -20,7 +20,6 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from gradserve.client._errors import answered, reached
 from gradserve.client._raw_ops import RawOps
 from gradserve.client._types import StepOutput
 from gradserve.errors import error_class_for
@@ -116,7 +115,7 @@ class Batch:
         releases, self._releases = self._releases, []
         results: list[Any] = []
         replies: list[Message] = []  # each step's typed result, for later requests
-        replied = up = True
+        failure: BaseException | None = None
         try:
             start = 0
             while start < len(steps):
@@ -124,7 +123,7 @@ class Batch:
                 try:
                     reply = self._client._call("Batch", request, tapes=steps[start][3])
                 except BaseException as e:
-                    replied, up = answered(e), reached(e)
+                    failure = e
                     raise
                 parsers = [parse for _, _, parse, _ in steps[start:]]
                 results += self._client._parse(
@@ -147,7 +146,7 @@ class Batch:
             for step, tape in releases:
                 if step < len(results):  # its Gradients step ran
                     tape.done()
-            self._client._clean_up(temps, replied=replied, reached=up)
+            self._client._clean_up(temps, failure=failure)
         return results
 
     def _request(

@@ -27,7 +27,7 @@ from gradserve.client._errors import (
     from_rpc_error,
     never_sent,
     not_sent,
-    reached,
+    server_done,
 )
 from gradserve.client._fetched import Fetched
 from gradserve.client._prefetch import Prefetcher
@@ -78,6 +78,36 @@ CONNECTION_OPTIONS: list[tuple[str, int]] = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+
+
+class Backoff:
+    """The pauses between one call's attempts: ``retries`` of them, from 0.1 s doubling
+    up to 5 s, each times 1-2 (jitter). A pause after an attempt gRPC never sent
+    (``unsent``: NOT_CONNECTED) is cut into tries every ``CONNECT_POLL_SECONDS``,
+    which cost no retry: the call goes soon after the server is back."""
+
+    def __init__(self, retries: int) -> None:
+        self.remaining = retries
+        self.delay = 0.1
+        self.polls = 0  # unsent: tries left in the pause being polled through
+        self.step = 0.0  # and the wait before each
+
+    def next(self, *, unsent: bool) -> float | None:
+        """The wait before the next attempt; None when the budget is spent."""
+        if not unsent:
+            self.polls = 0
+        if self.polls > 0:
+            self.polls -= 1
+            return self.step
+        if self.remaining <= 0:
+            return None
+        self.remaining -= 1
+        wait = self.delay * (1 + random.random())
+        self.delay = min(2 * self.delay, 5.0)
+        if unsent:  # the pause, cut into tries
+            self.polls = max(1, math.ceil(wait / CONNECT_POLL_SECONDS)) - 1
+            wait = self.step = wait / (self.polls + 1)
+        return wait
 
 
 class Client:
@@ -356,8 +386,9 @@ class Client:
         """Invoke ``rpc``; a failure raises its ``gradserve.errors`` class (repeated as
         ``_with_retries`` says; with ``once``, never: the SDK's own housekeeping within
         other calls, its shared-memory regions and deletes, so that a server that is
-        down costs a call one retry budget, not one per nested call). An op records on ``tapes`` (default: the tapes
-        recording on this thread). ``metadata`` may be a function, called for each
+        down costs a call one retry budget, not one per nested call). An op records on
+        ``tapes`` (default: the tapes recording on this thread). ``metadata`` may be
+        a function, called for each
         attempt with whether the last attempt may have reached the server (an op's
         output region: see ``_run_op``). So may ``request``, which a request stream
         must be: an attempt consumes its iterator, and a repeat needs the whole stream
@@ -413,10 +444,9 @@ class Client:
         one for a new session). Not connected, the call is tried again every
         ``CONNECT_POLL_SECONDS`` through each backoff pause (such an attempt fails at
         once, unsent, until the channel connects), so the repeat goes soon after the
-        server is back, not at the end of the pause. (Waiting on gRPC's connectivity
-        instead, ``channel_ready_future``, left its poller thread raising "Channel
-        closed!" when the client closed.) A rejected TLS certificate is raised at
-        once. Once ``close`` has begun, nothing is repeated, and pauses end. With
+        server is back, not at the end of the pause (``Backoff``; not by waiting on
+        ``channel_ready_future``, whose poller thread raises "Channel closed!" when
+        the client closes under it). A rejected TLS certificate is raised at once. Once ``close`` has begun, nothing is repeated, and pauses end. With
         ``once``, nothing is repeated either.
 
         An unsafe call that failed UNAVAILABLE otherwise may or may not have been
@@ -424,10 +454,7 @@ class Client:
         CANCELLED was dropped by the server or a proxy and counts as UNAVAILABLE
         (``dropped``), unless its channel was closed under it (``close`` from another
         thread): that is CancelledError, never repeated, as is any call after it."""
-        delay = 0.1
-        remaining = 0 if once else self.retries
-        polls = 0  # not connected: tries left in the pause being polled through
-        step = 0.0  # and the wait before each
+        backoff = Backoff(0 if once else self.retries)
         while True:
             try:
                 return attempt()
@@ -450,24 +477,12 @@ class Client:
                     err = dropped(err)
                 unrun = err.reason in UNRUN_REASONS
                 repeat = (safe or unrun) and not certificate_rejected(err)
-                polls = polls if err.reason == NOT_CONNECTED_REASON else 0
-                wait: float | None = None
-                if not repeat or self._closing.is_set():
-                    pass
-                elif polls > 0:  # still within a pause: another unsent try, free
-                    polls -= 1
-                    wait = step
-                elif remaining > 0:
-                    remaining -= 1
-                    wait = delay * (1 + random.random())
-                    delay = min(2 * delay, 5.0)
-                    if err.reason == NOT_CONNECTED_REASON:  # the pause, cut into tries
-                        polls = max(1, math.ceil(wait / CONNECT_POLL_SECONDS)) - 1
-                        wait = step = wait / (polls + 1)
-                if wait is not None:
-                    self._pause(wait)
-                    if not self._closing.is_set():  # else close() ended the pause
-                        continue
+                if repeat and not self._closing.is_set():
+                    wait = backoff.next(unsent=err.reason == NOT_CONNECTED_REASON)
+                    if wait is not None:
+                        self._pause(wait)
+                        if not self._closing.is_set():  # else close() ended the pause
+                            continue
                 if not (safe or unrun):
                     err.message = OUTCOME_UNKNOWN + err.message
                     err.args = (err.message,)
@@ -487,8 +502,7 @@ class Client:
         if shm is not None:  # a region large enough for what the op says it returns
             shm.pool.note_output_need(_shm.aligned_total(temps.output_sizes))
             out = shm.output_lease()
-        replied = False
-        up = True  # the server answered (else it may be down: deletes tried once)
+        failure: BaseException | None = None
 
         def metadata(sent_before: bool) -> Metadata | None:
             """The output region for this attempt: a call repeated after an attempt
@@ -509,12 +523,11 @@ class Client:
                     if shm is None or not shm.recover(e):
                         raise
                     reply = self._call(rpc, request, metadata=metadata)
-                replied = True
             except BaseException as e:
-                replied, up = answered(e), reached(e)
+                failure = e
                 raise
             finally:
-                self._clean_up(temps, replied=replied, reached=up)
+                self._clean_up(temps, failure=failure)
             if shm is None or out is None:
                 return self._parse(reply, parse)
             with shm.outputs_in_place(out, reply):  # large outputs: views, no copy
@@ -523,7 +536,7 @@ class Client:
             return result
         finally:
             if out is not None:
-                out.release() if replied else out.discard()
+                out.release() if server_done(failure) else out.discard()
 
     def _parse(self, reply: Message, parse: Callable[[Any], Any]) -> Any:
         """``parse(reply)``; if it fails (a transient output could not be fetched), the
@@ -669,19 +682,20 @@ class Client:
                 size += len(tensor_id) + 8
         return deleted
 
-    def _clean_up(self, ids: list[str], *, replied: bool = True, reached: bool = True) -> None:
-        """Delete temporary uploads after a call; a failure here is logged, not raised,
-        so it never hides the call's own result or error (the session's idle timeout
-        frees what could not be deleted). ``replied``: the server is done with the
-        call (it answered, or never saw it); if not, its shared-memory leases are
-        discarded, not reused: the server may still be reading them. ``reached``: the
-        server answered; if not, it may be down, and the deletes are tried once."""
+    def _clean_up(self, ids: list[str], *, failure: BaseException | None = None) -> None:
+        """Delete temporary uploads after a call (``failure``: what it raised); a
+        failure here is logged, not raised, so it never hides the call's own result or
+        error (the session's idle timeout frees what could not be deleted).
+        Shared-memory leases are discarded, not reused, unless the server is done with
+        the call (``server_done``): it may still be reading them. If the server did
+        not answer, it may well be down: the deletes are tried once."""
         if self._shm is not None:
-            ids = self._shm.release_temps(ids, discard=not replied)
+            ids = self._shm.release_temps(ids, discard=not server_done(failure))
         if not ids:
             return
-        try:  # the server did not answer the call: it may well be down, try once
-            self._delete_ids(ids, once=not reached)
+        try:
+            once = failure is not None and not answered(failure)
+            self._delete_ids(ids, once=once)
         except GradserveError as e:
             log.warning("could not delete %d temporary tensor(s): %s", len(ids), e)
 

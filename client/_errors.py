@@ -22,17 +22,17 @@ from gradserve.protocol import ERROR_DOMAIN, REQUEST_ID_KEY
 _NO_REPLY = {Code.DEADLINE_EXCEEDED, Code.CANCELLED, Code.UNAVAILABLE, Code.UNKNOWN}
 
 
-def reached(exc: BaseException) -> bool:
+def answered(exc: BaseException) -> bool:
     """Whether a call that raised ``exc`` was answered by the server (an op's own
     error): the server is up, and done with the call."""
     return isinstance(exc, GradserveError) and exc.code not in _NO_REPLY
 
 
-def answered(exc: BaseException) -> bool:
-    """Whether a call that raised ``exc`` was answered by the server (``reached``), or
-    never sent (``never_sent``), so that the server is done with everything the call
-    named (its shared-memory regions may be used again)."""
-    return reached(exc) or getattr(exc, _NEVER_SENT, False)
+def server_done(exc: BaseException | None) -> bool:
+    """Whether the server is done with everything a call named (its shared-memory
+    regions may be used again): it succeeded (``exc`` None), was answered, or was
+    never sent (``never_sent``)."""
+    return exc is None or answered(exc) or getattr(exc, _NEVER_SENT, False)
 
 
 #: The attribute that marks the error of a call none of whose attempts gRPC sent.
@@ -41,7 +41,7 @@ _NEVER_SENT = "_gradserve_never_sent"
 
 def never_sent(error: GradserveError) -> GradserveError:
     """``error``, marked as that of a call that no server saw (every attempt failed
-    unsent, ``not_sent``): ``answered`` then says the server is done with it."""
+    unsent, ``not_sent``): ``server_done`` then says the server is done with it."""
     setattr(error, _NEVER_SENT, True)
     return error
 

@@ -42,7 +42,7 @@ import numpy as np
 from google.protobuf.message import Message
 
 from gradserve import codec, dtypes
-from gradserve.client._errors import answered
+from gradserve.client._errors import server_done
 from gradserve.errors import AlreadyExistsError, GradserveError, NotFoundError
 from gradserve.protocol import OUTPUT_REGION_METADATA_KEY, SHM_RESERVED_BYTES
 from gradserve.v1 import shared_memory_pb2, tensor_pb2
@@ -727,5 +727,5 @@ def returned_bytes(message: Any) -> int:
 
 def _end(lease: Lease, error: BaseException) -> None:
     """Give back a failed call's lease, or discard it if the server may still be at
-    work on the call (``answered``)."""
-    lease.release() if answered(error) else lease.discard()
+    work on the call (``server_done``)."""
+    lease.release() if server_done(error) else lease.discard()

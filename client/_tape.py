@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from gradserve.client._errors import answered, reached
 from gradserve.client._types import StepOutput, TapedArray, TensorRef
 from gradserve.errors import FailedPreconditionError
 from gradserve.v1 import tape_pb2, tensor_pb2
@@ -137,17 +136,17 @@ class GradientTape:
             target, sources, output_gradients, unconnected_gradients, keep=keep
         )
         temps = request.pop("temps")
-        replied = up = True
+        failure: BaseException | None = None
         try:
             # Named with the other tapes recording here: on those the call is recorded
             # (its results have no gradient there: tapes are first order).
             tapes = [self, *(t for t in self._client._recording.tapes if t is not self)]
             reply = self._client._call("Gradients", request["message"], tapes=tapes)
         except BaseException as e:
-            replied, up = answered(e), reached(e)  # no reply: it may still read inputs
+            failure = e  # no reply: the server may still read its inputs
             raise
         finally:
-            self._client._clean_up(temps, replied=replied, reached=up)
+            self._client._clean_up(temps, failure=failure)
         self.done()
         grads = self._client._parse(reply, lambda r: [self.decode(g) for g in r.gradients])
         return grads[0] if single else type(sources)(grads)
