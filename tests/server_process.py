@@ -36,7 +36,10 @@ class ServerProcess:
             self.log_head.append(line)
         self.first_line = line
         match = pattern.search(line)
-        assert match, "".join(self.log_head) + line
+        if not match:  # never leave a server behind
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError("".join(self.log_head) + line)
         self.target = f"127.0.0.1:{match.group(1)}"
         self.metrics_port = int(match.group(2))
         threading.Thread(target=self.proc.stdout.read, daemon=True).start()  # drain logs

@@ -29,11 +29,16 @@ whole from its file before the store sees it.
 
 Gradient tapes are not persisted: a session that had some is restored without them
 (logged), since a tape's recorded ops refer to a live computation.
+
+One server per directory (``lock_directory``): a snapshot removes the files of
+sessions it does not hold, so two replicas given the same ``--state-dir`` would delete
+each other's sessions; the second one is refused at start instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -64,6 +69,39 @@ _U64 = struct.Struct("<Q")
 _PIECE = 16 << 20
 
 
+#: The file a server holds locked (``flock``) in its state directory while it runs.
+LOCK_NAME = ".lock"
+
+
+class DirectoryInUseError(Exception):
+    """Another process holds the state directory (``lock_directory``)."""
+
+
+def lock_directory(directory: str | os.PathLike[str]) -> int:
+    """Take ``directory`` (made if missing) for this server: an exclusive ``flock`` on
+    its ``LOCK_NAME`` file, held until the returned descriptor is closed (at the
+    latest when the process ends, however it ends). ``DirectoryInUseError`` if another
+    process, or another server of this one, holds it; the lock file says whose."""
+    path = pathlib.Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise DirectoryInUseError(
+            f"{path} is the state directory of a server that is running ({holder}): "
+            "give each replica its own"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
+    return fd
+
+
 class SnapshotError(Exception):
     """A snapshot file that cannot be written, or read back as a whole session."""
 
@@ -87,6 +125,7 @@ class RestoreReport:
     restored: int = 0
     rejected: int = 0
     errors: list[str] = dataclasses.field(default_factory=list)
+    stopped: bool = False  # ``stop()`` ended it before the last file
 
 
 def file_name(session_id: str) -> str:
@@ -227,8 +266,18 @@ def write_snapshot(
     """
     started = time.monotonic()
     path = pathlib.Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
     report = SnapshotReport()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # no session can be written: each one counts as not saved
+        for state in states:
+            report.failed += 1
+            report.errors.append(f"session {state.id[:12]}…: {directory}: {e}")
+        log.error(
+            "snapshot: %s cannot be made: %s; %d session(s) not saved", path, e, report.failed
+        )
+        report.seconds = time.monotonic() - started
+        return report
     keep: set[str] = set()
     for state in states:
         keep.add(file_name(state.id))
@@ -240,10 +289,16 @@ def write_snapshot(
             report.failed += 1
             report.errors.append(str(e))
             log.error("snapshot: session %s… not saved: %s", state.id[:12], e)
-    for stale in path.glob(f"*{SUFFIX}"):
-        if stale.name not in keep:
-            stale.unlink(missing_ok=True)
-    _fsync_dir(path)
+    try:
+        for stale in path.glob(f"*{SUFFIX}"):
+            if stale.name not in keep:
+                stale.unlink(missing_ok=True)
+        _fsync_dir(path)
+    except OSError as e:  # the files written may not last a crash: not saved, then
+        report.failed += report.written
+        report.written = 0
+        report.errors.append(f"{directory}: {e}")
+        log.error("snapshot: %s could not be synced: %s", path, e)
     report.seconds = time.monotonic() - started
     if report.tapes_dropped:
         log.warning("snapshot: %d gradient tape(s) not persisted", report.tapes_dropped)
@@ -373,10 +428,25 @@ def snapshot_files(directory: str | os.PathLike[str]) -> Iterator[pathlib.Path]:
     yield from sorted(path.glob(f"*{SUFFIX}"))
 
 
+def _unused(path: pathlib.Path) -> pathlib.Path:
+    """``path``, or ``path.1``, ``path.2``, …: the first that does not exist (a file
+    set aside earlier is kept, for a person to look at)."""
+    candidate, n = path, 0
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}.{n}")
+    return candidate
+
+
 def restore_dir(
-    store: SessionStore, directory: str | os.PathLike[str], *, remove: bool = True
+    store: SessionStore,
+    directory: str | os.PathLike[str],
+    *,
+    remove: bool = True,
+    stop: Callable[[], bool] = lambda: False,
 ) -> RestoreReport:
-    """Restore every session file in ``directory`` into ``store``.
+    """Restore every session file in ``directory`` into ``store``; once ``stop()``
+    says so, no more (the files not read yet stay where they are).
 
     With ``remove``, a restored session's file is removed: from then on the running
     server holds it, and its next snapshot writes it again, so that a crash never
@@ -389,6 +459,9 @@ def restore_dir(
     report = RestoreReport()
     restored: list[pathlib.Path] = []
     for path in snapshot_files(directory):
+        if stop():
+            report.stopped = True
+            break
         try:
             state = read_session(path)
             store.restore(state)
@@ -396,7 +469,7 @@ def restore_dir(
             report.rejected += 1
             report.errors.append(f"{path.name}: {e}")
             log.error("restore: skipped %s: %s", path.name, e)
-            path.replace(path.with_name(path.name + REJECTED_SUFFIX))
+            path.replace(_unused(path.with_name(path.name + REJECTED_SUFFIX)))
             continue
         restored.append(path)
         report.restored += 1

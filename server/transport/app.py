@@ -39,6 +39,7 @@ from gradserve import codec, heap
 from gradserve.errors import InvalidArgumentError
 from gradserve.kernels.compute import Compute, compute_for
 from gradserve.kernels.device import select_device
+from gradserve.server.core import persistence
 from gradserve.server.core.sessions import SessionStore
 from gradserve.server.transport import boundary
 from gradserve.server.transport.admission import Admission, Lane
@@ -100,7 +101,11 @@ class Server:
         self.servicer.heavy.shutdown()
         self._stop_snapshots.set()
         if self.keeper is not None and self.keeper.enabled:
-            self.keeper.snapshot()  # drained: every session as its last call left it
+            self.keeper.wait_for_adoption()  # the sessions it adopts are saved too
+            try:
+                self.keeper.snapshot()  # drained: every session as its last call left it
+            finally:
+                self.keeper.release()
         self.store.close_all()
 
     async def _stop(self, grace: float) -> None:
@@ -232,7 +237,10 @@ def start(config: ServerConfig) -> Server:
         raise ConfigError(f"--replica-id: {e}") from None
     compute = _compute(config, device, store)
     keeper = StateKeeper(config, store, compute)
-    keeper.restore()  # before serving: a restored session is never reported missing
+    try:
+        keeper.restore()  # before serving: a restored session is never reported missing
+    except persistence.DirectoryInUseError as e:
+        raise ConfigError(f"--state-dir: {e}") from None
     metrics = Metrics(store, compute) if config.metrics_port is not None else None
     servicer = GradServeServicer(
         store,
@@ -262,6 +270,7 @@ def start(config: ServerConfig) -> Server:
     except BaseException:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
+        keeper.release()
         raise
     if metrics is not None:
         from prometheus_client import start_http_server
@@ -331,19 +340,23 @@ def serve(config: ServerConfig) -> int:
     # Compute threads run Python between NumPy calls while holding the GIL; a short
     # switch interval lets the event loop (health, small calls) in sooner.
     sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
+    # The handlers come first: a SIGTERM while the server starts (its sessions
+    # restored from --state-dir, their files gone) must drain and save them, not end
+    # the process as SIGTERM's default does. A SIGHUP then adopts once it has started.
+    stop, adopt_asked = threading.Event(), threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    signal.signal(signal.SIGHUP, lambda signum, frame: adopt_asked.set())
     server = start(config)
     extra = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
     print(f"listening on {config.host}:{server.port} (device: {server.device}{extra})", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
-    if server.keeper is not None:  # SIGHUP: adopt the sessions in --adopt-dir
-        adopt = server.keeper.adopt
-        signal.signal(signal.SIGHUP, lambda signum, frame: threading.Thread(target=adopt).start())
     # Wake up now and then: a signal that lands on another thread (gRPC's) runs its
     # Python handler only once the main thread runs Python again.
     while not stop.wait(0.2):
-        pass
+        if adopt_asked.is_set():  # SIGHUP: adopt the sessions in --adopt-dir
+            adopt_asked.clear()
+            if server.keeper is not None:
+                threading.Thread(target=server.keeper.adopt, name="gradserve-adopt").start()
     log.info("draining: health NOT_SERVING, new calls refused, %.1fs grace", config.grace)
     server.stop()
     last = server.keeper.last if server.keeper is not None else None

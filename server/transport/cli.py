@@ -10,6 +10,10 @@ import sys
 from typing import Any
 
 from gradserve.server.transport.config import LSTM_FORMULATIONS, ServerConfig
+from gradserve.server.transport.log_writer import LogWriter
+
+#: Seconds the log's thread gets at exit to write what is queued.
+LOG_DRAIN_SECONDS = 5.0
 
 
 def _optional(kind):
@@ -217,7 +221,9 @@ def check_health(host: str, port: int, timeout: float, tls_ca: str | None = None
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
-def configure_logging(level: str, fmt: str) -> None:
+def configure_logging(level: str, fmt: str) -> LogWriter:
+    """Log to stderr from a thread of its own (``log_writer``: a reader that stops
+    reading blocks that thread only); returns it, to ``close`` at exit."""
     handler = logging.StreamHandler()
     if fmt == "json":
         from gradserve.server.transport.observability import JsonFormatter
@@ -225,14 +231,16 @@ def configure_logging(level: str, fmt: str) -> None:
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    writer = LogWriter(handler)
+    logging.basicConfig(level=level.upper(), handlers=[writer.queue_handler], force=True)
+    return writer
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "health":
         return check_health(args.host, args.port, args.timeout, args.tls_ca)
-    configure_logging(args.log_level, args.log_format)
+    writer = configure_logging(args.log_level, args.log_format)
     fields = {f.name for f in dataclasses.fields(ServerConfig)}
     config = ServerConfig(**{k: v for k, v in vars(args).items() if k in fields})
     if args.replica_id == _FROM_ENVIRONMENT:
@@ -240,10 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     from gradserve.server.transport.app import ConfigError, serve
 
     try:
-        return serve(config)
+        code = serve(config)
     except (ConfigError, RuntimeError, OSError) as e:
         print(f"gradserve: {e}", file=sys.stderr)
-        return 2
+        code = 2
+    if not writer.close(LOG_DRAIN_SECONDS):
+        # stderr's reader is not reading: flushing it at exit would block as well.
+        # The sessions are saved (or the exit code says not): leave now.
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

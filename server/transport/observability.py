@@ -227,6 +227,8 @@ class JsonFormatter(logging.Formatter):
             "message": record.getMessage(),
         }
         out.update(getattr(record, "fields", {}))
-        if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        if record.exc_text:  # (``log_writer`` formats it before queueing the record)
+            out["exception"] = record.exc_text
         return json.dumps(out)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 from typing import Any
 
@@ -41,15 +42,28 @@ class StateKeeper:
     adopted: int = 0
     rejected: int = 0
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    #: Held while an adoption runs: the snapshot after the drain waits for it.
+    _adopting: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    _directory_lock: int | None = None  # the state dir's lock file, held while serving
+
+    def release(self) -> None:
+        """Let go of the state dir (after the last snapshot): another server may take it."""
+        if self._directory_lock is not None:
+            os.close(self._directory_lock)
+            self._directory_lock = None
 
     @property
     def enabled(self) -> bool:
         return self.config.state_dir is not None
 
     def restore(self) -> persistence.RestoreReport | None:
-        """On start: serve again every session the state dir holds."""
+        """On start: take the state dir (``persistence.lock_directory``: refused with
+        ``DirectoryInUseError`` while another server holds it) and serve again every
+        session it holds."""
         if self.config.state_dir is None:
             return None
+        if self._directory_lock is None:
+            self._directory_lock = persistence.lock_directory(self.config.state_dir)
         # With periodic snapshots the files stay (a crash before the next one restores
         # them again); without, they go (a crash then loses the sessions, rather than
         # bringing back a state older than what clients have since done).
@@ -75,19 +89,48 @@ class StateKeeper:
         if self.store.draining:  # its files stay for the replica that comes up next
             log.warning("SIGHUP while shutting down: nothing adopted")
             return None
-        report = persistence.restore_dir(self.store, directory)
-        with self._lock:
-            self.adopted += report.restored
-            self.rejected += report.rejected
-        log.info(
-            "adopted %d session(s) from %s (%d file(s) rejected)",
-            report.restored,
-            directory,
-            report.rejected,
-        )
-        if report.restored and self.config.snapshot_interval is not None:
-            self.snapshot()  # in this replica's own state dir at once, not a period later
-        return report
+        if not self._adopting.acquire(blocking=False):
+            log.warning("SIGHUP while an adoption runs: nothing more adopted")
+            return None
+        try:
+            # Never the files of a server that still runs (it holds its directory's
+            # lock), nor the same files twice at once (the lock, held meanwhile).
+            try:
+                held = persistence.lock_directory(directory)
+            except (persistence.DirectoryInUseError, OSError) as e:
+                log.error("SIGHUP: nothing adopted: %s", e)
+                return None
+            try:
+                # A drain that begins meanwhile stops it after the file it is reading
+                # (the files not read stay for the replica that comes up next); the
+                # snapshot after the drain waits for it (``wait_for_adoption``), so
+                # every session adopted is in it.
+                report = persistence.restore_dir(
+                    self.store, directory, stop=lambda: self.store.draining
+                )
+            finally:
+                os.close(held)
+            with self._lock:
+                self.adopted += report.restored
+                self.rejected += report.rejected
+            log.info(
+                "adopted %d session(s) from %s (%d file(s) rejected)%s",
+                report.restored,
+                directory,
+                report.rejected,
+                "; stopped by the drain, the rest left there" if report.stopped else "",
+            )
+            if report.restored and self.config.snapshot_interval is not None:
+                self.snapshot()  # in this replica's own state dir at once, not a period later
+            return report
+        finally:
+            self._adopting.release()
+
+    def wait_for_adoption(self) -> None:
+        """Return once no adoption runs (one that started before the drain ends soon:
+        it stops after its current file)."""
+        with self._adopting:
+            pass
 
     def snapshot(self) -> persistence.SnapshotReport | None:
         """Write every open session to the state dir (one at a time: a periodic one and

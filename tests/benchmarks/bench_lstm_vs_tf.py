@@ -18,6 +18,11 @@ inputs resident in the session:
 * backward, inputs resident: ``BlockLSTMGradV2`` on resident inputs, activations and
   output gradients, the eight gradients returned.
 
+Two more rows time only the matrix products each direction cannot do without, in the
+fastest arrangement this BLAS offers (``gemm_floor_calls``): a floor that no
+implementation calling this BLAS goes under, however its elementwise work and its
+wire are done, so it bounds every ratio above it.
+
 All are interleaved call by call and reported as medians, with TensorFlow's intra-op
 pool at the same thread count. Before timing, the outputs of both are compared (max abs
 error over max(1, max abs value)), so the figures are of the same computation. The last
@@ -133,7 +138,85 @@ ROWS = [
     ("backward, in process", "ours bwd", "tf bwd"),
     ("backward, inputs resident, gradients over TCP", "rpc bwd tcp", "tf bwd"),
     ("backward, inputs resident, gradients by shared memory", "rpc bwd shm", "tf bwd"),
+    ("forward, its matrix products alone (a floor)", "floor fwd", "tf fwd"),
+    ("backward, its matrix products alone (a floor)", "floor bwd", "tf bwd"),
 ]
+
+
+def gemm_floor_calls(steps: int, batch: int, inputs: int, units: int) -> dict:
+    """The GEMMs of a forward and of a backward, nothing else, as fast as this BLAS
+    does them: their FLOPs are TensorFlow's (``[x, h] @ W`` per step forward; ``dgates @
+    W^T`` and ``[x, h]^T @ dgates`` backward), arranged as fast as the dependencies
+    allow: everything that does not wait on the recurrence as one large GEMM (the
+    input projection; the input gradient and the weight gradient after the
+    recurrence), the recurrent products one per step, in whichever orientation (``h @
+    W_h`` or ``W_h^T @ h^T``) ran faster (both are timed; ``floor_times`` keeps the
+    faster). Outputs go to buffers written before (warm memory), as ours do."""
+    rng = np.random.default_rng(1)
+    f32 = np.float32
+    gates = 4 * units
+
+    def r(*shape):
+        return rng.standard_normal(shape).astype(f32)
+
+    # Forward: x rows, W_x, W_h (and W_h^T), one step's h; its outputs.
+    x_rows, w_x, w_h, w_h_t = (
+        r(steps * batch, inputs),
+        r(inputs, gates),
+        r(units, gates),
+        r(gates, units),
+    )
+    h, proj, step, step_t = (
+        r(batch, units),
+        r(steps * batch, gates),
+        r(batch, gates),
+        r(gates, batch),
+    )
+    # Backward: one step's dgates, all steps' dgates, [x, h] rows transposed, W_x^T;
+    # its outputs dh (or dh^T), dx, dW.
+    dgates, dgates_rows = r(batch, gates), r(steps * batch, gates)
+    xh_rows_t, w_x_t = r(inputs + units, steps * batch), r(gates, inputs)
+    dh, dh_t, dx, dw = (
+        r(batch, units),
+        r(units, batch),
+        r(steps * batch, inputs),
+        r(inputs + units, gates),
+    )
+
+    def fwd(transposed: bool):
+        def run():
+            np.matmul(x_rows, w_x, out=proj)
+            for _ in range(steps):
+                if transposed:
+                    np.matmul(w_h_t, h.T, out=step_t)
+                else:
+                    np.matmul(h, w_h, out=step)
+
+        return run
+
+    def bwd(transposed: bool):
+        def run():
+            for _ in range(steps):
+                if transposed:
+                    np.matmul(w_h, dgates.T, out=dh_t)
+                else:
+                    np.matmul(dgates, w_h_t, out=dh)
+            np.matmul(dgates_rows, w_x_t, out=dx)
+            np.matmul(xh_rows_t, dgates_rows, out=dw)
+
+        return run
+
+    return {
+        "floor fwd a": fwd(False), "floor fwd b": fwd(True),
+        "floor bwd a": bwd(False), "floor bwd b": bwd(True),
+    }  # fmt: skip
+
+
+def floor_times(t: dict) -> None:
+    """Each floor: the faster of its two orientations (medians, ms), in place."""
+    for name in ("floor fwd", "floor bwd"):
+        if f"{name} a" in t:
+            t[name] = min(t.pop(f"{name} a"), t.pop(f"{name} b"))
 
 
 @contextlib.contextmanager
@@ -247,6 +330,7 @@ def compare_size(tf, sdk, threads, rounds, peephole, pause, steps, batch, units)
                 **attrs,
             ),
             "tf bwd": lambda: tf.ask({"time": "bwd"})["seconds"],
+            **gemm_floor_calls(steps, batch, units, units),
         }
         grads = fns["ours bwd"]()
         got = dict(zip(OUTPUTS, outs)) | dict(zip(GRADS, grads))
@@ -277,6 +361,7 @@ def compare_size(tf, sdk, threads, rounds, peephole, pause, steps, batch, units)
                 # 2 cores they would steal the next call's cores in another process.
                 time.sleep(pause)
     t = {k: statistics.median(v[1:]) * 1e3 for k, v in samples.items()}
+    floor_times(t)
     print(f"(T, B, I=H) = ({steps}, {batch}, {units}):", flush=True)
     for label, ours, theirs in ROWS:
         if ours in t:

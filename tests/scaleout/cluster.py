@@ -40,17 +40,26 @@ class Replica:
                 self.metrics_port = int(match.group(1))
                 break
         else:
+            self.proc.kill()
+            self.proc.wait()
             raise RuntimeError(f"replica {self.name} did not start:\n{''.join(self.output)}")
         proc = self.proc
         threading.Thread(target=lambda: self.output.extend(proc.stdout), daemon=True).start()
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
-        """Signal the replica and wait for it; returns its exit code."""
+        """Signal the replica and wait for it; returns its exit code. One that has not
+        exited within a minute is killed (and the wait raises): a test never leaves a
+        replica behind."""
         assert self.proc is not None
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-        return self.proc.wait(60)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
 
     def metric(self, name: str) -> float:
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"

@@ -6,6 +6,7 @@ missing proxy is a failure."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -56,10 +57,12 @@ class Cluster:
         self.proxy.route(dict(self.routes), list(self.create))
 
     def stop(self) -> None:
-        self.proxy.stop()
-        for replica in self.replicas.values():
-            if replica.proc is not None and replica.proc.poll() is None:
-                replica.stop()
+        """Stop the proxy and every replica, each even if another failed to stop."""
+        with contextlib.ExitStack() as stack:
+            stack.callback(self.proxy.stop)
+            for replica in self.replicas.values():
+                if replica.proc is not None and replica.proc.poll() is None:
+                    stack.callback(replica.stop)
 
 
 @pytest.fixture
@@ -67,7 +70,10 @@ def make_cluster(tmp_path):
     made: list[Cluster] = []
 
     def make(proxy_kind: str, n: int = 3, *flags: str) -> Cluster:
-        cluster = Cluster(tmp_path, proxy_kind, n, *flags)
+        # A directory each: two clusters' replicas r0 must not share a state dir.
+        workdir = tmp_path / f"cluster{len(made)}"
+        workdir.mkdir()
+        cluster = Cluster(workdir, proxy_kind, n, *flags)
         made.append(cluster)
         return cluster
 

@@ -167,6 +167,43 @@ def test_a_bad_file_is_reported_and_skipped_never_half_loaded(tmp_path, damage, 
     assert "skipped" in caplog.text and path.name in caplog.text
 
 
+def test_a_file_set_aside_before_is_kept(tmp_path):
+    """A second bad file of the same session is set aside next to the first one,
+    not over it: both stay for a person to look at."""
+    store = SessionStore()
+    s = populated(store)
+    path = tmp_path / persistence.file_name(s.id)
+    for junk in (b"first damage", b"second damage"):
+        path.write_bytes(junk)
+        assert persistence.restore_dir(SessionStore(), tmp_path).rejected == 1
+        assert not path.exists()
+    aside = path.with_name(path.name + persistence.REJECTED_SUFFIX)
+    assert aside.read_bytes() == b"first damage"
+    assert aside.with_name(aside.name + ".1").read_bytes() == b"second damage"
+
+
+def test_a_directory_that_cannot_be_made_fails_every_session_and_raises_nothing(tmp_path):
+    """Its parent replaced by a file: each session counts as not saved (the server's
+    exit code 1), where the error used to escape the shutdown (exit code 2) and, in a
+    periodic snapshot, count no failure."""
+    store = SessionStore()
+    populated(store, seed=1), populated(store, seed=2)
+    (tmp_path / "parent").write_bytes(b"a file, not a directory")
+    report = persistence.write_snapshot(store.export_states(), tmp_path / "parent" / "state")
+    assert (report.written, report.failed) == (0, 2)
+    assert "Not a directory" in report.errors[0]
+
+
+def test_one_server_per_directory(tmp_path):
+    held = persistence.lock_directory(tmp_path / "state")
+    try:
+        with pytest.raises(persistence.DirectoryInUseError, match=f"pid {os.getpid()}"):
+            persistence.lock_directory(tmp_path / "state")
+    finally:
+        os.close(held)
+    os.close(persistence.lock_directory(tmp_path / "state"))  # free again
+
+
 def test_restore_over_a_byte_limit_charges_nothing(tmp_path):
     store = SessionStore()
     s = populated(store)

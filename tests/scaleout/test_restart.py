@@ -114,6 +114,6 @@ def test_a_snapshot_that_does_not_fit_fails_cleanly(tmp_path):
         c.put(np.ones(1 << 19, np.float32))  # 2 MiB
         assert replica.stop() == 1
         assert "NOT saved" in replica.log() and "No space left" in replica.log()
-        assert list(state.iterdir()) == []
+        assert [p.name for p in state.iterdir()] == [persistence.LOCK_NAME]  # no partial file
     finally:
         subprocess.run(["umount", str(state)])

@@ -1,0 +1,239 @@
+"""Shutting down never loses what the server holds: a log reader that stops reading
+blocks neither calls nor the drain (``log_writer``); a SIGTERM while the server starts
+drains and saves the sessions it restored; a drain waits for an adoption (SIGHUP) in
+progress, so that every adopted session is saved or still in the adopt dir."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+import gradserve
+from gradserve import protocol
+from gradserve.server.core import persistence
+from gradserve.server.core.sessions import SessionStore
+from gradserve.server.transport.app import ConfigError, run_server
+from gradserve.server.transport.log_writer import LogWriter
+from gradserve.v1 import service_pb2, service_pb2_grpc
+from tests.server_process import ServerProcess
+
+SERVE = [sys.executable, "-m", "gradserve.server", "serve", "--port", "0", "--device", "cpu"]
+
+
+def _port(proc: subprocess.Popen) -> int:
+    while line := proc.stdout.readline():
+        if line.startswith(b"listening on"):
+            return int(line.split(b":")[1].split()[0])
+    raise AssertionError(f"no 'listening on' line; exit code {proc.wait(30)}")
+
+
+def test_a_log_reader_that_stops_reading_blocks_no_call_and_not_the_drain():
+    """Each failed call logs a line at INFO. Once stdout/stderr's pipe is full (64 KiB
+    here: a few hundred lines), writing the next line blocks; that used to happen on
+    the event loop, so no call was answered, and SIGTERM's drain never began."""
+    proc = subprocess.Popen(SERVE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        port = _port(proc)  # and from here on nobody reads the pipe
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = service_pb2_grpc.GradServeStub(channel)
+            lost = ((protocol.SESSION_METADATA_KEY, "no-such-session-" + "x" * 200),)
+            for call in range(2000):  # about 600 KB of log lines
+                try:
+                    stub.KeepAlive(service_pb2.KeepAliveRequest(), metadata=lost, timeout=5)
+                except grpc.RpcError as e:
+                    assert e.code() == grpc.StatusCode.NOT_FOUND, (call, e.code())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0  # drained and exited, the pipe still unread
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
+class _Blocked(logging.Handler):
+    """A handler whose writes block until ``go`` is set (a pipe nobody reads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.go.wait()
+        self.lines.append(record.getMessage())
+
+
+def test_records_past_the_queue_are_dropped_counted_and_reported():
+    target = _Blocked()
+    writer = LogWriter(target, capacity=3)
+    log = logging.getLogger("test_shutdown.dropping")
+    log.propagate = False
+    log.addHandler(writer.queue_handler)
+    try:
+        for i in range(10):
+            log.warning("line %d", i)  # returns at once, however full the queue
+        assert 6 <= writer.dropped <= 7  # 3 queued, one perhaps taken by the writer
+        target.go.set()
+        time.sleep(0.2)  # the queue drains
+        log.warning("after")
+        assert writer.close(5)
+    finally:
+        log.removeHandler(writer.queue_handler)
+    assert target.lines[-1] == "after"
+    assert (
+        target.lines[-2]
+        == f"{writer.dropped} log record(s) dropped: the log's reader was not reading"
+    )
+    assert target.lines[0] == "line 0"
+
+
+def test_an_exception_reaches_the_writer_as_text():
+    target = _Blocked()
+    target.go.set()
+    target.setFormatter(logging.Formatter("%(message)s"))
+    writer = LogWriter(target)
+    log = logging.getLogger("test_shutdown.exception")
+    log.propagate = False
+    log.addHandler(writer.queue_handler)
+    try:
+        try:
+            raise ValueError("the cause")
+        except ValueError:
+            log.exception("failed: %s", "this")
+        assert writer.close(5)
+    finally:
+        log.removeHandler(writer.queue_handler)
+    assert target.lines == ["failed: this"]
+
+
+def test_a_sigterm_while_starting_drains_and_saves_the_restored_sessions(tmp_path):
+    """Without periodic snapshots, a restore removes the files it read: a SIGTERM that
+    landed after it, before the server had its handlers, ended the process and lost
+    every restored session. The signal here lands right after the restore."""
+    state = tmp_path / "state"
+    first = ServerProcess("--state-dir", str(state))
+    value = np.arange(6, dtype=np.float32)
+    client = gradserve.Client(first.target, shared_memory=False)
+    ref = client.put(value)
+    session_id = client.session_id
+    assert first.stop() == 0  # the session still open: saved
+    with contextlib.suppress(gradserve.errors.GradserveError):
+        client.close()
+    assert len(list(persistence.snapshot_files(state))) == 1
+
+    signalled = textwrap.dedent(
+        """
+        import os, signal, sys
+        from gradserve.server.core import persistence
+        real = persistence.restore_dir
+        def restore_then_sigterm(*args, **kwargs):
+            report = real(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return report
+        persistence.restore_dir = restore_then_sigterm
+        from gradserve.server.transport.entry import main
+        sys.exit(main(sys.argv[1:]))
+        """
+    )
+    second = subprocess.run(
+        [sys.executable, "-c", signalled, *SERVE[3:], "--state-dir", str(state)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "restored 1 session(s)" in second.stderr
+
+    third = ServerProcess("--state-dir", str(state))
+    try:
+        with gradserve.Client(third.target, session_id=session_id, shared_memory=False) as again:
+            np.testing.assert_array_equal(again.get(ref.id), value)
+    finally:
+        assert third.stop() == 0
+
+
+def test_a_drain_waits_for_an_adoption_and_loses_none_of_its_sessions(tmp_path, monkeypatch):
+    """SIGTERM during a SIGHUP adoption: the adoption stops after its current file
+    and the snapshot after the drain waits for it, so every session is either saved
+    in the state dir or still in the adopt dir. It used to go on restoring (and then
+    delete its files) after the final snapshot: those sessions were in no file."""
+    state, adopt = tmp_path / "state", tmp_path / "adopt"
+    other = SessionStore(replica_id="gone")
+    ids = {other.create().id for _ in range(40)}
+    persistence.write_snapshot(other.export_states(), adopt)
+    real = persistence.read_session
+
+    def slow_read(path):
+        time.sleep(0.02)  # 40 files: 0.8 s, a window for the drain to begin
+        return real(path)
+
+    monkeypatch.setattr(persistence, "read_session", slow_read)
+    with run_server(state_dir=str(state), adopt_dir=str(adopt), grace=0) as server:
+        adoption = threading.Thread(target=server.keeper.adopt)
+        adoption.start()
+        time.sleep(0.2)  # a few files in
+        server.stop()
+        adoption.join(10)
+    saved = {persistence.read_session(p).id for p in persistence.snapshot_files(state)}
+    left = {persistence.read_session(p).id for p in persistence.snapshot_files(adopt)}
+    assert saved | left == ids
+    assert saved and left  # it did stop midway, and what it adopted was saved
+    assert not saved & left
+
+
+def test_a_sighup_adopts_and_the_drain_saves_what_it_adopted(tmp_path):
+    state, adopt = tmp_path / "state", tmp_path / "adopt"
+    other = SessionStore(replica_id="gone")
+    session_id = other.create().id
+    persistence.write_snapshot(other.export_states(), adopt)
+    server = ServerProcess("--state-dir", str(state), "--adopt-dir", str(adopt))
+    try:
+        server.proc.send_signal(signal.SIGHUP)
+        assert server.wait_for("gradserve_sessions_open", 1) == 1
+        assert not list(persistence.snapshot_files(adopt))
+    finally:
+        assert server.stop() == 0
+    assert [persistence.read_session(p).id for p in persistence.snapshot_files(state)] == [
+        session_id
+    ]
+
+
+def test_a_second_server_on_the_same_state_dir_is_refused(tmp_path):
+    """A snapshot removes the files of the sessions it does not hold: two servers on
+    one state dir deleted each other's sessions (both exiting 0)."""
+    state = str(tmp_path / "state")
+    first = ServerProcess("--state-dir", state)
+    try:
+        second = subprocess.run(
+            [*SERVE, "--state-dir", state], capture_output=True, text=True, timeout=60
+        )
+        assert second.returncode == 2
+        assert f"server that is running (pid {first.proc.pid})" in second.stderr
+    finally:
+        assert first.stop() == 0
+    again = ServerProcess("--state-dir", state)  # free once the first has stopped
+    assert again.stop() == 0
+
+
+def test_adoption_leaves_a_running_servers_files_alone(tmp_path):
+    live, survivor = tmp_path / "live", tmp_path / "survivor"
+    with run_server(state_dir=str(live)) as running:
+        running.store.create()
+        running.keeper.snapshot()  # its file, which it still serves
+        with run_server(state_dir=str(survivor), adopt_dir=str(live)) as adopter:
+            assert adopter.keeper.adopt() is None
+            assert len(adopter.store) == 0
+        assert len(list(persistence.snapshot_files(live))) == 1
+        with pytest.raises(ConfigError, match="--state-dir: .* server that is running"):
+            with run_server(state_dir=str(live)):
+                pass
