@@ -120,7 +120,10 @@ def block_lstm_forward(
     x, cs_prev, h_prev, w, wci, wcf, wco, b = (backend.asarray(a, ct) for a in inputs)
     steps, batch, input_size = x.shape
     units = cs_prev.shape[1]
-    length = seq_len_max
+    # No batch or no units: every output is empty, and no step has anything to do. A
+    # loop over the steps anyway let a request of a few bytes (``seq_len_max`` 2**31-1)
+    # hold a compute slot for hours.
+    length = seq_len_max if batch * units else 0
     # Every step before ``length`` is written below, so only the steps past it are
     # zeroed: a zeroing pass over all seven outputs cost ~1 ms of an 8-15 ms forward.
     outs = LSTMActivations(*(empty((steps, batch, units), ct) for _ in range(7)))
@@ -194,7 +197,9 @@ def block_lstm_backward(
     cs_grad, h_grad = (backend.asarray(a, ct) for a in output_grads)
     steps, batch, input_size = x.shape
     units = cs_prev.shape[1]
-    length = seq_len_max
+    # No batch or no units: no gate has an element, so every gradient is zero (and
+    # looping over the steps would only cost time: see the forward).
+    length = seq_len_max if batch * units else 0
     # The GEMMs below write every element before ``length`` (and all of w_grad):
     # only what they do not write is zeroed.
     x_grad = empty((steps, batch, input_size), ct)

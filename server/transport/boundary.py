@@ -64,16 +64,27 @@ def as_gradserve_error(exc: BaseException) -> GradserveError:
     return InternalError(f"internal error: {type(exc).__name__}: {exc}", reason="INTERNAL")
 
 
-#: Longest error message sent: messages echo names and inputs, and a status travels in
-#: trailing metadata, which gRPC bounds far below the message limit.
-MAX_MESSAGE_CHARS = 2048
+#: Most bytes an error message takes in ``grpc-message``: messages echo names and
+#: inputs, and a status travels in trailing metadata, which gRPC bounds far below the
+#: message limit (8 KiB, past which it may drop the trailers, 16 KiB at most); the
+#: message is there once percent-encoded and twice more in ``grpc-status-details-bin``
+#: (``Status.message``, ``BadRequest``'s description; base64), about 7.5 KiB at most.
+MAX_MESSAGE_BYTES = 2048
 
 
 def bounded(message: str) -> str:
-    """``message``, cut to ``MAX_MESSAGE_CHARS``."""
-    if len(message) <= MAX_MESSAGE_CHARS:
-        return message
-    return message[: MAX_MESSAGE_CHARS - 20] + f"… ({len(message)} chars)"
+    """``message``, cut where it would take over ``MAX_MESSAGE_BYTES`` as gRPC sends it:
+    a printable ASCII character one byte, any other (and ``%``) three per UTF-8 byte
+    (percent-encoded). Counted in characters, 2048 of ``é`` sent 12 KiB, and the
+    status with its details passed gRPC's hard limit: the client got gRPC's
+    RESOURCE_EXHAUSTED instead of the error."""
+    budget = MAX_MESSAGE_BYTES - 40  # room for the note on what was cut
+    sent = 0
+    for n, ch in enumerate(message):
+        sent += 1 if " " <= ch <= "~" and ch != "%" else 3 * len(ch.encode("utf-8", "replace"))
+        if sent > budget:
+            return message[:n] + f"… ({len(message)} chars)"
+    return message
 
 
 def rpc_status_for(err: GradserveError) -> status_pb2.Status:
@@ -89,7 +100,7 @@ def rpc_status_for(err: GradserveError) -> status_pb2.Status:
             error_details_pb2.BadRequest(
                 field_violations=[
                     error_details_pb2.BadRequest.FieldViolation(
-                        field=err.field, description=message
+                        field=bounded(err.field), description=message
                     )
                 ]
             )

@@ -370,6 +370,27 @@ def test_names_are_bounded(client):
         client.raw_ops.TensorArrayGradV3(h, flow, source="s" * 2000)
 
 
+@pytest.mark.parametrize(
+    "handle",
+    ["\u00e9" * 2000, "\U0001f600" * 2000, "%" * 2000, "a" * 5000],
+    ids=["e-acute", "emoji", "percent", "ascii"],
+)
+def test_an_error_echoing_any_string_reaches_the_client_with_its_details(client, handle):
+    """The message echoes the handle. Bounded in characters, 2000 non-ASCII ones (or
+    ``%``) percent-encoded past gRPC's metadata limits: the client got gRPC's own
+    RESOURCE_EXHAUSTED ("received metadata size exceeds hard limit"), not the error."""
+    from gradserve.client._types import TensorArrayHandle
+
+    for _ in range(5):  # past the soft limit gRPC drops trailers at random
+        with pytest.raises(gradserve.errors.NotFoundError) as info:
+            client.raw_ops.TensorArrayReadV3(
+                TensorArrayHandle(handle, "x"), 0, np.float32(0), np.float32
+            )
+        assert info.value.reason == "TENSOR_ARRAY_NOT_FOUND"
+        message = info.value.message  # cut short, and saying so
+        assert message.startswith("TensorArray handle '") and message.endswith(" chars)")
+
+
 def test_deleting_more_ids_than_one_message_holds(target):
     with gradserve.Client(target, max_message_bytes=128 * 1024) as client:
         ids = [f"no-such-tensor-{k:06d}" for k in range(20_000)]  # ~600 kB of ids

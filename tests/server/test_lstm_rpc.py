@@ -307,3 +307,32 @@ def test_zero_size_dimensions(client, empty):
     for k, got in grads._asdict().items():
         assert got.dtype == np.float32 and got.shape == getattr(want, k).shape, k
         np.testing.assert_allclose(got, getattr(want, k), rtol=1e-6, atol=1e-7, err_msg=k)
+
+
+@pytest.mark.parametrize("empty", ["B", "H"])
+def test_a_sequence_with_no_batch_or_no_units_costs_no_steps(client, empty):
+    """With B or H zero no step has anything to compute; the steps used to be looped
+    over anyway, ~8 us each, so a request of a few hundred bytes with ``seq_len_max``
+    2**31-1 held a compute slot for about five hours. The answer is all zeros (the
+    outputs and the gradients of a sequence with no gate element), within a deadline
+    that the old loop would have run past by hours."""
+    steps = 2**31 - 1
+    batch, inputs, units = (0, 3, 4) if empty == "B" else (2, 0, 0)
+    f32 = np.float32
+    x = np.zeros((steps, batch, inputs), f32)  # no bytes: B or I is zero
+    cs0 = h0 = np.zeros((batch, units), f32)
+    w, peep, b = (
+        np.ones((inputs + units, 4 * units), f32),
+        np.ones(units, f32),
+        np.ones(4 * units, f32),
+    )
+    args = [np.int64(steps), x, cs0, h0, w, peep, peep, peep, b]
+    client.timeout = 60.0  # seconds, each call
+    out = client.raw_ops.BlockLSTMV2(*args, use_peephole=True)
+    assert all(getattr(out, k).shape == (steps, batch, units) for k in OUTPUTS)
+    zeros = np.zeros((steps, batch, units), f32)
+    grads = client.raw_ops.BlockLSTMGradV2(*args, *out, zeros, zeros, use_peephole=True)
+    want = lstm.LSTMGrads(x, cs0, h0, w, peep, peep, peep, b)
+    for k, got in grads._asdict().items():
+        assert got.shape == getattr(want, k).shape, k
+        assert not got.any(), k
