@@ -334,7 +334,8 @@ def encode_chunks(array: np.ndarray, chunk_bytes: int) -> Iterator[tensor_pb2.Te
 class ChunkAssembler:
     """Builds the array a chunk stream carries, one chunk at a time (so that a sync
     iterator and an asyncio stream share it). Every malformed stream (no chunk, bad
-    dtype or shape, too little or too much data) is an InvalidArgumentError.
+    dtype or shape, too little or too much data, a later chunk whose dtype, shape or
+    content length, where set, are not the first one's) is an InvalidArgumentError.
 
     ``before_allocating(nbytes)`` runs once the size is known (from the first chunk)
     and before the buffer exists, with the bytes the finished array will hold
@@ -356,12 +357,16 @@ class ChunkAssembler:
         self._buffer: np.ndarray | None = None
         self._dtype: np.dtype[Any] | None = None
         self._shape: tuple[int, ...] = ()
+        self._header: tuple[int, int] = (0, 0)  # the first chunk's dtype enum, content_bytes
         self.filled = 0
         self.nbytes = 0
 
     def add(self, chunk: tensor_pb2.TensorChunk) -> None:
         field = self.field
-        if self._buffer is None:
+        if self._buffer is not None:
+            self._check_header(chunk)
+        else:
+            self._header = (int(chunk.dtype), int(chunk.content_bytes))
             self._dtype = dtype_from_enum(chunk.dtype, field=field)
             self._shape = tuple(chunk.shape)
             if self._dtype == dtypes.STRING:
@@ -395,6 +400,22 @@ class ChunkAssembler:
             )
         self._buffer[self.filled : end] = np.frombuffer(data, np.uint8)
         self.filled = end
+
+    def _check_header(self, chunk: tensor_pb2.TensorChunk) -> None:
+        """A later chunk may leave the header out (the SDK does), not contradict it."""
+        dtype, content_bytes = self._header
+        assert self._dtype is not None  # (the first chunk set it)
+        if (
+            (chunk.dtype and chunk.dtype != dtype)
+            or (len(chunk.shape) and tuple(chunk.shape) != self._shape)
+            or (chunk.content_bytes and chunk.content_bytes != content_bytes)
+        ):
+            raise InvalidArgumentError(
+                f"{self.field}: a chunk's dtype, shape or content length differs from the "
+                f"first chunk's ({dtypes.name(self._dtype)}, {list(self._shape)}, "
+                f"{content_bytes} content bytes): only the first chunk says them",
+                field=self.field,
+            )
 
     def finish(self) -> np.ndarray:
         """The read-only array, once the stream has ended."""

@@ -63,6 +63,8 @@ FORMAT_VERSION = 1
 SUFFIX = ".gss"
 TEMP_PREFIX = ".tmp-"
 REJECTED_SUFFIX = ".rejected"
+#: A restored session's file, set aside until the next snapshot (``restore_dir``).
+RESTORED_SUFFIX = ".restored"
 _HEADER = struct.Struct("<8sIIQ32s")
 _U64 = struct.Struct("<Q")
 #: Data is written to the file in pieces of at most this many bytes.
@@ -279,6 +281,7 @@ def write_snapshot(
         report.seconds = time.monotonic() - started
         return report
     keep: set[str] = set()
+    failed: set[str] = set()
     for state in states:
         keep.add(file_name(state.id))
         report.tapes_dropped += state.tapes_dropped
@@ -286,6 +289,7 @@ def write_snapshot(
             report.bytes += write_session(state, path, to_host)
             report.written += 1
         except SnapshotError as e:
+            failed.add(file_name(state.id))
             report.failed += 1
             report.errors.append(str(e))
             log.error("snapshot: session %s… not saved: %s", state.id[:12], e)
@@ -293,6 +297,14 @@ def write_snapshot(
         for stale in path.glob(f"*{SUFFIX}"):
             if stale.name not in keep:
                 stale.unlink(missing_ok=True)
+        for aside in path.glob(f"*{SUFFIX}{RESTORED_SUFFIX}"):
+            # A session restored at start whose write failed now: its file as restored
+            # is its previous file, and stays (as a write that fails keeps the old one).
+            name = aside.name.removesuffix(RESTORED_SUFFIX)
+            if name in failed and not (path / name).exists():
+                aside.replace(path / name)
+            else:
+                aside.unlink(missing_ok=True)
         _fsync_dir(path)
     except OSError as e:  # the files written may not last a crash: not saved, then
         report.failed += report.written
@@ -443,10 +455,17 @@ def restore_dir(
     directory: str | os.PathLike[str],
     *,
     remove: bool = True,
+    set_aside: bool = False,
     stop: Callable[[], bool] = lambda: False,
 ) -> RestoreReport:
     """Restore every session file in ``directory`` into ``store``; once ``stop()``
     says so, no more (the files not read yet stay where they are).
+
+    With ``set_aside`` (the state dir without periodic snapshots), a restored file is
+    renamed ``*.restored`` rather than removed: not restored again (a crash before the
+    next snapshot loses the session, as with ``remove``), but the next snapshot puts
+    it back should that session's write fail, as a failed write keeps the previous
+    file. What a crash left set aside is removed first.
 
     With ``remove``, a restored session's file is removed: from then on the running
     server holds it, and its next snapshot writes it again, so that a crash never
@@ -458,6 +477,9 @@ def restore_dir(
     """
     report = RestoreReport()
     restored: list[pathlib.Path] = []
+    if set_aside:
+        for stale in pathlib.Path(directory).glob(f"*{SUFFIX}{RESTORED_SUFFIX}"):
+            stale.unlink(missing_ok=True)
     for path in snapshot_files(directory):
         if stop():
             report.stopped = True
@@ -475,5 +497,8 @@ def restore_dir(
         report.restored += 1
     if remove:  # only once every file is in: a crash mid-restore loses nothing
         for path in restored:
-            path.unlink(missing_ok=True)
+            if set_aside:
+                path.replace(path.with_name(path.name + RESTORED_SUFFIX))
+            else:
+                path.unlink(missing_ok=True)
     return report

@@ -181,6 +181,13 @@ class Session:
             self._arrays[handle] = ta
             return handle, ta
 
+    def record_bytes(self) -> int:
+        """Bytes charged for the records of this session's TensorArrays (the arrays and
+        their slots, not their values: ``TensorArray.record_bytes``)."""
+        with self._lock:
+            arrays = list(self._arrays.values())
+        return sum(ta.record_bytes() for ta in arrays)
+
     def tensor_array(self, handle: str) -> TensorArray:
         with self._lock:
             ta = self._arrays.get(handle)
@@ -537,7 +544,7 @@ class Session:
             arrays = [self._arrays.pop(self._grads.pop(key), None) for key in keys]
         for ta in arrays:
             if ta is not None:
-                ta.close()
+                ta.discard()  # gone from the session: its records too
 
     def tape_snapshot(self, tape: Tape) -> tuple[list[Any], set[str], set[str]]:
         """A live tape's records, produced keys and watched ids, as of now."""
@@ -665,8 +672,7 @@ class Session:
         self.budget.release(freed)
         self.regions.close()
         for ta in arrays:  # each releases its own bytes
-            freed += ta.nbytes()
-            ta.close()
+            freed += ta.discard()
         return freed
 
     def _check_open(self) -> None:

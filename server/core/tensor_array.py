@@ -22,6 +22,12 @@ a stored array can be shared with the session's resident tensors.
 
 Slots live in a dict keyed by index, so ``size`` can be any int32 without
 allocating per-slot state; an absent key is an unwritten slot.
+
+What an array holds is charged to its memory budget: its values' bytes, and what
+its own records take (``ARRAY_BYTES`` for the array, ``SLOT_BYTES`` per slot
+record). Without the second, a session whose budget was a megabyte made 600,000
+arrays of a few bytes each (390 MB of server memory), or as many slots holding
+empty values: nothing a budget saw.
 """
 
 from __future__ import annotations
@@ -39,6 +45,11 @@ from gradserve.server.core.budget import MemoryBudget
 
 #: Multi-index reads call their ``check`` (deadline, cancellation) this often.
 CHECK_EVERY = 1024
+#: Bytes charged for one array's own records, besides twice its name (its name, and
+#: a gradient array's source in its session's index); measured at about 610.
+ARRAY_BYTES = 1024
+#: Bytes charged for one slot record (its ``_Slot``, shape, dict entry: about 220).
+SLOT_BYTES = 256
 
 
 @dataclasses.dataclass
@@ -106,7 +117,8 @@ class TensorArray:
         self.max_output_bytes = max_output_bytes
         self.max_size = max_size
         self._budget = budget
-        self._nbytes = 0  # bytes of the values held, counted in ``budget``
+        #: Charged to ``budget``: the values' bytes and the records' (module docstring).
+        self._nbytes = 0
         self._lock = threading.Lock()
         self._slots: dict[int, _Slot] = {}
         self._size = size
@@ -116,6 +128,10 @@ class TensorArray:
         self._gradients_disallowed = False
         self._closed = False
         self._journal: dict[int, _Slot | None] | None = None
+        self._own_bytes = ARRAY_BYTES + 2 * len(name)  # held until ``discard``
+        if budget is not None:
+            budget.reserve(self._own_bytes)  # past a limit: raises, nothing made
+        self._nbytes = self._own_bytes
 
     # ------------------------------------------------------------------ journal
     _FIELDS = (
@@ -160,6 +176,7 @@ class TensorArray:
             self._journal[index] = dataclasses.replace(slot) if slot is not None else None
         if slot is None:
             slot = self._slots[index] = _Slot()
+            self._nbytes += SLOT_BYTES  # (``_atomic`` charges it, or undoes both)
         return slot
 
     # ------------------------------------------------------------------ queries
@@ -180,9 +197,15 @@ class TensorArray:
             return self._size
 
     def nbytes(self) -> int:
-        """Bytes of values currently held (zeros not yet materialised count 0)."""
+        """Bytes charged now: values held (zeros not yet materialised count 0) and the
+        array's and its slots' records."""
         with self._lock:
             return self._nbytes
+
+    def record_bytes(self) -> int:
+        """Bytes charged for the array's and its slots' records (``nbytes`` less values)."""
+        with self._lock:
+            return self._own_bytes + SLOT_BYTES * len(self._slots)
 
     def _set_value(self, slot: _Slot, value: np.ndarray | None) -> None:
         """Store ``value`` in ``slot``, keeping the byte count."""
@@ -517,13 +540,26 @@ class TensorArray:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """TensorArrayCloseV3: drop every value; any later op but close fails."""
+        """TensorArrayCloseV3: drop every value and slot; any later op but close fails.
+        The array's own record stays (and stays charged): its handle still names it."""
         with self._lock:
             self._slots.clear()
             self._closed = True
             if self._budget is not None:
-                self._budget.release(self._nbytes)
-            self._nbytes = 0
+                self._budget.release(self._nbytes - self._own_bytes)
+            self._nbytes = self._own_bytes
+
+    def discard(self) -> int:
+        """Close it and release everything it was charged (its session is closing);
+        returns the bytes released."""
+        with self._lock:
+            freed, self._nbytes = self._nbytes, 0
+            self._own_bytes = 0
+            self._slots.clear()
+            self._closed = True
+        if self._budget is not None:
+            self._budget.release(freed)
+        return freed
 
     def make_grad(
         self,
@@ -576,9 +612,17 @@ class TensorArray:
                 max_size=self.max_size,
                 budget=self._budget,
             )
-            for index, slot in self._slots.items():
-                if slot.written:
-                    grad._slots[index] = _Slot(shape=(*shape_to_prepend, *slot.shape), written=True)
+            try:
+                written = [i for i, slot in self._slots.items() if slot.written]
+                if grad._budget is not None:
+                    grad._budget.reserve(SLOT_BYTES * len(written))
+            except BaseException:
+                grad.discard()  # it was never published
+                raise
+            for index in written:
+                shape = (*shape_to_prepend, *self._slots[index].shape)
+                grad._slots[index] = _Slot(shape=shape, written=True)
+            grad._nbytes += SLOT_BYTES * len(written)
             register(grad)
             return grad
 
@@ -638,9 +682,14 @@ class TensorArray:
         ta._closed = state.closed
         ta._slots = {i: dataclasses.replace(slot) for i, slot in state.slots.items()}
         nbytes = sum(dtypes.nbytes(s.value) for s in ta._slots.values() if s.value is not None)
+        nbytes += SLOT_BYTES * len(ta._slots)
         if budget is not None:
-            budget.reserve(nbytes)
-        ta._nbytes = nbytes
+            try:
+                budget.reserve(nbytes)
+            except BaseException:
+                ta.discard()
+                raise
+        ta._nbytes += nbytes
         return ta
 
     def restore_dynamic_size(self, dynamic_size: bool) -> None:

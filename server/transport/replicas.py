@@ -65,10 +65,13 @@ class StateKeeper:
         if self._directory_lock is None:
             self._directory_lock = persistence.lock_directory(self.config.state_dir)
         # With periodic snapshots the files stay (a crash before the next one restores
-        # them again); without, they go (a crash then loses the sessions, rather than
-        # bringing back a state older than what clients have since done).
+        # them again); without, they are set aside (a crash then loses the sessions,
+        # rather than bringing back a state older than what clients have since done;
+        # a snapshot whose write of one fails puts its file back).
         periodic = self.config.snapshot_interval is not None
-        report = persistence.restore_dir(self.store, self.config.state_dir, remove=not periodic)
+        report = persistence.restore_dir(
+            self.store, self.config.state_dir, remove=not periodic, set_aside=not periodic
+        )
         self.rejected += report.rejected
         if report.restored or report.rejected:
             log.info(

@@ -191,8 +191,29 @@ def test_chunk_stream_budget_refuses_before_allocating():
             ],
             "more data",
         ),
+        *(
+            (
+                [
+                    tensor_pb2.TensorChunk(dtype=tensor_pb2.DT_FLOAT32, shape=[2], data=bytes(4)),
+                    tensor_pb2.TensorChunk(**later, data=bytes(4)),
+                ],
+                "differs from the first chunk's",
+            )
+            for later in (
+                {"dtype": tensor_pb2.DT_INT32},  # the same bytes, another dtype
+                {"shape": [1, 2]},
+                {"content_bytes": 8},
+            )
+        ),
     ],
 )
 def test_malformed_chunk_streams(chunks, match):
     with pytest.raises(InvalidArgumentError, match=match):
         codec.decode_chunks(chunks)
+
+
+def test_a_later_chunk_may_repeat_the_header():
+    head = {"dtype": tensor_pb2.DT_FLOAT32, "shape": [2]}
+    one = np.float32(1).tobytes()
+    chunks = [tensor_pb2.TensorChunk(**head, data=one), tensor_pb2.TensorChunk(**head, data=one)]
+    np.testing.assert_array_equal(codec.decode_chunks(chunks), np.ones(2, np.float32))

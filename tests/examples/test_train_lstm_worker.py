@@ -7,6 +7,8 @@ import pathlib
 
 import numpy as np
 
+from gradserve.server.core import tensor_array
+
 EXAMPLE = pathlib.Path(__file__).parents[2] / "examples" / "train_lstm_worker.py"
 
 
@@ -31,5 +33,8 @@ def test_worker_leaves_nothing_behind(server, target):
     with gradserve.Client(target) as client:
         x, y = example.make_batch(rng)
         example.train_step(client, params, x, y)
-        held = server.store.get(client.session_id).budget.used
-    assert held == 0
+        session = server.store.get(client.session_id)
+        held, records = session.budget.used, session.record_bytes()
+    # No tensor: only the record of the TensorArray it closed (its handle still names
+    # it, as in TensorFlow), which holds no slot.
+    assert held == records == tensor_array.ARRAY_BYTES + 2 * len("TensorArrayV3_1")

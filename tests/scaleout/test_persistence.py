@@ -237,6 +237,47 @@ def test_a_full_disk_fails_cleanly_and_keeps_the_previous_file(tmp_path, monkeyp
     assert persistence.read_session(tmp_path / persistence.file_name(s.id)).resident
 
 
+def test_a_restored_session_whose_write_fails_keeps_its_file_as_restored(tmp_path, monkeypatch):
+    """Without periodic snapshots a restore sets the files aside: a crash then loses
+    the sessions (no older state comes back), but a snapshot that cannot write one
+    puts its file back, as a failed write keeps the previous file. The file used to be
+    removed at the restore: the session was then in no file at all (exit code 1)."""
+    store = SessionStore()
+    kept, grown = store.create(), store.create()
+    kept.put(np.ones(3, np.float32))
+    grown.put(np.ones(5, np.float32))
+    persistence.write_snapshot(store.export_states(), tmp_path)
+    old = (tmp_path / persistence.file_name(grown.id)).read_bytes()
+
+    back = SessionStore()
+    assert persistence.restore_dir(back, tmp_path, set_aside=True).restored == 2
+    assert not list(persistence.snapshot_files(tmp_path))  # not restored a second time
+    back.get(grown.id).put(np.ones(1 << 16, np.float32))
+    real = persistence.write_session
+
+    def full_for_grown(state, path, to_host):
+        if state.id == grown.id:
+            raise persistence.SnapshotError("No space left on device")
+        return real(state, path, to_host)
+
+    monkeypatch.setattr(persistence, "write_session", full_for_grown)
+    report = persistence.write_snapshot(back.export_states(), tmp_path)
+    assert (report.written, report.failed) == (1, 1)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == sorted(persistence.file_name(s.id) for s in (kept, grown))
+    assert (tmp_path / persistence.file_name(grown.id)).read_bytes() == old
+
+
+def test_what_a_crash_left_set_aside_is_not_restored(tmp_path):
+    store = SessionStore()
+    store.create()
+    persistence.write_snapshot(store.export_states(), tmp_path)
+    assert persistence.restore_dir(SessionStore(), tmp_path, set_aside=True).restored == 1
+    # (a crash here: no snapshot) the next start restores nothing, and clears the rest
+    assert persistence.restore_dir(SessionStore(), tmp_path, set_aside=True).restored == 0
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_snapshot_larger_than_a_real_small_filesystem(tmp_path):
     """The same on a 1 MiB tmpfs (root only: mount)."""
     mount = tmp_path / "small"

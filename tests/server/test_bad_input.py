@@ -127,9 +127,11 @@ def test_huge_size_is_cheap_but_huge_reads_are_refused(server, client):
         client.raw_ops.TensorArrayConcatV3(h, flow, np.float32)
 
 
-def test_size_over_int32(client):
+@pytest.mark.parametrize("size", [np.int64(2**40), 2**40, 2**70, [2**70]], ids=repr)
+def test_size_over_int32(client, size):
+    """A Python int past int64 converts to an object array: that was a TypeError."""
     with pytest.raises(InvalidArgumentError, match="does not fit in int32"):
-        client.raw_ops.TensorArrayV3(size=np.int64(2**40), dtype=np.float32)
+        client.raw_ops.TensorArrayV3(size=size, dtype=np.float32)
 
 
 def test_non_scalar_index_and_float_index(client):

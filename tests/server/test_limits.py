@@ -255,3 +255,25 @@ def test_idle_sessions_expire_unless_kept_alive():
         assert len(server.store) == 1 and server.store.expired >= 1
         assert server.store.budget.used == 0
         kept.close()
+
+
+def test_tensor_arrays_of_nothing_fill_the_session_budget_too():
+    """Arrays and slots cost server memory of their own (~600 and ~220 bytes): a
+    session of 1 MB made 600,000 arrays (390 MB) through Batch, and grad arrays by
+    distinct sources, charged nothing. Now each is charged, and refused past the limit;
+    closing the session frees them all."""
+    with run_server(port=0, device="cpu", max_session_bytes=1 << 20) as server:
+        with gradserve.Client(f"127.0.0.1:{server.port}", shared_memory=False) as client:
+            batch = client.batch()
+            for _ in range(2000):
+                batch.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
+            with pytest.raises(ResourceExhaustedError, match="max-session-bytes") as info:
+                batch.run()
+            assert 900 < info.value.step < 1000  # about 1 KiB each
+            session = server.store.get(client.session_id)
+            assert session.budget.used == session.record_bytes() <= 1 << 20
+            h, flow = info.value.results[0]
+            with pytest.raises(ResourceExhaustedError, match="max-session-bytes"):
+                for n in range(200):  # a grad array per source: charged as well
+                    client.raw_ops.TensorArrayGradV3(h, flow, source=f"s{n}")
+        assert server.store.budget.used == 0

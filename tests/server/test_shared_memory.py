@@ -397,7 +397,8 @@ def test_a_region_copy_written_to_a_tensor_array_is_charged_once(objects):
         )
         codec.encode(np.array(0, np.int32), req.index.value)
         c._call("TensorArrayWriteV3", req)
-        assert s.store.get(c.session_id).budget.used == value.nbytes
+        session = s.store.get(c.session_id)
+        assert session.budget.used == value.nbytes + session.record_bytes()
         assert same_bits(c.raw_ops.TensorArrayReadV3(h, 0, flow, np.float32), value)
 
 

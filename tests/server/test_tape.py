@@ -344,16 +344,18 @@ def test_a_persistent_tape_frees_on_release_and_session_close(target):
                 r = c.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
             tape.gradient(r, x)
             tape.gradient(r, x)
-            assert srv.store.get(c.session_id).budget.used == base + 4000
+            session = srv.store.get(c.session_id)
+            assert session.budget.used == base + 4000 + session.record_bytes()  # + the array's
             assert tape.release() == 4000
-            assert srv.store.get(c.session_id).budget.used == base
+            assert session.budget.used == base + session.record_bytes()
             with c.gradient_tape(persistent=True):
                 c.raw_ops.StopGradient(x)
         assert srv.store.budget.used == 0  # the session's close freed the live tape
 
 
 def test_a_tape_over_the_byte_budget_is_refused_and_the_session_goes_on(target):
-    with run_server(host="127.0.0.1", port=0, max_session_bytes=128 * 1024) as srv:
+    # 128 KiB for tensors, 4 KiB for the array's records (``tensor_array.SLOT_BYTES``...)
+    with run_server(host="127.0.0.1", port=0, max_session_bytes=132 * 1024) as srv:
         with gradserve.Client(f"127.0.0.1:{srv.port}") as c:
             x = c.put(np.ones(4096, F32))  # 16 KiB
             with c.gradient_tape() as tape:
@@ -365,7 +367,8 @@ def test_a_tape_over_the_byte_budget_is_refused_and_the_session_goes_on(target):
                         reads.append(c.raw_ops.TensorArrayReadV3(h, 0, flow, F32))
             assert len(reads) == 6  # x, the element and six reads fill 128 KiB
             assert tape.release() == 6 * 16384
-            assert srv.store.get(c.session_id).budget.used == 2 * 16384  # x, the element
+            session = srv.store.get(c.session_id)
+            assert session.budget.used == 2 * 16384 + session.record_bytes()  # x, the element
             with c.gradient_tape() as tape:
                 flow = c.raw_ops.TensorArrayWriteV3(h, 1, x, flow)
                 r = c.raw_ops.TensorArrayReadV3(h, 1, flow, F32)
@@ -435,7 +438,8 @@ def test_a_tape_named_twice_in_the_header_is_one_tape(client, server):
     )
     r = TapedArray.wrap(np.ones(3, F32), reply.value.tape_id, (tape,))
     np.testing.assert_array_equal(tape.gradient(r, x), np.ones(3, F32))
-    assert used(server, client) == 12  # x (the read cleared the element); r let go of
+    # x (the read cleared the element; r let go of), and the array's records
+    assert used(server, client) == 12 + session_of(server, client).record_bytes()
 
 
 def _encoded(value):

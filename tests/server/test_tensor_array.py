@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gradserve.errors import InvalidArgumentError, ResourceExhaustedError, UnimplementedError
-from gradserve.server.core.tensor_array import TensorArray
+from gradserve.server.core.tensor_array import ARRAY_BYTES, SLOT_BYTES, TensorArray
 from tests.conftest import DeadlineOnCall
 
 F32 = np.float32
@@ -246,7 +246,8 @@ def test_huge_size_costs_nothing_until_used():
     ta = make(size=2**31 - 1)
     ta.write(2**31 - 2, v(1))
     assert ta.size() == 2**31 - 1
-    assert ta.nbytes() == 4
+    assert ta.nbytes() == 4 + ta.record_bytes()
+    assert ta.record_bytes() == ARRAY_BYTES + 2 * len("ta_1") + SLOT_BYTES  # one slot
 
 
 def test_gather_checks_between_reads_and_leaves_array_unchanged():
@@ -259,7 +260,7 @@ def test_gather_checks_between_reads_and_leaves_array_unchanged():
     with pytest.raises(DeadlineExceededError):
         ta.gather(list(range(n)), None, check)
     assert check.calls == 3
-    assert ta.nbytes() == 0  # the zeros read so far were rolled back
+    assert ta.nbytes() == ta.record_bytes() == ARRAY_BYTES + 2 * len("ta_1")  # rolled back
     np.testing.assert_array_equal(ta.read(0), [0.0])  # index 0 was not cleared
 
 
@@ -270,3 +271,38 @@ def test_unrepresentable_empty_shape_is_invalid_argument():
         ta.gather([], (2**40, 2**40))
     with pytest.raises(InvalidArgumentError, match="is too large"):
         ta.concat((2**40, 2**40))
+
+
+def test_what_an_array_holds_is_charged_to_its_budget_records_included():
+    """Values and the records of the array and its slots: 600,000 arrays of a few bytes,
+    or slots holding empty values, used to take server memory no budget saw."""
+    from gradserve.server.core.budget import MemoryBudget
+
+    budget = MemoryBudget(None, "session")
+    ta = make(size=4, budget=budget)
+    own = ARRAY_BYTES + 2 * len("ta_1")
+    assert budget.used == own
+    ta.write(0, np.zeros(0, F32))  # an empty value: its slot still costs
+    ta.write(1, v(1, 2))
+    assert budget.used == own + 2 * SLOT_BYTES + 8 == ta.nbytes()
+    g = ta.make_grad(
+        name="ta_1@s", shape_to_prepend=(), lookup=lambda: None, register=lambda g: None
+    )
+    assert (
+        budget.used == own + 2 * SLOT_BYTES + 8 + ARRAY_BYTES + 2 * len("ta_1@s") + 2 * SLOT_BYTES
+    )
+    g.discard()
+    ta.close()  # the values and slots go; the array's own record stays with its handle
+    assert budget.used == own
+    assert ta.discard() == own and budget.used == 0
+
+    tight = MemoryBudget(own - 1, "session")
+    with pytest.raises(ResourceExhaustedError, match="pass the limit"):
+        make(budget=tight)
+    assert tight.used == 0
+    room = MemoryBudget(own + SLOT_BYTES, "session")
+    full = make(budget=room)
+    full.write(0, np.zeros(0, F32))
+    with pytest.raises(ResourceExhaustedError, match="pass the limit"):
+        full.write(1, np.zeros(0, F32))  # a slot more than the limit holds
+    assert room.used == own + SLOT_BYTES and full.record_bytes() == room.used
