@@ -315,6 +315,17 @@ class Session:
         return kept
 
     @contextlib.contextmanager
+    def holding(self, nbytes: int) -> Iterator[None]:
+        """``nbytes`` charged to the budget while the block runs: memory an op allocates
+        for itself (its outputs and scratch) before anything keeps it; past a limit,
+        ``RESOURCE_EXHAUSTED`` before anything is allocated."""
+        self.budget.reserve(nbytes)
+        try:
+            yield
+        finally:
+            self.budget.release(nbytes)
+
+    @contextlib.contextmanager
     def reading(self, tensor_id: str) -> Iterator[Array]:
         """The tensor, for a stream that reads it out: its bytes stay charged until the
         stream ends, even if the tensor is deleted (or the session closed) meanwhile,

@@ -277,3 +277,31 @@ def test_tensor_arrays_of_nothing_fill_the_session_budget_too():
                 for n in range(200):  # a grad array per source: charged as well
                     client.raw_ops.TensorArrayGradV3(h, flow, source=f"s{n}")
         assert server.store.budget.used == 0
+
+
+def test_an_lstm_holds_its_outputs_in_the_budget_while_it_makes_them():
+    """Seven outputs (and a backward's gate gradients) are allocated before anything
+    keeps them: they count against the session's bytes while the op runs, so a session
+    cannot make the server allocate 7x --max-tensor-bytes per call past its budget."""
+    steps, batch, units = 10, 4, 8
+    out_bytes = steps * batch * units * 4  # float32
+    f32 = np.float32
+    args = [
+        np.int64(steps),
+        np.zeros((steps, batch, units), f32),
+        np.zeros((batch, units), f32),
+        np.zeros((batch, units), f32),
+        np.zeros((2 * units, 4 * units), f32),
+        *(np.zeros(units, f32) for _ in range(3)),
+        np.zeros(4 * units, f32),
+    ]
+    limit = 7 * out_bytes - 1
+    with run_server(port=0, device="cpu", max_session_bytes=limit) as server:
+        with gradserve.Client(f"127.0.0.1:{server.port}", shared_memory=False) as client:
+            with pytest.raises(ResourceExhaustedError, match="max-session-bytes"):
+                client.raw_ops.BlockLSTMV2(*args)
+            assert server.store.get(client.session_id).budget.used == 0
+    with run_server(port=0, device="cpu", max_session_bytes=7 * out_bytes) as server:
+        with gradserve.Client(f"127.0.0.1:{server.port}", shared_memory=False) as client:
+            assert client.raw_ops.BlockLSTMV2(*args).h.shape == (steps, batch, units)
+            assert server.store.get(client.session_id).budget.used == 0  # given back

@@ -192,15 +192,22 @@ def forward(
     values = LSTMInputs(*(session.resolve(a) for a in inputs))
     length = validate(variant.op, values._asdict(), seq_len_max)
     session.check_tensor_bytes(values.h_prev.itemsize * values.x.shape[0] * values.h_prev.size)
-    return compute.lstm_forward(
-        LSTMInputs(*(session.place(a, compute.to_device) for a in inputs)),
-        seq_len_max=length,
-        forget_bias=variant.forget_bias if forget_bias is None else forget_bias,
-        cell_clip=variant.cell_clip if cell_clip is None else cell_clip,
-        use_peephole=use_peephole,
-        layout=variant.layout,
-        check=check,
+    # The seven outputs, in the compute dtype, held in the session's budget while they
+    # are made (kept or returned, they are charged or gone after): 7x --max-tensor-bytes
+    # that no budget counted.
+    outputs = (
+        7 * lstm.compute_dtype(values.x.dtype).itemsize * values.x.shape[0] * values.h_prev.size
     )
+    with session.holding(outputs):
+        return compute.lstm_forward(
+            LSTMInputs(*(session.place(a, compute.to_device) for a in inputs)),
+            seq_len_max=length,
+            forget_bias=variant.forget_bias if forget_bias is None else forget_bias,
+            cell_clip=variant.cell_clip if cell_clip is None else cell_clip,
+            use_peephole=use_peephole,
+            layout=variant.layout,
+            check=check,
+        )
 
 
 def backward(
@@ -234,13 +241,18 @@ def backward(
     def placed(part: Any) -> Any:
         return type(part)(*(session.place(a, compute.to_device) for a in part))
 
-    return compute.lstm_backward(
-        placed(inputs),
-        placed(activations),
-        placed(output_grads),
-        seq_len_max=length,
-        use_peephole=use_peephole,
-        layout=variant.layout,
-        cell_clip=cell_clip,
-        check=check,
-    )
+    # Held while they are made, as the forward's outputs: the gate gradients of every
+    # step, x_grad and w_grad (the rest are a batch row or a gate row).
+    itemsize = lstm.compute_dtype(x.dtype).itemsize
+    scratch = itemsize * (x.shape[0] * x.shape[1] * (w.shape[1] + x.shape[2]) + w.size)
+    with session.holding(scratch):
+        return compute.lstm_backward(
+            placed(inputs),
+            placed(activations),
+            placed(output_grads),
+            seq_len_max=length,
+            use_peephole=use_peephole,
+            layout=variant.layout,
+            cell_clip=cell_clip,
+            check=check,
+        )
