@@ -60,6 +60,13 @@ class ServerProcess:
         return self.metric(name)
 
     def stop(self) -> int:
+        """SIGTERM and the exit code; one that has not exited in 30 s is killed (and the
+        wait raises): a test never leaves a server behind."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(30)
+        try:
+            return self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise

@@ -96,11 +96,17 @@ def lock_directory(directory: str | os.PathLike[str]) -> int:
             f"{path} is the state directory of a server that is running ({holder}): "
             "give each replica its own"
         ) from None
+    except OSError as e:  # no locks on this filesystem (NFS without its lock service)
+        log.warning("%s cannot be locked (%s): a second server on it would not be noticed", path, e)
+        return fd
     except BaseException:
         os.close(fd)
         raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
+    try:  # whose it is, for the message above; the lock holds without it (a full disk)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
+    except OSError:
+        pass
     return fd
 
 
@@ -128,6 +134,7 @@ class RestoreReport:
     rejected: int = 0
     errors: list[str] = dataclasses.field(default_factory=list)
     stopped: bool = False  # ``stop()`` ended it before the last file
+    files: list[pathlib.Path] = dataclasses.field(default_factory=list)  # those restored
 
 
 def file_name(session_id: str) -> str:
@@ -288,7 +295,8 @@ def write_snapshot(
         try:
             report.bytes += write_session(state, path, to_host)
             report.written += 1
-        except SnapshotError as e:
+        except Exception as e:  # noqa: BLE001 - this session is not saved; the others go on
+            # (not only a write: encoding it may fail too, e.g. a GPU tensor's copy)
             failed.add(file_name(state.id))
             report.failed += 1
             report.errors.append(str(e))
@@ -455,17 +463,11 @@ def restore_dir(
     directory: str | os.PathLike[str],
     *,
     remove: bool = True,
-    set_aside: bool = False,
     stop: Callable[[], bool] = lambda: False,
 ) -> RestoreReport:
     """Restore every session file in ``directory`` into ``store``; once ``stop()``
-    says so, no more (the files not read yet stay where they are).
-
-    With ``set_aside`` (the state dir without periodic snapshots), a restored file is
-    renamed ``*.restored`` rather than removed: not restored again (a crash before the
-    next snapshot loses the session, as with ``remove``), but the next snapshot puts
-    it back should that session's write fail, as a failed write keeps the previous
-    file. What a crash left set aside is removed first.
+    says so, no more (the files not read yet stay where they are). The files
+    restored are ``report.files``.
 
     With ``remove``, a restored session's file is removed: from then on the running
     server holds it, and its next snapshot writes it again, so that a crash never
@@ -476,10 +478,7 @@ def restore_dir(
     ``*.rejected`` (kept for a person to look at), logged and skipped.
     """
     report = RestoreReport()
-    restored: list[pathlib.Path] = []
-    if set_aside:
-        for stale in pathlib.Path(directory).glob(f"*{SUFFIX}{RESTORED_SUFFIX}"):
-            stale.unlink(missing_ok=True)
+    restored = report.files
     for path in snapshot_files(directory):
         if stop():
             report.stopped = True
@@ -497,8 +496,21 @@ def restore_dir(
         report.restored += 1
     if remove:  # only once every file is in: a crash mid-restore loses nothing
         for path in restored:
-            if set_aside:
-                path.replace(path.with_name(path.name + RESTORED_SUFFIX))
-            else:
-                path.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
     return report
+
+
+def set_aside(paths: Iterable[pathlib.Path]) -> None:
+    """Rename restored files ``*.restored`` (the state dir without periodic snapshots,
+    once the server serves their sessions): not restored again, so a crash before the
+    next snapshot loses those sessions rather than bring back an older state; but the
+    next snapshot puts one back should its session's write fail (``write_snapshot``),
+    as a failed write keeps the previous file."""
+    for path in paths:
+        path.replace(path.with_name(path.name + RESTORED_SUFFIX))
+
+
+def clear_set_aside(directory: str | os.PathLike[str]) -> None:
+    """Remove what ``set_aside`` left (at start: a crash came before the snapshot)."""
+    for stale in pathlib.Path(directory).glob(f"*{SUFFIX}{RESTORED_SUFFIX}"):
+        stale.unlink(missing_ok=True)

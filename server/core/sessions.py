@@ -14,6 +14,7 @@ lock, so ops on different arrays (and sessions) run concurrently.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import re
@@ -81,6 +82,11 @@ class _Kept:
     refs: int = 1
 
 
+#: Closed TensorArrays a session keeps (``Session.close_tensor_array``): their records
+#: stay charged (about 1 KiB each), so at most a quarter MiB of a session's budget.
+MAX_CLOSED_ARRAYS = 256
+
+
 def new_token(nbytes: int = 16) -> str:
     """An unguessable id: ``nbytes`` random bytes, URL-safe text."""
     return secrets.token_urlsafe(nbytes)
@@ -137,6 +143,8 @@ class Session:
         self._name_counter = 0
         self._arrays: dict[str, TensorArray] = {}
         self._grads: dict[tuple[str, str], str] = {}
+        #: Handles of closed arrays, oldest first: at most ``MAX_CLOSED_ARRAYS`` kept.
+        self._closed_arrays: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._resident: dict[str, _Kept] = {}
         #: Bytes held for tensors still arriving (``reserve_tensor``).
         self._reservations: set[TensorReservation] = set()
@@ -180,6 +188,31 @@ class Session:
             handle = new_token()
             self._arrays[handle] = ta
             return handle, ta
+
+    def close_tensor_array(self, handle: str) -> None:
+        """TensorArrayCloseV3. The closed array stays, so that its handle says "already
+        closed" as in TensorFlow, but only the ``MAX_CLOSED_ARRAYS`` most recently
+        closed ones: older ones are forgotten (their handles then do not exist, their
+        records' bytes are released). TensorFlow frees a closed array with its step or
+        its handle; kept for ever, a session that makes an array per training step
+        grew by one record (and a budget charge) per step, and a session of 1 MiB ran
+        out after 991 steps."""
+        ta = self.tensor_array(handle)
+        ta.close()
+        with self._lock:
+            if self._closed or self._arrays.get(handle) is not ta:
+                return
+            self._closed_arrays[handle] = None
+            self._closed_arrays.move_to_end(handle)
+            forgotten = []
+            while len(self._closed_arrays) > MAX_CLOSED_ARRAYS:
+                old, _ = self._closed_arrays.popitem(last=False)
+                forgotten.append(self._arrays.pop(old, None))
+                for key in [k for k, g in self._grads.items() if old in (k[0], g)]:
+                    del self._grads[key]  # (a grad array of it stays, an array of its own)
+        for gone in forgotten:
+            if gone is not None:
+                gone.discard()
 
     def record_bytes(self) -> int:
         """Bytes charged for the records of this session's TensorArrays (the arrays and
@@ -552,7 +585,10 @@ class Session:
         """Remove every gradient array made for ``source`` (and free its bytes)."""
         with self._lock:
             keys = [key for key in self._grads if key[1] == source]
-            arrays = [self._arrays.pop(self._grads.pop(key), None) for key in keys]
+            handles = [self._grads.pop(key) for key in keys]
+            arrays = [self._arrays.pop(handle, None) for handle in handles]
+            for handle in handles:
+                self._closed_arrays.pop(handle, None)
         for ta in arrays:
             if ta is not None:
                 ta.discard()  # gone from the session: its records too
@@ -657,6 +693,9 @@ class Session:
                 session.close()
                 raise ValueError(f"grad array of {forward!r} for {source!r}: no such array")
         session._grads = dict(state.grads)
+        for handle, ta in session._arrays.items():
+            if ta.closed:
+                session._closed_arrays[handle] = None
         return session
 
     # ---------------------------------------------------------------- lifecycle
@@ -678,6 +717,7 @@ class Session:
             freed += sum(r.nbytes for r in self._reservations)
             self._arrays.clear()
             self._grads.clear()
+            self._closed_arrays.clear()
             self._resident.clear()
             self._reservations.clear()
         self.budget.release(freed)

@@ -202,6 +202,11 @@ class TensorArray:
         with self._lock:
             return self._nbytes
 
+    @property
+    def closed(self) -> bool:
+        with self._lock:
+            return self._closed
+
     def record_bytes(self) -> int:
         """Bytes charged for the array's and its slots' records (``nbytes`` less values)."""
         with self._lock:

@@ -103,7 +103,7 @@ class Server:
         if self.keeper is not None and self.keeper.enabled:
             self.keeper.wait_for_adoption()  # the sessions it adopts are saved too
             try:
-                self.keeper.snapshot()  # drained: every session as its last call left it
+                self.keeper.snapshot(final=True)  # drained: each as its last call left it
             finally:
                 self.keeper.release()
         self.store.close_all()
@@ -276,10 +276,15 @@ def start(config: ServerConfig) -> Server:
         from prometheus_client import start_http_server
 
         assert config.metrics_port is not None  # metrics exist only with a port
-        http, _ = start_http_server(
-            config.metrics_port, addr=config.host, registry=metrics.registry
-        )
+        try:
+            http, _ = start_http_server(
+                config.metrics_port, addr=config.host, registry=metrics.registry
+            )
+        except BaseException:  # (its port taken): stop what started, save what it holds
+            server.stop(grace=0)
+            raise
         server.metrics_port = http.server_port
+    keeper.serving()  # only now: a start that failed above restores the same files again
     if config.snapshot_interval is not None and config.state_dir is not None:
         threading.Thread(
             target=keeper.run_periodically,

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import sys
+import threading
 from typing import Any
 
 from gradserve.server.transport.config import LSTM_FORMULATIONS, ServerConfig
@@ -233,7 +234,23 @@ def configure_logging(level: str, fmt: str) -> LogWriter:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     writer = LogWriter(handler)
     logging.basicConfig(level=level.upper(), handlers=[writer.queue_handler], force=True)
+    # What Python itself would write to stderr goes through it as well: warnings (a
+    # NumPy overflow warning, written while a TensorArray's lock was held, hung the
+    # drain behind a full pipe) and the exceptions that end a thread.
+    logging.captureWarnings(True)
+    threading.excepthook = _log_thread_exception
     return writer
+
+
+def _log_thread_exception(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:  # as threading's own hook: silent
+        return
+    name = args.thread.name if args.thread is not None else "?"
+    logging.getLogger("gradserve").error(
+        "uncaught exception in thread %s",
+        name,
+        exc_info=(args.exc_type, args.exc_value, args.exc_traceback),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, RuntimeError, OSError) as e:
         print(f"gradserve: {e}", file=sys.stderr)
         code = 2
+    except BaseException:  # written out first: the lines that say what went wrong
+        writer.close(LOG_DRAIN_SECONDS)
+        raise
     if not writer.close(LOG_DRAIN_SECONDS):
         # stderr's reader is not reading: flushing it at exit would block as well.
         # The sessions are saved (or the exit code says not): leave now.

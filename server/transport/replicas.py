@@ -45,6 +45,13 @@ class StateKeeper:
     #: Held while an adoption runs: the snapshot after the drain waits for it.
     _adopting: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     _directory_lock: int | None = None  # the state dir's lock file, held while serving
+    _restored_files: list[Any] = dataclasses.field(default_factory=list)  # to set aside
+    _finished: bool = False  # the final snapshot is written: no other after it
+
+    def serving(self) -> None:
+        """The server has started: set the restored files aside (``restore``)."""
+        persistence.set_aside(self._restored_files)
+        self._restored_files = []
 
     def release(self) -> None:
         """Let go of the state dir (after the last snapshot): another server may take it."""
@@ -65,13 +72,15 @@ class StateKeeper:
         if self._directory_lock is None:
             self._directory_lock = persistence.lock_directory(self.config.state_dir)
         # With periodic snapshots the files stay (a crash before the next one restores
-        # them again); without, they are set aside (a crash then loses the sessions,
-        # rather than bringing back a state older than what clients have since done;
-        # a snapshot whose write of one fails puts its file back).
-        periodic = self.config.snapshot_interval is not None
-        report = persistence.restore_dir(
-            self.store, self.config.state_dir, remove=not periodic, set_aside=not periodic
-        )
+        # them again); without, they are set aside once the server serves (a crash
+        # then loses the sessions, rather than bringing back a state older than what
+        # clients have since done; a snapshot whose write of one fails puts its file
+        # back). Not before: a start that fails after the restore keeps them all.
+        if self.config.snapshot_interval is None:
+            persistence.clear_set_aside(self.config.state_dir)
+        report = persistence.restore_dir(self.store, self.config.state_dir, remove=False)
+        if self.config.snapshot_interval is None:
+            self._restored_files = report.files
         self.rejected += report.rejected
         if report.restored or report.rejected:
             log.info(
@@ -135,12 +144,17 @@ class StateKeeper:
         with self._adopting:
             pass
 
-    def snapshot(self) -> persistence.SnapshotReport | None:
+    def snapshot(self, *, final: bool = False) -> persistence.SnapshotReport | None:
         """Write every open session to the state dir (one at a time: a periodic one and
-        the one at shutdown never interleave)."""
+        the one at shutdown never interleave). After the ``final`` one (the drain's),
+        none: a periodic one that began just before the drain and waited for this lock
+        would find the sessions closing and remove their files."""
         if self.config.state_dir is None:
             return None
         with self._lock:
+            if self._finished:
+                return None
+            self._finished = final
             report = persistence.write_snapshot(
                 self.store.export_states(), self.config.state_dir, self.compute.to_host
             )

@@ -78,5 +78,6 @@ def make_cluster(tmp_path):
         return cluster
 
     yield make
-    for cluster in made:
-        cluster.stop()
+    with contextlib.ExitStack() as stack:  # every cluster, even if one fails to stop
+        for cluster in made:
+            stack.callback(cluster.stop)

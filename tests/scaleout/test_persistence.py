@@ -250,14 +250,16 @@ def test_a_restored_session_whose_write_fails_keeps_its_file_as_restored(tmp_pat
     old = (tmp_path / persistence.file_name(grown.id)).read_bytes()
 
     back = SessionStore()
-    assert persistence.restore_dir(back, tmp_path, set_aside=True).restored == 2
+    report = persistence.restore_dir(back, tmp_path, remove=False)
+    assert report.restored == 2
+    persistence.set_aside(report.files)  # (the server serves them now)
     assert not list(persistence.snapshot_files(tmp_path))  # not restored a second time
     back.get(grown.id).put(np.ones(1 << 16, np.float32))
     real = persistence.write_session
 
     def full_for_grown(state, path, to_host):
-        if state.id == grown.id:
-            raise persistence.SnapshotError("No space left on device")
+        if state.id == grown.id:  # any failure, its encoding's too (a GPU copy)
+            raise RuntimeError("cudaErrorIllegalAddress")
         return real(state, path, to_host)
 
     monkeypatch.setattr(persistence, "write_session", full_for_grown)
@@ -272,9 +274,11 @@ def test_what_a_crash_left_set_aside_is_not_restored(tmp_path):
     store = SessionStore()
     store.create()
     persistence.write_snapshot(store.export_states(), tmp_path)
-    assert persistence.restore_dir(SessionStore(), tmp_path, set_aside=True).restored == 1
-    # (a crash here: no snapshot) the next start restores nothing, and clears the rest
-    assert persistence.restore_dir(SessionStore(), tmp_path, set_aside=True).restored == 0
+    report = persistence.restore_dir(SessionStore(), tmp_path, remove=False)
+    persistence.set_aside(report.files)
+    # (a crash here: no snapshot) the next start clears what was set aside, restores nothing
+    persistence.clear_set_aside(tmp_path)
+    assert persistence.restore_dir(SessionStore(), tmp_path).restored == 0
     assert list(tmp_path.iterdir()) == []
 
 
@@ -304,6 +308,31 @@ def test_a_snapshot_larger_than_a_real_small_filesystem(tmp_path):
         assert persistence.restore_dir(back, mount).restored == 2
         assert back.get(small.id).budget.used == 4000
         assert back.get(big.id).budget.used == 0  # its previous file: before the big put
+    finally:
+        subprocess.run(["umount", str(mount)])
+
+
+def test_a_full_state_disk_still_takes_its_lock(tmp_path):
+    """A server must come up on a full state disk to restore from it: writing the pid
+    into a new lock file failed (ENOSPC) and the start with it. Root only (mount)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)])
+    if done.returncode != 0:
+        pytest.skip("no permission to mount a tmpfs here (a container without CAP_SYS_ADMIN)")
+    try:
+        with pytest.raises(OSError), open(mount / "filler", "wb") as fh:
+            while True:
+                fh.write(bytes(4096))
+                fh.flush()
+        held = persistence.lock_directory(mount)
+        try:
+            with pytest.raises(persistence.DirectoryInUseError):
+                persistence.lock_directory(mount)
+        finally:
+            os.close(held)
     finally:
         subprocess.run(["umount", str(mount)])
 
@@ -426,3 +455,42 @@ def test_restored_tensors_own_their_memory(tmp_path):
     value = restored.get(session.id).get(ids[1])
     np.testing.assert_array_equal(value, small)
     assert value.base is None or value.base.nbytes == small.nbytes  # no view of the file
+
+
+def test_a_session_keeps_its_most_recently_closed_arrays_only():
+    """A closed array's handle still says "already been closed" (TensorFlow's error),
+    but a session that makes and closes an array per training step must not grow for
+    ever: past ``MAX_CLOSED_ARRAYS`` the oldest closed ones are forgotten, records and
+    charges included. A grad array of a forgotten forward stays an array of its own,
+    and the session still round-trips through a snapshot."""
+    from gradserve.errors import InvalidArgumentError, NotFoundError
+    from gradserve.server.core.sessions import MAX_CLOSED_ARRAYS
+
+    store = SessionStore()
+    s = store.create()
+    first, ta = s.create_tensor_array(tensor_array_name="fwd", dtype=np.float32, size=1)
+    ta.write(0, np.ones(2, np.float32))
+    grad_handle, grad = s.grad_array(first, "gradients")
+    s.close_tensor_array(first)
+    handles = [first]
+    for _ in range(MAX_CLOSED_ARRAYS):
+        h, _ = s.create_tensor_array(tensor_array_name="", dtype=np.float32, size=1)
+        s.close_tensor_array(h)
+        handles.append(h)
+    with pytest.raises(NotFoundError, match="does not exist"):
+        s.tensor_array(first).size()  # the oldest closed one is forgotten
+    with pytest.raises(InvalidArgumentError, match="already been closed"):
+        s.tensor_array(handles[1]).size()  # the rest say so, as in TensorFlow
+    grad.write(0, np.ones(2, np.float32))  # its grad array lives on
+    assert s.budget.used == s.record_bytes() + 8
+    assert len(list(s._arrays)) == MAX_CLOSED_ARRAYS + 1  # the closed ones and the grad
+    assert s.budget.used < 300 * 1024  # however many were closed before
+    (state,) = store.export_states()
+    back = SessionStore()
+    back.restore(state)
+    (again,) = back.export_states()
+    assert_same_state(again, state)
+    assert back.get(s.id).budget.used == s.budget.used
+    assert len(back.get(s.id)._closed_arrays) == MAX_CLOSED_ARRAYS  # and it goes on bounded
+    store.close(s.id)
+    assert store.budget.used == 0

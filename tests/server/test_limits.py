@@ -305,3 +305,16 @@ def test_an_lstm_holds_its_outputs_in_the_budget_while_it_makes_them():
         with gradserve.Client(f"127.0.0.1:{server.port}", shared_memory=False) as client:
             assert client.raw_ops.BlockLSTMV2(*args).h.shape == (steps, batch, units)
             assert server.store.get(client.session_id).budget.used == 0  # given back
+
+
+def test_a_long_session_that_makes_and_closes_an_array_per_step_never_runs_out():
+    """Closed arrays stay charged (their handles still say "already closed"), but only
+    the most recent few hundred: a session of 1 MiB ran out after 991 steps."""
+    with run_server(port=0, device="cpu", max_session_bytes=1 << 20) as server:
+        with gradserve.Client(f"127.0.0.1:{server.port}", shared_memory=False) as client:
+            for _ in range(3000):
+                batch = client.batch()
+                h, flow = batch.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
+                batch.raw_ops.TensorArrayCloseV3(h)
+                batch.run()
+            assert server.store.get(client.session_id).budget.used < 300 * 1024

@@ -37,14 +37,20 @@ def _port(proc: subprocess.Popen) -> int:
     raise AssertionError(f"no 'listening on' line; exit code {proc.wait(30)}")
 
 
-def test_a_log_reader_that_stops_reading_blocks_no_call_and_not_the_drain():
+def test_a_log_reader_that_stops_reading_blocks_no_call_and_not_the_drain(tmp_path):
     """Each failed call logs a line at INFO. Once stdout/stderr's pipe is full (64 KiB
     here: a few hundred lines), writing the next line blocks; that used to happen on
-    the event loop, so no call was answered, and SIGTERM's drain never began."""
-    proc = subprocess.Popen(SERVE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    the event loop, so no call was answered, and SIGTERM's drain never began. A
+    warning Python writes itself (NumPy's, a float16 gradient that overflows, written
+    while the array's lock is held) blocked the same way: the last snapshot then
+    waited on that lock for ever."""
+    state = tmp_path / "state"
+    serve = [*SERVE, "--state-dir", str(state), "--grace", "1"]
+    proc = subprocess.Popen(serve, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         port = _port(proc)  # and from here on nobody reads the pipe
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        target = f"127.0.0.1:{port}"
+        with grpc.insecure_channel(target) as channel:
             stub = service_pb2_grpc.GradServeStub(channel)
             lost = ((protocol.SESSION_METADATA_KEY, "no-such-session-" + "x" * 200),)
             for call in range(2000):  # about 600 KB of log lines
@@ -52,8 +58,15 @@ def test_a_log_reader_that_stops_reading_blocks_no_call_and_not_the_drain():
                     stub.KeepAlive(service_pb2.KeepAliveRequest(), metadata=lost, timeout=5)
                 except grpc.RpcError as e:
                     assert e.code() == grpc.StatusCode.NOT_FOUND, (call, e.code())
+        client = gradserve.Client(target, shared_memory=False, timeout=10)
+        h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=np.float16)
+        g, gflow = client.raw_ops.TensorArrayGradV3(h, flow, source="s")
+        big = np.array([60000], np.float16)
+        client.raw_ops.TensorArrayWriteV3(g, 0, big, gflow)
+        client.raw_ops.TensorArrayWriteV3(g, 0, big, gflow)  # sums to inf: NumPy warns
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0  # drained and exited, the pipe still unread
+        assert proc.wait(30) == 0  # drained, saved and exited, the pipe still unread
+        assert len(list(persistence.snapshot_files(state))) == 1
     finally:
         proc.kill()
         proc.wait()
@@ -237,3 +250,47 @@ def test_adoption_leaves_a_running_servers_files_alone(tmp_path):
         with pytest.raises(ConfigError, match="--state-dir: .* server that is running"):
             with run_server(state_dir=str(live)):
                 pass
+
+
+def test_a_start_that_fails_after_the_restore_keeps_every_session(tmp_path):
+    """The restore sets its files aside only once the server serves: a start that
+    failed later (its port, or its metrics port, taken) used to leave them set aside,
+    and the next start removed them."""
+    import socket
+
+    state = str(tmp_path / "state")
+    first = ServerProcess("--state-dir", state)
+    client = gradserve.Client(first.target, shared_memory=False)
+    ref = client.put(np.arange(3, dtype=np.float32))
+    session_id = client.session_id
+    assert first.stop() == 0
+    with contextlib.suppress(gradserve.errors.GradserveError):
+        client.close()
+    for flag in ("--port", "--metrics-port"):
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = str(taken.getsockname()[1])
+            command = [*SERVE, "--state-dir", state, "--metrics-port", "0", flag, port]
+            failed = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert failed.returncode == 2, failed.stderr
+        assert len(list(persistence.snapshot_files(state))) == 1, flag
+    again = ServerProcess("--state-dir", state)
+    try:
+        with gradserve.Client(again.target, session_id=session_id, shared_memory=False) as c:
+            np.testing.assert_array_equal(c.get(ref.id), np.arange(3, dtype=np.float32))
+    finally:
+        assert again.stop() == 0
+
+
+def test_no_snapshot_after_the_final_one(tmp_path):
+    """A periodic snapshot that began just before the drain waits for the final one's
+    lock; run after it, it found the sessions closing and removed their files."""
+    state = tmp_path / "state"
+    with run_server(state_dir=str(state)) as server:
+        server.store.create()
+        keeper = server.keeper
+        server.stop()
+        assert len(list(persistence.snapshot_files(state))) == 1
+        assert keeper.snapshot() is None  # a late periodic one: nothing done
+        assert len(list(persistence.snapshot_files(state))) == 1

@@ -147,7 +147,7 @@ def size(session: Session, handle: str) -> np.ndarray:
 
 
 def close(session: Session, handle: str) -> None:
-    session.tensor_array(handle).close()
+    session.close_tensor_array(handle)
 
 
 def grad(
