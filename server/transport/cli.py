@@ -243,7 +243,7 @@ def configure_logging(level: str, fmt: str) -> LogWriter:
 
 
 def _log_thread_exception(args: threading.ExceptHookArgs) -> None:
-    if args.exc_type is SystemExit:  # as threading's own hook: silent
+    if args.exc_type is SystemExit or args.exc_value is None:  # as threading's own hook
         return
     name = args.thread.name if args.thread is not None else "?"
     logging.getLogger("gradserve").error(

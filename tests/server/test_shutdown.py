@@ -6,6 +6,7 @@ progress, so that every adopted session is saved or still in the adopt dir."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import signal
 import subprocess
@@ -294,3 +295,24 @@ def test_no_snapshot_after_the_final_one(tmp_path):
         assert len(list(persistence.snapshot_files(state))) == 1
         assert keeper.snapshot() is None  # a late periodic one: nothing done
         assert len(list(persistence.snapshot_files(state))) == 1
+
+
+def test_warnings_and_a_threads_exception_go_through_the_log_writer():
+    script = textwrap.dedent(
+        """
+        import threading, warnings
+        from gradserve.server.transport.cli import configure_logging
+        writer = configure_logging("info", "json")
+        warnings.warn("a warning")
+        t = threading.Thread(target=lambda: 1 / 0, name="doomed")
+        t.start(); t.join()
+        assert writer.close(5)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stderr.splitlines()]
+    assert [line["logger"] for line in lines] == ["py.warnings", "gradserve"]
+    assert "UserWarning: a warning" in lines[0]["message"]
+    assert lines[1]["message"] == "uncaught exception in thread doomed"
+    assert "ZeroDivisionError" in lines[1]["exception"]
