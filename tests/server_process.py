@@ -60,13 +60,18 @@ class ServerProcess:
         return self.metric(name)
 
     def stop(self) -> int:
-        """SIGTERM and the exit code; one that has not exited in 30 s is killed (and the
-        wait raises): a test never leaves a server behind."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise
+        return stop_process(self.proc, signal.SIGTERM, 30)
+
+
+def stop_process(proc: subprocess.Popen, sig: int, timeout: float) -> int:
+    """Send ``sig`` and return the exit code; a process that has not exited within
+    ``timeout`` seconds is killed (and the wait raises): a test never leaves a server
+    behind."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise

@@ -12,6 +12,7 @@ import threading
 import urllib.request
 
 from tests.scaleout.proxies import free_port
+from tests.server_process import stop_process
 
 
 class Replica:
@@ -52,14 +53,7 @@ class Replica:
         exited within a minute is killed (and the wait raises): a test never leaves a
         replica behind."""
         assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise
+        return stop_process(self.proc, sig, 60)
 
     def metric(self, name: str) -> float:
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"

@@ -4,6 +4,7 @@ half-loaded; a write that runs out of space leaves the previous file intact."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -282,16 +283,25 @@ def test_what_a_crash_left_set_aside_is_not_restored(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_snapshot_larger_than_a_real_small_filesystem(tmp_path):
-    """The same on a 1 MiB tmpfs (root only: mount)."""
-    mount = tmp_path / "small"
-    mount.mkdir()
+@contextlib.contextmanager
+def small_filesystem(path, size: str):
+    """A tmpfs of ``size`` mounted at ``path`` for the block (root only: the test is
+    skipped where it cannot mount)."""
+    path.mkdir()
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("mounting a tmpfs needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)])
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)])
     if done.returncode != 0:
         pytest.skip("no permission to mount a tmpfs here (a container without CAP_SYS_ADMIN)")
     try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)])
+
+
+def test_a_snapshot_larger_than_a_real_small_filesystem(tmp_path):
+    """The same on a 1 MiB tmpfs (root only: mount)."""
+    with small_filesystem(tmp_path / "small", "1m") as mount:
         store = SessionStore()
         small, big = store.create(), store.create()
         small.put(np.ones(1000, np.float32))
@@ -308,21 +318,12 @@ def test_a_snapshot_larger_than_a_real_small_filesystem(tmp_path):
         assert persistence.restore_dir(back, mount).restored == 2
         assert back.get(small.id).budget.used == 4000
         assert back.get(big.id).budget.used == 0  # its previous file: before the big put
-    finally:
-        subprocess.run(["umount", str(mount)])
 
 
 def test_a_full_state_disk_still_takes_its_lock(tmp_path):
     """A server must come up on a full state disk to restore from it: writing the pid
     into a new lock file failed (ENOSPC) and the start with it. Root only (mount)."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)])
-    if done.returncode != 0:
-        pytest.skip("no permission to mount a tmpfs here (a container without CAP_SYS_ADMIN)")
-    try:
+    with small_filesystem(tmp_path / "small", "64k") as mount:
         with pytest.raises(OSError), open(mount / "filler", "wb") as fh:
             while True:
                 fh.write(bytes(4096))
@@ -333,8 +334,6 @@ def test_a_full_state_disk_still_takes_its_lock(tmp_path):
                 persistence.lock_directory(mount)
         finally:
             os.close(held)
-    finally:
-        subprocess.run(["umount", str(mount)])
 
 
 def test_tapes_are_not_persisted_and_the_rest_is(tmp_path, caplog):
