@@ -63,7 +63,7 @@ FORMAT_VERSION = 1
 SUFFIX = ".gss"
 TEMP_PREFIX = ".tmp-"
 REJECTED_SUFFIX = ".rejected"
-#: A restored session's file, set aside until the next snapshot (``restore_dir``).
+#: A restored session's file, set aside until the next snapshot (``set_aside``).
 RESTORED_SUFFIX = ".restored"
 _HEADER = struct.Struct("<8sIIQ32s")
 _U64 = struct.Struct("<Q")
@@ -318,7 +318,7 @@ def write_snapshot(
         report.failed += report.written
         report.written = 0
         report.errors.append(f"{directory}: {e}")
-        log.error("snapshot: %s could not be synced: %s", path, e)
+        log.error("snapshot: %s could not be cleaned up or synced: %s", path, e)
     report.seconds = time.monotonic() - started
     if report.tapes_dropped:
         log.warning("snapshot: %d gradient tape(s) not persisted", report.tapes_dropped)

@@ -345,9 +345,10 @@ def serve(config: ServerConfig) -> int:
     # Compute threads run Python between NumPy calls while holding the GIL; a short
     # switch interval lets the event loop (health, small calls) in sooner.
     sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
-    # The handlers come first: a SIGTERM while the server starts (its sessions
-    # restored from --state-dir, their files gone) must drain and save them, not end
-    # the process as SIGTERM's default does. A SIGHUP then adopts once it has started.
+    # The handlers come first: a SIGTERM while the server starts, or just after (its
+    # sessions restored from --state-dir and their files set aside), must drain and
+    # save them, not end the process as SIGTERM's default does. A SIGHUP then adopts
+    # once it has started.
     stop, adopt_asked = threading.Event(), threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
