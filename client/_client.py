@@ -846,8 +846,7 @@ def _as_integer_input(array: np.ndarray, target: np.dtype) -> np.ndarray:
 
     Anything else is sent as it is, for the server to reject with the op's message.
     """
-    integer = target.kind in "iu"
-    if integer and array.dtype == object and any(isinstance(v, int) for v in array.flat):
+    if array.dtype == object and any(isinstance(v, int) for v in array.flat):
         raise InvalidArgumentError(f"{array.tolist()!r} does not fit in {target}")  # past int64
     if array.dtype == target or not (array.size == 0 or array.dtype.kind in "iub"):
         return array

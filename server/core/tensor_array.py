@@ -117,8 +117,6 @@ class TensorArray:
         self.max_output_bytes = max_output_bytes
         self.max_size = max_size
         self._budget = budget
-        #: Charged to ``budget``: the values' bytes and the records' (module docstring).
-        self._nbytes = 0
         self._lock = threading.Lock()
         self._slots: dict[int, _Slot] = {}
         self._size = size
@@ -131,6 +129,7 @@ class TensorArray:
         self._own_bytes = ARRAY_BYTES + 2 * len(name)  # held until ``discard``
         if budget is not None:
             budget.reserve(self._own_bytes)  # past a limit: raises, nothing made
+        #: Charged to ``budget``: the values' bytes and the records' (module docstring).
         self._nbytes = self._own_bytes
 
     # ------------------------------------------------------------------ journal

@@ -13,7 +13,7 @@ So records are handed to a bounded queue, never waiting (``logging.handlers``'s
 read, that thread is the only one blocked; records beyond the queue's room are
 counted and dropped, and a warning says how many once there is room again. At exit
 ``close`` gives the thread a few seconds to write what is queued; if the reader is
-still not reading, ``entry`` leaves the process without flushing stderr (which would
+still not reading, ``cli.main`` leaves the process without flushing stderr (which would
 block as well), its state already saved.
 """
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import pathlib
 import threading
 from typing import Any
 
@@ -45,7 +46,7 @@ class StateKeeper:
     #: Held while an adoption runs: the snapshot after the drain waits for it.
     _adopting: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     _directory_lock: int | None = None  # the state dir's lock file, held while serving
-    _restored_files: list[Any] = dataclasses.field(default_factory=list)  # to set aside
+    _restored_files: list[pathlib.Path] = dataclasses.field(default_factory=list)  # set aside
     _finished: bool = False  # the final snapshot is written: no other after it
 
     def serving(self) -> None:

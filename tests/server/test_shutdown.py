@@ -80,11 +80,15 @@ class _Blocked(logging.Handler):
     def __init__(self) -> None:
         super().__init__()
         self.go = threading.Event()
-        self.lines: list[str] = []
+        self.records: list[logging.LogRecord] = []
+
+    @property
+    def lines(self) -> list[str]:
+        return [r.getMessage() for r in self.records]
 
     def emit(self, record: logging.LogRecord) -> None:
         self.go.wait()
-        self.lines.append(record.getMessage())
+        self.records.append(record)
 
 
 def test_records_past_the_queue_are_dropped_counted_and_reported():
@@ -112,9 +116,10 @@ def test_records_past_the_queue_are_dropped_counted_and_reported():
 
 
 def test_an_exception_reaches_the_writer_as_text():
+    """Its message as logged, its traceback apart (``exc_text``, formatted when it was
+    queued), for the writer's formatter: a JSON line's "exception" field."""
     target = _Blocked()
     target.go.set()
-    target.setFormatter(logging.Formatter("%(message)s"))
     writer = LogWriter(target)
     log = logging.getLogger("test_shutdown.exception")
     log.propagate = False
@@ -127,13 +132,17 @@ def test_an_exception_reaches_the_writer_as_text():
         assert writer.close(5)
     finally:
         log.removeHandler(writer.queue_handler)
-    assert target.lines == ["failed: this"]
+    assert target.lines == ["failed: this"]  # not the traceback folded into it
+    (record,) = target.records
+    assert record.exc_info is None  # (a traceback object does not outlive its thread well)
+    assert record.exc_text.endswith("ValueError: the cause")
 
 
 def test_a_sigterm_while_starting_drains_and_saves_the_restored_sessions(tmp_path):
-    """Without periodic snapshots, a restore removes the files it read: a SIGTERM that
-    landed after it, before the server had its handlers, ended the process and lost
-    every restored session. The signal here lands right after the restore."""
+    """SIGTERM's default (ending the process) applied until the server had its
+    handlers, after it started: once the restored files were set aside (the files
+    were removed then), that lost every restored session. Now a SIGTERM that lands
+    during the start, here right after the restore, drains and saves them: exit 0."""
     state = tmp_path / "state"
     first = ServerProcess("--state-dir", str(state))
     value = np.arange(6, dtype=np.float32)
@@ -195,7 +204,9 @@ def test_a_drain_waits_for_an_adoption_and_loses_none_of_its_sessions(tmp_path, 
     with run_server(state_dir=str(state), adopt_dir=str(adopt), grace=0) as server:
         adoption = threading.Thread(target=server.keeper.adopt)
         adoption.start()
-        time.sleep(0.2)  # a few files in
+        deadline = time.monotonic() + 10
+        while len(server.store) < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)  # a few files in (not a guess at how fast they go)
         server.stop()
         adoption.join(10)
     saved = {persistence.read_session(p).id for p in persistence.snapshot_files(state)}
