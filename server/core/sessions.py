@@ -37,6 +37,7 @@ from gradserve.errors import (
     UnavailableError,
 )
 from gradserve.server.core.budget import MemoryBudget
+from gradserve.server.core.grad_registry import GradRegistry
 from gradserve.server.core.regions import RegionTable
 from gradserve.server.core.tape import MAX_TAPES_PER_SESSION, Tape
 from gradserve.server.core.tensor_array import TensorArray, TensorArrayState
@@ -142,7 +143,7 @@ class Session:
         self._closed = False
         self._name_counter = 0
         self._arrays: dict[str, TensorArray] = {}
-        self._grads: dict[tuple[str, str], str] = {}
+        self._grads = GradRegistry()
         #: Handles of closed arrays, oldest first: at most ``MAX_CLOSED_ARRAYS`` kept.
         self._closed_arrays: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._resident: dict[str, _Kept] = {}
@@ -208,8 +209,7 @@ class Session:
             while len(self._closed_arrays) > MAX_CLOSED_ARRAYS:
                 old, _ = self._closed_arrays.popitem(last=False)
                 forgotten.append(self._arrays.pop(old, None))
-                for key in [k for k, g in self._grads.items() if old in (k[0], g)]:
-                    del self._grads[key]  # (a grad array of it stays, an array of its own)
+                self._grads.forget_array(old)  # (a grad of it stays, an array of its own)
         for gone in forgotten:
             if gone is not None:
                 gone.discard()
@@ -258,7 +258,7 @@ class Session:
 
             def register(grad: TensorArray) -> None:
                 self._arrays[grad_handle] = grad
-                self._grads[key] = grad_handle
+                self._grads.add(key, grad_handle)
 
             grad = forward.make_grad(
                 name=f"{forward.name}@{source}",
@@ -573,19 +573,17 @@ class Session:
         """TensorArrayGradV3's ``source`` for one gradient computation: "gradients",
         then "gradients_1", ... (TensorFlow's name scopes), skipping any in use."""
         with self._lock:
-            in_use = {source for _, source in self._grads}
             while True:
                 n = self._gradient_sources
                 self._gradient_sources += 1
                 source = "gradients" if n == 0 else f"gradients_{n}"
-                if source not in in_use:
+                if not self._grads.has_source(source):
                     return source
 
     def drop_grad_arrays(self, source: str) -> None:
         """Remove every gradient array made for ``source`` (and free its bytes)."""
         with self._lock:
-            keys = [key for key in self._grads if key[1] == source]
-            handles = [self._grads.pop(key) for key in keys]
+            handles = self._grads.pop_source(source)
             arrays = [self._arrays.pop(handle, None) for handle in handles]
             for handle in handles:
                 self._closed_arrays.pop(handle, None)
@@ -634,7 +632,7 @@ class Session:
         now = time.monotonic() if now is None else now
         with self._lock:
             arrays = dict(self._arrays)
-            grads = dict(self._grads)
+            grads = self._grads.as_dict()
             resident = {t: kept.array for t, kept in self._resident.items()}
             counter = self._name_counter
             remaining = max(0.0, idle_timeout - (now - self.last_used))
@@ -692,7 +690,7 @@ class Session:
             if forward not in session._arrays or grad not in session._arrays:
                 session.close()
                 raise ValueError(f"grad array of {forward!r} for {source!r}: no such array")
-        session._grads = dict(state.grads)
+        session._grads = GradRegistry(state.grads.items())
         for handle, ta in session._arrays.items():
             if ta.closed:
                 session._closed_arrays[handle] = None

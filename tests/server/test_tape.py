@@ -266,7 +266,7 @@ def recorded(client):
 
 def _state(server, client):
     s = session_of(server, client)
-    return used(server, client), dict(s._grads), len(s._resident), len(s._tapes)
+    return used(server, client), s._grads.as_dict(), len(s._resident), len(s._tapes)
 
 
 def test_errors_name_the_tensor_and_change_nothing(client, server, recorded):
