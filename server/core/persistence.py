@@ -38,12 +38,14 @@ each other's sessions; the second one is refused at start instead.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import json
 import logging
 import os
 import pathlib
+import shutil
 import struct
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -508,6 +510,51 @@ def set_aside(paths: Iterable[pathlib.Path]) -> None:
     as a failed write keeps the previous file."""
     for path in paths:
         path.replace(path.with_name(path.name + RESTORED_SUFFIX))
+
+
+def take_over(
+    paths: Iterable[pathlib.Path], directory: str | os.PathLike[str], *, aside: bool
+) -> None:
+    """Move adopted session files into this server's state ``directory``, as its own
+    restored files: ``*.restored`` with ``aside`` (no periodic snapshots: ``set_aside``),
+    else as they are (the snapshot that follows rewrites them). Until its snapshot
+    writes it, an adopted session's file is then where the server's own would be: a
+    final snapshot that cannot write it puts it back in the state dir. Removed from
+    the adopt dir at the restore, the session was in no file until that snapshot, and
+    in none at all if the snapshot could not write it.
+
+    A file on another filesystem (``--adopt-dir`` elsewhere) is copied to a temporary
+    file here, synced and renamed, then removed there; ``OSError`` if that fails (the
+    files not moved yet stay where they were). The caller holds off snapshots meanwhile:
+    a file a snapshot wrote since the restore is newer than the adopted one, which is
+    then only removed."""
+    target = pathlib.Path(directory)
+    sources = set()
+    for path in paths:
+        sources.add(path.parent)
+        if (target / path.name).exists():  # a snapshot since the restore: newer than it
+            path.unlink()
+            continue
+        final = target / (path.name + (RESTORED_SUFFIX if aside else ""))
+        try:
+            path.replace(final)
+        except OSError as e:
+            if e.errno != errno.EXDEV:
+                raise
+            temp = target / f"{TEMP_PREFIX}adopted-{path.name}"
+            try:
+                shutil.copyfile(path, temp)
+                with open(temp, "rb") as fh:
+                    os.fsync(fh.fileno())
+                temp.replace(final)
+            except BaseException:
+                temp.unlink(missing_ok=True)
+                raise
+            _fsync_dir(target)
+            path.unlink()
+    _fsync_dir(target)
+    for source in sources:
+        _fsync_dir(source)
 
 
 def clear_set_aside(directory: str | os.PathLike[str]) -> None:

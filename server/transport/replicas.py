@@ -45,6 +45,8 @@ class StateKeeper:
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     #: Held while an adoption runs: the snapshot after the drain waits for it.
     _adopting: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    #: None when no adoption runs; else whether a SIGHUP came since its pass began.
+    _adopt_asked: bool | None = None
     _directory_lock: int | None = None  # the state dir's lock file, held while serving
     _restored_files: list[pathlib.Path] = dataclasses.field(default_factory=list)  # set aside
     _finished: bool = False  # the final snapshot is written: no other after it
@@ -94,50 +96,86 @@ class StateKeeper:
 
     def adopt(self) -> persistence.RestoreReport | None:
         """On SIGHUP: serve the sessions whose files are in the adopt dir (a removed
-        replica's), by their own ids; the proxy may route their prefix here after."""
+        replica's), by their own ids; the proxy may route their prefix here after.
+
+        A SIGHUP while an adoption runs makes it go over the directory once more when
+        it ends (files may have arrived meanwhile); it used to be dropped, with a
+        warning, and files moved in during an adoption waited for the next SIGHUP.
+        Returns the first pass's report (None when nothing was adopted)."""
         directory = self.config.adopt_path()
         if directory is None:
             log.warning("SIGHUP: nothing to adopt (no --state-dir or --adopt-dir)")
             return None
+        with self._lock:
+            if self._adopt_asked is not None:
+                self._adopt_asked = True
+                log.info("SIGHUP while an adoption runs: the directory is read again after it")
+                return None
+            self._adopt_asked = False
+        first: persistence.RestoreReport | None = None
+        try:
+            with self._adopting:
+                while True:
+                    report = self._adopt_once(directory)
+                    first = report if first is None else first
+                    with self._lock:
+                        if not self._adopt_asked or self.store.draining:
+                            self._adopt_asked = None
+                            break
+                        self._adopt_asked = False
+        finally:
+            with self._lock:
+                self._adopt_asked = None
+        return first
+
+    def _adopt_once(self, directory: str) -> persistence.RestoreReport | None:
         if self.store.draining:  # its files stay for the replica that comes up next
             log.warning("SIGHUP while shutting down: nothing adopted")
             return None
-        if not self._adopting.acquire(blocking=False):
-            log.warning("SIGHUP while an adoption runs: nothing more adopted")
+        # Never the files of a server that still runs (it holds its directory's lock).
+        try:
+            held = persistence.lock_directory(directory)
+        except (persistence.DirectoryInUseError, OSError) as e:
+            log.error("SIGHUP: nothing adopted: %s", e)
             return None
         try:
-            # Never the files of a server that still runs (it holds its directory's
-            # lock), nor the same files twice at once (the lock, held meanwhile).
-            try:
-                held = persistence.lock_directory(directory)
-            except (persistence.DirectoryInUseError, OSError) as e:
-                log.error("SIGHUP: nothing adopted: %s", e)
-                return None
-            try:
-                # A drain that begins meanwhile stops it after the file it is reading
-                # (the files not read stay for the replica that comes up next); the
-                # snapshot after the drain waits for it (``wait_for_adoption``), so
-                # every session adopted is in it.
-                report = persistence.restore_dir(
-                    self.store, directory, stop=lambda: self.store.draining
-                )
-            finally:
-                os.close(held)
-            with self._lock:
+            # A drain that begins meanwhile stops it after the file it is reading
+            # (the files not read stay for the replica that comes up next); the
+            # snapshot after the drain waits for it (``wait_for_adoption``), so
+            # every session adopted is in it.
+            state_dir = self.config.state_dir
+            report = persistence.restore_dir(
+                self.store, directory, remove=state_dir is None, stop=lambda: self.store.draining
+            )
+            with self._lock:  # no snapshot meanwhile (``persistence.take_over``)
                 self.adopted += report.restored
                 self.rejected += report.rejected
-            log.info(
-                "adopted %d session(s) from %s (%d file(s) rejected)%s",
-                report.restored,
-                directory,
-                report.rejected,
-                "; stopped by the drain, the rest left there" if report.stopped else "",
-            )
-            if report.restored and self.config.snapshot_interval is not None:
-                self.snapshot()  # in this replica's own state dir at once, not a period later
-            return report
+                if state_dir is not None and report.files:
+                    try:
+                        persistence.take_over(
+                            report.files, state_dir, aside=self.config.snapshot_interval is None
+                        )
+                    except OSError as e:
+                        log.error(
+                            "adopted sessions' files not all moved into %s (%s): those left in "
+                            "%s are served here too; remove them before another replica "
+                            "adopts that directory",
+                            state_dir,
+                            e,
+                            directory,
+                        )
         finally:
-            self._adopting.release()
+            os.close(held)
+        log.info(
+            "adopted %d session(s) from %s (%d file(s) rejected)%s",
+            report.restored,
+            directory,
+            report.rejected,
+            "; stopped by the drain, the rest left there" if report.stopped else "",
+        )
+        if report.restored and self.config.snapshot_interval is not None:
+            self.snapshot()  # in this replica's own state dir at once, not a period later
+        return report
 
     def wait_for_adoption(self) -> None:
         """Return once no adoption runs (one that started before the drain ends soon:

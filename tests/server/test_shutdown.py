@@ -216,6 +216,123 @@ def test_a_drain_waits_for_an_adoption_and_loses_none_of_its_sessions(tmp_path, 
     assert not saved & left
 
 
+def _files_of(directory) -> dict[str, bytes]:
+    return {
+        persistence.read_session(p).id: p.read_bytes()
+        for p in persistence.snapshot_files(directory)
+    }
+
+
+def test_an_adopted_session_whose_last_write_fails_keeps_its_file(tmp_path, monkeypatch):
+    """Adoption used to remove the adopted files at once: a session the final
+    snapshot could not write (a full disk, a GPU copy that failed) was then in no file
+    at all. Its file now moves into the state dir as the server's own restored files
+    do, and is put back there when its write fails."""
+    state, adopt = tmp_path / "state", tmp_path / "adopt"
+    other = SessionStore(replica_id="gone")
+    kept, failing = other.create(), other.create()
+    failing.put(np.arange(4, dtype=np.float32))
+    persistence.write_snapshot(other.export_states(), adopt)
+    adopted = _files_of(adopt)
+    real = persistence.write_session
+
+    def fails_for(state_, path, to_host):
+        if state_.id == failing.id:
+            raise persistence.SnapshotError("No space left on device")
+        return real(state_, path, to_host)
+
+    with run_server(state_dir=str(state), adopt_dir=str(adopt), grace=0) as server:
+        assert server.keeper.adopt().restored == 2
+        assert not list(persistence.snapshot_files(adopt))
+        server.store.get(failing.id).put(np.ones(3, np.float32))  # used since
+        monkeypatch.setattr(persistence, "write_session", fails_for)
+    assert server.keeper.last.failed == 1
+    saved = _files_of(state)
+    assert saved.keys() == {kept.id, failing.id}
+    assert saved[failing.id] == adopted[failing.id]  # as adopted: its last good state
+    assert sorted(p.name for p in state.iterdir() if not p.name.startswith(".")) == sorted(
+        persistence.file_name(i) for i in (kept.id, failing.id)
+    )
+
+
+def test_adopted_files_from_another_filesystem_are_copied_in(tmp_path, monkeypatch):
+    """``--adopt-dir`` on another filesystem than ``--state-dir``: a rename cannot move
+    a file there (EXDEV), so it is copied, synced and renamed, then removed."""
+    import errno
+    import pathlib
+
+    state, adopt = tmp_path / "state", tmp_path / "adopt"
+    other = SessionStore(replica_id="gone")
+    ids = {other.create().id for _ in range(3)}
+    persistence.write_snapshot(other.export_states(), adopt)
+    adopted = _files_of(adopt)
+    real_replace = pathlib.Path.replace
+
+    def cross_device(self, target):
+        if self.parent == adopt:
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real_replace(self, target)
+
+    monkeypatch.setattr(pathlib.Path, "replace", cross_device)
+    with run_server(state_dir=str(state), adopt_dir=str(adopt), grace=0) as server:
+        assert server.keeper.adopt().restored == 3
+        assert list(adopt.iterdir()) == [adopt / persistence.LOCK_NAME]
+        aside = sorted(state.glob(f"*{persistence.RESTORED_SUFFIX}"))
+        assert {persistence.read_session(p).id: p.read_bytes() for p in aside} == adopted
+        assert not list(state.glob(f"{persistence.TEMP_PREFIX}*"))
+    assert _files_of(state).keys() == ids  # the final snapshot, and nothing set aside left
+    assert not list(state.glob(f"*{persistence.RESTORED_SUFFIX}"))
+
+
+def test_a_file_a_snapshot_wrote_since_the_restore_is_not_replaced(tmp_path):
+    """With periodic snapshots, one may write an adopted session between its restore
+    and the move of its file: that file is newer, and the adopted one only removed."""
+    state, adopt = tmp_path / "state", tmp_path / "adopt"
+    other = SessionStore(replica_id="gone")
+    session = other.create()
+    persistence.write_snapshot(other.export_states(), adopt)
+    back = SessionStore()
+    report = persistence.restore_dir(back, adopt, remove=False)
+    back.get(session.id).put(np.ones(2, np.float32))
+    persistence.write_snapshot(back.export_states(), state)  # the periodic one
+    newer = _files_of(state)
+    persistence.take_over(report.files, state, aside=False)
+    assert _files_of(state) == newer
+    assert not list(persistence.snapshot_files(adopt))
+
+
+def test_a_sighup_during_an_adoption_reads_the_directory_again(tmp_path, monkeypatch):
+    """A SIGHUP while an adoption runs was dropped (a warning): files moved into the
+    adopt dir meanwhile waited for the next one. Now the adoption goes over the
+    directory once more when it ends."""
+    state, adopt = tmp_path / "state", tmp_path / "adopt"
+    first, second = SessionStore(replica_id="gone"), SessionStore(replica_id="gone2")
+    early = {first.create().id for _ in range(20)}
+    late = second.create().id
+    persistence.write_snapshot(first.export_states(), adopt)
+    real = persistence.read_session
+
+    def slow_read(path):
+        time.sleep(0.02)
+        return real(path)
+
+    monkeypatch.setattr(persistence, "read_session", slow_read)
+    with run_server(state_dir=str(state), adopt_dir=str(adopt), grace=0) as server:
+        adoption = threading.Thread(target=server.keeper.adopt)
+        adoption.start()
+        deadline = time.monotonic() + 10
+        while len(server.store) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        (state_,) = second.export_states()
+        persistence.write_session(state_, adopt)  # a file arrives, then the SIGHUP
+        assert server.keeper.adopt() is None  # returns at once: the running one reads again
+        adoption.join(30)
+        assert not adoption.is_alive()
+        assert {s.id for s in server.store.export_states()} == early | {late}
+        assert server.keeper.adopted == 21
+    assert _files_of(state).keys() == early | {late}
+
+
 def test_a_sighup_adopts_and_the_drain_saves_what_it_adopted(tmp_path):
     state, adopt = tmp_path / "state", tmp_path / "adopt"
     other = SessionStore(replica_id="gone")
