@@ -74,6 +74,59 @@ def test_a_log_reader_that_stops_reading_blocks_no_call_and_not_the_drain(tmp_pa
         proc.stdout.close()
 
 
+def test_failed_tls_handshakes_do_not_wedge_a_server_whose_log_is_not_read(tmp_path):
+    """gRPC's core writes its own lines to stderr from its own threads; at its default
+    verbosity one for every failed TLS handshake. Behind a pipe nobody read, about 300
+    connections of garbage filled it: the core's thread blocked in the write, later
+    handshakes hung and SIGTERM did not end the process. The server now starts the core
+    at ERROR (``entry.quiet_grpc_core``) unless told otherwise."""
+    import os
+    import socket
+
+    from tests.server.certs import make_pki
+
+    pki = make_pki()
+    for name in ("server", "ca"):
+        (tmp_path / f"{name}.crt").write_bytes(pki[name].cert)
+        (tmp_path / f"{name}.key").write_bytes(pki[name].key)
+    serve = [*SERVE, "--grace", "1", "--tls-cert", str(tmp_path / "server.crt")]
+    serve += ["--tls-key", str(tmp_path / "server.key")]
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    proc = subprocess.Popen(serve, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        port = _port(proc)  # and from here on nobody reads the pipe
+        for attempt in range(1000):  # ~210 KB of log lines at gRPC's default verbosity
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+                conn.sendall(b"\x16\x03\x01\x00\x05not a TLS client hello" * 4)
+                conn.settimeout(5)
+                try:
+                    conn.recv(64)  # the server's alert, or its close
+                except TimeoutError:
+                    pytest.fail(f"handshake {attempt} not answered in 5 s")
+                except OSError:
+                    pass
+        creds = grpc.ssl_channel_credentials(root_certificates=pki["ca"].cert)
+        with grpc.secure_channel(f"127.0.0.1:{port}", creds) as channel:
+            grpc.channel_ready_future(channel).result(timeout=10)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
+def test_the_operator_chooses_grpc_core_verbosity():
+    from gradserve.server.transport import entry
+
+    environ = {}
+    entry.quiet_grpc_core(environ)
+    assert environ == {"GRPC_VERBOSITY": "ERROR"}
+    environ = {"GRPC_VERBOSITY": "DEBUG"}
+    entry.quiet_grpc_core(environ)
+    assert environ == {"GRPC_VERBOSITY": "DEBUG"}
+
+
 class _Blocked(logging.Handler):
     """A handler whose writes block until ``go`` is set (a pipe nobody reads)."""
 
