@@ -104,6 +104,11 @@ class CallIO:
         #: Region copies made for op inputs, by ``id``: (copy, reservation, the Batch
         #: step that made it).
         self._copies: dict[int, tuple[np.ndarray, TensorReservation, int | None]] = {}
+        #: The keys of ``_copies`` made (or given back) while the running op ran: what
+        #: ``_after_op`` looks at. Scanning all of ``_copies`` there cost a Batch of n
+        #: steps, each a step's output held until the Batch ends, O(n^2): 16,000
+        #: StopGradient steps of one region (240 KB) took 7.6 s against 2.5 inline.
+        self._copies_of_op: list[int] = []
         self._op_running = False  # ``run`` is running an op
         self._ended = False  # the call is over (``end``)
 
@@ -213,6 +218,7 @@ class CallIO:
             raise
         with self._lock:
             self._copies[id(array)] = (array, reservation, self.step)
+            self._copies_of_op.append(id(array))
         return array
 
     def _after_op(self) -> None:
@@ -221,13 +227,12 @@ class CallIO:
         held (a later step may name it) until the Batch ends."""
         with self._lock:
             self._op_running = False
+            made, self._copies_of_op = self._copies_of_op, []
             if self.step is None or self._ended:
                 done, self._copies = list(self._copies.values()), {}
             else:  # this step's copies but its outputs (held: only earlier steps' outputs)
                 outputs = {id(v) for v in self.produced.get(self.step, {}).values()}
-                gone = [
-                    k for k, c in self._copies.items() if c[2] == self.step and k not in outputs
-                ]
+                gone = [k for k in dict.fromkeys(made) if k in self._copies and k not in outputs]
                 done = [self._copies.pop(k) for k in gone]
         for _, reservation, _ in done:
             reservation.release()
@@ -261,6 +266,7 @@ class CallIO:
         """A reservation ``take`` handed out that no holder took over."""
         with self._lock:
             self._copies[id(value)] = (value, reservation, self.step)
+            self._copies_of_op.append(id(value))
 
     def _keep(self, array: Any, nbytes: int) -> str:
         """``array`` kept in the session under a new id: a region copy on the bytes
