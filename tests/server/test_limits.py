@@ -318,3 +318,29 @@ def test_a_long_session_that_makes_and_closes_an_array_per_step_never_runs_out()
                 batch.raw_ops.TensorArrayCloseV3(h)
                 batch.run()
             assert server.store.get(client.session_id).budget.used < 300 * 1024
+
+
+def test_an_op_that_makes_many_slot_records_is_refused_as_it_goes():
+    """A read of an unwritten slot makes its record (and, for an element shape with no
+    elements, a value of no bytes). A concat of a million such elements, a 45-byte
+    call, made a million records (436 MB, 13.6 s) before the budget saw any of them
+    at its end. Now the op reserves as it grows, and is refused within a few thousand
+    reads; the array is as it was."""
+    from gradserve.server.core.sessions import SessionStore
+    from gradserve.server.core.tensor_array import SLOT_BYTES
+
+    store = SessionStore(max_session_bytes=1 << 20)
+    session = store.create()
+    _, ta = session.create_tensor_array(
+        tensor_array_name="", dtype=np.float32, size=1 << 20, element_shape=(0,),
+        clear_after_read=False,
+    )  # fmt: skip
+    before = session.budget.used
+    reads = []
+    with pytest.raises(ResourceExhaustedError, match="max-session-bytes"):
+        ta.concat((), check=lambda: reads.append(None))
+    assert len(reads) * 1024 <= 2 * (1 << 20) // SLOT_BYTES  # checks: one per 1024 reads
+    assert session.budget.used == before
+    assert ta.record_bytes() == before
+    store.close(session.id)
+    assert store.budget.used == 0
