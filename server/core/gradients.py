@@ -30,6 +30,7 @@ drops its grad arrays too (their source is its own; nothing can name them).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -288,16 +289,13 @@ def gradients(
         value = session.resolve(Resident(tensor_id))
         check_differentiable(value, "source", tensor_id)
         source_values.append(value)
-    seeds = _seeds(session, targets, target_values, output_gradients)
+    grads: dict[str, Any] = _seeds(session, targets, target_values, output_gradients, compute)
 
     differentiable = {k for k in sources if k in produced or k in watched}
     between = _between(records, differentiable, set(targets))
     source = session.new_gradient_source()
     sweep = Sweep(session, compute, source, check)
     try:
-        grads: dict[str, Any] = {}
-        for tensor_id, seed in zip(targets, seeds):
-            grads[tensor_id] = _add(grads[tensor_id], seed, compute) if tensor_id in grads else seed
         for record in reversed(between):
             if check is not None:
                 check()
@@ -332,18 +330,26 @@ def _seeds(
     targets: Sequence[str],
     values: Sequence[Any],
     output_gradients: Sequence[TensorArg] | None,
-) -> list[Any]:
-    """The output gradients: ones of each target's shape and dtype (as TensorFlow)
-    when none are given, else one per target of its shape and dtype."""
+    compute: Compute,
+) -> dict[str, Any]:
+    """Each target's output gradient, summed where a target comes more than once:
+    ones of its shape and dtype (as TensorFlow) when none are given, else the given
+    ones, one per target of its shape and dtype.
+
+    Without output gradients a target named m times gets m (the derivative of the
+    sum), one array: a list of m arrays of ones, all alive at once, let a 5 KB call
+    naming one 1 MiB target 200 times hold 151 MB that no budget counted."""
     if not output_gradients:
-        return [np.ones(v.shape, v.dtype) for v in values]
+        counts = collections.Counter(targets)
+        value_of = dict(zip(targets, values))  # (a target's value, once)
+        return {t: np.full(v.shape, counts[t], v.dtype) for t, v in value_of.items()}
     if len(output_gradients) != len(targets):
         raise InvalidArgumentError(
             f"{len(output_gradients)} output gradients for {len(targets)} targets: "
             "give one per target, or none",
             field="output_gradients",
         )
-    seeds = []
+    seeds: dict[str, Any] = {}
     for n, (arg, target, value) in enumerate(zip(output_gradients, targets, values)):
         seed = session.resolve(arg)
         if np.dtype(seed.dtype) != np.dtype(value.dtype) or tuple(seed.shape) != tuple(value.shape):
@@ -353,5 +359,5 @@ def _seeds(
                 f"{list(value.shape)}: they must match",
                 field="output_gradients",
             )
-        seeds.append(seed)
+        seeds[target] = _add(seeds[target], seed, compute) if target in seeds else seed
     return seeds

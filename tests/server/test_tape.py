@@ -88,6 +88,23 @@ def test_several_reads_of_one_element_sum_into_its_gradient(client):
     np.testing.assert_array_equal(g, [11.0, 11.0])
 
 
+def test_a_target_named_several_times_counts_as_often(client):
+    """d(r + r + r)/dx = 3 dr/dx, as in TensorFlow: with ones as output gradients
+    (one seed of 3, not three arrays of ones alive at once) and with given ones
+    (summed)."""
+    x = client.put(np.array([1.0, 2.0], F32))
+    with client.gradient_tape(persistent=True) as tape:
+        h, flow = _ta(client)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+        r = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+        h2, flow2 = _ta(client)
+        flow2 = client.raw_ops.TensorArrayWriteV3(h2, 0, x, flow2)
+        q = client.raw_ops.TensorArrayReadV3(h2, 0, flow2, F32)
+    np.testing.assert_array_equal(tape.gradient([r, r, q, r], x), [4.0, 4.0])
+    given = [np.array([1.0, 2.0], F32), np.array([10.0, 20.0], F32), np.array([5.0, 5.0], F32)]
+    np.testing.assert_array_equal(tape.gradient([r, q, r], x, output_gradients=given), [16, 27])
+
+
 def test_gather_scatter_and_uneven_concat_split(client):
     v = client.put(np.arange(10, dtype=F32).reshape(5, 2))
     with client.gradient_tape() as tape:
