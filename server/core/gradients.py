@@ -271,16 +271,16 @@ def gradients(
     """
     if not targets:
         raise InvalidArgumentError("Gradients needs at least one target", field="targets")
-    records, produced, watched = session.tape_snapshot(tape)
+    records, unknown, differentiable = session.tape_snapshot(tape, targets, sources)
+    if unknown:
+        raise InvalidArgumentError(
+            f"target {_describe(unknown[0])!r} was not computed under this tape (nor is "
+            "it watched by it): only outputs of ops recorded on the tape can be "
+            "differentiated",
+            field="targets",
+        )
     target_values = []
     for tensor_id in targets:
-        if tensor_id not in produced and tensor_id not in watched:
-            raise InvalidArgumentError(
-                f"target {_describe(tensor_id)!r} was not computed under this tape (nor is "
-                "it watched by it): only outputs of ops recorded on the tape can be "
-                "differentiated",
-                field="targets",
-            )
         value = session.resolve(Resident(tensor_id))
         check_differentiable(value, "target", tensor_id)
         target_values.append(value)
@@ -291,7 +291,6 @@ def gradients(
         source_values.append(value)
     grads: dict[str, Any] = _seeds(session, targets, target_values, output_gradients, compute)
 
-    differentiable = {k for k in sources if k in produced or k in watched}
     between = _between(records, differentiable, set(targets))
     source = session.new_gradient_source()
     sweep = Sweep(session, compute, source, check)

@@ -21,7 +21,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -215,11 +215,13 @@ class Session:
                 gone.discard()
 
     def record_bytes(self) -> int:
-        """Bytes charged for the records of this session's TensorArrays (the arrays and
-        their slots, not their values: ``TensorArray.record_bytes``)."""
+        """Bytes charged for records, not values: this session's TensorArrays' (the
+        arrays and their slots: ``TensorArray.record_bytes``) and its live tapes' (the
+        ops they recorded: ``tape.record_cost``)."""
         with self._lock:
             arrays = list(self._arrays.values())
-        return sum(ta.record_bytes() for ta in arrays)
+            tapes = sum(tape.record_bytes for tape in self._tapes.values())
+        return tapes + sum(ta.record_bytes() for ta in arrays)
 
     def tensor_array(self, handle: str) -> TensorArray:
         with self._lock:
@@ -490,7 +492,8 @@ class Session:
         tape.released = True
         held, tape.held = list(tape.held.values()), {}
         tape.records.clear()
-        return self._drop(held)
+        records, tape.record_bytes = tape.record_bytes, 0
+        return self._drop(held) + records
 
     def hold_for_tape(self, tape: Tape, tensor_id: str) -> bool:
         """``tape`` holds the tensor ``tensor_id`` (resident, or held by a tape) until
@@ -540,16 +543,22 @@ class Session:
             freed = self._drop(dropped)
         self.budget.release(freed)
 
-    def commit_records(self, tapes: list[Tape], records: list[Any], watch: set[str]) -> None:
-        """An op's records join the tapes it ran under (those not released meanwhile)."""
+    def commit_records(self, tapes: list[Tape], records: list[Any], watch: set[str]) -> int:
+        """An op's records join the tapes it ran under (those not released meanwhile),
+        each charged its ``cost`` (reserved by the caller); returns the bytes the tapes
+        took over."""
+        charged = 0
         with self._lock:
             for tape in tapes:
                 if tape.released:
                     continue
-                for op, inputs, outputs, saved in records:
+                for op, inputs, outputs, saved, cost in records:
                     tape.commit(op, inputs, outputs, saved)
+                    tape.record_bytes += cost
+                    charged += cost
                 if tape.watch_accessed_variables:
                     tape.watched.update(watch)
+        return charged
 
     def watch(self, tape: Tape, tensor_ids: Iterable[str]) -> None:
         """``tape.watch``: the tensors (which must exist) become differentiable sources."""
@@ -591,11 +600,22 @@ class Session:
             if ta is not None:
                 ta.discard()  # gone from the session: its records too
 
-    def tape_snapshot(self, tape: Tape) -> tuple[list[Any], set[str], set[str]]:
-        """A live tape's records, produced keys and watched ids, as of now."""
+    def tape_snapshot(
+        self, tape: Tape, targets: Sequence[str], sources: Sequence[str]
+    ) -> tuple[list[Any], list[str], set[str]]:
+        """A live tape's records as of now, the ``targets`` it neither produced nor
+        watches (not differentiable: the caller's error), and the ``sources`` it did.
+        Only the records are copied (references): copying the tape's sets of produced
+        and watched keys as well cost a gradient call, even one refused for its
+        target, time in their size under this lock."""
         with self._lock:
             self._check_tape_live(tape)
-            return list(tape.records), set(tape.outputs), set(tape.watched)
+            on_tape = tape.outputs.__contains__, tape.watched.__contains__
+            unknown = [t for t in targets if not any(has(t) for has in on_tape)]
+            if unknown:
+                return [], unknown, set()
+            differentiable = {k for k in sources if any(has(k) for has in on_tape)}
+            return list(tape.records), [], differentiable
 
     def gradient_done(self, tape: Tape) -> None:
         """A gradient computation on ``tape`` succeeded: a non-persistent tape is

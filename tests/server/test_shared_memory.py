@@ -32,6 +32,7 @@ from gradserve.errors import (
 )
 from gradserve.server import run_server
 from gradserve.server.core import regions
+from gradserve.server.core.tape import RECORD_BYTES
 from gradserve.server.transport import shm_wire
 from gradserve.v1 import lstm_pb2, service_pb2, tensor_array_pb2, tensor_pb2
 from gradserve.v1 import shared_memory_pb2 as pb
@@ -408,7 +409,7 @@ def test_a_region_copy_held_by_a_tape_is_charged_once(objects):
     with _tight_session(objects) as (s, c, value, region):
         with c.gradient_tape(persistent=True) as tape:
             assert same_bits(codec.decode(_stop_gradient(c, region).value), value)
-            assert s.store.get(c.session_id).budget.used == value.nbytes
+            assert s.store.get(c.session_id).budget.used == value.nbytes + RECORD_BYTES
         tape.release()
         c.keep_alive()
         assert s.store.get(c.session_id).budget.used == 0
@@ -440,7 +441,8 @@ def test_a_copy_no_tape_takes_stays_charged_to_the_call(objects, monkeypatch):
             state["tape"] = tape.id
             c.keep_alive()  # the tape starts on the server
             assert len(c._call("Batch", request).results) == 3
-        assert seen == [100 << 10, 200 << 10, 300 << 10]
+        # (the first step's record was paid for before the tape's release, given back after)
+        assert seen == [(100 << 10) + RECORD_BYTES, 200 << 10, 300 << 10]
         c.keep_alive()
         assert s.store.get(c.session_id).budget.used == 0
 

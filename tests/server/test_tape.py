@@ -8,6 +8,8 @@ replays are in ``test_tape_golden.py``.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -21,6 +23,7 @@ from gradserve.errors import (
     UnimplementedError,
 )
 from gradserve.server import run_server
+from gradserve.server.core.tape import RECORD_BYTES
 
 F32 = np.float32
 
@@ -344,8 +347,10 @@ def test_a_non_persistent_tape_frees_what_it_held_after_gradient(client, server)
         acts = client.raw_ops.BlockLSTMV2(*args[:2], np.zeros((4, 6)), np.zeros((4, 6)), *args[4:])
     held = used(server, client) - before
     # Seven outputs, the two inline initial states and three inline peephole
-    # weights (the resident inputs are charged already).
-    assert held == 7 * 8 * 4 * 6 * 8 + 2 * 4 * 6 * 8 + 3 * 6 * 8
+    # weights (the resident inputs are charged already), and the op's record (with
+    # its copy of seq_len_max).
+    assert held == 7 * 8 * 4 * 6 * 8 + 2 * 4 * 6 * 8 + 3 * 6 * 8 + RECORD_BYTES + 8
+    assert session_of(server, client).record_bytes() == RECORD_BYTES + 8
     tape.gradient(acts.h, args[4])
     assert used(server, client) == before
 
@@ -363,7 +368,8 @@ def test_a_persistent_tape_frees_on_release_and_session_close(target):
             tape.gradient(r, x)
             session = srv.store.get(c.session_id)
             assert session.budget.used == base + 4000 + session.record_bytes()  # + the array's
-            assert tape.release() == 4000
+            # x, and the records of TensorArrayV3, the write and the read (their indices)
+            assert tape.release() == 4000 + 3 * RECORD_BYTES + 2 * 4
             assert session.budget.used == base + session.record_bytes()
             with c.gradient_tape(persistent=True):
                 c.raw_ops.StopGradient(x)
@@ -383,13 +389,42 @@ def test_a_tape_over_the_byte_budget_is_refused_and_the_session_goes_on(target):
                     for _ in range(8):  # each read's output is held: 16 KiB more
                         reads.append(c.raw_ops.TensorArrayReadV3(h, 0, flow, F32))
             assert len(reads) == 6  # x, the element and six reads fill 128 KiB
-            assert tape.release() == 6 * 16384
+            assert tape.release() == 6 * 16384 + 8 * RECORD_BYTES + 7 * 4  # and 8 records
             session = srv.store.get(c.session_id)
             assert session.budget.used == 2 * 16384 + session.record_bytes()  # x, the element
             with c.gradient_tape() as tape:
                 flow = c.raw_ops.TensorArrayWriteV3(h, 1, x, flow)
                 r = c.raw_ops.TensorArrayReadV3(h, 1, flow, F32)
             np.testing.assert_array_equal(tape.gradient(r, x), np.ones(4096, F32))
+
+
+def test_what_tapes_record_is_charged_and_freed_with_them(target):
+    """Each op a tape records costs the session ``RECORD_BYTES`` per tape (its record
+    and the tape's entries for it), paid before the op runs. Uncharged, one Batch of
+    10,000 StopGradient steps of a scalar on 64 tapes (160 KB) held 154 MB under a
+    1 MiB session; now it is refused once the records fill the budget, the session
+    goes on, and releasing the tapes frees it all."""
+    with run_server(host="127.0.0.1", port=0, max_session_bytes=1 << 20) as srv:
+        with gradserve.Client(f"127.0.0.1:{srv.port}") as c:
+            x = c.put(np.float32(1))
+            session = srv.store.get(c.session_id)
+            with contextlib.ExitStack() as stack:
+                tapes = [stack.enter_context(c.gradient_tape(persistent=True)) for _ in range(8)]
+                batch = c.batch()
+                for _ in range(2000):
+                    batch.raw_ops.StopGradient(x)
+                with pytest.raises(ResourceExhaustedError, match="--max-session-bytes") as info:
+                    batch.run()
+            step = info.value.step  # each step: 8 records and 8 tapes' hold of a scalar
+            assert (
+                (1 << 20) // (8 * RECORD_BYTES + 4) - 2 <= step <= (1 << 20) // (8 * RECORD_BYTES)
+            )
+            assert session.record_bytes() == 8 * RECORD_BYTES * step
+            assert session.budget.used == 4 + session.record_bytes() + 4 * step
+            for tape in tapes:
+                tape.release()
+            assert session.budget.used == 4
+            assert c.raw_ops.StopGradient(x) == 1  # and the session goes on
 
 
 # ----------------------------------------------------------------- dataflow Batch
