@@ -512,9 +512,18 @@ def set_aside(paths: Iterable[pathlib.Path]) -> None:
         path.replace(path.with_name(path.name + RESTORED_SUFFIX))
 
 
+#: An adopted file that could not be moved into the state dir (``take_over``): its
+#: session is served, so it must not be restored again, and it is kept for a person.
+ADOPTED_SUFFIX = ".adopted"
+
+
 def take_over(
-    paths: Iterable[pathlib.Path], directory: str | os.PathLike[str], *, aside: bool
-) -> None:
+    paths: Iterable[pathlib.Path],
+    directory: str | os.PathLike[str],
+    *,
+    aside: bool,
+    stop: Callable[[], bool] = lambda: False,
+) -> list[str]:
     """Move adopted session files into this server's state ``directory``, as its own
     restored files: ``*.restored`` with ``aside`` (no periodic snapshots: ``set_aside``),
     else as they are (the snapshot that follows rewrites them). Until its snapshot
@@ -524,37 +533,61 @@ def take_over(
     in none at all if the snapshot could not write it.
 
     A file on another filesystem (``--adopt-dir`` elsewhere) is copied to a temporary
-    file here, synced and renamed, then removed there; ``OSError`` if that fails (the
-    files not moved yet stay where they were). The caller holds off snapshots meanwhile:
-    a file a snapshot wrote since the restore is newer than the adopted one, which is
-    then only removed."""
+    file here, synced and renamed, then removed there; once ``stop()`` says so (a
+    drain: the final snapshot comes next and writes every session) it is removed
+    without a copy, which could make the drain wait long. A file that cannot be moved is renamed ``*.adopted`` where it is
+    (removed if even that fails), never left to be adopted a second time; the errors
+    are returned, one line each. The caller holds off snapshots meanwhile: a file a
+    snapshot wrote since the restore is newer than the adopted one, which is then
+    only removed."""
     target = pathlib.Path(directory)
-    sources = set()
+    sources, errors = set(), []
     for path in paths:
         sources.add(path.parent)
-        if (target / path.name).exists():  # a snapshot since the restore: newer than it
-            path.unlink()
-            continue
-        final = target / (path.name + (RESTORED_SUFFIX if aside else ""))
         try:
-            path.replace(final)
+            _move_in(path, target, aside, stop)
         except OSError as e:
-            if e.errno != errno.EXDEV:
-                raise
-            temp = target / f"{TEMP_PREFIX}adopted-{path.name}"
+            errors.append(f"{path.name}: {e}")
             try:
-                shutil.copyfile(path, temp)
-                with open(temp, "rb") as fh:
-                    os.fsync(fh.fileno())
-                temp.replace(final)
-            except BaseException:
-                temp.unlink(missing_ok=True)
-                raise
-            _fsync_dir(target)
-            path.unlink()
+                path.replace(_unused(path.with_name(path.name + ADOPTED_SUFFIX)))
+            except OSError:
+                path.unlink(missing_ok=True)
+    for synced in (target, *sources):
+        try:
+            _fsync_dir(synced)
+        except OSError as e:
+            errors.append(f"{synced}: {e}")
+    return errors
+
+
+def _move_in(
+    path: pathlib.Path, target: pathlib.Path, aside: bool, stop: Callable[[], bool]
+) -> None:
+    """One file of ``take_over``."""
+    if (target / path.name).exists():  # a snapshot since the restore: newer
+        path.unlink()
+        return
+    final = target / (path.name + (RESTORED_SUFFIX if aside else ""))
+    try:
+        path.replace(final)
+        return
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+    if stop():  # draining: the last snapshot, next, writes it
+        path.unlink()
+        return
+    temp = target / f"{TEMP_PREFIX}adopted-{path.name}"
+    try:
+        shutil.copyfile(path, temp)
+        with open(temp, "rb") as fh:
+            os.fsync(fh.fileno())
+        temp.replace(final)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
     _fsync_dir(target)
-    for source in sources:
-        _fsync_dir(source)
+    path.unlink()
 
 
 def clear_set_aside(directory: str | os.PathLike[str]) -> None:

@@ -35,8 +35,10 @@ def quiet_idle_blas_threads(environ: MutableMapping[str, str]) -> None:
 
 def quiet_grpc_core(environ: MutableMapping[str, str]) -> None:
     """``GRPC_VERBOSITY`` for this process, unless the operator set one (read when
-    gRPC's core starts: before the first server or channel)."""
-    environ.setdefault("GRPC_VERBOSITY", GRPC_CORE_VERBOSITY)
+    gRPC's core starts: before the first server or channel). Set but empty counts as
+    not set, as gRPC reads it (its default)."""
+    if not environ.get("GRPC_VERBOSITY"):
+        environ["GRPC_VERBOSITY"] = GRPC_CORE_VERBOSITY
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -101,7 +101,8 @@ class StateKeeper:
         A SIGHUP while an adoption runs makes it go over the directory once more when
         it ends (files may have arrived meanwhile); it used to be dropped, with a
         warning, and files moved in during an adoption waited for the next SIGHUP.
-        Returns the first pass's report (None when nothing was adopted)."""
+        Returns the report of the first pass that read the directory (None if none
+        did)."""
         directory = self.config.adopt_path()
         if directory is None:
             log.warning("SIGHUP: nothing to adopt (no --state-dir or --adopt-dir)")
@@ -121,12 +122,12 @@ class StateKeeper:
                     with self._lock:
                         if not self._adopt_asked or self.store.draining:
                             self._adopt_asked = None
-                            break
+                            return first
                         self._adopt_asked = False
-        finally:
+        except BaseException:
             with self._lock:
                 self._adopt_asked = None
-        return first
+            raise
 
     def _adopt_once(self, directory: str) -> persistence.RestoreReport | None:
         if self.store.draining:  # its files stay for the replica that comes up next
@@ -151,17 +152,20 @@ class StateKeeper:
                 self.adopted += report.restored
                 self.rejected += report.rejected
                 if state_dir is not None and report.files:
-                    try:
-                        persistence.take_over(
-                            report.files, state_dir, aside=self.config.snapshot_interval is None
-                        )
-                    except OSError as e:
+                    errors = persistence.take_over(
+                        report.files,
+                        state_dir,
+                        aside=self.config.snapshot_interval is None,
+                        stop=lambda: self.store.draining,
+                    )
+                    for error in errors:
                         log.error(
-                            "adopted sessions' files not all moved into %s (%s): those left in "
-                            "%s are served here too; remove them before another replica "
-                            "adopts that directory",
+                            "adopted session file not moved into %s (%s): set aside as "
+                            "*%s in %s; its session is served here and is saved by the next "
+                            "snapshot",
                             state_dir,
-                            e,
+                            error,
+                            persistence.ADOPTED_SUFFIX,
                             directory,
                         )
         finally:

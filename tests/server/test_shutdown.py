@@ -125,6 +125,9 @@ def test_the_operator_chooses_grpc_core_verbosity():
     environ = {"GRPC_VERBOSITY": "DEBUG"}
     entry.quiet_grpc_core(environ)
     assert environ == {"GRPC_VERBOSITY": "DEBUG"}
+    environ = {"GRPC_VERBOSITY": ""}  # gRPC reads empty as its default (INFO)
+    entry.quiet_grpc_core(environ)
+    assert environ == {"GRPC_VERBOSITY": "ERROR"}
 
 
 class _Blocked(logging.Handler):
@@ -352,6 +355,76 @@ def test_a_file_a_snapshot_wrote_since_the_restore_is_not_replaced(tmp_path):
     persistence.take_over(report.files, state, aside=False)
     assert _files_of(state) == newer
     assert not list(persistence.snapshot_files(adopt))
+
+
+def test_an_adopted_file_that_cannot_be_moved_is_never_adopted_twice(tmp_path, monkeypatch):
+    """A move that failed midway (another filesystem, then a full disk) stopped there:
+    the files after it stayed in the adopt dir, and the next adoption read sessions
+    this server already served again (a closed one came back). Each file is now tried
+    on its own, and one that cannot be moved is set aside where it is."""
+    import errno
+    import pathlib
+    import shutil
+
+    state, adopt = tmp_path / "state", tmp_path / "adopt"
+    other = SessionStore(replica_id="gone")
+    ids = [other.create().id for _ in range(3)]
+    persistence.write_snapshot(other.export_states(), adopt)
+    real_replace, real_copy = pathlib.Path.replace, shutil.copyfile
+    copies = []
+
+    def cross_device(self, target):
+        if self.parent == adopt and not str(target).endswith(persistence.ADOPTED_SUFFIX):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real_replace(self, target)
+
+    def second_copy_fails(src, dst):
+        copies.append(src)
+        if len(copies) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_copy(src, dst)
+
+    monkeypatch.setattr(pathlib.Path, "replace", cross_device)
+    monkeypatch.setattr(shutil, "copyfile", second_copy_fails)
+    with run_server(state_dir=str(state), adopt_dir=str(adopt), grace=0) as server:
+        assert server.keeper.adopt().restored == 3
+        assert len(copies) == 3  # the third was tried after the second failed
+        assert not list(persistence.snapshot_files(adopt))
+        (kept,) = adopt.glob(f"*{persistence.ADOPTED_SUFFIX}")
+        server.store.close(persistence.read_session(kept).id)
+        again = server.keeper.adopt()
+        assert (again.restored, again.rejected) == (0, 0)  # nothing read a second time
+        open_ids = {s.id for s in server.store.export_states()}
+    assert open_ids == set(ids) - {persistence.read_session(kept).id}
+    assert _files_of(state).keys() == open_ids
+
+
+def test_a_drain_during_the_copies_from_another_filesystem_copies_no_more(tmp_path, monkeypatch):
+    """Copying adopted files across filesystems can take long; a drain that begins
+    meanwhile stops it (the last snapshot, which comes next, writes the sessions):
+    those files are removed, not copied."""
+    import errno
+    import pathlib
+
+    adopt, state = tmp_path / "adopt", tmp_path / "state"
+    state.mkdir()
+    other = SessionStore(replica_id="gone")
+    for _ in range(3):
+        other.create()
+    persistence.write_snapshot(other.export_states(), adopt)
+    files = list(persistence.snapshot_files(adopt))
+    real_replace = pathlib.Path.replace
+
+    def cross_device(self, target):
+        if self.parent == adopt:
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real_replace(self, target)
+
+    monkeypatch.setattr(pathlib.Path, "replace", cross_device)
+    drained = iter([False, True, True])  # the drain begins after the first copy
+    assert persistence.take_over(files, state, aside=True, stop=lambda: next(drained)) == []
+    assert not list(persistence.snapshot_files(adopt))
+    assert [p.name for p in state.iterdir()] == [files[0].name + persistence.RESTORED_SUFFIX]
 
 
 def test_a_sighup_during_an_adoption_reads_the_directory_again(tmp_path, monkeypatch):
