@@ -7,6 +7,7 @@ import pytest
 
 import gradserve
 from gradserve import dtypes
+from gradserve.server.core.sessions import TENSOR_RECORD_BYTES
 
 
 def arbitrary_bits(dtype: np.dtype, shape) -> np.ndarray:
@@ -65,4 +66,5 @@ def test_over_100_mib_streams_both_ways(server, target):
         ref = client.put(x)
         assert client.get(ref).tobytes() == x.tobytes()
         # Temporary uploads and transient outputs were cleaned up: only ``ref`` is held.
-        assert server.store.get(client.session_id).budget.used == ref.nbytes
+        used = server.store.get(client.session_id).budget.used
+        assert used == ref.nbytes + TENSOR_RECORD_BYTES

@@ -17,6 +17,7 @@ import gradserve
 from gradserve.client._errors import DROPPED
 from gradserve.errors import GradserveError, UnavailableError
 from gradserve.server.core import tensor_array
+from gradserve.server.core.sessions import TENSOR_RECORD_BYTES
 from tests.server_process import ServerProcess
 
 
@@ -61,8 +62,10 @@ def test_client_that_never_closes(short_ttl_server):
     leaky.put(np.ones(50_000))
     ta = leaky.tensor_array(np.float64, size=2)
     ta.write(0, np.ones(1000))
-    # Values, and the records of the array (name "TensorArrayV3_1") and its one slot.
+    # Values, and the records of the tensor, the array (name "TensorArrayV3_1") and
+    # its one slot.
     records = tensor_array.ARRAY_BYTES + 2 * len(ta.handle.name) + tensor_array.SLOT_BYTES
+    records += TENSOR_RECORD_BYTES
     assert server.metric("gradserve_bytes_held") == 408_000 + records
     assert server.wait_for("gradserve_bytes_held", 0) == 0
     assert server.metric("gradserve_sessions_open") == 0

@@ -20,6 +20,7 @@ import gradserve
 from gradserve import protocol
 from gradserve.errors import ResourceExhaustedError
 from gradserve.server import ServerConfig, run_server, start
+from gradserve.server.core.sessions import TENSOR_RECORD_BYTES
 from gradserve.server.transport.memory import Trimmer
 from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_pb2
 
@@ -175,7 +176,7 @@ def test_delete_after_readers_keep_their_bytes_counted():
             reader = StalledReader(channel, metadata(client.session_id), ref.id, True)
             assert reader.first.wait(10)
             # The stalled reader holds the tensor: it is neither gone nor uncounted.
-            assert server.store.budget.used == 48 * MIB
+            assert server.store.budget.used == 48 * MIB + TENSOR_RECORD_BYTES
             with pytest.raises(ResourceExhaustedError, match="--max-server-bytes"):
                 client.put(np.zeros(48 * MIB, np.uint8))
 

@@ -15,6 +15,7 @@ import gradserve
 from gradserve.errors import ResourceExhaustedError
 from gradserve.server import run_server
 from gradserve.server.core.budget import MemoryBudget
+from gradserve.server.core.sessions import TENSOR_RECORD_BYTES
 from gradserve.server.transport.admission import Lane
 
 KIB = 1024
@@ -103,7 +104,7 @@ def test_server_bytes_limit(small):
         with pytest.raises(ResourceExhaustedError, match="--max-server-bytes"):
             b.put(f32(600))
         b.put(f32(300))  # what fits still fits
-        assert small.store.budget.used == 1300 * KIB
+        assert small.store.budget.used == 1300 * KIB + 3 * TENSOR_RECORD_BYTES
     assert small.store.budget.used == 0
 
 
@@ -124,7 +125,9 @@ def test_streamed_put_is_refused_before_allocating(small):
         client.put(f32(500))
         with pytest.raises(ResourceExhaustedError, match="--max-session-bytes"):
             client.put(f32(300))
-        assert small.store.get(client.session_id, "a").budget.used == 1000 * KIB
+        assert small.store.get(client.session_id, "a").budget.used == 1000 * KIB + 2 * (
+            TENSOR_RECORD_BYTES
+        )
 
 
 def test_memory_budget_nesting():
@@ -344,3 +347,22 @@ def test_an_op_that_makes_many_slot_records_is_refused_as_it_goes():
     assert ta.record_bytes() == before
     store.close(session.id)
     assert store.budget.used == 0
+
+
+def test_tensors_of_no_bytes_are_charged_their_records():
+    """A tensor costs the server its array object and id table entry whatever its
+    values: charged by values alone, tensors of no elements were free, and 150,000 of
+    them fitted in a 1 MiB session (three Batches of kept StopGradient outputs). Each
+    tensor is charged ``TENSOR_RECORD_BYTES`` besides its bytes now."""
+    with run_server(port=0, device="cpu", max_session_bytes=1 << 20) as server:
+        with gradserve.Client(f"127.0.0.1:{server.port}", shared_memory=False) as client:
+            batch = client.batch()
+            for _ in range(2000):
+                batch.raw_ops.StopGradient(np.zeros(0, np.float32), keep=True)
+            with pytest.raises(ResourceExhaustedError, match="max-session-bytes") as info:
+                batch.run()
+            assert info.value.step == (1 << 20) // TENSOR_RECORD_BYTES
+            session = server.store.get(client.session_id)
+            assert session.budget.used == info.value.step * TENSOR_RECORD_BYTES
+            client.delete(*info.value.results)
+            assert session.budget.used == 0

@@ -18,6 +18,7 @@ import gradserve
 from gradserve.errors import InvalidArgumentError
 from gradserve.kernels import backend_numpy
 from gradserve.server import run_server
+from gradserve.server.core.sessions import TENSOR_RECORD_BYTES
 from tests.kernels import fake_cupy, lstm_cases, shim_backend
 from tests.kernels.lstm_cases import GRADS, INPUTS, OUTPUT_GRADS, OUTPUTS, random_case
 
@@ -102,7 +103,8 @@ def test_weights_put_once_are_copied_to_the_gpu_once(cuda_client):
     want = [CASE[k].shape for k in weights] + [CASE["x"].shape] * 2
     assert copied == sorted(want + [CASE["h_grad"].shape] * 2)
     assert all(isinstance(session.get(ref.id), fake_cupy.DeviceArray) for ref in weights.values())
-    assert session.budget.used == held + sum(ref.nbytes for ref in kept)  # charged once
+    # Charged once (each tensor with its record)
+    assert session.budget.used == held + sum(ref.nbytes + TENSOR_RECORD_BYTES for ref in kept)
 
     want_grads = lstm_cases.backward(
         backend_numpy,
@@ -151,7 +153,8 @@ def test_kept_outputs_are_charged_and_freed(cuda_client):
     kept = client.raw_ops.BlockLSTMV2(*ARGS, keep=True)
     session = server.store.get(client.session_id)
     nbytes = sum(ref.nbytes for ref in kept)
-    assert session.budget.used == nbytes == 7 * CASE["h_grad"].nbytes
+    assert nbytes == 7 * CASE["h_grad"].nbytes
+    assert session.budget.used == nbytes + 7 * TENSOR_RECORD_BYTES
     for ref in kept:
         ref.delete()
     assert session.budget.used == 0

@@ -19,6 +19,7 @@ import gradserve
 from gradserve.errors import InvalidArgumentError
 from gradserve.kernels import backend_numpy
 from gradserve.server import run_server
+from gradserve.server.core.sessions import TENSOR_RECORD_BYTES
 from tests.conftest import DEVICE
 from tests.kernels import fake_cupy, lstm_cases, shim_backend
 from tests.kernels.lstm_cases import (
@@ -125,6 +126,6 @@ def test_valid_calls_match_numpy_and_invalid_ones_are_refused(served, call):
         # The call's inputs by id are still there, readable, and all the session holds.
         for k, ref in refs.items():
             np.testing.assert_array_equal(ref.numpy(), inputs[k])
-        assert session.budget.used == sum(inputs[k].nbytes for k in refs)
+        assert session.budget.used == sum(inputs[k].nbytes + TENSOR_RECORD_BYTES for k in refs)
         client.delete(*refs.values())
         assert session.budget.used == 0

@@ -18,6 +18,7 @@ from gradserve import protocol
 from gradserve.kernels import backend_numpy
 from gradserve.lstm_signature import LSTMActivations
 from gradserve.server import run_server
+from gradserve.server.core.sessions import TENSOR_RECORD_BYTES
 from gradserve.v1 import service_pb2, service_pb2_grpc
 from tests.kernels import lstm_cases
 from tests.kernels.lstm_cases import INPUTS, random_case
@@ -158,7 +159,7 @@ def test_a_transient_output_stays_until_the_client_holds_it_all(server, client, 
     np.testing.assert_array_equal(client._fetch(ref.id, delete_after=True), value)
     # A repeat (the first attempt's end never arrived) finds it whole.
     np.testing.assert_array_equal(client._fetch(ref.id, delete_after=True), value)
-    assert budget.used == value.nbytes
+    assert budget.used == value.nbytes + TENSOR_RECORD_BYTES
     client.keep_alive()
     assert budget.used == 0 and len(client._fetched) == 0
 
@@ -179,7 +180,7 @@ def test_more_fetched_ids_than_a_call_carries_are_all_gone_before_it_runs(
     for ref in refs:
         client._fetched.add(ref.id)
     budget = server.store.get(client.session_id).budget
-    assert budget.used == len(refs) * 1024
+    assert budget.used == len(refs) * (1024 + TENSOR_RECORD_BYTES)
     client.keep_alive()  # carries 64; the other 36 went just before it
     assert budget.used == 0 and len(client._fetched) == 0
 

@@ -12,6 +12,7 @@ import pytest
 
 import gradserve
 from gradserve.server import run_server
+from gradserve.server.core.sessions import TENSOR_RECORD_BYTES
 from gradserve.server.transport.observability import JsonFormatter
 
 
@@ -56,7 +57,7 @@ def test_metrics(metered):
         assert 2048 < value(text, 'gradserve_received_bytes_total{method="PutTensorInline"}') < 2100
         assert value(text, 'gradserve_received_bytes_total{method="PutTensor"}') >= 8 << 20
         assert value(text, "gradserve_sessions_open") == 1
-        assert value(text, "gradserve_bytes_held") == 2048
+        assert value(text, "gradserve_bytes_held") == 2048 + TENSOR_RECORD_BYTES
         assert value(text, "gradserve_host_cache_bytes") == 8 << 20
         assert value(text, 'gradserve_device_info{device="cpu"}') == 1
         assert value(text, "gradserve_sessions_expired_total") == 0

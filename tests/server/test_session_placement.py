@@ -7,7 +7,7 @@ import pytest
 
 from gradserve.errors import NotFoundError
 from gradserve.server.core.budget import MemoryBudget
-from gradserve.server.core.sessions import Session
+from gradserve.server.core.sessions import TENSOR_RECORD_BYTES, Session
 
 
 class Placed(np.ndarray):
@@ -37,7 +37,7 @@ def test_placed_copy_replaces_the_host_array_and_is_reused(session):
     assert calls == [np.ndarray, Placed]  # copied once; the second read finds it placed
     assert session.get(tensor_id) is first
     np.testing.assert_array_equal(first, np.arange(6.0))
-    assert session.budget.used == 48  # one copy's bytes, not two
+    assert session.budget.used == 48 + TENSOR_RECORD_BYTES  # one copy's bytes, not two
     session.delete([tensor_id])
     assert session.budget.used == 0
 

@@ -32,6 +32,7 @@ from gradserve.errors import (
 )
 from gradserve.server import run_server
 from gradserve.server.core import regions
+from gradserve.server.core.sessions import TENSOR_RECORD_BYTES
 from gradserve.server.core.tape import RECORD_BYTES
 from gradserve.server.transport import shm_wire
 from gradserve.v1 import lstm_pb2, service_pb2, tensor_array_pb2, tensor_pb2
@@ -339,7 +340,8 @@ def test_op_inputs_read_from_regions_count_against_the_session_budget(objects):
     whole again after the call (before, the copies were allocated uncounted and the
     call failed only later, on the LSTM's shapes)."""
     kib = 1024
-    with run_server(host="127.0.0.1", port=0, device="cpu", max_session_bytes=1024 * kib) as s:
+    limit = 1024 * kib + 2 * TENSOR_RECORD_BYTES  # two copies fit, with their records
+    with run_server(host="127.0.0.1", port=0, device="cpu", max_session_bytes=limit) as s:
         with gradserve.Client(f"127.0.0.1:{s.port}", shared_memory=False) as c:
             shm = objects.register(c, 512 * kib + 4096)
             budget = s.store.get(c.session_id).budget
@@ -380,7 +382,7 @@ def test_a_kept_region_copy_is_charged_once(objects):
     with _tight_session(objects) as (s, c, value, region):
         out = _stop_gradient(c, region, keep=True)
         budget = s.store.get(c.session_id).budget
-        assert budget.used == value.nbytes
+        assert budget.used == value.nbytes + TENSOR_RECORD_BYTES
         assert same_bits(c.get(out.ref.id), value)
         c.delete(out.ref.id)
         c.keep_alive()  # a call, after which the server has deleted it
@@ -409,7 +411,8 @@ def test_a_region_copy_held_by_a_tape_is_charged_once(objects):
     with _tight_session(objects) as (s, c, value, region):
         with c.gradient_tape(persistent=True) as tape:
             assert same_bits(codec.decode(_stop_gradient(c, region).value), value)
-            assert s.store.get(c.session_id).budget.used == value.nbytes + RECORD_BYTES
+            used = s.store.get(c.session_id).budget.used
+            assert used == value.nbytes + TENSOR_RECORD_BYTES + RECORD_BYTES
         tape.release()
         c.keep_alive()
         assert s.store.get(c.session_id).budget.used == 0
@@ -442,7 +445,8 @@ def test_a_copy_no_tape_takes_stays_charged_to_the_call(objects, monkeypatch):
             c.keep_alive()  # the tape starts on the server
             assert len(c._call("Batch", request).results) == 3
         # (the first step's record was paid for before the tape's release, given back after)
-        assert seen == [(100 << 10) + RECORD_BYTES, 200 << 10, 300 << 10]
+        copies = [n * ((100 << 10) + TENSOR_RECORD_BYTES) for n in (1, 2, 3)]
+        assert seen == [copies[0] + RECORD_BYTES, *copies[1:]]
         c.keep_alive()
         assert s.store.get(c.session_id).budget.used == 0
 
@@ -495,7 +499,8 @@ def test_a_call_that_ends_before_its_op_keeps_the_copies_charged_until_the_op_en
             c._call("BlockLSTMV2", request, timeout=0.3)
         assert reading.wait(10)
         budget = s.store.get(c.session_id).budget
-        assert budget.used == value.nbytes + 8 * 4 * 4  # the op runs on: both copies held
+        # the op runs on: both copies held
+        assert budget.used == value.nbytes + 8 * 4 * 4 + 2 * TENSOR_RECORD_BYTES
         go_on.set()
         deadline = time.monotonic() + 10
         while budget.used and time.monotonic() < deadline:

@@ -23,6 +23,7 @@ from gradserve.errors import (
     UnimplementedError,
 )
 from gradserve.server import run_server
+from gradserve.server.core.sessions import TENSOR_RECORD_BYTES
 from gradserve.server.core.tape import RECORD_BYTES
 
 F32 = np.float32
@@ -347,9 +348,10 @@ def test_a_non_persistent_tape_frees_what_it_held_after_gradient(client, server)
         acts = client.raw_ops.BlockLSTMV2(*args[:2], np.zeros((4, 6)), np.zeros((4, 6)), *args[4:])
     held = used(server, client) - before
     # Seven outputs, the two inline initial states and three inline peephole
-    # weights (the resident inputs are charged already), and the op's record (with
-    # its copy of seq_len_max).
-    assert held == 7 * 8 * 4 * 6 * 8 + 2 * 4 * 6 * 8 + 3 * 6 * 8 + RECORD_BYTES + 8
+    # weights (the resident inputs are charged already), each with its tensor record,
+    # and the op's record (with its copy of seq_len_max).
+    values = 7 * 8 * 4 * 6 * 8 + 2 * 4 * 6 * 8 + 3 * 6 * 8
+    assert held == values + 12 * TENSOR_RECORD_BYTES + RECORD_BYTES + 8
     assert session_of(server, client).record_bytes() == RECORD_BYTES + 8
     tape.gradient(acts.h, args[4])
     assert used(server, client) == before
@@ -367,9 +369,10 @@ def test_a_persistent_tape_frees_on_release_and_session_close(target):
             tape.gradient(r, x)
             tape.gradient(r, x)
             session = srv.store.get(c.session_id)
-            assert session.budget.used == base + 4000 + session.record_bytes()  # + the array's
-            # x, and the records of TensorArrayV3, the write and the read (their indices)
-            assert tape.release() == 4000 + 3 * RECORD_BYTES + 2 * 4
+            # + the read's output the tape holds, and the records
+            assert session.budget.used == base + 4000 + TENSOR_RECORD_BYTES + session.record_bytes()
+            # that output, and the records of TensorArrayV3, the write and the read
+            assert tape.release() == 4000 + TENSOR_RECORD_BYTES + 3 * RECORD_BYTES + 2 * 4
             assert session.budget.used == base + session.record_bytes()
             with c.gradient_tape(persistent=True):
                 c.raw_ops.StopGradient(x)
@@ -377,8 +380,9 @@ def test_a_persistent_tape_frees_on_release_and_session_close(target):
 
 
 def test_a_tape_over_the_byte_budget_is_refused_and_the_session_goes_on(target):
-    # 128 KiB for tensors, 4 KiB for the array's records (``tensor_array.SLOT_BYTES``...)
-    with run_server(host="127.0.0.1", port=0, max_session_bytes=132 * 1024) as srv:
+    # 128 KiB for tensors, 12 KiB for records: the array's (``tensor_array.SLOT_BYTES``...),
+    # the tensors' (``TENSOR_RECORD_BYTES``) and the tape's (``tape.RECORD_BYTES``)
+    with run_server(host="127.0.0.1", port=0, max_session_bytes=140 * 1024) as srv:
         with gradserve.Client(f"127.0.0.1:{srv.port}") as c:
             x = c.put(np.ones(4096, F32))  # 16 KiB
             with c.gradient_tape() as tape:
@@ -389,9 +393,11 @@ def test_a_tape_over_the_byte_budget_is_refused_and_the_session_goes_on(target):
                     for _ in range(8):  # each read's output is held: 16 KiB more
                         reads.append(c.raw_ops.TensorArrayReadV3(h, 0, flow, F32))
             assert len(reads) == 6  # x, the element and six reads fill 128 KiB
-            assert tape.release() == 6 * 16384 + 8 * RECORD_BYTES + 7 * 4  # and 8 records
+            # the six outputs (each with its record), and 8 op records
+            assert tape.release() == 6 * (16384 + TENSOR_RECORD_BYTES) + 8 * RECORD_BYTES + 7 * 4
             session = srv.store.get(c.session_id)
-            assert session.budget.used == 2 * 16384 + session.record_bytes()  # x, the element
+            # x, the element
+            assert session.budget.used == 2 * 16384 + TENSOR_RECORD_BYTES + session.record_bytes()
             with c.gradient_tape() as tape:
                 flow = c.raw_ops.TensorArrayWriteV3(h, 1, x, flow)
                 r = c.raw_ops.TensorArrayReadV3(h, 1, flow, F32)
@@ -416,14 +422,14 @@ def test_what_tapes_record_is_charged_and_freed_with_them(target):
                 with pytest.raises(ResourceExhaustedError, match="--max-session-bytes") as info:
                     batch.run()
             step = info.value.step  # each step: 8 records and 8 tapes' hold of a scalar
-            assert (
-                (1 << 20) // (8 * RECORD_BYTES + 4) - 2 <= step <= (1 << 20) // (8 * RECORD_BYTES)
-            )
+            per_step = 8 * RECORD_BYTES + 4 + TENSOR_RECORD_BYTES
+            assert (1 << 20) // per_step - 2 <= step <= (1 << 20) // per_step
             assert session.record_bytes() == 8 * RECORD_BYTES * step
-            assert session.budget.used == 4 + session.record_bytes() + 4 * step
+            held = (4 + TENSOR_RECORD_BYTES) * (1 + step)  # x, and each step's output
+            assert session.budget.used == held + session.record_bytes()
             for tape in tapes:
                 tape.release()
-            assert session.budget.used == 4
+            assert session.budget.used == 4 + TENSOR_RECORD_BYTES
             assert c.raw_ops.StopGradient(x) == 1  # and the session goes on
 
 
@@ -490,8 +496,10 @@ def test_a_tape_named_twice_in_the_header_is_one_tape(client, server):
     )
     r = TapedArray.wrap(np.ones(3, F32), reply.value.tape_id, (tape,))
     np.testing.assert_array_equal(tape.gradient(r, x), np.ones(3, F32))
-    # x (the read cleared the element; r let go of), and the array's records
-    assert used(server, client) == 12 + session_of(server, client).record_bytes()
+    # x (the read cleared the element; r let go of), and the records
+    assert (
+        used(server, client) == 12 + TENSOR_RECORD_BYTES + session_of(server, client).record_bytes()
+    )
 
 
 def _encoded(value):

@@ -15,6 +15,7 @@ from gradserve import codec, dtypes
 from gradserve.codec import WireChunk, WireTensor, parse_chunk, parse_tensor, serialize_tensor
 from gradserve.errors import GradserveError, InvalidArgumentError, ResourceExhaustedError
 from gradserve.server import run_server
+from gradserve.server.core.sessions import TENSOR_RECORD_BYTES
 from gradserve.server.transport import tensor_handlers
 from gradserve.v1 import service_pb2, tensor_pb2
 from tests.server import test_inline_tensors
@@ -209,7 +210,7 @@ def test_the_session_budget_holds_on_the_fast_path():
             with pytest.raises(ResourceExhaustedError) as err:
                 c.put(np.zeros(160 * KIB, np.uint8))
             assert err.value.reason == "MEMORY_LIMIT"
-            assert server.store.budget.used == 160 * KIB
+            assert server.store.budget.used == 160 * KIB + TENSOR_RECORD_BYTES
             c.delete(first)
             assert server.store.budget.used == 0
             assert c.get(c.put(np.ones(160 * KIB, np.uint8))).sum() == 160 * KIB
