@@ -45,6 +45,7 @@ from gradserve.server.core.ops import lstm_ops
 from gradserve.server.core.ops import tensor_array_ops as ta_ops
 from gradserve.server.core.sessions import Resident, Session, TensorArg
 from gradserve.server.core.tape import Record, Tape
+from gradserve.server.core.tensor_array import HandOut
 
 #: The gradient that reached a TensorArray flow key: only its presence matters
 #: (TensorFlow's flow gradients are dummy floats that order the grad ops).
@@ -258,9 +259,13 @@ def gradients(
     *,
     unconnected_zero: bool,
     check: Callable[[], None] | None = None,
+    hand_out: HandOut | None = None,
 ) -> tuple[list[Any], str]:
     """d(sum of targets, weighted by ``output_gradients``)/d(each source) over what
     ``tape`` recorded; returns (one array or None per source, the grad source used).
+    ``hand_out`` gets the gradients before a non-persistent tape is released (the
+    tapes around this one pay for holding them: without room, the call is refused
+    while the tape can still be asked again).
 
     Targets must be tensors the tape produced or watches; sources any tensor of the
     session or tape (one the targets do not depend on gets None, or zeros with
@@ -314,6 +319,8 @@ def gradients(
             if g is None and unconnected_zero:
                 g = np.zeros(value.shape, value.dtype)
             results.append(g)
+        if hand_out is not None:
+            hand_out([g for g in results if g is not None])
     except BaseException:
         for handle, dynamic in sweep.frozen.items():
             session.unfreeze_tensor_array(handle, dynamic)

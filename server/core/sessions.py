@@ -517,23 +517,37 @@ class Session:
             tape.held[tensor_id] = kept
             return True
 
+    @staticmethod
+    def charge_of(array: Array) -> int:
+        """What holding ``array`` costs the budget: its bytes and its record."""
+        return dtypes.nbytes(array) + TENSOR_RECORD_BYTES
+
     def keep_for_tapes(
-        self, tapes: list[Tape], array: Array, reserved: TensorReservation | None = None
+        self,
+        tapes: list[Tape],
+        array: Array,
+        reserved: TensorReservation | None = None,
+        *,
+        paid: int | None = None,
     ) -> str | None:
         """Hold ``array`` on every live tape of ``tapes`` under a new id, charged once
         to the session's budget (RESOURCE_EXHAUSTED past a limit); None if every one
         was released meanwhile. ``reserved``: bytes already held for ``array`` (a
         region copy's), which the tapes take over instead of charging them again; left
-        as it is when no tape is live."""
+        as it is when no tape is live. ``paid``: its charge, already reserved in the
+        budget (``Recorder.pay_for_outputs``), which the tapes take over; the caller
+        releases it when no tape is live."""
         if not hasattr(array, "__cuda_array_interface__"):
             array = np.asarray(array)
-        nbytes = dtypes.nbytes(array) + TENSOR_RECORD_BYTES
+        nbytes = self.charge_of(array)
         with self._lock:
             self._check_open()
             live = list({id(t): t for t in tapes if not t.released}.values())
             if not live:
                 return None
-            if reserved is not None and reserved in self._reservations:
+            if paid is not None:
+                nbytes = paid
+            elif reserved is not None and reserved in self._reservations:
                 self._reservations.discard(reserved)  # its bytes are the tapes' now
                 reserved.taken_over()
                 nbytes = reserved.charged

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -174,6 +174,8 @@ class Recorder:
         self._pending: list[tuple[str, tuple[str | None, ...], tuple[str | None, ...],
                                   Mapping[str, Any], int]] = []  # fmt: skip
         self._watch: set[str] = set()
+        #: Outputs paid for ahead (``pay_for_outputs``), by ``id``: (output, bytes).
+        self._paid: dict[int, tuple[Any, int]] = {}
 
     def arg(self, value: TensorArg, *, hold: bool = False) -> tuple[str | None, str | None]:
         """An input's (differentiable key, held id).
@@ -196,19 +198,38 @@ class Recorder:
             return None, None
         return None, self._keep(value)
 
+    def pay_for_outputs(self, outputs: Sequence[Any]) -> None:
+        """Reserve now what holding ``outputs`` on the live tapes will cost (each is
+        charged once, however many tapes hold it): called by an op that changes state
+        before its outputs are held (a TensorArray read that clears its element), so
+        that no room refuses it while it can still be undone. Only the budget's lock is
+        taken (the op holds a TensorArray's)."""
+        if not self._live_tapes():
+            return
+        unique = {id(value): value for value in outputs if id(value) not in self._paid}
+        costs = [(value, self.session.charge_of(value)) for value in unique.values()]
+        self.session.budget.reserve(sum(cost for _, cost in costs))
+        for value, cost in costs:
+            self._paid[id(value)] = (value, cost)
+
     def output(self, value: Any) -> str | None:
         """Hold an op output on every tape; returns its tape id (None if every tape was
         released while the op ran: then there is nothing to record it on)."""
         return self._keep(value)
 
     def _keep(self, value: Any) -> str | None:
-        reserved = self.held.take(value) if self.held is not None else None
+        _, paid = self._paid.pop(id(value), (None, None))
+        reserved = None
+        if paid is None and self.held is not None:
+            reserved = self.held.take(value)
         held = None
         try:
-            held = self.session.keep_for_tapes(self.tapes, value, reserved)
+            held = self.session.keep_for_tapes(self.tapes, value, reserved, paid=paid)
         finally:
             if held is None and reserved is not None and self.held is not None:
                 self.held.give_back(value, reserved)  # no live tape took it over
+            if held is None and paid is not None:
+                self.session.budget.release(paid)
         if held is not None:
             self._held += [(tape, held) for tape in self.tapes]
         return held
@@ -247,8 +268,9 @@ class Recorder:
         return sum(not tape.released for tape in self.tapes)
 
     def _give_back(self, nbytes: int) -> None:
+        paid, self._paid = self._paid, {}
         self._reserved = self._prepaid = 0
-        self.session.budget.release(nbytes)
+        self.session.budget.release(nbytes + sum(cost for _, cost in paid.values()))
 
     def _unlock(self) -> None:
         locked, self._locked = self._locked, []

@@ -57,6 +57,10 @@ SLOT_BYTES = 256
 RESERVE_AHEAD_BYTES = 64 * 1024
 
 
+#: Given an op's outputs before the op is done (``TensorArray.read``): raising undoes it.
+HandOut = Callable[[Sequence[np.ndarray]], None]
+
+
 @dataclasses.dataclass
 class _Slot:
     """The state of one index."""
@@ -374,7 +378,7 @@ class TensorArray:
             self._gradients_disallowed = True
 
     # ------------------------------------------------------------------ reads
-    def read(self, index: int) -> np.ndarray:
+    def read(self, index: int, hand_out: HandOut | None = None) -> np.ndarray:
         """TensorArrayReadV3.
 
         Preconditions: open; ``0 <= index < size`` (a gradient array also reads
@@ -382,103 +386,131 @@ class TensorArray:
         gradient array, the copied forward shape) fully known, giving zeros;
         not cleared by an earlier read.
         Side effects: marks the index read; with clear_after_read drops the value.
-        """
+        ``hand_out``, if given, gets the op's outputs before the op is done: should it
+        raise (a gradient tape that has no room in the budget to hold them), the op is
+        undone as if it had never run (a cleared element comes back)."""
         with self._atomic():
             self._check_open()
-            return self._read_locked(index)
+            value = self._read_locked(index)
+            if hand_out is not None:
+                hand_out((value,))
+            return value
 
     def gather(
         self,
         indices: Sequence[int],
         element_shape: shapes.PartialShape,
         check: Callable[[], None] | None = None,
+        hand_out: HandOut | None = None,
     ) -> np.ndarray:
         """TensorArrayGatherV3: the values at ``indices`` stacked on a new axis 0.
 
         ``check`` runs every ``CHECK_EVERY`` reads (deadline, cancellation); if
         it raises, the array is left as it was.
-        """
+        ``hand_out``, if given, gets the op's outputs before the op is done: should it
+        raise (a gradient tape that has no room in the budget to hold them), the op is
+        undone as if it had never run (a cleared element comes back)."""
         with self._atomic():
-            # As TensorFlow: a gather of no indices reads nothing, so it succeeds (or
-            # fails on the shape) even on a closed array.
-            self._element_shape = shapes.merge(self._element_shape, element_shape)
-            if len(indices) == 0:
-                if not shapes.is_fully_defined(element_shape):
-                    raise UnimplementedError(
-                        f"TensorArray has size zero, but element shape "
-                        f"{shapes.debug_string(element_shape)} is not fully defined. "
-                        "Currently only static shapes are supported when packing zero-size "
-                        "TensorArrays."
-                    )
-                return self._zeros((0, *fully_defined(element_shape)))
-            self._check_open()
-            values = self._read_many(indices, check)
-            first = values[0].shape
-            if not shapes.is_compatible(element_shape, first):
-                raise InvalidArgumentError(
-                    f"TensorArray was passed element_shape {shapes.debug_string(element_shape)} "
-                    f"which does not match the Tensor at index 0: {shapes.debug_string(first)}"
+            out = self._gather_locked(indices, element_shape, check)
+            if hand_out is not None:
+                hand_out((out,))
+            return out
+
+    def _gather_locked(
+        self,
+        indices: Sequence[int],
+        element_shape: shapes.PartialShape,
+        check: Callable[[], None] | None,
+    ) -> np.ndarray:
+        # As TensorFlow: a gather of no indices reads nothing, so it succeeds (or
+        # fails on the shape) even on a closed array.
+        self._element_shape = shapes.merge(self._element_shape, element_shape)
+        if len(indices) == 0:
+            if not shapes.is_fully_defined(element_shape):
+                raise UnimplementedError(
+                    f"TensorArray has size zero, but element shape "
+                    f"{shapes.debug_string(element_shape)} is not fully defined. "
+                    "Currently only static shapes are supported when packing zero-size "
+                    "TensorArrays."
                 )
-            if len(values) * int(np.prod(first)) == 0:
-                # TensorFlow allocates the output from element 0's shape and, when it
-                # holds no element, returns it before comparing the other shapes.
-                return self._zeros((len(values), *first))
-            for i, v in enumerate(values[1:], start=1):
-                if v.shape != first:
-                    raise InvalidArgumentError(
-                        f"TensorArray has inconsistent shapes.  Index 0 has shape: "
-                        f"{shapes.debug_string(first)} but index {i} has shape: "
-                        f"{shapes.debug_string(v.shape)}"
-                    )
-            return np.stack(values)
+            return self._zeros((0, *fully_defined(element_shape)))
+        self._check_open()
+        values = self._read_many(indices, check)
+        first = values[0].shape
+        if not shapes.is_compatible(element_shape, first):
+            raise InvalidArgumentError(
+                f"TensorArray was passed element_shape {shapes.debug_string(element_shape)} "
+                f"which does not match the Tensor at index 0: {shapes.debug_string(first)}"
+            )
+        if len(values) * int(np.prod(first)) == 0:
+            # TensorFlow allocates the output from element 0's shape and, when it
+            # holds no element, returns it before comparing the other shapes.
+            return self._zeros((len(values), *first))
+        for i, v in enumerate(values[1:], start=1):
+            if v.shape != first:
+                raise InvalidArgumentError(
+                    f"TensorArray has inconsistent shapes.  Index 0 has shape: "
+                    f"{shapes.debug_string(first)} but index {i} has shape: "
+                    f"{shapes.debug_string(v.shape)}"
+                )
+        return np.stack(values)
 
     def concat(
         self,
         element_shape_except0: shapes.PartialShape,
         check: Callable[[], None] | None = None,
+        hand_out: HandOut | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """TensorArrayConcatV3: every value joined on axis 0, and their lengths (int64)."""
+        """TensorArrayConcatV3: every value joined on axis 0, and their lengths (int64).
+
+        ``hand_out``: as for ``gather``."""
         with self._atomic():
-            self._check_open()
-            # A gradient array concatenates as many elements as its forward was
-            # split into (TensorFlow's marked size); -1 (never split) means all.
-            n = self._marked_size if self.is_grad and self._marked_size >= 0 else self._size
-            if n == 0:
-                if not shapes.is_fully_defined(element_shape_except0):
-                    raise UnimplementedError(
-                        f"TensorArray has size zero, but element_shape_except0 "
-                        f"{shapes.debug_string(element_shape_except0)} is not fully defined. "
-                        "Currently only static shapes are supported when concatenating "
-                        "zero-size TensorArrays."
-                    )
-                return self._zeros((0, *fully_defined(element_shape_except0))), np.zeros(
-                    0, np.int64
+            value, lengths = self._concat_locked(element_shape_except0, check)
+            if hand_out is not None:
+                hand_out((value, lengths))
+            return value, lengths
+
+    def _concat_locked(
+        self, element_shape_except0: shapes.PartialShape, check: Callable[[], None] | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        self._check_open()
+        # A gradient array concatenates as many elements as its forward was
+        # split into (TensorFlow's marked size); -1 (never split) means all.
+        n = self._marked_size if self.is_grad and self._marked_size >= 0 else self._size
+        if n == 0:
+            if not shapes.is_fully_defined(element_shape_except0):
+                raise UnimplementedError(
+                    f"TensorArray has size zero, but element_shape_except0 "
+                    f"{shapes.debug_string(element_shape_except0)} is not fully defined. "
+                    "Currently only static shapes are supported when concatenating "
+                    "zero-size TensorArrays."
                 )
-            values = self._read_many(range(n), check)
-            except0 = None
-            for i, v in enumerate(values):
-                if v.ndim == 0:
+            return self._zeros((0, *fully_defined(element_shape_except0))), np.zeros(0, np.int64)
+        values = self._read_many(range(n), check)
+        except0 = None
+        for i, v in enumerate(values):
+            if v.ndim == 0:
+                raise InvalidArgumentError(
+                    f"Concat saw a scalar shape at index {i} but requires at least "
+                    "vectors.  Did you mean to call pack?"
+                )
+            if i == 0:
+                except0 = v.shape[1:]
+                if not shapes.is_compatible(element_shape_except0, except0):
                     raise InvalidArgumentError(
-                        f"Concat saw a scalar shape at index {i} but requires at least "
-                        "vectors.  Did you mean to call pack?"
+                        f"TensorArray was passed element_shape_except0 "
+                        f"{shapes.debug_string(element_shape_except0)} but index 0 has "
+                        f"(excepting dimension 0) shape: {shapes.debug_string(except0)} "
+                        "which does not match."
                     )
-                if i == 0:
-                    except0 = v.shape[1:]
-                    if not shapes.is_compatible(element_shape_except0, except0):
-                        raise InvalidArgumentError(
-                            f"TensorArray was passed element_shape_except0 "
-                            f"{shapes.debug_string(element_shape_except0)} but index 0 has "
-                            f"(excepting dimension 0) shape: {shapes.debug_string(except0)} "
-                            "which does not match."
-                        )
-                elif v.shape[1:] != except0:
-                    raise InvalidArgumentError(
-                        f"TensorArray has inconsistent shapes.  Index 0 has (excepting "
-                        f"dimension 0) shape: {shapes.debug_string(except0)} but index {i} "
-                        f"has (excepting dimension 0) shape: {shapes.debug_string(v.shape[1:])}"
-                    )
-            lengths = np.array([v.shape[0] for v in values], dtype=np.int64)
-            return np.concatenate(values), lengths
+            elif v.shape[1:] != except0:
+                raise InvalidArgumentError(
+                    f"TensorArray has inconsistent shapes.  Index 0 has (excepting "
+                    f"dimension 0) shape: {shapes.debug_string(except0)} but index {i} "
+                    f"has (excepting dimension 0) shape: {shapes.debug_string(v.shape[1:])}"
+                )
+        lengths = np.array([v.shape[0] for v in values], dtype=np.int64)
+        return np.concatenate(values), lengths
 
     def _read_many(
         self, indices: Sequence[int], check: Callable[[], None] | None = None

@@ -32,6 +32,7 @@ def Gradients(io: CallIO, req: tape_pb2.GradientsRequest) -> tape_pb2.GradientsR
     targets = [_tensor_id(io, t, f"targets[{n}]") for n, t in enumerate(req.targets)]
     sources = [_tensor_id(io, s, f"sources[{n}]") for n, s in enumerate(req.sources)]
     seeds = [io.tensor(g, f"output_gradients[{n}]") for n, g in enumerate(req.output_gradients)]
+    outer = [t for t in io.tapes if t is not tape]
     grads, source = gradients.gradients(
         io.session,
         io.compute,
@@ -41,8 +42,8 @@ def Gradients(io: CallIO, req: tape_pb2.GradientsRequest) -> tape_pb2.GradientsR
         seeds,
         unconnected_zero=req.unconnected_gradients == tape_pb2.UNCONNECTED_ZERO,
         check=io.check_alive,
+        hand_out=io.hand_out if outer else None,  # the outer tapes hold the gradients
     )
-    outer = [t for t in io.tapes if t is not tape]
     tape_ids: list[str | None] = [None] * len(grads)
     if io.recorder is not None and outer:
         io.recorder.tapes = outer

@@ -58,7 +58,7 @@ def TensorArrayWriteV3(
 
 def TensorArrayReadV3(io: CallIO, req: pb.TensorArrayReadV3Request) -> pb.TensorArrayReadV3Response:
     handle, index, dtype = io.handle(req.handle), io.input(req.index, "index"), dtype_of(req.dtype)
-    value = ta_ops.read(io.session, handle, index, dtype)
+    value = ta_ops.read(io.session, handle, index, dtype, io.hand_out)
     tape_id = recording.read(io.recorder, handle, index, dtype, value) if io.recorder else None
     resp = pb.TensorArrayReadV3Response()
     io.output(value, resp, "value", req.keep_outputs, tape_id)
@@ -76,6 +76,7 @@ def TensorArrayGatherV3(
         dtype_of(req.dtype),
         _shape(req, "element_shape"),
         io.check_alive,
+        io.hand_out,
     )
     tape_id = recording.gather(io.recorder, handle, indices, value) if io.recorder else None
     resp = pb.TensorArrayGatherV3Response()
@@ -106,6 +107,7 @@ def TensorArrayConcatV3(
         dtype_of(req.dtype),
         _shape(req, "element_shape_except0"),
         io.check_alive,
+        io.hand_out,
     )
     ids = recording.concat(io.recorder, handle, value, lengths) if io.recorder else (None, None)
     resp = pb.TensorArrayConcatV3Response()

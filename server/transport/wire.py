@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -176,6 +176,13 @@ class CallIO:
         """After a Batch step: the response grew by ``result_bytes`` (its result, and
         the few bytes that wrap it) since ``response_left`` was ``before``."""
         self.response_left = before - result_bytes - 8
+
+    def hand_out(self, outputs: Sequence[Any]) -> None:
+        """A TensorArray op's outputs, before the op is done (``TensorArray.read``): the
+        call's tapes pay for holding them now, so that a tape without room refuses the
+        op before it clears an element, not after (the element was lost)."""
+        if self.recorder is not None:
+            self.recorder.pay_for_outputs(outputs)
 
     def tensor(self, msg: tensor_pb2.TensorInput, field: str) -> TensorArg:
         """An op argument: the inline value decoded, or the resident tensor's id."""

@@ -433,6 +433,70 @@ def test_what_tapes_record_is_charged_and_freed_with_them(target):
             assert c.raw_ops.StopGradient(x) == 1  # and the session goes on
 
 
+def _fill_to(client, session, limit: int, room: int):
+    """Put a filler tensor that leaves ``room`` bytes of the session's ``limit``."""
+    filler = limit - session.budget.used - room - TENSOR_RECORD_BYTES
+    return client.put(np.zeros(filler, np.uint8))
+
+
+@pytest.mark.parametrize("op", ["read", "gather", "concat"])
+def test_a_read_under_a_tape_without_room_loses_no_element(target, op):
+    """A read clears its element (clear_after_read) before its output is held on the
+    tape; when holding it had no room, the call was refused after the clearing, and
+    the element was gone (a second read: "cleared after a previous read"). The tape
+    now pays for the output while the read can still be undone."""
+    limit = 64 * 1024
+    with run_server(host="127.0.0.1", port=0, max_session_bytes=limit) as srv:
+        with gradserve.Client(f"127.0.0.1:{srv.port}") as c:
+            value = np.arange(8000, dtype=F32)
+            h, flow = c.raw_ops.TensorArrayV3(size=1, dtype=F32)
+            flow = c.raw_ops.TensorArrayWriteV3(h, 0, value, flow)
+            session = srv.store.get(c.session_id)
+            filler = _fill_to(c, session, limit, room=600)  # the op's record fits, no more
+            before = session.budget.used
+
+            def read():
+                if op == "read":
+                    return c.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+                if op == "gather":
+                    return c.raw_ops.TensorArrayGatherV3(h, [0], flow, F32)[0]
+                return c.raw_ops.TensorArrayConcatV3(h, flow, F32)[0]
+
+            with c.gradient_tape():
+                with pytest.raises(ResourceExhaustedError, match="--max-session-bytes"):
+                    read()
+            assert session.budget.used == before
+            c.delete(filler)
+            np.testing.assert_array_equal(read(), value)  # still there
+
+
+def test_gradients_whose_outer_tape_has_no_room_leave_the_inner_tape_to_ask_again(target):
+    """Gradients on a non-persistent tape released it, then held the gradients on the
+    outer tapes of the call: without room there, the call failed with the tape gone.
+    The outer tapes now pay first. (The room fits the sweep, whose grad array is
+    charged, but not the zeros of the unconnected source ``z``, which only the outer
+    tape holds.)"""
+    limit = 256 * 1024
+    with run_server(host="127.0.0.1", port=0, max_session_bytes=limit) as srv:
+        with gradserve.Client(f"127.0.0.1:{srv.port}") as c:
+            x = c.put(np.ones(4000, F32))
+            z = c.put(np.ones(20000, F32))
+            session = srv.store.get(c.session_id)
+            with c.gradient_tape(persistent=True) as outer:
+                with c.gradient_tape() as inner:
+                    h, flow = _ta(c, size=1, element_shape=[4000])
+                    flow = c.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+                    r = c.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+                filler = _fill_to(c, session, limit, room=24000)
+                with pytest.raises(ResourceExhaustedError, match="--max-session-bytes"):
+                    inner.gradient(r, [x, z], unconnected_gradients="zero")
+                c.delete(filler)
+                gx, gz = inner.gradient(r, [x, z], unconnected_gradients="zero")
+            np.testing.assert_array_equal(gx, np.ones(4000, F32))
+            np.testing.assert_array_equal(gz, np.zeros(20000, F32))
+            outer.release()
+
+
 # ----------------------------------------------------------------- dataflow Batch
 def test_a_whole_forward_and_its_gradient_in_one_batch(client):
     rng = np.random.default_rng(4)

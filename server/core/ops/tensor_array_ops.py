@@ -14,7 +14,7 @@ from gradserve import dtypes, shapes
 from gradserve.errors import InvalidArgumentError
 from gradserve.server.core.ops import args
 from gradserve.server.core.sessions import Session
-from gradserve.server.core.tensor_array import TensorArray
+from gradserve.server.core.tensor_array import HandOut, TensorArray
 
 
 def _check_write_dtype(ta: TensorArray, value: np.ndarray) -> None:
@@ -69,11 +69,17 @@ def write(session: Session, handle: str, index: np.ndarray, value: np.ndarray) -
     ta.write(i, value)
 
 
-def read(session: Session, handle: str, index: np.ndarray, dtype: np.dtype) -> np.ndarray:
+def read(
+    session: Session,
+    handle: str,
+    index: np.ndarray,
+    dtype: np.dtype,
+    hand_out: HandOut | None = None,
+) -> np.ndarray:
     i = args.int32_scalar(index, "index", "TensorArray index must be scalar, but had shape: ")
     ta = session.tensor_array(handle)
     _check_read_dtype(ta, dtype)
-    return ta.read(i)
+    return ta.read(i, hand_out)
 
 
 def gather(
@@ -83,13 +89,14 @@ def gather(
     dtype: np.dtype,
     element_shape: shapes.PartialShape,
     check: Callable[[], None] | None = None,
+    hand_out: HandOut | None = None,
 ) -> np.ndarray:
     ta = session.tensor_array(handle)
     _check_read_dtype(ta, dtype)
     idx = args.int_vector(
         indices, "indices", "Expected indices to be a vector, but received shape: "
     )
-    return ta.gather(idx, element_shape, check)
+    return ta.gather(idx, element_shape, check, hand_out)
 
 
 def scatter(session: Session, handle: str, indices: np.ndarray, value: np.ndarray) -> None:
@@ -112,10 +119,11 @@ def concat(
     dtype: np.dtype,
     element_shape_except0: shapes.PartialShape,
     check: Callable[[], None] | None = None,
+    hand_out: HandOut | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     ta = session.tensor_array(handle)
     _check_read_dtype(ta, dtype)
-    return ta.concat(element_shape_except0, check)
+    return ta.concat(element_shape_except0, check, hand_out)
 
 
 def split(session: Session, handle: str, value: np.ndarray, lengths: np.ndarray) -> None:
