@@ -306,8 +306,8 @@ class Session:
         self.check_tensor_bytes(nbytes)
         with self._lock:
             self._check_open()
-            self.budget.reserve(nbytes + TENSOR_RECORD_BYTES)
             reservation = TensorReservation(self, nbytes)
+            self.budget.reserve(reservation.charged)
             self._reservations.add(reservation)
         return reservation
 
@@ -633,12 +633,14 @@ class Session:
         target, time in their size under this lock."""
         with self._lock:
             self._check_tape_live(tape)
-            on_tape = tape.outputs.__contains__, tape.watched.__contains__
-            unknown = [t for t in targets if not any(has(t) for has in on_tape)]
+
+            def on_tape(key: str) -> bool:
+                return key in tape.outputs or key in tape.watched
+
+            unknown = [t for t in targets if not on_tape(t)]
             if unknown:
                 return [], unknown, set()
-            differentiable = {k for k in sources if any(has(k) for has in on_tape)}
-            return list(tape.records), [], differentiable
+            return list(tape.records), [], {k for k in sources if on_tape(k)}
 
     def gradient_done(self, tape: Tape) -> None:
         """A gradient computation on ``tape`` succeeded: a non-persistent tape is
@@ -723,7 +725,7 @@ class Session:
                     budget=budget,
                 )
             for tensor_id, array in state.resident.items():
-                nbytes = dtypes.nbytes(array) + TENSOR_RECORD_BYTES
+                nbytes = cls.charge_of(array)
                 budget.reserve(nbytes)
                 session._resident[tensor_id] = _Kept(array, nbytes)
         except BaseException:

@@ -406,10 +406,7 @@ class TensorArray:
         """TensorArrayGatherV3: the values at ``indices`` stacked on a new axis 0.
 
         ``check`` runs every ``CHECK_EVERY`` reads (deadline, cancellation); if
-        it raises, the array is left as it was.
-        ``hand_out``, if given, gets the op's outputs before the op is done: should it
-        raise (a gradient tape that has no room in the budget to hold them), the op is
-        undone as if it had never run (a cleared element comes back)."""
+        it raises, the array is left as it was. ``hand_out``: as for ``read``."""
         with self._atomic():
             out = self._gather_locked(indices, element_shape, check)
             if hand_out is not None:
@@ -463,7 +460,7 @@ class TensorArray:
     ) -> tuple[np.ndarray, np.ndarray]:
         """TensorArrayConcatV3: every value joined on axis 0, and their lengths (int64).
 
-        ``hand_out``: as for ``gather``."""
+        ``hand_out``: as for ``read``."""
         with self._atomic():
             value, lengths = self._concat_locked(element_shape_except0, check)
             if hand_out is not None:
