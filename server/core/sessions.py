@@ -289,25 +289,35 @@ class Session:
                 reason="TENSOR_TOO_LARGE",
             )
 
-    def put(self, array: Array, nbytes: int | None = None) -> str:
+    def put(self, array: Array, nbytes: int | None = None, *, paid: bool = False) -> str:
         """Keep ``array`` (never mutated afterwards) in the session; returns its id.
 
         Its size (``nbytes``: ``dtypes.nbytes(array)``, if the caller has it) is
-        checked and its bytes charged to the session's budget.
+        checked and its bytes charged to the session's budget. ``paid``: its charge
+        (``charge_of``) is in the budget already (reserved by an op before it changed
+        state); the session takes it over, or gives it back if the put fails.
         """
         nbytes = dtypes.nbytes(array) if nbytes is None else nbytes
-        with self.reserve_tensor(nbytes) as reservation:
+        try:
+            reservation = self.reserve_tensor(nbytes, paid=paid)
+        except BaseException:
+            if paid:
+                self.budget.release(nbytes + TENSOR_RECORD_BYTES)
+            raise
+        with reservation:
             return reservation.keep(array)
 
-    def reserve_tensor(self, nbytes: int) -> TensorReservation:
+    def reserve_tensor(self, nbytes: int, *, paid: bool = False) -> TensorReservation:
         """Hold ``nbytes`` of the budget for a tensor that is still to be made (a
         stream still arriving), so that the budget refuses it before anything is
-        allocated. Use as a context manager: what is not kept is released on exit."""
+        allocated. Use as a context manager: what is not kept is released on exit.
+        ``paid``: the bytes are reserved already (``put``)."""
         self.check_tensor_bytes(nbytes)
         with self._lock:
             self._check_open()
             reservation = TensorReservation(self, nbytes)
-            self.budget.reserve(reservation.charged)
+            if not paid:
+                self.budget.reserve(reservation.charged)
             self._reservations.add(reservation)
         return reservation
 

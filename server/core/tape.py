@@ -159,12 +159,9 @@ class Recorder:
         self.session = session
         self.held = held
         self.tapes = list({id(t): t for t in tapes}.values())  # each tape once
-        # The record the op will make, paid before it runs: a session at its limit
-        # is refused before the op changes anything (``record`` pays what more it
-        # keeps).
-        prepaid = RECORD_BYTES * self._live_tapes()
-        session.budget.reserve(prepaid)
-        self._reserved = self._prepaid = prepaid
+        #: Reserved in the budget for this op's records and outputs, and the part of it
+        #: paid ahead (``prepay``) that no record has used yet.
+        self._reserved = self._prepaid = 0
         self._locked: list[Tape] = []
         if ordered:
             for tape in sorted(self.tapes, key=lambda t: t.id):
@@ -198,19 +195,31 @@ class Recorder:
             return None, None
         return None, self._keep(value)
 
-    def pay_for_outputs(self, outputs: Sequence[Any]) -> None:
+    def prepay(self, *copies: np.ndarray) -> None:
+        """Reserve the op's record on every live tape now, with the host copies of
+        ``copies`` it will keep (``small``): called before an op that changes state,
+        so that a session without room refuses the op before the change, not after
+        (``record`` then reserves nothing more)."""
+        cost = (RECORD_BYTES + sum(c.nbytes for c in copies)) * self._live_tapes()
+        self.session.budget.reserve(cost)
+        self._reserved += cost
+        self._prepaid += cost
+
+    def pay_for_outputs(self, outputs: Sequence[Any]) -> bool:
         """Reserve now what holding ``outputs`` on the live tapes will cost (each is
         charged once, however many tapes hold it): called by an op that changes state
         before its outputs are held (a TensorArray read that clears its element), so
         that no room refuses it while it can still be undone. Only the budget's lock is
-        taken (the op holds a TensorArray's)."""
+        taken (the op holds a TensorArray's). False when no tape is live (nothing will
+        hold them here)."""
         if not self._live_tapes():
-            return
+            return False
         unique = {id(value): value for value in outputs if id(value) not in self._paid}
         costs = [(value, self.session.charge_of(value)) for value in unique.values()]
         self.session.budget.reserve(sum(cost for _, cost in costs))
         for value, cost in costs:
             self._paid[id(value)] = (value, cost)
+        return True
 
     def output(self, value: Any) -> str | None:
         """Hold an op output on every tape; returns its tape id (None if every tape was

@@ -33,6 +33,10 @@ def Gradients(io: CallIO, req: tape_pb2.GradientsRequest) -> tape_pb2.GradientsR
     sources = [_tensor_id(io, s, f"sources[{n}]") for n, s in enumerate(req.sources)]
     seeds = [io.tensor(g, f"output_gradients[{n}]") for n, g in enumerate(req.output_gradients)]
     outer = [t for t in io.tapes if t is not tape]
+    if io.recorder is not None:
+        io.recorder.tapes = outer  # (the op is recorded on the other tapes only)
+        if outer:
+            io.prepay_record()  # before a non-persistent tape is released
     grads, source = gradients.gradients(
         io.session,
         io.compute,
@@ -42,11 +46,10 @@ def Gradients(io: CallIO, req: tape_pb2.GradientsRequest) -> tape_pb2.GradientsR
         seeds,
         unconnected_zero=req.unconnected_gradients == tape_pb2.UNCONNECTED_ZERO,
         check=io.check_alive,
-        hand_out=io.hand_out if outer else None,  # the outer tapes hold the gradients
+        hand_out=io.hand_out_for(req.keep_outputs),
     )
     tape_ids: list[str | None] = [None] * len(grads)
     if io.recorder is not None and outer:
-        io.recorder.tapes = outer
         args = [Resident(k) for k in targets + sources]
         present = [n for n, g in enumerate(grads) if g is not None]
         ids = recording.no_gradient(io.recorder, "Gradients", args, [grads[n] for n in present])

@@ -26,6 +26,7 @@ def _shape(req: Message, field: str) -> shapes.PartialShape:
 
 
 def TensorArrayV3(io: CallIO, req: pb.TensorArrayV3Request) -> pb.TensorArrayV3Response:
+    io.prepay_record()
     handle, ta = ta_ops.create(
         io.session,
         size=io.input(req.size, "size"),
@@ -49,6 +50,7 @@ def TensorArrayWriteV3(
     index = io.input(req.index, "index")
     value = io.tensor(req.value, "value")
     host_value = io.host(value)
+    io.prepay_record(index)
     io.hand_over(value)  # stored and charged by the array
     ta_ops.write(io.session, handle, index, host_value)
     if io.recorder:
@@ -58,7 +60,8 @@ def TensorArrayWriteV3(
 
 def TensorArrayReadV3(io: CallIO, req: pb.TensorArrayReadV3Request) -> pb.TensorArrayReadV3Response:
     handle, index, dtype = io.handle(req.handle), io.input(req.index, "index"), dtype_of(req.dtype)
-    value = ta_ops.read(io.session, handle, index, dtype, io.hand_out)
+    io.prepay_record(index)
+    value = ta_ops.read(io.session, handle, index, dtype, io.hand_out_for(req.keep_outputs))
     tape_id = recording.read(io.recorder, handle, index, dtype, value) if io.recorder else None
     resp = pb.TensorArrayReadV3Response()
     io.output(value, resp, "value", req.keep_outputs, tape_id)
@@ -69,6 +72,7 @@ def TensorArrayGatherV3(
     io: CallIO, req: pb.TensorArrayGatherV3Request
 ) -> pb.TensorArrayGatherV3Response:
     handle, indices = io.handle(req.handle), io.input(req.indices, "indices")
+    io.prepay_record(indices)
     value = ta_ops.gather(
         io.session,
         handle,
@@ -76,7 +80,7 @@ def TensorArrayGatherV3(
         dtype_of(req.dtype),
         _shape(req, "element_shape"),
         io.check_alive,
-        io.hand_out,
+        io.hand_out_for(req.keep_outputs),
     )
     tape_id = recording.gather(io.recorder, handle, indices, value) if io.recorder else None
     resp = pb.TensorArrayGatherV3Response()
@@ -90,6 +94,7 @@ def TensorArrayScatterV3(
     handle, indices = io.handle(req.handle), io.input(req.indices, "indices")
     value = io.tensor(req.value, "value")
     host_value = io.host(value)
+    io.prepay_record(indices)
     io.hand_over(value)  # stored and charged by the array
     ta_ops.scatter(io.session, handle, indices, host_value)
     if io.recorder:
@@ -101,13 +106,15 @@ def TensorArrayConcatV3(
     io: CallIO, req: pb.TensorArrayConcatV3Request
 ) -> pb.TensorArrayConcatV3Response:
     handle = io.handle(req.handle)
+    io.prepay_record()
     value, lengths = ta_ops.concat(
         io.session,
         handle,
         dtype_of(req.dtype),
         _shape(req, "element_shape_except0"),
         io.check_alive,
-        io.hand_out,
+        # (the record keeps a copy of the lengths: ``recording.concat``)
+        io.hand_out_for(req.keep_outputs, record_copies=lambda outputs: outputs[1:]),
     )
     ids = recording.concat(io.recorder, handle, value, lengths) if io.recorder else (None, None)
     resp = pb.TensorArrayConcatV3Response()
@@ -122,6 +129,7 @@ def TensorArraySplitV3(
     handle = io.handle(req.handle)
     value = io.tensor(req.value, "value")
     host_value, lengths = io.host(value), io.input(req.lengths, "lengths")
+    io.prepay_record()
     io.hand_over(value)  # stored and charged by the array
     ta_ops.split(io.session, handle, host_value, lengths)
     if io.recorder:

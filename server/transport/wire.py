@@ -28,8 +28,15 @@ import numpy as np
 from gradserve import codec, dtypes, protocol
 from gradserve.errors import InvalidArgumentError
 from gradserve.kernels.compute import Compute
-from gradserve.server.core.sessions import Resident, Session, TensorArg, TensorReservation
+from gradserve.server.core.sessions import (
+    TENSOR_RECORD_BYTES,
+    Resident,
+    Session,
+    TensorArg,
+    TensorReservation,
+)
 from gradserve.server.core.tape import Recorder, Tape
+from gradserve.server.core.tensor_array import HandOut
 from gradserve.server.transport import observability, shm_wire
 from gradserve.v1 import tensor_array_pb2, tensor_pb2
 
@@ -109,6 +116,10 @@ class CallIO:
         #: steps, each a step's output held until the Batch ends, O(n^2): 16,000
         #: StopGradient steps of one region (240 KB) took 7.6 s against 2.5 inline.
         self._copies_of_op: list[int] = []
+        #: Outputs of the running op whose keeping it paid for before it changed state
+        #: (``hand_out_for``), by ``id``: (output, charge). What no output used is given
+        #: back when the op ends.
+        self._paid_outputs: dict[int, tuple[Any, int]] = {}
         self._op_running = False  # ``run`` is running an op
         self._ended = False  # the call is over (``end``)
 
@@ -177,12 +188,48 @@ class CallIO:
         the few bytes that wrap it) since ``response_left`` was ``before``."""
         self.response_left = before - result_bytes - 8
 
-    def hand_out(self, outputs: Sequence[Any]) -> None:
-        """A TensorArray op's outputs, before the op is done (``TensorArray.read``): the
-        call's tapes pay for holding them now, so that a tape without room refuses the
-        op before it clears an element, not after (the element was lost)."""
+    def prepay_record(self, *copies: np.ndarray) -> None:
+        """Before an op that changes state, under tapes: its record is paid now
+        (``Recorder.prepay``)."""
         if self.recorder is not None:
-            self.recorder.pay_for_outputs(outputs)
+            self.recorder.prepay(*copies)
+
+    def hand_out_for(
+        self, keep: bool, record_copies: Callable[[Sequence[Any]], Sequence[Any]] | None = None
+    ) -> HandOut:
+        """What an op that changes state calls with its outputs before it is done
+        (``TensorArray.read``, ``gradients``): holding them is paid for there, so that a
+        session without room refuses the op while it can be undone. A read used to clear
+        its element and then be refused for keeping the value (a kept or transient
+        output, or one a tape holds), and the element was lost. Under live tapes the
+        tapes pay (a kept or transient ref shares their tensor), and
+        ``record_copies(outputs)`` names the outputs the record will copy; else the
+        outputs ``emit`` may keep (``keep``, or too large to go inline) are paid for."""
+
+        def hand_out(outputs: Sequence[Any]) -> None:
+            if self.recorder is not None:
+                if record_copies is not None:
+                    self.recorder.prepay(*record_copies(outputs))
+                if self.recorder.pay_for_outputs(outputs):
+                    return
+            charges, left = {}, self.response_left  # (as ``emit`` will spend it)
+            for a in outputs:
+                nbytes = dtypes.nbytes(a)
+                size = protocol.encoded_size(nbytes, a.ndim)
+                if keep or self._transient(nbytes, size, left):
+                    charges[id(a)] = (a, nbytes + TENSOR_RECORD_BYTES)
+                    left -= REF_BYTES
+                else:
+                    left -= size
+            self.session.budget.reserve(sum(charge for _, charge in charges.values()))
+            self._paid_outputs.update(charges)
+
+        return hand_out
+
+    def _transient(self, nbytes: int, size: int, response_left: int) -> bool:
+        """Whether an output of ``nbytes`` (``size`` encoded) that is not kept goes
+        back by reference (stays in the session until fetched), not inline."""
+        return nbytes >= self.inline_limit or size > response_left - REF_BYTES
 
     def tensor(self, msg: tensor_pb2.TensorInput, field: str) -> TensorArg:
         """An op argument: the inline value decoded, or the resident tensor's id."""
@@ -232,6 +279,8 @@ class CallIO:
         """An op ended: give back the budget of its region copies that no output kept
         (``_region_copy``). In a Batch that goes on, a copy that is a step's output stays
         held (a later step may name it) until the Batch ends."""
+        paid, self._paid_outputs = self._paid_outputs, {}
+        self.session.budget.release(sum(charge for _, charge in paid.values()))
         with self._lock:
             self._op_running = False
             made, self._copies_of_op = self._copies_of_op, []
@@ -281,7 +330,8 @@ class CallIO:
         reservation = self.take(array)
         if reservation is not None:
             return reservation.keep(array)
-        return self.session.put(array, nbytes)
+        paid = self._paid_outputs.pop(id(array), None) is not None
+        return self.session.put(array, nbytes, paid=paid)
 
     def _step_output(self, ref: tensor_pb2.StepOutput, field: str) -> TensorArg | str:
         """What an earlier step of this Batch produced as ``ref.field``."""
@@ -373,9 +423,7 @@ class CallIO:
                 return
         nbytes = dtypes.nbytes(array)  # a pass over a string tensor: once
         size = protocol.encoded_size(nbytes, array.ndim)
-        transient = not keep and (
-            nbytes >= self.inline_limit or size > self.response_left - REF_BYTES
-        )
+        transient = not keep and self._transient(nbytes, size, self.response_left)
         if keep or transient:
             ref = out.ref
             if tape_id:

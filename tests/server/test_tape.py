@@ -439,35 +439,65 @@ def _fill_to(client, session, limit: int, room: int):
     return client.put(np.zeros(filler, np.uint8))
 
 
+@pytest.mark.parametrize("holder", ["tape", "keep", "transient"])
 @pytest.mark.parametrize("op", ["read", "gather", "concat"])
-def test_a_read_under_a_tape_without_room_loses_no_element(target, op):
-    """A read clears its element (clear_after_read) before its output is held on the
-    tape; when holding it had no room, the call was refused after the clearing, and
-    the element was gone (a second read: "cleared after a previous read"). The tape
-    now pays for the output while the read can still be undone."""
-    limit = 64 * 1024
+def test_a_read_without_room_for_its_output_loses_no_element(target, op, holder):
+    """A read clears its element (clear_after_read) before its output is held: by a
+    tape, kept (``keep=True``) or sent by reference (too large to go inline). When
+    holding it had no room (with its record, it needs more than the element freed),
+    the call was refused after the clearing, and the element was gone (a second read:
+    "cleared after a previous read"). Holding it is now paid for while the read can
+    still be undone, so the read needs room for its output until it is done."""
+    limit = 128 * 1024
     with run_server(host="127.0.0.1", port=0, max_session_bytes=limit) as srv:
-        with gradserve.Client(f"127.0.0.1:{srv.port}") as c:
+        threshold = 16 * 1024 if holder == "transient" else 1 << 20
+        with gradserve.Client(f"127.0.0.1:{srv.port}", stream_threshold=threshold) as c:
             value = np.arange(8000, dtype=F32)
             h, flow = c.raw_ops.TensorArrayV3(size=1, dtype=F32)
             flow = c.raw_ops.TensorArrayWriteV3(h, 0, value, flow)
             session = srv.store.get(c.session_id)
-            filler = _fill_to(c, session, limit, room=600)  # the op's record fits, no more
+            filler = _fill_to(c, session, limit, room=600)  # a record fits, no more
             before = session.budget.used
+            keep = holder == "keep"
 
             def read():
                 if op == "read":
-                    return c.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+                    return c.raw_ops.TensorArrayReadV3(h, 0, flow, F32, keep=keep)
                 if op == "gather":
-                    return c.raw_ops.TensorArrayGatherV3(h, [0], flow, F32)[0]
-                return c.raw_ops.TensorArrayConcatV3(h, flow, F32)[0]
+                    return c.raw_ops.TensorArrayGatherV3(h, [0], flow, F32, keep=keep)
+                return c.raw_ops.TensorArrayConcatV3(h, flow, F32, keep=keep)[0]
 
-            with c.gradient_tape():
+            with contextlib.ExitStack() as stack:
+                if holder == "tape":
+                    stack.enter_context(c.gradient_tape())
                 with pytest.raises(ResourceExhaustedError, match="--max-session-bytes"):
                     read()
             assert session.budget.used == before
             c.delete(filler)
-            np.testing.assert_array_equal(read(), value)  # still there
+            got = read()
+            got = got.numpy() if hasattr(got, "numpy") else np.asarray(got)
+            np.testing.assert_array_equal(got.reshape(-1), value)  # still there
+
+
+def test_a_write_under_a_tape_without_room_for_its_record_writes_nothing(target):
+    """A write's record (and its copy of the index) was reserved after the write: a
+    session without room refused the call with the element written, and the retry
+    found it "already been written to"."""
+    limit = 64 * 1024
+    with run_server(host="127.0.0.1", port=0, max_session_bytes=limit) as srv:
+        with gradserve.Client(f"127.0.0.1:{srv.port}") as c:
+            x = c.put(np.ones(100, F32))
+            h, flow = c.raw_ops.TensorArrayV3(size=1, dtype=F32, element_shape=[100])
+            session = srv.store.get(c.session_id)
+            filler = _fill_to(c, session, limit, room=100)
+            with c.gradient_tape() as tape:
+                with pytest.raises(ResourceExhaustedError, match="--max-session-bytes"):
+                    c.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+                assert c.raw_ops.TensorArraySizeV3(h, flow) == 1  # recording nothing: no charge
+                c.delete(filler)
+                flow = c.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+                r = c.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+            np.testing.assert_array_equal(tape.gradient(r, x), np.ones(100, F32))
 
 
 def test_gradients_whose_outer_tape_has_no_room_leave_the_inner_tape_to_ask_again(target):
