@@ -272,6 +272,23 @@ def test_a_drain_waits_for_an_adoption_and_loses_none_of_its_sessions(tmp_path, 
     assert not saved & left
 
 
+def _on_another_filesystem(monkeypatch, directory, but_to: str | None = None) -> None:
+    """Renames out of ``directory`` fail as they do across filesystems (EXDEV), but
+    those to a name ending ``but_to`` (a rename in place)."""
+    import errno
+    import pathlib
+
+    real_replace = pathlib.Path.replace
+
+    def replace(self, target):
+        in_place = but_to is not None and str(target).endswith(but_to)
+        if self.parent == directory and not in_place:
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real_replace(self, target)
+
+    monkeypatch.setattr(pathlib.Path, "replace", replace)
+
+
 def _files_of(directory) -> dict[str, bytes]:
     return {
         persistence.read_session(p).id: p.read_bytes()
@@ -314,22 +331,12 @@ def test_an_adopted_session_whose_last_write_fails_keeps_its_file(tmp_path, monk
 def test_adopted_files_from_another_filesystem_are_copied_in(tmp_path, monkeypatch):
     """``--adopt-dir`` on another filesystem than ``--state-dir``: a rename cannot move
     a file there (EXDEV), so it is copied, synced and renamed, then removed."""
-    import errno
-    import pathlib
-
     state, adopt = tmp_path / "state", tmp_path / "adopt"
     other = SessionStore(replica_id="gone")
     ids = {other.create().id for _ in range(3)}
     persistence.write_snapshot(other.export_states(), adopt)
     adopted = _files_of(adopt)
-    real_replace = pathlib.Path.replace
-
-    def cross_device(self, target):
-        if self.parent == adopt:
-            raise OSError(errno.EXDEV, "Invalid cross-device link")
-        return real_replace(self, target)
-
-    monkeypatch.setattr(pathlib.Path, "replace", cross_device)
+    _on_another_filesystem(monkeypatch, adopt)
     with run_server(state_dir=str(state), adopt_dir=str(adopt), grace=0) as server:
         assert server.keeper.adopt().restored == 3
         assert list(adopt.iterdir()) == [adopt / persistence.LOCK_NAME]
@@ -363,20 +370,14 @@ def test_an_adopted_file_that_cannot_be_moved_is_never_adopted_twice(tmp_path, m
     this server already served again (a closed one came back). Each file is now tried
     on its own, and one that cannot be moved is set aside where it is."""
     import errno
-    import pathlib
     import shutil
 
     state, adopt = tmp_path / "state", tmp_path / "adopt"
     other = SessionStore(replica_id="gone")
     ids = [other.create().id for _ in range(3)]
     persistence.write_snapshot(other.export_states(), adopt)
-    real_replace, real_copy = pathlib.Path.replace, shutil.copyfile
+    real_copy = shutil.copyfile
     copies = []
-
-    def cross_device(self, target):
-        if self.parent == adopt and not str(target).endswith(persistence.ADOPTED_SUFFIX):
-            raise OSError(errno.EXDEV, "Invalid cross-device link")
-        return real_replace(self, target)
 
     def second_copy_fails(src, dst):
         copies.append(src)
@@ -384,7 +385,7 @@ def test_an_adopted_file_that_cannot_be_moved_is_never_adopted_twice(tmp_path, m
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_copy(src, dst)
 
-    monkeypatch.setattr(pathlib.Path, "replace", cross_device)
+    _on_another_filesystem(monkeypatch, adopt, but_to=persistence.ADOPTED_SUFFIX)
     monkeypatch.setattr(shutil, "copyfile", second_copy_fails)
     with run_server(state_dir=str(state), adopt_dir=str(adopt), grace=0) as server:
         assert server.keeper.adopt().restored == 3
@@ -403,9 +404,6 @@ def test_a_drain_during_the_copies_from_another_filesystem_copies_no_more(tmp_pa
     """Copying adopted files across filesystems can take long; a drain that begins
     meanwhile stops it (the last snapshot, which comes next, writes the sessions):
     those files are removed, not copied."""
-    import errno
-    import pathlib
-
     adopt, state = tmp_path / "adopt", tmp_path / "state"
     state.mkdir()
     other = SessionStore(replica_id="gone")
@@ -413,14 +411,7 @@ def test_a_drain_during_the_copies_from_another_filesystem_copies_no_more(tmp_pa
         other.create()
     persistence.write_snapshot(other.export_states(), adopt)
     files = list(persistence.snapshot_files(adopt))
-    real_replace = pathlib.Path.replace
-
-    def cross_device(self, target):
-        if self.parent == adopt:
-            raise OSError(errno.EXDEV, "Invalid cross-device link")
-        return real_replace(self, target)
-
-    monkeypatch.setattr(pathlib.Path, "replace", cross_device)
+    _on_another_filesystem(monkeypatch, adopt)
     drained = iter([False, True, True])  # the drain begins after the first copy
     assert persistence.take_over(files, state, aside=True, stop=lambda: next(drained)) == []
     assert not list(persistence.snapshot_files(adopt))
