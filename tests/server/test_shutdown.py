@@ -250,19 +250,9 @@ def test_a_drain_waits_for_an_adoption_and_loses_none_of_its_sessions(tmp_path, 
     other = SessionStore(replica_id="gone")
     ids = {other.create().id for _ in range(40)}
     persistence.write_snapshot(other.export_states(), adopt)
-    real = persistence.read_session
-
-    def slow_read(path):
-        time.sleep(0.02)  # 40 files: 0.8 s, a window for the drain to begin
-        return real(path)
-
-    monkeypatch.setattr(persistence, "read_session", slow_read)
+    _slow_reads(monkeypatch)  # 40 files: 0.8 s, a window for the drain to begin
     with run_server(state_dir=str(state), adopt_dir=str(adopt), grace=0) as server:
-        adoption = threading.Thread(target=server.keeper.adopt)
-        adoption.start()
-        deadline = time.monotonic() + 10
-        while len(server.store) < 3 and time.monotonic() < deadline:
-            time.sleep(0.005)  # a few files in (not a guess at how fast they go)
+        adoption = _adoption_under_way(server, sessions_in=3)
         server.stop()
         adoption.join(10)
     saved = {persistence.read_session(p).id for p in persistence.snapshot_files(state)}
@@ -270,6 +260,29 @@ def test_a_drain_waits_for_an_adoption_and_loses_none_of_its_sessions(tmp_path, 
     assert saved | left == ids
     assert saved and left  # it did stop midway, and what it adopted was saved
     assert not saved & left
+
+
+def _slow_reads(monkeypatch) -> None:
+    """Each session file takes 20 ms more to read: an adoption lasts long enough to act
+    while it runs."""
+    real = persistence.read_session
+
+    def slow_read(path):
+        time.sleep(0.02)
+        return real(path)
+
+    monkeypatch.setattr(persistence, "read_session", slow_read)
+
+
+def _adoption_under_way(server, sessions_in: int) -> threading.Thread:
+    """An adoption (SIGHUP's) on a thread of its own, once ``sessions_in`` sessions are
+    in (waited for, not guessed at how fast files go)."""
+    adoption = threading.Thread(target=server.keeper.adopt)
+    adoption.start()
+    deadline = time.monotonic() + 10
+    while len(server.store) < sessions_in and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return adoption
 
 
 def _on_another_filesystem(monkeypatch, directory, but_to: str | None = None) -> None:
@@ -427,19 +440,9 @@ def test_a_sighup_during_an_adoption_reads_the_directory_again(tmp_path, monkeyp
     early = {first.create().id for _ in range(20)}
     late = second.create().id
     persistence.write_snapshot(first.export_states(), adopt)
-    real = persistence.read_session
-
-    def slow_read(path):
-        time.sleep(0.02)
-        return real(path)
-
-    monkeypatch.setattr(persistence, "read_session", slow_read)
+    _slow_reads(monkeypatch)
     with run_server(state_dir=str(state), adopt_dir=str(adopt), grace=0) as server:
-        adoption = threading.Thread(target=server.keeper.adopt)
-        adoption.start()
-        deadline = time.monotonic() + 10
-        while len(server.store) < 2 and time.monotonic() < deadline:
-            time.sleep(0.005)
+        adoption = _adoption_under_way(server, sessions_in=2)
         (state_,) = second.export_states()
         persistence.write_session(state_, adopt)  # a file arrives, then the SIGHUP
         assert server.keeper.adopt() is None  # returns at once: the running one reads again
