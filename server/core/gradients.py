@@ -319,8 +319,12 @@ def gradients(
             if g is None and unconnected_zero:
                 g = np.zeros(value.shape, value.dtype)
             results.append(g)
+        # Host results as arrays (a sum of 0-d arrays is a NumPy scalar, which
+        # ``emit`` would make a new array of: a different object than was paid for).
+        results = [g if g is None or hasattr(g, "__cuda_array_interface__") else np.asarray(g)
+                   for g in results]  # fmt: skip
         if hand_out is not None:
-            hand_out([g for g in results if g is not None])
+            hand_out([g for g in results if g is not None], 0)
     except BaseException:
         for handle, dynamic in sweep.frozen.items():
             session.unfreeze_tensor_array(handle, dynamic)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
+    from gradserve.server.core.budget import MemoryBudget
     from gradserve.server.core.sessions import Session, TensorArg, TensorReservation
 
 
@@ -45,6 +46,53 @@ class HeldBytes(Protocol):
     def take(self, value: Any) -> TensorReservation | None: ...
 
     def give_back(self, value: Any, reservation: TensorReservation) -> None: ...
+
+    def paid_for(self, value: Any, charge: int) -> None:
+        """``charge`` for keeping ``value`` is in the budget already (paid for a tape
+        released since): the call keeps ``value`` on it, or gives it back."""
+        ...
+
+
+class Payments:
+    """Budget bytes paid ahead for outputs an op will hold (``tensor_array.HandOut``),
+    by output object: one payment each time an output is handed out (an output handed
+    out twice, a source named twice in Gradients, is held twice). Not thread-safe: one
+    op's."""
+
+    def __init__(self, budget: MemoryBudget) -> None:
+        self.budget = budget
+        self._by_id: dict[int, tuple[Any, int, int]] = {}  # id -> (output, charge, times)
+
+    def pay(self, charges: Sequence[tuple[Any, int]], credit: int) -> int:
+        """Reserve ``charges`` ((output, charge) each), of which ``credit`` bytes the
+        op gives back to the budget anyway (``HandOut``); returns the credit used."""
+        total = sum(charge for _, charge in charges)
+        used = min(credit, total)
+        self.budget.reserve(total - used)
+        for value, charge in charges:
+            self.add(value, charge)
+        return used
+
+    def add(self, value: Any, charge: int) -> None:
+        _, _, times = self._by_id.get(id(value), (value, charge, 0))
+        self._by_id[id(value)] = (value, charge, times + 1)
+
+    def take(self, value: Any) -> int | None:
+        """One payment for ``value`` (its charge), or None if none is left."""
+        entry = self._by_id.get(id(value))
+        if entry is None:
+            return None
+        _, charge, times = entry
+        if times == 1:
+            del self._by_id[id(value)]
+        else:
+            self._by_id[id(value)] = (value, charge, times - 1)
+        return charge
+
+    def release_all(self) -> None:
+        """Give back what no output took."""
+        entries, self._by_id = self._by_id, {}
+        self.budget.release(sum(charge * times for _, charge, times in entries.values()))
 
 
 #: The most tapes one session may have alive at once.
@@ -171,8 +219,8 @@ class Recorder:
         self._pending: list[tuple[str, tuple[str | None, ...], tuple[str | None, ...],
                                   Mapping[str, Any], int]] = []  # fmt: skip
         self._watch: set[str] = set()
-        #: Outputs paid for ahead (``pay_for_outputs``), by ``id``: (output, bytes).
-        self._paid: dict[int, tuple[Any, int]] = {}
+        #: Outputs paid for ahead (``pay_for_outputs``).
+        self._paid = Payments(session.budget)
 
     def arg(self, value: TensorArg, *, hold: bool = False) -> tuple[str | None, str | None]:
         """An input's (differentiable key, held id).
@@ -205,21 +253,17 @@ class Recorder:
         self._reserved += cost
         self._prepaid += cost
 
-    def pay_for_outputs(self, outputs: Sequence[Any]) -> bool:
+    def pay_for_outputs(self, outputs: Sequence[Any], credit: int) -> int | None:
         """Reserve now what holding ``outputs`` on the live tapes will cost (each is
-        charged once, however many tapes hold it): called by an op that changes state
-        before its outputs are held (a TensorArray read that clears its element), so
-        that no room refuses it while it can still be undone. Only the budget's lock is
-        taken (the op holds a TensorArray's). False when no tape is live (nothing will
-        hold them here)."""
+        charged once, however many tapes hold it), ``credit`` bytes of it out of what
+        the op gives back (``tensor_array.HandOut``; returns the credit used): called
+        by an op that changes state before its outputs are held (a TensorArray read
+        that clears its element), so that no room refuses it while it can still be
+        undone. Only the budget's lock is taken (the op holds a TensorArray's). None
+        when no tape is live (nothing will hold them here)."""
         if not self._live_tapes():
-            return False
-        unique = {id(value): value for value in outputs if id(value) not in self._paid}
-        costs = [(value, self.session.charge_of(value)) for value in unique.values()]
-        self.session.budget.reserve(sum(cost for _, cost in costs))
-        for value, cost in costs:
-            self._paid[id(value)] = (value, cost)
-        return True
+            return None
+        return self._paid.pay([(v, self.session.charge_of(v)) for v in outputs], credit)
 
     def output(self, value: Any) -> str | None:
         """Hold an op output on every tape; returns its tape id (None if every tape was
@@ -227,7 +271,7 @@ class Recorder:
         return self._keep(value)
 
     def _keep(self, value: Any) -> str | None:
-        _, paid = self._paid.pop(id(value), (None, None))
+        paid = self._paid.take(value)
         reserved = None
         if paid is None and self.held is not None:
             reserved = self.held.take(value)
@@ -237,8 +281,11 @@ class Recorder:
         finally:
             if held is None and reserved is not None and self.held is not None:
                 self.held.give_back(value, reserved)  # no live tape took it over
-            if held is None and paid is not None:
-                self.session.budget.release(paid)
+            if held is None and paid is not None:  # (the tapes were released meanwhile)
+                if self.held is not None:
+                    self.held.paid_for(value, paid)  # the call may keep it on that
+                else:
+                    self.session.budget.release(paid)
         if held is not None:
             self._held += [(tape, held) for tape in self.tapes]
         return held
@@ -277,9 +324,9 @@ class Recorder:
         return sum(not tape.released for tape in self.tapes)
 
     def _give_back(self, nbytes: int) -> None:
-        paid, self._paid = self._paid, {}
+        self._paid.release_all()
         self._reserved = self._prepaid = 0
-        self.session.budget.release(nbytes + sum(cost for _, cost in paid.values()))
+        self.session.budget.release(nbytes)
 
     def _unlock(self) -> None:
         locked, self._locked = self._locked, []

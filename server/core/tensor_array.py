@@ -57,8 +57,12 @@ SLOT_BYTES = 256
 RESERVE_AHEAD_BYTES = 64 * 1024
 
 
-#: Given an op's outputs before the op is done (``TensorArray.read``): raising undoes it.
-HandOut = Callable[[Sequence[np.ndarray]], None]
+#: Given an op's outputs before the op is done (``TensorArray.read``), and the bytes
+#: the op gives back to the budget when it ends (a cleared element's); raising undoes
+#: the op. Returns how many of those bytes it took over, to pay for keeping the outputs
+#: (the op gives back that much less): a read that clears its element needs room only
+#: for what its output costs beyond the element's bytes.
+HandOut = Callable[[Sequence[np.ndarray], int], int]
 
 
 @dataclasses.dataclass
@@ -135,10 +139,12 @@ class TensorArray:
         self._gradients_disallowed = False
         self._closed = False
         self._journal: dict[int, _Slot | None] | None = None
-        #: During an op (``_atomic``): the bytes held when it began, and those reserved
-        #: since, ahead of its end (``_grew``).
+        #: During an op (``_atomic``): the bytes held when it began, those reserved
+        #: since, ahead of its end (``_grew``), and those it will give back that its
+        #: outputs took over (``_hand_out``).
         self._op_start_nbytes = 0
         self._reserved_ahead = 0
+        self._handed_over = 0
         self._own_bytes = ARRAY_BYTES + 2 * len(name)  # held until ``discard``
         if budget is not None:
             budget.reserve(self._own_bytes)  # past a limit: raises, nothing made
@@ -165,11 +171,12 @@ class TensorArray:
         with self._lock:
             saved = {f: getattr(self, f) for f in self._FIELDS}
             self._journal = {}
-            self._op_start_nbytes, self._reserved_ahead = self._nbytes, 0
+            self._op_start_nbytes, self._reserved_ahead, self._handed_over = self._nbytes, 0, 0
             try:
                 yield
                 if self._budget is not None:
-                    self._budget.adjust(self._nbytes - saved["_nbytes"] - self._reserved_ahead)
+                    change = self._nbytes - saved["_nbytes"] - self._reserved_ahead
+                    self._budget.adjust(change + self._handed_over)
             except BaseException:
                 for f, v in saved.items():
                     setattr(self, f, v)
@@ -183,7 +190,17 @@ class TensorArray:
                 raise
             finally:
                 self._journal = None
-                self._reserved_ahead = 0
+                self._reserved_ahead = self._handed_over = 0
+
+    def _hand_out(self, hand_out: HandOut | None, outputs: Sequence[np.ndarray]) -> None:
+        """The op's last step (``HandOut``): ``hand_out`` may take over the bytes it
+        gives back. (Only an op that shrinks gives any: its end then releases, which
+        cannot fail, so what was handed over is always counted.)"""
+        if hand_out is None:
+            return
+        pending = self._nbytes - self._op_start_nbytes - self._reserved_ahead
+        credit = max(0, -pending) if self._budget is not None else 0
+        self._handed_over = hand_out(outputs, credit)
 
     def _grew(self) -> None:
         """Within an op: reserve what it has added since its last reservation, once
@@ -392,8 +409,7 @@ class TensorArray:
         with self._atomic():
             self._check_open()
             value = self._read_locked(index)
-            if hand_out is not None:
-                hand_out((value,))
+            self._hand_out(hand_out, (value,))
             return value
 
     def gather(
@@ -409,8 +425,7 @@ class TensorArray:
         it raises, the array is left as it was. ``hand_out``: as for ``read``."""
         with self._atomic():
             out = self._gather_locked(indices, element_shape, check)
-            if hand_out is not None:
-                hand_out((out,))
+            self._hand_out(hand_out, (out,))
             return out
 
     def _gather_locked(
@@ -463,8 +478,7 @@ class TensorArray:
         ``hand_out``: as for ``read``."""
         with self._atomic():
             value, lengths = self._concat_locked(element_shape_except0, check)
-            if hand_out is not None:
-                hand_out((value, lengths))
+            self._hand_out(hand_out, (value, lengths))
             return value, lengths
 
     def _concat_locked(

@@ -47,15 +47,23 @@ class OutputArena:
         self.offset = protocol.SHM_RESERVED_BYTES  # past the region's nonce
         self.broken = False
 
+    def end_of(self, array: Any, offset: int) -> int | None:
+        """Where ``array`` would end if written at the first aligned offset from
+        ``offset``; None if it would not be written (``write``'s refusals but a failure
+        of the region itself)."""
+        if self.broken or array.dtype == dtypes.STRING:
+            return None
+        start = -(-offset // ALIGN) * ALIGN
+        return start + array.nbytes if start + array.nbytes <= self.size else None
+
     def write(self, array: np.ndarray, out: tensor_pb2.TensorOutput) -> bool:
         """Write host array ``array`` at the next free offset and point ``out`` at it;
         False (nothing written) when it does not fit, is a string tensor, or the region
         failed (it is then not used again in this call)."""
-        if self.broken or array.dtype == dtypes.STRING:
+        end = self.end_of(array, self.offset)
+        if end is None:
             return False
-        start = -(-self.offset // ALIGN) * ALIGN
-        if start + array.nbytes > self.size:
-            return False
+        start = end - array.nbytes
         try:
             self.session.regions.write(self.region, start, array, "output")
         except GradserveError:

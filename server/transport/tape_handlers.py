@@ -33,10 +33,14 @@ def Gradients(io: CallIO, req: tape_pb2.GradientsRequest) -> tape_pb2.GradientsR
     sources = [_tensor_id(io, s, f"sources[{n}]") for n, s in enumerate(req.sources)]
     seeds = [io.tensor(g, f"output_gradients[{n}]") for n, g in enumerate(req.output_gradients)]
     outer = [t for t in io.tapes if t is not tape]
+    args = [Resident(k) for k in targets + sources]
     if io.recorder is not None:
         io.recorder.tapes = outer  # (the op is recorded on the other tapes only)
-        if outer:
-            io.prepay_record()  # before a non-persistent tape is released
+    if io.recorder is not None and outer:
+        # Before a non-persistent tape is released: the op's record is paid, and the
+        # other tapes hold its inputs (one only that tape held is gone after).
+        io.prepay_record()
+        keys = tuple(io.recorder.arg(a)[0] for a in args)
     grads, source = gradients.gradients(
         io.session,
         io.compute,
@@ -50,9 +54,8 @@ def Gradients(io: CallIO, req: tape_pb2.GradientsRequest) -> tape_pb2.GradientsR
     )
     tape_ids: list[str | None] = [None] * len(grads)
     if io.recorder is not None and outer:
-        args = [Resident(k) for k in targets + sources]
         present = [n for n, g in enumerate(grads) if g is not None]
-        ids = recording.no_gradient(io.recorder, "Gradients", args, [grads[n] for n in present])
+        ids = recording.no_gradient(io.recorder, "Gradients", keys, [grads[n] for n in present])
         for n, tape_id in zip(present, ids):
             tape_ids[n] = tape_id
     resp = tape_pb2.GradientsResponse(source=source)

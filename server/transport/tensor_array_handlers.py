@@ -106,15 +106,14 @@ def TensorArrayConcatV3(
     io: CallIO, req: pb.TensorArrayConcatV3Request
 ) -> pb.TensorArrayConcatV3Response:
     handle = io.handle(req.handle)
-    io.prepay_record()
     value, lengths = ta_ops.concat(
         io.session,
         handle,
         dtype_of(req.dtype),
         _shape(req, "element_shape_except0"),
         io.check_alive,
-        # (the record keeps a copy of the lengths: ``recording.concat``)
-        io.hand_out_for(req.keep_outputs, record_copies=lambda outputs: outputs[1:]),
+        # (its record, paid there, keeps a copy of the lengths: ``recording.concat``)
+        io.hand_out_for((req.keep_outputs, False), record_copies=lambda outputs: outputs[1:]),
     )
     ids = recording.concat(io.recorder, handle, value, lengths) if io.recorder else (None, None)
     resp = pb.TensorArrayConcatV3Response()

@@ -35,7 +35,7 @@ from gradserve.server.core.sessions import (
     TensorArg,
     TensorReservation,
 )
-from gradserve.server.core.tape import Recorder, Tape
+from gradserve.server.core.tape import Payments, Recorder, Tape
 from gradserve.server.core.tensor_array import HandOut
 from gradserve.server.transport import observability, shm_wire
 from gradserve.v1 import tensor_array_pb2, tensor_pb2
@@ -117,9 +117,8 @@ class CallIO:
         #: StopGradient steps of one region (240 KB) took 7.6 s against 2.5 inline.
         self._copies_of_op: list[int] = []
         #: Outputs of the running op whose keeping it paid for before it changed state
-        #: (``hand_out_for``), by ``id``: (output, charge). What no output used is given
-        #: back when the op ends.
-        self._paid_outputs: dict[int, tuple[Any, int]] = {}
+        #: (``hand_out_for``). What no output used is given back when the op ends.
+        self._paid_outputs = Payments(session.budget)
         self._op_running = False  # ``run`` is running an op
         self._ended = False  # the call is over (``end``)
 
@@ -195,36 +194,55 @@ class CallIO:
             self.recorder.prepay(*copies)
 
     def hand_out_for(
-        self, keep: bool, record_copies: Callable[[Sequence[Any]], Sequence[Any]] | None = None
+        self,
+        keep: bool | Sequence[bool],
+        record_copies: Callable[[Sequence[Any]], Sequence[Any]] | None = None,
     ) -> HandOut:
         """What an op that changes state calls with its outputs before it is done
         (``TensorArray.read``, ``gradients``): holding them is paid for there, so that a
         session without room refuses the op while it can be undone. A read used to clear
         its element and then be refused for keeping the value (a kept or transient
         output, or one a tape holds), and the element was lost. Under live tapes the
-        tapes pay (a kept or transient ref shares their tensor), and
-        ``record_copies(outputs)`` names the outputs the record will copy; else the
-        outputs ``emit`` may keep (``keep``, or too large to go inline) are paid for."""
+        tapes pay (a kept or transient ref shares their tensor), with the op's record
+        and the copies of ``record_copies(outputs)`` it keeps (``Recorder.prepay``);
+        else the outputs ``emit`` will keep are paid for: ``keep`` (one flag, or one per
+        output), or too large to go inline, where ``emit`` would place them."""
 
-        def hand_out(outputs: Sequence[Any]) -> None:
+        def hand_out(outputs: Sequence[Any], credit: int) -> int:
             if self.recorder is not None:
                 if record_copies is not None:
                     self.recorder.prepay(*record_copies(outputs))
-                if self.recorder.pay_for_outputs(outputs):
-                    return
-            charges, left = {}, self.response_left  # (as ``emit`` will spend it)
-            for a in outputs:
-                nbytes = dtypes.nbytes(a)
-                size = protocol.encoded_size(nbytes, a.ndim)
-                if keep or self._transient(nbytes, size, left):
-                    charges[id(a)] = (a, nbytes + TENSOR_RECORD_BYTES)
-                    left -= REF_BYTES
-                else:
-                    left -= size
-            self.session.budget.reserve(sum(charge for _, charge in charges.values()))
-            self._paid_outputs.update(charges)
+                used = self.recorder.pay_for_outputs(outputs, credit)
+                if used is not None:
+                    return used
+            keeps = [keep] * len(outputs) if isinstance(keep, bool) else keep
+            return self._paid_outputs.pay(self._staying(outputs, keeps), credit)
 
         return hand_out
+
+    def _staying(self, outputs: Sequence[Any], keeps: Sequence[bool]) -> list[tuple[Any, int]]:
+        """(output, charge) for each of ``outputs`` that ``emit`` will keep in the
+        session, run as ``emit`` will run on them in turn: into the call's output
+        region if it fits there, else inline if it fits the response, else kept."""
+        staying, left = [], self.response_left
+        offset = self.shared_out.offset if self.shared_out is not None else 0
+        for a, keep in zip(outputs, keeps):
+            if not keep and self.shared_out is not None:
+                end = self.shared_out.end_of(a, offset)
+                if end is not None:
+                    offset, left = end, left - REF_BYTES
+                    continue
+            nbytes = dtypes.nbytes(a)
+            size = protocol.encoded_size(nbytes, a.ndim)
+            if keep or self._transient(nbytes, size, left):
+                staying.append((a, nbytes + TENSOR_RECORD_BYTES))
+                left -= REF_BYTES
+            else:
+                left -= size
+        return staying
+
+    def paid_for(self, value: Any, charge: int) -> None:
+        self._paid_outputs.add(value, charge)
 
     def _transient(self, nbytes: int, size: int, response_left: int) -> bool:
         """Whether an output of ``nbytes`` (``size`` encoded) that is not kept goes
@@ -279,8 +297,7 @@ class CallIO:
         """An op ended: give back the budget of its region copies that no output kept
         (``_region_copy``). In a Batch that goes on, a copy that is a step's output stays
         held (a later step may name it) until the Batch ends."""
-        paid, self._paid_outputs = self._paid_outputs, {}
-        self.session.budget.release(sum(charge for _, charge in paid.values()))
+        self._paid_outputs.release_all()
         with self._lock:
             self._op_running = False
             made, self._copies_of_op = self._copies_of_op, []
@@ -330,7 +347,7 @@ class CallIO:
         reservation = self.take(array)
         if reservation is not None:
             return reservation.keep(array)
-        paid = self._paid_outputs.pop(id(array), None) is not None
+        paid = self._paid_outputs.take(array) is not None
         return self.session.put(array, nbytes, paid=paid)
 
     def _step_output(self, ref: tensor_pb2.StepOutput, field: str) -> TensorArg | str:

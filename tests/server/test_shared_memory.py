@@ -585,6 +585,34 @@ def test_output_region_broken_before_the_outputs_returns_them_inline(target, obj
         assert reply.output.WhichOneof("result") == "value"  # never lost to the region
 
 
+def test_a_read_into_the_output_region_is_not_charged_as_kept(objects):
+    """A read that clears its element pays ahead for the outputs the call will keep
+    (``CallIO.hand_out_for``), not for those it writes into the call's output region:
+    counted as kept, a read of a large element into the region was refused though
+    nothing was to stay in the session."""
+    limit = 1 << 20
+    with run_server(host="127.0.0.1", port=0, device="cpu", max_session_bytes=limit) as s:
+        with gradserve.Client(
+            f"127.0.0.1:{s.port}", shared_memory=False, stream_threshold=64 << 10
+        ) as c:
+            objects.register(c, 700_000, name="out")
+            value = np.arange(150_000, dtype=np.float32)  # more than half the session
+            h, flow = c.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
+            write = tensor_array_pb2.TensorArrayWriteV3Request(flow_in=flow)
+            write.handle.id = h.id
+            codec.encode(np.array(0, np.int32), write.index.value)
+            codec.encode(value, write.value.value)
+            c._call("TensorArrayWriteV3", write)
+            md = (*c._metadata, (protocol.OUTPUT_REGION_METADATA_KEY, "out"))
+            read = tensor_array_pb2.TensorArrayReadV3Request(
+                flow_in=flow, dtype=codec.dtype_to_enum(np.float32)
+            )
+            read.handle.id = h.id
+            codec.encode(np.array(0, np.int32), read.index.value)
+            reply = c._call("TensorArrayReadV3", read, metadata=md)
+            assert reply.value.WhichOneof("result") == "shared"
+
+
 # ---------------------------------------------------------------- lifetime
 def test_regions_are_closed_with_their_session_and_on_expiry(objects):
     with run_server(host="127.0.0.1", port=0, device="cpu") as s:

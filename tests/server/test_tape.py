@@ -479,6 +479,65 @@ def test_a_read_without_room_for_its_output_loses_no_element(target, op, holder)
             np.testing.assert_array_equal(got.reshape(-1), value)  # still there
 
 
+@pytest.mark.parametrize("holder", ["tape", "keep", "transient"])
+def test_a_read_that_frees_its_element_needs_room_only_for_the_difference(target, holder):
+    """A read that clears its element gives its bytes back as it ends: its output
+    takes them over (``TensorArray._hand_out``), so an element of more than half the
+    session is read and held, as before outputs were paid for ahead."""
+    limit = 1 << 20
+    with run_server(host="127.0.0.1", port=0, max_session_bytes=limit) as srv:
+        threshold = 64 * 1024 if holder == "transient" else 1 << 30
+        with gradserve.Client(f"127.0.0.1:{srv.port}", stream_threshold=threshold) as c:
+            value = np.arange(150_000, dtype=F32)  # 600 KB of a 1 MiB session
+            h, flow = c.raw_ops.TensorArrayV3(size=1, dtype=F32)
+            flow = c.raw_ops.TensorArrayWriteV3(h, 0, value, flow)
+            session = srv.store.get(c.session_id)
+            with contextlib.ExitStack() as stack:
+                if holder == "tape":
+                    stack.enter_context(c.gradient_tape())
+                got = c.raw_ops.TensorArrayReadV3(h, 0, flow, F32, keep=holder == "keep")
+                got = got.numpy() if hasattr(got, "numpy") else np.asarray(got)
+                np.testing.assert_array_equal(got, value)
+                assert session.budget.used < limit
+            c.delete(*(r for r in [got] if hasattr(r, "id")))
+
+
+def test_gradients_of_a_target_only_its_tape_held_under_another_tape(target):
+    """An outer tape started after the target was recorded: Gradients released the
+    inner (non-persistent) tape, then held the target on the outer one and found it
+    gone (NOT_FOUND), the gradients lost with the tape. The outer tapes now hold the
+    inputs before."""
+    with run_server(host="127.0.0.1", port=0) as srv:
+        with gradserve.Client(f"127.0.0.1:{srv.port}") as c:
+            x = c.put(np.ones(3, F32))
+            with c.gradient_tape() as inner:
+                h, flow = _ta(c, size=1, element_shape=[3])
+                flow = c.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+                r = c.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+            with c.gradient_tape() as outer:
+                np.testing.assert_array_equal(inner.gradient(r, x), np.ones(3, F32))
+            outer.release()
+
+
+def test_a_source_named_twice_is_paid_for_twice(target):
+    """Two gradients of one object (a source named twice) are held twice: paid for
+    once, the second was refused after the non-persistent tape was released."""
+    limit = 128 * 1024
+    with run_server(host="127.0.0.1", port=0, max_session_bytes=limit) as srv:
+        with gradserve.Client(f"127.0.0.1:{srv.port}") as c:
+            x = c.put(np.ones(4000, F32))
+            session = srv.store.get(c.session_id)
+            with c.gradient_tape() as tape:
+                tape.watch(x)
+                filler = _fill_to(c, session, limit, room=16000 + TENSOR_RECORD_BYTES + 2000)
+                with pytest.raises(ResourceExhaustedError, match="--max-session-bytes"):
+                    tape.gradient(x, [x, x], keep=True)  # one fits, two do not
+                c.delete(filler)
+                gx, gx2 = tape.gradient(x, [x, x], keep=True)
+            np.testing.assert_array_equal(gx.numpy(), np.ones(4000, F32))
+            c.delete(gx, gx2)
+
+
 def test_a_write_under_a_tape_without_room_for_its_record_writes_nothing(target):
     """A write's record (and its copy of the index) was reserved after the write: a
     session without room refused the call with the element written, and the retry

@@ -109,12 +109,16 @@ def lstm(
 
 
 def no_gradient(
-    rec: Recorder, op: str, inputs: Sequence[TensorArg], outputs: list[Any]
+    rec: Recorder,
+    op: str,
+    inputs: Sequence[TensorArg] | tuple[str | None, ...],
+    outputs: list[Any],
 ) -> list[str | None]:
     """An op whose gradient is out of scope (a gradient op: second order). It is
     recorded with its inputs and outputs, so a gradient that reaches it raises
-    UNIMPLEMENTED saying so rather than giving None."""
-    keys = tuple(rec.arg(a)[0] for a in inputs)
+    UNIMPLEMENTED saying so rather than giving None. ``inputs``: the op's inputs, or
+    their keys from ``rec.arg`` (taken before the op, when it may let go of them)."""
+    keys = tuple(a if a is None or isinstance(a, str) else rec.arg(a)[0] for a in inputs)
     outs = [rec.output(v) for v in outputs]
     rec.record(op, keys, tuple(outs), {})
     return outs
