@@ -601,15 +601,21 @@ class Session:
                 self._kept(tensor_id)
             tape.watched.update(tensor_ids)
 
-    def publish(self, tensor_id: str) -> None:
+    def publish(self, tensor_id: str) -> bool:
         """Give a tensor a tape holds an entry in the id table as well (a kept or
-        transient output of an op run under a tape): one tensor, charged once."""
+        transient output of an op run under a tape): one tensor, charged once. False
+        when nothing holds it any more (its tape was released by another call since
+        the op ran): the caller keeps the value itself."""
         with self._lock:
             self._check_open()
-            kept = self._kept(tensor_id)
+            try:
+                kept = self._kept(tensor_id)
+            except NotFoundError:
+                return False
             if self._resident.get(tensor_id) is not kept:
                 kept.refs += 1
                 self._resident[tensor_id] = kept
+            return True
 
     def new_gradient_source(self) -> str:
         """TensorArrayGradV3's ``source`` for one gradient computation: "gradients",

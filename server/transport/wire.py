@@ -443,8 +443,7 @@ class CallIO:
         transient = not keep and self._transient(nbytes, size, self.response_left)
         if keep or transient:
             ref = out.ref
-            if tape_id:
-                self.session.publish(tape_id)
+            if tape_id and self.session.publish(tape_id):
                 ref.id = tape_id
             else:
                 ref.id = self._keep(array, nbytes)

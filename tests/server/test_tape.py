@@ -538,6 +538,31 @@ def test_a_source_named_twice_is_paid_for_twice(target):
             c.delete(gx, gx2)
 
 
+def test_a_tape_released_by_another_call_during_a_read_loses_no_element(target, monkeypatch):
+    """Another call releases the tape after a clearing read's output was held on it,
+    before the reply published the tape's tensor as the kept output: that tensor was
+    gone (NOT_FOUND), and the element with it. The call now keeps the value itself."""
+    from gradserve.server.core.ops import recording
+
+    record_read = recording.read
+    with run_server(host="127.0.0.1", port=0) as srv:
+        with gradserve.Client(f"127.0.0.1:{srv.port}") as c:
+            value = np.arange(1000, dtype=F32)
+            h, flow = c.raw_ops.TensorArrayV3(size=1, dtype=F32)
+            flow = c.raw_ops.TensorArrayWriteV3(h, 0, value, flow)
+            session = srv.store.get(c.session_id)
+
+            def read_then_release(rec, *args):
+                out = record_read(rec, *args)
+                session.release_tape(rec.tapes[0].id)  # (as ReleaseTape on another thread)
+                return out
+
+            monkeypatch.setattr(recording, "read", read_then_release)
+            with c.gradient_tape(persistent=True):
+                kept = c.raw_ops.TensorArrayReadV3(h, 0, flow, F32, keep=True)
+            np.testing.assert_array_equal(kept.numpy(), value)
+
+
 def test_a_write_under_a_tape_without_room_for_its_record_writes_nothing(target):
     """A write's record (and its copy of the index) was reserved after the write: a
     session without room refused the call with the element written, and the retry
