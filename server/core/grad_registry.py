@@ -22,7 +22,7 @@ tables.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 #: (forward array's handle, source).
 GradKey = tuple[str, str]
@@ -48,9 +48,6 @@ class GradRegistry:
 
     def get(self, key: GradKey) -> str | None:
         return self._grad_of.get(key)
-
-    def items(self) -> Iterator[tuple[GradKey, str]]:
-        return iter(self._grad_of.items())
 
     def as_dict(self) -> dict[GradKey, str]:
         return dict(self._grad_of)

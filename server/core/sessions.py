@@ -92,6 +92,12 @@ class _Kept:
 TENSOR_RECORD_BYTES = 1024
 
 
+def tensor_charge(nbytes: int) -> int:
+    """What holding a tensor of ``nbytes`` costs a session's budget: its bytes and its
+    record."""
+    return nbytes + TENSOR_RECORD_BYTES
+
+
 #: Closed TensorArrays a session keeps (``Session.close_tensor_array``): their records
 #: stay charged (about 1 KiB each), so at most a quarter MiB of a session's budget.
 MAX_CLOSED_ARRAYS = 256
@@ -302,7 +308,7 @@ class Session:
             reservation = self.reserve_tensor(nbytes, paid=paid)
         except BaseException:
             if paid:
-                self.budget.release(nbytes + TENSOR_RECORD_BYTES)
+                self.budget.release(tensor_charge(nbytes))
             raise
         with reservation:
             return reservation.keep(array)
@@ -529,8 +535,8 @@ class Session:
 
     @staticmethod
     def charge_of(array: Array) -> int:
-        """What holding ``array`` costs the budget: its bytes and its record."""
-        return dtypes.nbytes(array) + TENSOR_RECORD_BYTES
+        """What holding ``array`` costs the budget (``tensor_charge``)."""
+        return tensor_charge(dtypes.nbytes(array))
 
     def keep_for_tapes(
         self,
@@ -827,7 +833,7 @@ class TensorReservation:
         self.session = session
         #: The tensor's bytes; ``charged``, what the budget holds for it.
         self.nbytes = nbytes
-        self.charged = nbytes + TENSOR_RECORD_BYTES
+        self.charged = tensor_charge(nbytes)
         self._open = True
 
     def keep(self, array: Array) -> str:

@@ -29,11 +29,11 @@ from gradserve import codec, dtypes, protocol
 from gradserve.errors import InvalidArgumentError
 from gradserve.kernels.compute import Compute
 from gradserve.server.core.sessions import (
-    TENSOR_RECORD_BYTES,
     Resident,
     Session,
     TensorArg,
     TensorReservation,
+    tensor_charge,
 )
 from gradserve.server.core.tape import Payments, Recorder, Tape
 from gradserve.server.core.tensor_array import HandOut
@@ -235,7 +235,7 @@ class CallIO:
             nbytes = dtypes.nbytes(a)
             size = protocol.encoded_size(nbytes, a.ndim)
             if keep or self._transient(nbytes, size, left):
-                staying.append((a, nbytes + TENSOR_RECORD_BYTES))
+                staying.append((a, tensor_charge(nbytes)))
                 left -= REF_BYTES
             else:
                 left -= size
