@@ -18,6 +18,8 @@ StopGradient), is copied to host memory, through ``host_array``.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -48,6 +50,33 @@ def _never_stop() -> None:
 #: Encoded size of a ``TensorOutput`` holding a ref (id, dtype, shape): an upper bound
 #: for ranks up to 8.
 REF_BYTES = 160
+
+
+class Where(enum.Enum):
+    """Where an op's output goes (``CallIO._placement``)."""
+
+    REGION = "the call's output region"
+    INLINE = "inline, in the response"
+    KEPT = "kept in the session (the request asked to keep it)"
+    TRANSIENT = "by reference, fetched and then deleted (too large to go inline)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """An output's place, and what it takes of the response and the session."""
+
+    where: Where
+    #: Bytes it adds to the response: its encoding inline, else a reference.
+    response_bytes: int
+    #: Its bytes (0 in the output region: not computed, nothing is held).
+    nbytes: int = 0
+    #: In the output region: the offset just past it.
+    region_end: int | None = None
+
+    @property
+    def stays(self) -> bool:
+        """The session holds it once the op ends (kept or transient)."""
+        return self.where in (Where.KEPT, Where.TRANSIENT)
 
 
 class CallIO:
@@ -222,32 +251,38 @@ class CallIO:
 
     def _staying(self, outputs: Sequence[Any], keeps: Sequence[bool]) -> list[tuple[Any, int]]:
         """(output, charge) for each of ``outputs`` that ``emit`` will keep in the
-        session, run as ``emit`` will run on them in turn: into the call's output
-        region if it fits there, else inline if it fits the response, else kept."""
+        session: ``_placement`` in turn, as ``emit`` will place them."""
         staying, left = [], self.response_left
         offset = self.shared_out.offset if self.shared_out is not None else 0
         for a, keep in zip(outputs, keeps):
-            if not keep and self.shared_out is not None:
-                end = self.shared_out.end_of(a, offset)
-                if end is not None:
-                    offset, left = end, left - REF_BYTES
-                    continue
-            nbytes = dtypes.nbytes(a)
-            size = protocol.encoded_size(nbytes, a.ndim)
-            if keep or self._transient(nbytes, size, left):
-                staying.append((a, tensor_charge(nbytes)))
-                left -= REF_BYTES
-            else:
-                left -= size
+            place = self._placement(a, keep, left, offset)
+            left -= place.response_bytes
+            offset = place.region_end if place.region_end is not None else offset
+            if place.stays:
+                staying.append((a, tensor_charge(place.nbytes)))
         return staying
 
     def paid_for(self, value: Any, charge: int) -> None:
         self._paid_outputs.add(value, charge)
 
-    def _transient(self, nbytes: int, size: int, response_left: int) -> bool:
-        """Whether an output of ``nbytes`` (``size`` encoded) that is not kept goes
-        back by reference (stays in the session until fetched), not inline."""
-        return nbytes >= self.inline_limit or size > response_left - REF_BYTES
+    def _placement(self, array: Any, keep: bool, response_left: int, offset: int) -> Placement:
+        """Where ``emit`` puts output ``array`` (the one definition, so that what an op
+        pays for ahead, ``_staying``, is what ``emit`` then keeps): not kept, into the
+        call's output region from ``offset`` if it fits there; else inline if it fits
+        the ``response_left`` bytes the response may still grow by and is under the
+        client's inline limit; else by reference (kept, or transient: fetched, then
+        deleted)."""
+        if not keep and self.shared_out is not None:
+            end = self.shared_out.end_of(array, offset)
+            if end is not None:
+                return Placement(Where.REGION, REF_BYTES, region_end=end)
+        nbytes = dtypes.nbytes(array)  # a pass over a string tensor
+        size = protocol.encoded_size(nbytes, array.ndim)
+        if keep:
+            return Placement(Where.KEPT, REF_BYTES, nbytes)
+        if nbytes >= self.inline_limit or size > response_left - REF_BYTES:
+            return Placement(Where.TRANSIENT, REF_BYTES, nbytes)
+        return Placement(Where.INLINE, size, nbytes)
 
     def tensor(self, msg: tensor_pb2.TensorInput, field: str) -> TensorArg:
         """An op argument: the inline value decoded, or the resident tensor's id."""
@@ -434,26 +469,27 @@ class CallIO:
         if tape_id:
             out.tape_id = tape_id
             self.response_left -= len(tape_id) + 4
-        if not keep and self.shared_out is not None:  # into the call's output region
-            if self.shared_out.write(host_array(self.compute, array), out):
-                self.response_left -= REF_BYTES
+        arena = self.shared_out
+        offset = arena.offset if arena is not None else 0
+        place = self._placement(array, keep, self.response_left, offset)
+        if place.where is Where.REGION and arena is not None:
+            if arena.write(host_array(self.compute, array), out):
+                self.response_left -= place.response_bytes
                 return
-        nbytes = dtypes.nbytes(array)  # a pass over a string tensor: once
-        size = protocol.encoded_size(nbytes, array.ndim)
-        transient = not keep and self._transient(nbytes, size, self.response_left)
-        if keep or transient:
+            # The region failed (it is not used again in this call): placed without it.
+            place = self._placement(array, keep, self.response_left, offset)
+        self.response_left -= place.response_bytes
+        if place.where is not Where.INLINE:
             ref = out.ref
             if tape_id and self.session.publish(tape_id):
                 ref.id = tape_id
             else:
-                ref.id = self._keep(array, nbytes)
+                ref.id = self._keep(array, place.nbytes)
             self._kept.append(ref.id)
             ref.dtype = codec.dtype_to_enum(array.dtype)
             ref.shape[:] = array.shape
-            ref.transient = transient
-            self.response_left -= REF_BYTES
+            ref.transient = place.where is Where.TRANSIENT
             return
-        self.response_left -= size
         array = host_array(self.compute, array)
         if (
             number is not None

@@ -1,0 +1,95 @@
+"""What an op pays for ahead is what ``emit`` keeps.
+
+An op that changes state (a read that clears its element, Gradients on a tape it then
+releases) pays for keeping its outputs before it changes anything
+(``CallIO.hand_out_for``), from ``CallIO._staying``'s prediction of where ``emit``
+will put each one: the call's output region, inline, or kept in the session. A
+prediction that kept too little would let the op change state and then be refused
+for keeping its output (the result lost); one that kept too much would refuse an op
+that fits. Here the prediction meets ``emit`` itself on random outputs: sizes around
+the response's budget, the client's inline limit and the region's room, kept or not,
+strings (which never go into a region).
+"""
+
+from __future__ import annotations
+
+import os
+from multiprocessing import shared_memory
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gradserve import protocol
+from gradserve.server.core import regions
+from gradserve.server.transport import shm_wire
+from gradserve.server.transport.wire import CallIO
+from gradserve.v1 import tensor_pb2
+
+REGION_BYTES = 1 << 14
+
+
+@pytest.fixture(scope="module")
+def region_object():
+    """One shared-memory object; each example registers it with a fresh session."""
+    name = f"{regions.KEY_PREFIX}test_{os.urandom(8).hex()}"
+    shm = shared_memory.SharedMemory(name=name, create=True, size=REGION_BYTES)
+    nonce = os.urandom(32)
+    shm.buf[:32] = nonce
+    yield name, nonce
+    shm.close()
+    shm.unlink()
+
+
+OUTPUT = st.one_of(
+    st.integers(0, 3000).map(lambda n: np.arange(n, dtype=np.float32)),
+    st.integers(0, 40).map(lambda n: np.array(["x" * n] * 3, dtype=object)),
+)
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    outputs=st.lists(st.tuples(OUTPUT, st.booleans()), min_size=1, max_size=6),
+    inline_budget=st.integers(0, 20_000),
+    inline_limit=st.integers(1, 20_000),
+    with_region=st.booleans(),
+    region_used=st.integers(protocol.SHM_RESERVED_BYTES, REGION_BYTES),
+)
+def test_what_is_paid_for_ahead_is_what_emit_keeps(
+    server, region_object, outputs, inline_budget, inline_limit, with_region, region_used
+):
+    session = server.store.create()
+    try:
+        io = CallIO(
+            session,
+            server.servicer.compute,
+            inline_budget=inline_budget,
+            inline_limit=inline_limit,
+        )
+        if with_region:
+            key, nonce = region_object
+            session.regions.register("out", key, REGION_BYTES, nonce)
+            io.shared_out = shm_wire.OutputArena(session, "out")
+            io.shared_out.offset = region_used  # earlier outputs of the call took this
+        arrays = [a for a, _ in outputs]
+        keeps = [k for _, k in outputs]
+        predicted = io._staying(arrays, keeps)
+
+        kept = []
+        for n, (array, keep) in enumerate(outputs):
+            out = tensor_pb2.TensorOutput()
+            io.emit(array, out, f"out{n}", keep)
+            where = out.WhichOneof("result")
+            assert (where == "ref") >= keep  # a kept output is kept
+            assert where != "shared" or array.dtype != object  # strings: never in a region
+            if where == "ref":
+                kept.append(array)
+        assert [id(a) for a, _ in predicted] == [id(a) for a in kept]
+        # Each is charged what was paid for it ahead.
+        assert session.budget.used == sum(charge for _, charge in predicted)
+        assert all(session.charge_of(a) == charge for a, charge in predicted)
+    finally:
+        server.store.close(session.id)
