@@ -195,8 +195,8 @@ def test_steps_past_seq_len_max_are_zero_in_reused_memory():
 def test_a_pinned_formulation_is_computed_without_measuring(monkeypatch):
     """``Compute(formulation=...)`` (``--lstm-formulation``): every forward in that
     formulation, with no timed choice, so any process computes the same bits. At this
-    shape the three formulations give three different results: each pinned result is
-    its formulation's, bit for bit."""
+    shape the formulations give different results: each pinned result is its
+    formulation's, bit for bit."""
     planner = lstm_cpu.Planner()
     monkeypatch.setattr(lstm_cpu, "PLANNER", planner)
     case = random_case(np.random.default_rng(3), 5, 8, 48, 40, np.float32)
@@ -215,7 +215,8 @@ def test_a_pinned_formulation_is_computed_without_measuring(monkeypatch):
             np.testing.assert_array_equal(a, b)
     hoisted, hoisted_t, concat = (pinned[f].h for f in FORMULATIONS)
     assert not np.array_equal(hoisted, concat) and not np.array_equal(hoisted_t, concat)
-    assert not np.array_equal(hoisted, hoisted_t)
+    # The two hoisted forms differ too on OpenBLAS's Haswell kernels; its SkylakeX
+    # kernels (an AVX-512 CPU's default) sum both GEMM orientations alike.
     monkeypatch.setattr(lstm_cpu, "PLANNER", planner)
     Compute(backend_numpy).lstm_forward(inputs, **attrs)  # unpinned: measured
     assert len(planner.measured) == 1

@@ -20,7 +20,7 @@ FORMULATIONS = list(lstm_cpu.Formulation)
 
 
 def _case() -> dict:
-    # A shape at which the three formulations give three different results.
+    # A shape at which the formulations give different results.
     return random_case(np.random.default_rng(3), 5, 8, 48, 40, np.float32)
 
 
@@ -50,8 +50,10 @@ def test_pinned_servers_return_their_formulations_bits_and_measure_nothing(monke
         )  # fmt: skip
         for k, want in zip(OUTPUTS, own):
             np.testing.assert_array_equal(served[form][k], want, err_msg=f"{form} {k}")
+    # The pin shows: two formulations at least give other bits (which ones depends on
+    # the BLAS kernels: OpenBLAS's SkylakeX kernels sum both hoisted forms alike).
     h = [served[form]["h"] for form in FORMULATIONS]
-    assert not any(np.array_equal(h[i], h[j]) for i, j in ((0, 1), (0, 2), (1, 2)))
+    assert not all(np.array_equal(h[i], h[j]) for i, j in ((0, 1), (0, 2), (1, 2)))
 
 
 def test_an_unpinned_server_measures_the_shape(monkeypatch):
