@@ -146,14 +146,29 @@ def file_name(session_id: str) -> str:
 
 # ----------------------------------------------------------------------------- encode
 class _Blobs:
-    """Tensor data laid out one after another, described in the JSON."""
+    """Tensor data laid out one after another, described in the JSON. An array held
+    under several ids (a resident tensor and its aliases, ``Session.put``) is written
+    once, each id's entry naming the same bytes, which ``_decode`` reads back as one
+    array: written twice, it came back as two, charged twice, and a session near its
+    limit could not be restored."""
 
     def __init__(self, to_host: Callable[[Any], Any]) -> None:
         self.to_host = to_host
         self.pieces: list[bytes | memoryview] = []
         self.size = 0
+        #: By the identity of each array added: the array (alive while this lives, so
+        #: that no other array takes its id) and its entry.
+        self._added: dict[int, tuple[Any, dict[str, Any]]] = {}
 
     def add(self, array: Any) -> dict[str, Any]:
+        added = self._added.get(id(array))
+        if added is not None:
+            return added[1]
+        ref = self._add(array)
+        self._added[id(array)] = (array, ref)
+        return ref
+
+    def _add(self, array: Any) -> dict[str, Any]:
         host = np.asarray(self.to_host(array))
         dtype = dtypes.normalize(host.dtype)
         if dtype == dtypes.STRING:
@@ -369,8 +384,17 @@ def _decode(payload: memoryview) -> SessionState:
     (meta_len,) = _U64.unpack_from(payload)
     meta = json.loads(bytes(payload[8 : 8 + meta_len]))
     data = payload[8 + meta_len :]
+    #: Arrays read so far, by where and what they are: entries naming the same bytes
+    #: (``_Blobs``) are one array again.
+    read: dict[tuple[Any, ...], np.ndarray] = {}
 
     def tensor(ref: dict[str, Any]) -> np.ndarray:
+        key = (ref["dtype"], tuple(ref["shape"]), int(ref["offset"]), int(ref["nbytes"]))
+        if key not in read:
+            read[key] = _tensor(ref)
+        return read[key]
+
+    def _tensor(ref: dict[str, Any]) -> np.ndarray:
         dtype = dtypes.normalize(ref["dtype"])
         shape = tuple(int(d) for d in ref["shape"])
         start, nbytes = int(ref["offset"]), int(ref["nbytes"])

@@ -73,7 +73,10 @@ class _Kept:
 
     Its bytes are charged once, however many hold it, and released when the last
     holder lets go: its entry in the id table (a resident tensor), a stream reading
-    it out (GetTensor), each gradient tape that keeps it for a backward pass.
+    it out (GetTensor), each gradient tape that keeps it for a backward pass. The same
+    array kept under another id (an *alias*: StopGradient of a resident tensor, kept
+    or held by a tape) shares it, and only that id's record is charged besides
+    (``Session._alias_locked``).
     """
 
     array: Array
@@ -162,6 +165,13 @@ class Session:
         #: Handles of closed arrays, oldest first: at most ``MAX_CLOSED_ARRAYS`` kept.
         self._closed_arrays: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._resident: dict[str, _Kept] = {}
+        #: Every tensor the session holds (in the id table, or on a tape), by the
+        #: identity of its array: an op whose output is a held array itself
+        #: (StopGradient of a resident tensor) keeps it as an alias, not charged again.
+        self._by_array: dict[int, _Kept] = {}
+        #: Each alias id, and how many entries name it (in the id table, on tapes):
+        #: its record stays charged until the last of them goes (``_entry_gone``).
+        self._alias_entries: dict[str, int] = {}
         #: Bytes held for tensors still arriving (``reserve_tensor``).
         self._reservations: set[TensorReservation] = set()
         #: Live gradient tapes by id, and the ids of released ones (for a clear error).
@@ -304,6 +314,18 @@ class Session:
         state); the session takes it over, or gives it back if the put fails.
         """
         nbytes = dtypes.nbytes(array) if nbytes is None else nbytes
+        with self._lock:
+            try:
+                self._check_open()
+                alias = self._alias_locked(array, 1, tensor_charge(nbytes) if paid else None)
+            except BaseException:
+                if paid:
+                    self.budget.release(tensor_charge(nbytes))
+                raise
+            if alias is not None:
+                kept, tensor_id = alias
+                self._resident[tensor_id] = kept
+                return tensor_id
         try:
             reservation = self.reserve_tensor(nbytes, paid=paid)
         except BaseException:
@@ -334,8 +356,52 @@ class Session:
         with self._lock:
             self._check_open()
             self._reservations.discard(reservation)
-            self._resident[tensor_id] = _Kept(array, reservation.charged)
+            self._resident[tensor_id] = self._held_anew(_Kept(array, reservation.charged))
         return tensor_id
+
+    def _held_anew(self, kept: _Kept) -> _Kept:
+        """``kept``, a tensor the session did not hold, indexed by its array (caller
+        holds ``_lock``)."""
+        self._by_array[id(kept.array)] = kept
+        return kept
+
+    def _alias_locked(
+        self, array: Array, entries: int, paid: int | None, tensor_id: str | None = None
+    ) -> tuple[_Kept, str] | None:
+        """If the session holds ``array`` itself: the held tensor and a new id for it
+        (``tensor_id``, else a new token), for the caller to file in ``entries`` places
+        (the id table, or each tape), the id's record (``TENSOR_RECORD_BYTES``) charged
+        now; else None, changing nothing. ``paid``: a charge the caller reserved for
+        the array, of which the alias keeps the record and gives back the rest.
+        (caller holds ``_lock``)"""
+        kept = self._by_array.get(id(array))
+        if kept is None or kept.array is not array or kept.refs <= 0:
+            return None
+        if paid is None:
+            self.budget.reserve(TENSOR_RECORD_BYTES)
+        else:
+            self.budget.release(paid - TENSOR_RECORD_BYTES)
+        tensor_id = new_token() if tensor_id is None else tensor_id
+        kept.refs += entries
+        self._alias_entries[tensor_id] = entries
+        return kept, tensor_id
+
+    def _entry_added(self, tensor_id: str) -> None:
+        """Another entry names ``tensor_id`` (caller holds ``_lock``)."""
+        if tensor_id in self._alias_entries:
+            self._alias_entries[tensor_id] += 1
+
+    def _entry_gone(self, tensor_id: str) -> int:
+        """An entry naming ``tensor_id`` went: the bytes of its record, if it was an
+        alias's last (caller holds ``_lock``)."""
+        left = self._alias_entries.get(tensor_id)
+        if left is None:
+            return 0
+        if left > 1:
+            self._alias_entries[tensor_id] = left - 1
+            return 0
+        del self._alias_entries[tensor_id]
+        return TENSOR_RECORD_BYTES
 
     def _give_up(self, reservation: TensorReservation) -> None:
         """Release a reservation not kept (unless ``close`` released it already)."""
@@ -415,19 +481,21 @@ class Session:
             with self._lock:
                 if kept.refs > 0 and kept.array is array:
                     kept.array = placed  # not let go of or placed meanwhile
+                    if self._by_array.get(id(array)) is kept:
+                        del self._by_array[id(array)]
+                    self._by_array[id(placed)] = kept
         return placed
 
     def delete(self, tensor_ids: Iterable[str]) -> int:
         """Drop tensors; returns how many existed. Bytes of one still being read out
         are released when its last reader ends."""
         with self._lock:
-            dropped = [k for k in (self._resident.pop(t, None) for t in tensor_ids) if k]
-            freed = self._drop(dropped)
+            gone = [(t, k) for t in tensor_ids if (k := self._resident.pop(t, None)) is not None]
+            freed = self._drop(k for _, k in gone) + sum(self._entry_gone(t) for t, _ in gone)
         self.budget.release(freed)
-        return len(dropped)
+        return len(gone)
 
-    @staticmethod
-    def _drop(dropped: Iterable[_Kept]) -> int:
+    def _drop(self, dropped: Iterable[_Kept]) -> int:
         """One holder fewer for each; returns the bytes free now (caller holds
         ``_lock``): a tensor still read out, or kept by a tape, stays charged."""
         freed = 0
@@ -435,6 +503,8 @@ class Session:
             kept.refs -= 1
             if kept.refs == 0:
                 freed += kept.nbytes
+                if self._by_array.get(id(kept.array)) is kept:
+                    del self._by_array[id(kept.array)]
         return freed
 
     def let_go(self, held: Iterable[_Kept]) -> int:
@@ -515,10 +585,10 @@ class Session:
 
     def _release_tape_locked(self, tape: Tape) -> int:
         tape.released = True
-        held, tape.held = list(tape.held.values()), {}
+        held, tape.held = tape.held, {}
         tape.records.clear()
         records, tape.record_bytes = tape.record_bytes, 0
-        return self._drop(held) + records
+        return self._drop(held.values()) + sum(map(self._entry_gone, held)) + records
 
     def hold_for_tape(self, tape: Tape, tensor_id: str) -> bool:
         """``tape`` holds the tensor ``tensor_id`` (resident, or held by a tape) until
@@ -531,6 +601,7 @@ class Session:
             kept = self._kept(tensor_id)
             kept.refs += 1
             tape.held[tensor_id] = kept
+            self._entry_added(tensor_id)
             return True
 
     @staticmethod
@@ -561,6 +632,12 @@ class Session:
             live = list({id(t): t for t in tapes if not t.released}.values())
             if not live:
                 return None
+            alias = None if reserved is not None else self._alias_locked(array, len(live), paid)
+            if alias is not None:
+                kept, tensor_id = alias
+                for tape in live:
+                    tape.held[tensor_id] = kept
+                return tensor_id
             if paid is not None:
                 nbytes = paid
             elif reserved is not None and reserved in self._reservations:
@@ -569,7 +646,7 @@ class Session:
                 nbytes = reserved.charged
             else:
                 self.budget.reserve(nbytes)
-            kept = _Kept(array, nbytes, refs=len(live))
+            kept = self._held_anew(_Kept(array, nbytes, refs=len(live)))
             tensor_id = new_token()
             for tape in live:
                 tape.held[tensor_id] = kept
@@ -578,8 +655,8 @@ class Session:
     def release_held(self, held: list[tuple[Tape, str]]) -> None:
         """Tapes let go of tensors they held for an op that failed."""
         with self._lock:
-            dropped = [k for k in (t.held.pop(i, None) for t, i in held) if k is not None]
-            freed = self._drop(dropped)
+            gone = [(i, k) for t, i in held if (k := t.held.pop(i, None)) is not None]
+            freed = self._drop(k for _, k in gone) + sum(self._entry_gone(i) for i, _ in gone)
         self.budget.release(freed)
 
     def commit_records(self, tapes: list[Tape], records: list[Any], watch: set[str]) -> int:
@@ -619,6 +696,8 @@ class Session:
             except NotFoundError:
                 return False
             if self._resident.get(tensor_id) is not kept:
+                if tensor_id not in self._resident:
+                    self._entry_added(tensor_id)
                 kept.refs += 1
                 self._resident[tensor_id] = kept
             return True
@@ -747,9 +826,13 @@ class Session:
                     budget=budget,
                 )
             for tensor_id, array in state.resident.items():
+                alias = session._alias_locked(array, 1, None, tensor_id)  # one array, two ids
+                if alias is not None:
+                    session._resident[tensor_id] = alias[0]
+                    continue
                 nbytes = cls.charge_of(array)
                 budget.reserve(nbytes)
-                session._resident[tensor_id] = _Kept(array, nbytes)
+                session._resident[tensor_id] = session._held_anew(_Kept(array, nbytes))
         except BaseException:
             session.close()  # releases what was charged
             raise
@@ -783,7 +866,10 @@ class Session:
             self._arrays.clear()
             self._grads.clear()
             self._closed_arrays.clear()
+            freed += TENSOR_RECORD_BYTES * len(self._alias_entries)  # named in the table
+            self._alias_entries.clear()
             self._resident.clear()
+            self._by_array.clear()
             self._reservations.clear()
         self.budget.release(freed)
         self.regions.close()

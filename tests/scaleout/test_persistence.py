@@ -58,6 +58,7 @@ def populated(store: SessionStore, principal: str = "alice", seed: int = 0):
     s.put(np.array([[1 + 2j]], np.complex128))
     s.put(np.array([b"kept"], dtype=object))
     s.put(np.zeros((0, 7), np.float64))
+    s.put(s.get(s.put(rng.standard_normal(5).astype(np.float32))))  # one array, two ids
     return s
 
 
@@ -203,6 +204,29 @@ def test_one_server_per_directory(tmp_path):
     finally:
         os.close(held)
     os.close(persistence.lock_directory(tmp_path / "state"))  # free again
+
+
+def test_one_array_under_two_ids_is_written_once_and_restored_as_one(tmp_path):
+    """An array and its alias (StopGradient of a resident tensor, kept) are charged
+    once, with a record per id: written twice and read back as two arrays, a session
+    that held one 600 KiB array under two ids did not fit its 1 MiB limit again."""
+    store = SessionStore(max_session_bytes=1 << 20)
+    s = store.create()
+    first = s.put(np.arange(150 << 10, dtype=np.float32))
+    second = s.put(s.get(first))
+    assert s.budget.used == (600 << 10) + 2 * TENSOR_RECORD_BYTES
+    report = persistence.write_snapshot(store.export_states(), tmp_path)
+    assert report.bytes < (1200 << 10)
+    other = SessionStore(max_session_bytes=1 << 20)
+    assert persistence.restore_dir(other, tmp_path).restored == 1
+    back = other.get(s.id)
+    assert back.budget.used == s.budget.used
+    assert back.get(first) is back.get(second)
+    np.testing.assert_array_equal(back.get(second), np.arange(150 << 10, dtype=np.float32))
+    back.delete([second])  # the alias: its record goes
+    assert back.budget.used == (600 << 10) + TENSOR_RECORD_BYTES
+    back.delete([first])
+    assert back.budget.used == 0
 
 
 def test_restore_over_a_byte_limit_charges_nothing(tmp_path):

@@ -369,10 +369,11 @@ def test_a_persistent_tape_frees_on_release_and_session_close(target):
             tape.gradient(r, x)
             tape.gradient(r, x)
             session = srv.store.get(c.session_id)
-            # + the read's output the tape holds, and the records
-            assert session.budget.used == base + 4000 + TENSOR_RECORD_BYTES + session.record_bytes()
+            # + the read's output the tape holds (x itself: an alias, its record only), and
+            # the records
+            assert session.budget.used == base + TENSOR_RECORD_BYTES + session.record_bytes()
             # that output, and the records of TensorArrayV3, the write and the read
-            assert tape.release() == 4000 + TENSOR_RECORD_BYTES + 3 * RECORD_BYTES + 2 * 4
+            assert tape.release() == TENSOR_RECORD_BYTES + 3 * RECORD_BYTES + 2 * 4
             assert session.budget.used == base + session.record_bytes()
             with c.gradient_tape(persistent=True):
                 c.raw_ops.StopGradient(x)
@@ -390,8 +391,9 @@ def test_a_tape_over_the_byte_budget_is_refused_and_the_session_goes_on(target):
                 flow = c.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
                 reads = []
                 with pytest.raises(ResourceExhaustedError, match="--max-session-bytes"):
-                    for _ in range(8):  # each read's output is held: 16 KiB more
-                        reads.append(c.raw_ops.TensorArrayReadV3(h, 0, flow, F32))
+                    for _ in range(8):  # each gather's output is held: 16 KiB more (a
+                        # read's would be the element, x itself: an alias, its record)
+                        reads.append(c.raw_ops.TensorArrayGatherV3(h, [0], flow, F32))
             assert len(reads) == 6  # x, the element and six reads fill 128 KiB
             # the six outputs (each with its record), and 8 op records
             assert tape.release() == 6 * (16384 + TENSOR_RECORD_BYTES) + 8 * RECORD_BYTES + 7 * 4
@@ -421,11 +423,11 @@ def test_what_tapes_record_is_charged_and_freed_with_them(target):
                     batch.raw_ops.StopGradient(x)
                 with pytest.raises(ResourceExhaustedError, match="--max-session-bytes") as info:
                     batch.run()
-            step = info.value.step  # each step: 8 records and 8 tapes' hold of a scalar
-            per_step = 8 * RECORD_BYTES + 4 + TENSOR_RECORD_BYTES
+            step = info.value.step  # each step: 8 records and 8 tapes' alias of x
+            per_step = 8 * RECORD_BYTES + TENSOR_RECORD_BYTES
             assert (1 << 20) // per_step - 2 <= step <= (1 << 20) // per_step
             assert session.record_bytes() == 8 * RECORD_BYTES * step
-            held = (4 + TENSOR_RECORD_BYTES) * (1 + step)  # x, and each step's output
+            held = 4 + TENSOR_RECORD_BYTES * (1 + step)  # x, and each step's output (x)
             assert session.budget.used == held + session.record_bytes()
             for tape in tapes:
                 tape.release()
