@@ -385,10 +385,13 @@ def _decode(payload: memoryview) -> SessionState:
     meta = json.loads(bytes(payload[8 : 8 + meta_len]))
     data = payload[8 + meta_len :]
     #: Arrays read so far, by where and what they are: entries naming the same bytes
-    #: (``_Blobs``) are one array again.
+    #: (``_Blobs``) are one array again (not empty ones: one after another, distinct
+    #: tensors of no bytes start at the same offset).
     read: dict[tuple[Any, ...], np.ndarray] = {}
 
     def tensor(ref: dict[str, Any]) -> np.ndarray:
+        if not int(ref["nbytes"]):  # where tensors of no bytes lie says nothing
+            return _tensor(ref)
         key = (ref["dtype"], tuple(ref["shape"]), int(ref["offset"]), int(ref["nbytes"]))
         if key not in read:
             read[key] = _tensor(ref)

@@ -73,15 +73,14 @@ class _Kept:
 
     Its bytes are charged once, however many hold it, and released when the last
     holder lets go: its entry in the id table (a resident tensor), a stream reading
-    it out (GetTensor), each gradient tape that keeps it for a backward pass. The same
-    array kept under another id (an *alias*: StopGradient of a resident tensor, kept
-    or held by a tape) shares it, and only that id's record is charged besides
-    (``Session._alias_locked``).
+    it out (GetTensor), each gradient tape that keeps it for a backward pass. Each id
+    that names it is charged a record besides (``Session._ids``), released when
+    nothing names that id any more: the same array kept under another id (an *alias*:
+    StopGradient of a resident tensor, kept or held by a tape) costs only that.
     """
 
     array: Array
-    #: The bytes charged for it (``dtypes.nbytes``, counted once: for strings, a pass;
-    #: plus ``TENSOR_RECORD_BYTES``).
+    #: Its bytes as charged (``dtypes.nbytes``, counted once: for strings, a pass).
     nbytes: int
     #: Holders: 1 for the id table entry, +1 per stream reading it, +1 per tape.
     refs: int = 1
@@ -169,9 +168,10 @@ class Session:
         #: identity of its array: an op whose output is a held array itself
         #: (StopGradient of a resident tensor) keeps it as an alias, not charged again.
         self._by_array: dict[int, _Kept] = {}
-        #: Each alias id, and how many entries name it (in the id table, on tapes):
-        #: its record stays charged until the last of them goes (``_entry_gone``).
-        self._alias_entries: dict[str, int] = {}
+        #: Each id of a held tensor, and how many entries name it (in the id table,
+        #: on tapes): its record (``TENSOR_RECORD_BYTES``) stays charged until the last
+        #: of them goes (``_entry_gone``).
+        self._ids: dict[str, int] = {}
         #: Bytes held for tensors still arriving (``reserve_tensor``).
         self._reservations: set[TensorReservation] = set()
         #: Live gradient tapes by id, and the ids of released ones (for a clear error).
@@ -305,49 +305,67 @@ class Session:
                 reason="TENSOR_TOO_LARGE",
             )
 
-    def put(self, array: Array, nbytes: int | None = None, *, paid: bool = False) -> str:
+    def put(self, array: Array, nbytes: int | None = None, *, paid: int | None = None) -> str:
         """Keep ``array`` (never mutated afterwards) in the session; returns its id.
 
         Its size (``nbytes``: ``dtypes.nbytes(array)``, if the caller has it) is
-        checked and its bytes charged to the session's budget. ``paid``: its charge
-        (``charge_of``) is in the budget already (reserved by an op before it changed
-        state); the session takes it over, or gives it back if the put fails.
+        checked and its bytes charged to the session's budget, with its id's record;
+        an array the session holds already is not charged again (an alias: its id's
+        record only). ``paid``: bytes an op reserved in the budget for keeping it before
+        it changed state (``keeping_charge``), which the session takes over, reserving
+        or giving back the difference; all given back if the put fails.
         """
         nbytes = dtypes.nbytes(array) if nbytes is None else nbytes
-        with self._lock:
-            try:
-                self._check_open()
-                alias = self._alias_locked(array, 1, tensor_charge(nbytes) if paid else None)
-            except BaseException:
-                if paid:
-                    self.budget.release(tensor_charge(nbytes))
-                raise
-            if alias is not None:
-                kept, tensor_id = alias
-                self._resident[tensor_id] = kept
-                return tensor_id
         try:
+            with self._lock:
+                self._check_open()
+                alias = self._alias_locked(array, 1, paid)
+                if alias is not None:
+                    kept, tensor_id = alias
+                    self._resident[tensor_id] = kept
+                    return tensor_id
             reservation = self.reserve_tensor(nbytes, paid=paid)
         except BaseException:
             if paid:
-                self.budget.release(tensor_charge(nbytes))
+                self.budget.release(paid)
             raise
         with reservation:
             return reservation.keep(array)
 
-    def reserve_tensor(self, nbytes: int, *, paid: bool = False) -> TensorReservation:
+    def reserve_tensor(self, nbytes: int, *, paid: int | None = None) -> TensorReservation:
         """Hold ``nbytes`` of the budget for a tensor that is still to be made (a
-        stream still arriving), so that the budget refuses it before anything is
-        allocated. Use as a context manager: what is not kept is released on exit.
-        ``paid``: the bytes are reserved already (``put``)."""
+        stream still arriving), with its id's record, so that the budget refuses it
+        before anything is allocated. Use as a context manager: what is not kept is
+        released on exit. ``paid``: bytes of it reserved already (``put``); nothing is
+        reserved if the rest is refused."""
         self.check_tensor_bytes(nbytes)
         with self._lock:
             self._check_open()
             reservation = TensorReservation(self, nbytes)
-            if not paid:
-                self.budget.reserve(reservation.charged)
+            self._settle_locked(reservation.charged, paid)
             self._reservations.add(reservation)
         return reservation
+
+    def keeping_charge(self, array: Array, nbytes: int | None = None) -> int:
+        """What keeping ``array`` under a new id will cost: its id's record alone if
+        the session holds the array itself (an alias), else ``tensor_charge`` (its
+        ``nbytes``, if the caller has them). For an op that pays ahead (a TensorArray
+        read, Gradients) under a lock of its own, so it takes none: the answer is a
+        forecast, and ``put`` / ``keep_for_tapes`` settle the difference if the held
+        tensor went meanwhile."""
+        kept = self._by_array.get(id(array))  # one lookup: atomic, no lock needed
+        if kept is not None and kept.array is array and kept.refs > 0:
+            return TENSOR_RECORD_BYTES
+        return tensor_charge(dtypes.nbytes(array) if nbytes is None else nbytes)
+
+    def _settle_locked(self, charge: int, paid: int | None) -> None:
+        """Hold ``charge`` in the budget, of which ``paid`` is held already: reserve
+        the rest (RESOURCE_EXHAUSTED past a limit, reserving nothing) or give back the
+        surplus. (caller holds ``_lock``)"""
+        if paid is None or paid < charge:
+            self.budget.reserve(charge - (paid or 0))
+        elif paid > charge:
+            self.budget.release(paid - charge)
 
     def _keep_reserved(self, reservation: TensorReservation, array: Array) -> str:
         """``array`` kept on ``reservation``'s bytes; raises (keeping nothing) once the
@@ -356,13 +374,16 @@ class Session:
         with self._lock:
             self._check_open()
             self._reservations.discard(reservation)
-            self._resident[tensor_id] = self._held_anew(_Kept(array, reservation.charged))
+            kept = self._held_anew(_Kept(array, reservation.nbytes), tensor_id, 1)
+            self._resident[tensor_id] = kept
         return tensor_id
 
-    def _held_anew(self, kept: _Kept) -> _Kept:
-        """``kept``, a tensor the session did not hold, indexed by its array (caller
-        holds ``_lock``)."""
+    def _held_anew(self, kept: _Kept, tensor_id: str, entries: int) -> _Kept:
+        """``kept``, a tensor the session did not hold, indexed by its array, and
+        named by ``tensor_id`` in ``entries`` places (its record charged by the
+        caller). (caller holds ``_lock``)"""
         self._by_array[id(kept.array)] = kept
+        self._ids[tensor_id] = entries
         return kept
 
     def _alias_locked(
@@ -371,36 +392,29 @@ class Session:
         """If the session holds ``array`` itself: the held tensor and a new id for it
         (``tensor_id``, else a new token), for the caller to file in ``entries`` places
         (the id table, or each tape), the id's record (``TENSOR_RECORD_BYTES``) charged
-        now; else None, changing nothing. ``paid``: a charge the caller reserved for
-        the array, of which the alias keeps the record and gives back the rest.
-        (caller holds ``_lock``)"""
+        now (``paid`` of it held already: ``_settle_locked``); else None, changing
+        nothing. (caller holds ``_lock``)"""
         kept = self._by_array.get(id(array))
         if kept is None or kept.array is not array or kept.refs <= 0:
             return None
-        if paid is None:
-            self.budget.reserve(TENSOR_RECORD_BYTES)
-        else:
-            self.budget.release(paid - TENSOR_RECORD_BYTES)
+        self._settle_locked(TENSOR_RECORD_BYTES, paid)
         tensor_id = new_token() if tensor_id is None else tensor_id
         kept.refs += entries
-        self._alias_entries[tensor_id] = entries
+        self._ids[tensor_id] = entries
         return kept, tensor_id
 
     def _entry_added(self, tensor_id: str) -> None:
         """Another entry names ``tensor_id`` (caller holds ``_lock``)."""
-        if tensor_id in self._alias_entries:
-            self._alias_entries[tensor_id] += 1
+        self._ids[tensor_id] += 1
 
     def _entry_gone(self, tensor_id: str) -> int:
-        """An entry naming ``tensor_id`` went: the bytes of its record, if it was an
-        alias's last (caller holds ``_lock``)."""
-        left = self._alias_entries.get(tensor_id)
-        if left is None:
-            return 0
+        """An entry naming ``tensor_id`` went: the bytes of its record, if it was the
+        last (caller holds ``_lock``)."""
+        left = self._ids[tensor_id]
         if left > 1:
-            self._alias_entries[tensor_id] = left - 1
+            self._ids[tensor_id] = left - 1
             return 0
-        del self._alias_entries[tensor_id]
+        del self._ids[tensor_id]
         return TENSOR_RECORD_BYTES
 
     def _give_up(self, reservation: TensorReservation) -> None:
@@ -626,7 +640,7 @@ class Session:
         releases it when no tape is live."""
         if not hasattr(array, "__cuda_array_interface__"):
             array = np.asarray(array)
-        nbytes = self.charge_of(array)
+        charge = self.charge_of(array)
         with self._lock:
             self._check_open()
             live = list({id(t): t for t in tapes if not t.released}.values())
@@ -638,16 +652,15 @@ class Session:
                 for tape in live:
                     tape.held[tensor_id] = kept
                 return tensor_id
-            if paid is not None:
-                nbytes = paid
-            elif reserved is not None and reserved in self._reservations:
+            if reserved is not None and reserved in self._reservations:
                 self._reservations.discard(reserved)  # its bytes are the tapes' now
                 reserved.taken_over()
-                nbytes = reserved.charged
+                charge = reserved.charged
             else:
-                self.budget.reserve(nbytes)
-            kept = self._held_anew(_Kept(array, nbytes, refs=len(live)))
+                self._settle_locked(charge, paid)
             tensor_id = new_token()
+            kept = _Kept(array, charge - TENSOR_RECORD_BYTES, refs=len(live))
+            self._held_anew(kept, tensor_id, len(live))
             for tape in live:
                 tape.held[tensor_id] = kept
             return tensor_id
@@ -830,9 +843,10 @@ class Session:
                 if alias is not None:
                     session._resident[tensor_id] = alias[0]
                     continue
-                nbytes = cls.charge_of(array)
-                budget.reserve(nbytes)
-                session._resident[tensor_id] = session._held_anew(_Kept(array, nbytes))
+                nbytes = dtypes.nbytes(array)
+                budget.reserve(tensor_charge(nbytes))
+                kept = session._held_anew(_Kept(array, nbytes), tensor_id, 1)
+                session._resident[tensor_id] = kept
         except BaseException:
             session.close()  # releases what was charged
             raise
@@ -866,8 +880,8 @@ class Session:
             self._arrays.clear()
             self._grads.clear()
             self._closed_arrays.clear()
-            freed += TENSOR_RECORD_BYTES * len(self._alias_entries)  # named in the table
-            self._alias_entries.clear()
+            freed += TENSOR_RECORD_BYTES * len(self._ids)  # the ids left: the table's
+            self._ids.clear()
             self._resident.clear()
             self._by_array.clear()
             self._reservations.clear()

@@ -263,7 +263,7 @@ class Recorder:
         when no tape is live (nothing will hold them here)."""
         if not self._live_tapes():
             return None
-        return self._paid.pay([(v, self.session.charge_of(v)) for v in outputs], credit)
+        return self._paid.pay([(v, self.session.keeping_charge(v)) for v in outputs], credit)
 
     def output(self, value: Any) -> str | None:
         """Hold an op output on every tape; returns its tape id (None if every tape was

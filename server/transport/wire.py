@@ -35,7 +35,6 @@ from gradserve.server.core.sessions import (
     Session,
     TensorArg,
     TensorReservation,
-    tensor_charge,
 )
 from gradserve.server.core.tape import Payments, Recorder, Tape
 from gradserve.server.core.tensor_array import HandOut
@@ -259,7 +258,7 @@ class CallIO:
             left -= place.response_bytes
             offset = place.region_end if place.region_end is not None else offset
             if place.stays:
-                staying.append((a, tensor_charge(place.nbytes)))
+                staying.append((a, self.session.keeping_charge(a, place.nbytes)))
         return staying
 
     def paid_for(self, value: Any, charge: int) -> None:
@@ -378,12 +377,12 @@ class CallIO:
 
     def _keep(self, array: Any, nbytes: int) -> str:
         """``array`` kept in the session under a new id: a region copy on the bytes
-        already reserved for it, anything else charged now."""
+        already reserved for it, anything else on what the op paid for it ahead
+        (``hand_out_for``), the rest charged now."""
         reservation = self.take(array)
         if reservation is not None:
             return reservation.keep(array)
-        paid = self._paid_outputs.take(array) is not None
-        return self.session.put(array, nbytes, paid=paid)
+        return self.session.put(array, nbytes, paid=self._paid_outputs.take(array))
 
     def _step_output(self, ref: tensor_pb2.StepOutput, field: str) -> TensorArg | str:
         """What an earlier step of this Batch produced as ``ref.field``."""

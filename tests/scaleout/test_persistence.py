@@ -223,10 +223,31 @@ def test_one_array_under_two_ids_is_written_once_and_restored_as_one(tmp_path):
     assert back.budget.used == s.budget.used
     assert back.get(first) is back.get(second)
     np.testing.assert_array_equal(back.get(second), np.arange(150 << 10, dtype=np.float32))
-    back.delete([second])  # the alias: its record goes
+    back.delete([first])  # its record goes; the array stays, as the alias's
     assert back.budget.used == (600 << 10) + TENSOR_RECORD_BYTES
-    back.delete([first])
+    np.testing.assert_array_equal(back.get(second), np.arange(150 << 10, dtype=np.float32))
+    back.delete([second])
     assert back.budget.used == 0
+
+
+def test_a_restored_session_charges_what_the_live_one_did(tmp_path):
+    """After its first id is deleted an alias holds the array alone; and distinct
+    tensors of no bytes, written one after another at one offset, stay distinct."""
+    store = SessionStore()
+    s = store.create()
+    first = s.put(np.ones(1000, np.float32))
+    s.put(s.get(first))
+    s.delete([first])
+    empties = [s.put(np.zeros(0, np.float32)) for _ in range(2)]
+    persistence.write_snapshot(store.export_states(), tmp_path)
+    other = SessionStore()
+    persistence.restore_dir(other, tmp_path)
+    back = other.get(s.id)
+    assert back.budget.used == s.budget.used == 4000 + 3 * TENSOR_RECORD_BYTES
+    assert back.get(empties[0]) is not back.get(empties[1])
+    back.delete(empties[:1])
+    s.delete(empties[:1])
+    assert back.budget.used == s.budget.used
 
 
 def test_restore_over_a_byte_limit_charges_nothing(tmp_path):
