@@ -46,6 +46,8 @@ def _never_stop() -> None:
     return None
 
 
+_UNLIMITED = 1 << 62
+
 #: Encoded size of a ``TensorOutput`` holding a ref (id, dtype, shape): an upper bound
 #: for ranks up to 8.
 REF_BYTES = 160
@@ -254,7 +256,7 @@ class CallIO:
         staying, left = [], self.response_left
         offset = self.shared_out.offset if self.shared_out is not None else 0
         for a, keep in zip(outputs, keeps):
-            place = self._placement(a, keep, left, offset)
+            place = self._placement(a, keep, left, offset, self.inline_limit)
             left -= place.response_bytes
             offset = place.region_end if place.region_end is not None else offset
             if place.stays:
@@ -264,13 +266,15 @@ class CallIO:
     def paid_for(self, value: Any, charge: int) -> None:
         self._paid_outputs.add(value, charge)
 
-    def _placement(self, array: Any, keep: bool, response_left: int, offset: int) -> Placement:
+    def _placement(
+        self, array: Any, keep: bool, response_left: int, offset: int, inline_limit: int
+    ) -> Placement:
         """Where ``emit`` puts output ``array`` (the one definition, so that what an op
         pays for ahead, ``_staying``, is what ``emit`` then keeps): not kept, into the
         call's output region from ``offset`` if it fits there; else inline if it fits
-        the ``response_left`` bytes the response may still grow by and is under the
-        client's inline limit; else by reference (kept, or transient: fetched, then
-        deleted)."""
+        the ``response_left`` bytes the response may still grow by and is under
+        ``inline_limit`` (the client's); else by reference (kept, or transient:
+        fetched, then deleted)."""
         if not keep and self.shared_out is not None:
             end = self.shared_out.end_of(array, offset)
             if end is not None:
@@ -279,7 +283,7 @@ class CallIO:
         size = protocol.encoded_size(nbytes, array.ndim)
         if keep:
             return Placement(Where.KEPT, REF_BYTES, nbytes)
-        if nbytes >= self.inline_limit or size > response_left - REF_BYTES:
+        if nbytes >= inline_limit or size > response_left - REF_BYTES:
             return Placement(Where.TRANSIENT, REF_BYTES, nbytes)
         return Placement(Where.INLINE, size, nbytes)
 
@@ -470,13 +474,17 @@ class CallIO:
             self.response_left -= len(tape_id) + 4
         arena = self.shared_out
         offset = arena.offset if arena is not None else 0
-        place = self._placement(array, keep, self.response_left, offset)
+        place = self._placement(array, keep, self.response_left, offset, self.inline_limit)
         if place.where is Where.REGION and arena is not None:
             if arena.write(host_array(self.compute, array), out):
                 self.response_left -= place.response_bytes
                 return
-            # The region failed (it is not used again in this call): placed without it.
-            place = self._placement(array, keep, self.response_left, offset)
+            # The region failed (the worker shrank or removed it; it is not used again
+            # in this call). Inline if it fits the response at all, whatever the
+            # client's inline limit: the op paid nothing ahead for keeping an output
+            # meant for the region, and one that changed state (a read that cleared
+            # its element) must not be refused now for want of room to keep it.
+            place = self._placement(array, keep, self.response_left, offset, _UNLIMITED)
         self.response_left -= place.response_bytes
         if place.where is not Where.INLINE:
             ref = out.ref

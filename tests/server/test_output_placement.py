@@ -37,7 +37,7 @@ def region_object():
     shm = shared_memory.SharedMemory(name=name, create=True, size=REGION_BYTES)
     nonce = os.urandom(32)
     shm.buf[:32] = nonce
-    yield name, nonce
+    yield name, nonce, shm
     shm.close()
     shm.unlink()
 
@@ -70,7 +70,7 @@ def test_what_is_paid_for_ahead_is_what_emit_keeps(
             inline_limit=inline_limit,
         )
         if with_region:
-            key, nonce = region_object
+            key, nonce, _ = region_object
             session.regions.register("out", key, REGION_BYTES, nonce)
             io.shared_out = shm_wire.OutputArena(session, "out")
             io.shared_out.offset = region_used  # earlier outputs of the call took this
@@ -91,5 +91,32 @@ def test_what_is_paid_for_ahead_is_what_emit_keeps(
         # Each is charged what was paid for it ahead.
         assert session.budget.used == sum(charge for _, charge in predicted)
         assert all(session.charge_of(a) == charge for a, charge in predicted)
+    finally:
+        server.store.close(session.id)
+
+
+def test_an_output_whose_region_failed_goes_inline_if_the_response_has_room(server, region_object):
+    """Predicted for the region, it was paid nothing ahead: when the region write fails
+    (the worker shrank its region) it goes inline whatever the client's inline limit,
+    not kept, if the response has room, so that an op that changed state (a read that
+    cleared its element) is not refused for want of room to keep it."""
+    import mmap
+
+    key, nonce, shm = region_object
+    session = server.store.create()
+    try:
+        io = CallIO(session, server.servicer.compute, inline_budget=1 << 20, inline_limit=1024)
+        session.regions.register("out", key, REGION_BYTES, nonce)
+        io.shared_out = shm_wire.OutputArena(session, "out")
+        array = np.arange(2000, dtype=np.float32)  # 8 KB: fits the region, over the limit
+        assert io._staying([array], [False]) == []
+        try:
+            os.ftruncate(shm._fd, mmap.PAGESIZE)  # the worker shrinks its region
+            out = tensor_pb2.TensorOutput()
+            io.emit(array, out, "out", False)
+        finally:
+            os.ftruncate(shm._fd, REGION_BYTES)
+        assert out.WhichOneof("result") == "value"
+        assert session.budget.used == 0
     finally:
         server.store.close(session.id)
