@@ -358,6 +358,19 @@ class Session:
             return TENSOR_RECORD_BYTES
         return tensor_charge(dtypes.nbytes(array) if nbytes is None else nbytes)
 
+    def pin(self, arrays: Iterable[Array]) -> list[_Kept]:
+        """Of ``arrays``, the tensors the session holds (each array itself), held once
+        more until the caller lets go of them (``let_go``): an op's outputs, paid for
+        ahead as aliases (``keeping_charge``), stay aliases until they are kept."""
+        with self._lock:
+            pinned = []
+            for array in arrays:
+                kept = self._by_array.get(id(array))
+                if kept is not None and kept.array is array and kept.refs > 0:
+                    kept.refs += 1
+                    pinned.append(kept)
+            return pinned
+
     def _settle_locked(self, charge: int, paid: int | None) -> None:
         """Hold ``charge`` in the budget, of which ``paid`` is held already: reserve
         the rest (RESOURCE_EXHAUSTED past a limit, reserving nothing) or give back the

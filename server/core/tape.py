@@ -63,15 +63,26 @@ class Payments:
         self.budget = budget
         self._by_id: dict[int, tuple[Any, int, int]] = {}  # id -> (output, charge, times)
 
-    def pay(self, charges: Sequence[tuple[Any, int]], credit: int) -> int:
-        """Reserve ``charges`` ((output, charge) each), of which ``credit`` bytes the
-        op gives back to the budget anyway (``HandOut``); returns the credit used."""
-        total = sum(charge for _, charge in charges)
-        used = min(credit, total)
-        self.budget.reserve(total - used)
-        for value, charge in charges:
+    def pay(self, charges: Sequence[tuple[Any, int, int]], credit: int) -> int:
+        """Reserve ``charges`` ((output, forecast, full) each: what keeping it should
+        cost, ``Session.keeping_charge``, and what it costs at most), using ``credit``
+        bytes the op gives back to the budget anyway (``HandOut``); returns the credit
+        used. The credit pays first for what a forecast may be short of (an output
+        forecast as an alias, whose original may be deleted before it is kept): a
+        read that clears an element a resident tensor shares is then paid in full at
+        no cost, and keeping its output can never be refused after the clear."""
+        left = credit
+        paid = []
+        for value, forecast, full in charges:
+            extra = min(full - forecast, left)
+            left -= extra
+            paid.append((value, forecast + extra))
+        forecasts = sum(forecast for _, forecast, _ in charges)
+        from_credit = min(left, forecasts)
+        self.budget.reserve(forecasts - from_credit)
+        for value, charge in paid:
             self.add(value, charge)
-        return used
+        return credit - left + from_credit
 
     def add(self, value: Any, charge: int) -> None:
         _, _, times = self._by_id.get(id(value), (value, charge, 0))
@@ -263,7 +274,8 @@ class Recorder:
         when no tape is live (nothing will hold them here)."""
         if not self._live_tapes():
             return None
-        return self._paid.pay([(v, self.session.keeping_charge(v)) for v in outputs], credit)
+        charges = [(v, self.session.keeping_charge(v), self.session.charge_of(v)) for v in outputs]
+        return self._paid.pay(charges, credit)
 
     def output(self, value: Any) -> str | None:
         """Hold an op output on every tape; returns its tape id (None if every tape was

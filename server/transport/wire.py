@@ -35,6 +35,7 @@ from gradserve.server.core.sessions import (
     Session,
     TensorArg,
     TensorReservation,
+    tensor_charge,
 )
 from gradserve.server.core.tape import Payments, Recorder, Tape
 from gradserve.server.core.tensor_array import HandOut
@@ -149,6 +150,8 @@ class CallIO:
         #: Outputs of the running op whose keeping it paid for before it changed state
         #: (``hand_out_for``). What no output used is given back when the op ends.
         self._paid_outputs = Payments(session.budget)
+        #: Held tensors the running op's outputs are (``hand_out_for``'s ``pin``).
+        self._pinned: list[Any] = []
         self._op_running = False  # ``run`` is running an op
         self._ended = False  # the call is over (``end``)
 
@@ -227,6 +230,8 @@ class CallIO:
         self,
         keep: bool | Sequence[bool],
         record_copies: Callable[[Sequence[Any]], Sequence[Any]] | None = None,
+        *,
+        pin: bool = False,
     ) -> HandOut:
         """What an op that changes state calls with its outputs before it is done
         (``TensorArray.read``, ``gradients``): holding them is paid for there, so that a
@@ -236,9 +241,19 @@ class CallIO:
         tapes pay (a kept or transient ref shares their tensor), with the op's record
         and the copies of ``record_copies(outputs)`` it keeps (``Recorder.prepay``);
         else the outputs ``emit`` will keep are paid for: ``keep`` (one flag, or one per
-        output), or too large to go inline, where ``emit`` would place them."""
+        output), or too large to go inline, where ``emit`` would place them.
+
+        An output the session holds already is paid its record only (an alias,
+        ``Session.keeping_charge``). ``pin``: the op hands out holding no lock of an
+        array's (Gradients), so such outputs are pinned until the op ends: another
+        call deleting the original (or releasing the tape that held it) cannot make
+        keeping the output cost more than was paid. A TensorArray op, which hands out
+        under its array's lock, pins nothing (the session's lock is taken before an
+        array's, never after); its credit pays in full instead (``Payments.pay``)."""
 
         def hand_out(outputs: Sequence[Any], credit: int) -> int:
+            if pin:
+                self._pinned += self.session.pin(outputs)
             if self.recorder is not None:
                 if record_copies is not None:
                     self.recorder.prepay(*record_copies(outputs))
@@ -250,18 +265,31 @@ class CallIO:
 
         return hand_out
 
-    def _staying(self, outputs: Sequence[Any], keeps: Sequence[bool]) -> list[tuple[Any, int]]:
-        """(output, charge) for each of ``outputs`` that ``emit`` will keep in the
-        session: ``_placement`` in turn, as ``emit`` will place them."""
+    def _staying(self, outputs: Sequence[Any], keeps: Sequence[bool]) -> list[tuple[Any, int, int]]:
+        """(output, forecast, full charge: ``Payments.pay``) for each of ``outputs`` that
+        ``emit`` will keep in the session: ``_placement`` in turn, as ``emit`` will
+        place them."""
         staying, left = [], self.response_left
         offset = self.shared_out.offset if self.shared_out is not None else 0
         for a, keep in zip(outputs, keeps):
-            place = self._placement(a, keep, left, offset, self.inline_limit)
+            place = self._placement(a, keep, left, offset, self._inline_limit())
             left -= place.response_bytes
             offset = place.region_end if place.region_end is not None else offset
             if place.stays:
-                staying.append((a, self.session.keeping_charge(a, place.nbytes)))
+                forecast = self.session.keeping_charge(a, place.nbytes)
+                staying.append((a, forecast, tensor_charge(place.nbytes)))
         return staying
+
+    def _inline_limit(self) -> int:
+        """The client's inline limit; none once the call's output region failed (the
+        worker shrank or removed it: it is not used again in this call). The op paid
+        nothing ahead for keeping outputs meant for the region, and one that changed
+        state (a read that cleared its element, Gradients on a tape it released) must
+        not be refused now for want of room to keep them: each goes inline if the
+        response has room for it at all."""
+        if self.shared_out is not None and self.shared_out.broken:
+            return _UNLIMITED
+        return self.inline_limit
 
     def paid_for(self, value: Any, charge: int) -> None:
         self._paid_outputs.add(value, charge)
@@ -336,6 +364,9 @@ class CallIO:
         (``_region_copy``). In a Batch that goes on, a copy that is a step's output stays
         held (a later step may name it) until the Batch ends."""
         self._paid_outputs.release_all()
+        if self._pinned:
+            pinned, self._pinned = self._pinned, []
+            self.session.let_go(pinned)
         with self._lock:
             self._op_running = False
             made, self._copies_of_op = self._copies_of_op, []
@@ -474,17 +505,13 @@ class CallIO:
             self.response_left -= len(tape_id) + 4
         arena = self.shared_out
         offset = arena.offset if arena is not None else 0
-        place = self._placement(array, keep, self.response_left, offset, self.inline_limit)
+        place = self._placement(array, keep, self.response_left, offset, self._inline_limit())
         if place.where is Where.REGION and arena is not None:
             if arena.write(host_array(self.compute, array), out):
                 self.response_left -= place.response_bytes
                 return
-            # The region failed (the worker shrank or removed it; it is not used again
-            # in this call). Inline if it fits the response at all, whatever the
-            # client's inline limit: the op paid nothing ahead for keeping an output
-            # meant for the region, and one that changed state (a read that cleared
-            # its element) must not be refused now for want of room to keep it.
-            place = self._placement(array, keep, self.response_left, offset, _UNLIMITED)
+            # The region failed (the worker shrank or removed it): placed without it.
+            place = self._placement(array, keep, self.response_left, offset, self._inline_limit())
         self.response_left -= place.response_bytes
         if place.where is not Where.INLINE:
             ref = out.ref

@@ -11,6 +11,7 @@ goes when nothing names the id any more, the bytes when nothing holds the tensor
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradserve
-from gradserve.errors import NotFoundError
+from gradserve.errors import NotFoundError, ResourceExhaustedError
 from gradserve.server import run_server
 from gradserve.server.core.sessions import TENSOR_RECORD_BYTES, Session
 from gradserve.server.core.tape import RECORD_BYTES
@@ -112,6 +113,59 @@ def test_ops_that_pay_ahead_pay_an_alias_its_record(tight, client):
     assert before + m > 1 << 20
     grad = tape.gradient(y, y, output_gradients=g, keep=True)  # g itself
     assert used(tight, client) == before + R
+    np.testing.assert_array_equal(client.get(grad), np.full(m // 4, 2.0, np.float32))
+
+
+@contextlib.contextmanager
+def _original_goes_at_the_forecast(session, original: str, leave: int):
+    """Another call deletes ``original`` and fills the room it freed but ``leave``
+    bytes just as an op forecasts what keeping an alias of it will cost
+    (``Session.keeping_charge``)."""
+    forecast = Session.keeping_charge
+    filler: list[str] = []
+
+    def racing(self, array, nbytes=None):
+        charge = forecast(self, array, nbytes)
+        if not filler:
+            self.delete([original])
+            room = self.budget.limit - self.budget.used
+            filler.append(self.put(np.zeros((room - R - leave) // 4, np.float32)))
+        return charge
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Session, "keeping_charge", racing)
+        yield
+    session.delete(filler)
+
+
+def test_a_read_that_clears_an_alias_pays_it_in_full_before_the_clear(tight, client):
+    """The read's credit (the element it clears) pays what the forecast (a record)
+    may be short of: if the original goes meanwhile the read is refused before it
+    clears the element, never after (before: refused after, the element lost)."""
+    n = 300 << 10
+    x = client.put(np.arange(n // 4, dtype=np.float32))
+    h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=np.float32)  # clear_after_read
+    flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+    session = tight.store.get(client.session_id)
+    with _original_goes_at_the_forecast(session, x.id, leave=R // 2):
+        with pytest.raises(ResourceExhaustedError):
+            client.raw_ops.TensorArrayReadV3(h, 0, flow, np.float32, keep=True)
+    value = client.raw_ops.TensorArrayReadV3(h, 0, flow, np.float32)  # still there
+    np.testing.assert_array_equal(value, np.arange(n // 4, dtype=np.float32))
+
+
+def test_gradients_pin_an_alias_until_it_is_kept(tight, client):
+    """A gradient that is a held array (the given output gradient itself) is paid its
+    record and pinned: the original deleted meanwhile, the result is still kept as an
+    alias (before: refused after the non-persistent tape was released, lost)."""
+    m = 300 << 10
+    g = client.put(np.full(m // 4, 2.0, np.float32))
+    y = client.put(np.ones(m // 4, np.float32))
+    with client.gradient_tape() as tape:
+        tape.watch(y)
+    session = tight.store.get(client.session_id)
+    with _original_goes_at_the_forecast(session, g.id, leave=R + R // 2):
+        grad = tape.gradient(y, y, output_gradients=g, keep=True)
     np.testing.assert_array_equal(client.get(grad), np.full(m // 4, 2.0, np.float32))
 
 

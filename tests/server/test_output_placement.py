@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gradserve import protocol
+from gradserve.server import run_server
 from gradserve.server.core import regions
 from gradserve.server.transport import shm_wire
 from gradserve.server.transport.wire import CallIO
@@ -87,10 +88,11 @@ def test_what_is_paid_for_ahead_is_what_emit_keeps(
             assert where != "shared" or array.dtype != object  # strings: never in a region
             if where == "ref":
                 kept.append(array)
-        assert [id(a) for a, _ in predicted] == [id(a) for a in kept]
-        # Each is charged what was paid for it ahead.
-        assert session.budget.used == sum(charge for _, charge in predicted)
-        assert all(session.charge_of(a) == charge for a, charge in predicted)
+        assert [id(a) for a, _, _ in predicted] == [id(a) for a in kept]
+        # Each is charged what was paid for it ahead (none is an alias here).
+        assert all(forecast == full for _, forecast, full in predicted)
+        assert session.budget.used == sum(full for _, _, full in predicted)
+        assert all(session.charge_of(a) == full for a, _, full in predicted)
     finally:
         server.store.close(session.id)
 
@@ -118,5 +120,47 @@ def test_an_output_whose_region_failed_goes_inline_if_the_response_has_room(serv
             os.ftruncate(shm._fd, REGION_BYTES)
         assert out.WhichOneof("result") == "value"
         assert session.budget.used == 0
+    finally:
+        server.store.close(session.id)
+
+
+def test_after_the_region_failed_every_output_of_the_call_may_go_inline(region_object):
+    """Gradients, its two gradients meant for the region, the region shrunk under it
+    and 4 KiB of room in the session: both come inline (before, the second was kept
+    unpaid, refused after the non-persistent tape was released: both lost)."""
+    key, nonce, shm = region_object
+    with run_server(port=0, device="cpu", max_session_bytes=1 << 20) as server:
+        _gradients_after_the_region_failed(server, key, nonce, shm)
+
+
+def _gradients_after_the_region_failed(server, key, nonce, shm) -> None:
+    import mmap
+
+    from gradserve.server.transport import tape_handlers
+    from gradserve.v1 import tape_pb2
+
+    session = server.store.create()
+    try:
+        n = 2000  # 8000 bytes each
+        y1, y2 = (session.put(np.ones(n, np.float32)) for _ in range(2))
+        tape = session.start_tape(persistent=False, watch_accessed_variables=False)
+        session.watch(tape, [y1, y2])
+        room = 4096
+        session.put(
+            np.zeros((session.budget.limit - session.budget.used - 1024 - room) // 4, np.float32)
+        )
+        io = CallIO(session, server.servicer.compute, inline_budget=1 << 22, inline_limit=1024)
+        session.regions.register("out", key, REGION_BYTES, nonce)
+        io.shared_out = shm_wire.OutputArena(session, "out")
+        ref = lambda i: tensor_pb2.TensorInput(ref=i)  # noqa: E731
+        request = tape_pb2.GradientsRequest(
+            tape_id=tape.id, targets=[ref(y1), ref(y2)], sources=[ref(y1), ref(y2)]
+        )
+        try:
+            os.ftruncate(shm._fd, mmap.PAGESIZE)  # the worker shrinks its region
+            reply = io.run(tape_handlers.Gradients, request)
+        finally:
+            os.ftruncate(shm._fd, REGION_BYTES)
+        assert [g.WhichOneof("result") for g in reply.gradients] == ["value", "value"]
     finally:
         server.store.close(session.id)
