@@ -82,7 +82,8 @@ class _Kept:
     array: Array
     #: Its bytes as charged (``dtypes.nbytes``, counted once: for strings, a pass).
     nbytes: int
-    #: Holders: 1 for the id table entry, +1 per stream reading it, +1 per tape.
+    #: Holders: each entry naming it (in the id table, on each tape), each stream
+    #: reading it, each op that pinned it (``Session.pin``).
     refs: int = 1
 
 

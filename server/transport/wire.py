@@ -272,7 +272,7 @@ class CallIO:
         staying, left = [], self.response_left
         offset = self.shared_out.offset if self.shared_out is not None else 0
         for a, keep in zip(outputs, keeps):
-            place = self._placement(a, keep, left, offset, self._inline_limit())
+            place = self._placement(a, keep, left, offset)
             left -= place.response_bytes
             offset = place.region_end if place.region_end is not None else offset
             if place.stays:
@@ -294,14 +294,12 @@ class CallIO:
     def paid_for(self, value: Any, charge: int) -> None:
         self._paid_outputs.add(value, charge)
 
-    def _placement(
-        self, array: Any, keep: bool, response_left: int, offset: int, inline_limit: int
-    ) -> Placement:
+    def _placement(self, array: Any, keep: bool, response_left: int, offset: int) -> Placement:
         """Where ``emit`` puts output ``array`` (the one definition, so that what an op
         pays for ahead, ``_staying``, is what ``emit`` then keeps): not kept, into the
         call's output region from ``offset`` if it fits there; else inline if it fits
-        the ``response_left`` bytes the response may still grow by and is under
-        ``inline_limit`` (the client's); else by reference (kept, or transient:
+        the ``response_left`` bytes the response may still grow by and is under the
+        inline limit (``_inline_limit``); else by reference (kept, or transient:
         fetched, then deleted)."""
         if not keep and self.shared_out is not None:
             end = self.shared_out.end_of(array, offset)
@@ -311,7 +309,7 @@ class CallIO:
         size = protocol.encoded_size(nbytes, array.ndim)
         if keep:
             return Placement(Where.KEPT, REF_BYTES, nbytes)
-        if nbytes >= inline_limit or size > response_left - REF_BYTES:
+        if nbytes >= self._inline_limit() or size > response_left - REF_BYTES:
             return Placement(Where.TRANSIENT, REF_BYTES, nbytes)
         return Placement(Where.INLINE, size, nbytes)
 
@@ -505,13 +503,13 @@ class CallIO:
             self.response_left -= len(tape_id) + 4
         arena = self.shared_out
         offset = arena.offset if arena is not None else 0
-        place = self._placement(array, keep, self.response_left, offset, self._inline_limit())
+        place = self._placement(array, keep, self.response_left, offset)
         if place.where is Where.REGION and arena is not None:
             if arena.write(host_array(self.compute, array), out):
                 self.response_left -= place.response_bytes
                 return
             # The region failed (the worker shrank or removed it): placed without it.
-            place = self._placement(array, keep, self.response_left, offset, self._inline_limit())
+            place = self._placement(array, keep, self.response_left, offset)
         self.response_left -= place.response_bytes
         if place.where is not Where.INLINE:
             ref = out.ref
