@@ -232,6 +232,7 @@ class CallIO:
         record_copies: Callable[[Sequence[Any]], Sequence[Any]] | None = None,
         *,
         pin: bool = False,
+        irreversible: bool = False,
     ) -> HandOut:
         """What an op that changes state calls with its outputs before it is done
         (``TensorArray.read``, ``gradients``): holding them is paid for there, so that a
@@ -249,7 +250,12 @@ class CallIO:
         call deleting the original (or releasing the tape that held it) cannot make
         keeping the output cost more than was paid. A TensorArray op, which hands out
         under its array's lock, pins nothing (the session's lock is taken before an
-        array's, never after); its credit pays in full instead (``Payments.pay``)."""
+        array's, never after); its credit pays in full instead (``Payments.pay``).
+
+        Outputs meant for the call's output region are paid for as if the region
+        failed (``_staying``) by an op that cannot be undone once it hands out: one
+        that gives credit (it cleared what it gives back), or ``irreversible``
+        (Gradients on a non-persistent tape, which it releases)."""
 
         def hand_out(outputs: Sequence[Any], credit: int) -> int:
             if pin:
@@ -261,20 +267,45 @@ class CallIO:
                 if used is not None:
                     return used
             keeps = [keep] * len(outputs) if isinstance(keep, bool) else keep
-            return self._paid_outputs.pay(self._staying(outputs, keeps), credit)
+            # An op that gives credit cleared what it gives back: it cannot be undone.
+            staying = self._staying(outputs, keeps, irreversible or credit > 0)
+            return self._paid_outputs.pay(staying, credit)
 
         return hand_out
 
-    def _staying(self, outputs: Sequence[Any], keeps: Sequence[bool]) -> list[tuple[Any, int, int]]:
+    def _staying(
+        self, outputs: Sequence[Any], keeps: Sequence[bool], irreversible: bool = False
+    ) -> list[tuple[Any, int, int]]:
         """(output, forecast, full charge: ``Payments.pay``) for each of ``outputs`` that
-        ``emit`` will keep in the session: ``_placement`` in turn, as ``emit`` will
-        place them."""
+        ``emit`` may keep in the session: ``_placement`` in turn, as ``emit`` will
+        place them.
+
+        An output meant for the call's output region stays only if the region fails
+        (the worker shrinks or removes it) as ``emit`` writes: ``emit`` then places
+        it inline if the response has room, else transient. For an op that cannot
+        be undone (``irreversible``) it is listed if it would not fit inline, and
+        counted in the response at its inline size otherwise, so that the outputs
+        after it are paid for as ``emit`` would place them then; what goes unused is
+        given back when the op ends. Any other op that fits the session is never
+        refused for it: a failed region then fails it cleanly, undone."""
         staying, left = [], self.response_left
         offset = self.shared_out.offset if self.shared_out is not None else 0
         for a, keep in zip(outputs, keeps):
             place = self._placement(a, keep, left, offset)
+            if place.region_end is not None:  # the region's, unless it fails
+                offset = place.region_end
+                if not irreversible:
+                    left -= place.response_bytes
+                    continue
+                nbytes = dtypes.nbytes(a)
+                size = protocol.encoded_size(nbytes, a.ndim)
+                if size <= left - REF_BYTES:
+                    left -= size
+                    continue
+                staying.append((a, self.session.keeping_charge(a, nbytes), tensor_charge(nbytes)))
+                left -= REF_BYTES
+                continue
             left -= place.response_bytes
-            offset = place.region_end if place.region_end is not None else offset
             if place.stays:
                 forecast = self.session.keeping_charge(a, place.nbytes)
                 staying.append((a, forecast, tensor_charge(place.nbytes)))
