@@ -313,7 +313,7 @@ class Session:
         checked and its bytes charged to the session's budget, with its id's record;
         an array the session holds already is not charged again (an alias: its id's
         record only). ``paid``: bytes an op reserved in the budget for keeping it before
-        it changed state (``keeping_charge``), which the session takes over, reserving
+        it changed state (``keeping_charges``), which the session takes over, reserving
         or giving back the difference; all given back if the put fails.
         """
         nbytes = dtypes.nbytes(array) if nbytes is None else nbytes
@@ -347,30 +347,31 @@ class Session:
             self._reservations.add(reservation)
         return reservation
 
-    def keeping_charge(self, array: Array, nbytes: int | None = None) -> int:
-        """What keeping ``array`` under a new id will cost: its id's record alone if
-        the session holds the array itself (an alias), else ``tensor_charge`` (its
-        ``nbytes``, if the caller has them). For an op that pays ahead (a TensorArray
-        read, Gradients) under a lock of its own, so it takes none: the answer is a
-        forecast, and ``put`` / ``keep_for_tapes`` settle the difference if the held
-        tensor went meanwhile."""
-        kept = self._by_array.get(id(array))  # one lookup: atomic, no lock needed
-        if kept is not None and kept.array is array and kept.refs > 0:
-            return TENSOR_RECORD_BYTES
-        return tensor_charge(dtypes.nbytes(array) if nbytes is None else nbytes)
+    def keeping_charges(self, array: Array, nbytes: int | None = None) -> tuple[int, int]:
+        """What keeping ``array`` under a new id will cost, and at most: its id's record
+        alone if the session holds the array itself (an alias), else, as at most,
+        ``tensor_charge`` (of its ``nbytes``, if the caller has them). For an op that
+        pays ahead (a TensorArray read, Gradients) under a lock of its own, so it takes
+        none: the first is a forecast, and ``put`` / ``keep_for_tapes`` settle the
+        difference if the held tensor went meanwhile."""
+        full = tensor_charge(dtypes.nbytes(array) if nbytes is None else nbytes)
+        return (TENSOR_RECORD_BYTES if self._held(array) else full), full
 
     def pin(self, arrays: Iterable[Array]) -> list[_Kept]:
         """Of ``arrays``, the tensors the session holds (each array itself), held once
         more until the caller lets go of them (``let_go``): an op's outputs, paid for
-        ahead as aliases (``keeping_charge``), stay aliases until they are kept."""
+        ahead as aliases (``keeping_charges``), stay aliases until they are kept."""
         with self._lock:
-            pinned = []
-            for array in arrays:
-                kept = self._by_array.get(id(array))
-                if kept is not None and kept.array is array and kept.refs > 0:
-                    kept.refs += 1
-                    pinned.append(kept)
+            pinned = [kept for kept in map(self._held, arrays) if kept is not None]
+            for kept in pinned:
+                kept.refs += 1
             return pinned
+
+    def _held(self, array: Array) -> _Kept | None:
+        """The tensor the session holds that is ``array`` itself, if any. One lookup
+        (atomic): ``keeping_charges`` reads it without the lock, as a forecast."""
+        kept = self._by_array.get(id(array))
+        return kept if kept is not None and kept.array is array and kept.refs > 0 else None
 
     def _settle_locked(self, charge: int, paid: int | None) -> None:
         """Hold ``charge`` in the budget, of which ``paid`` is held already: reserve
@@ -408,8 +409,8 @@ class Session:
         (the id table, or each tape), the id's record (``TENSOR_RECORD_BYTES``) charged
         now (``paid`` of it held already: ``_settle_locked``); else None, changing
         nothing. (caller holds ``_lock``)"""
-        kept = self._by_array.get(id(array))
-        if kept is None or kept.array is not array or kept.refs <= 0:
+        kept = self._held(array)
+        if kept is None:
             return None
         self._settle_locked(TENSOR_RECORD_BYTES, paid)
         tensor_id = new_token() if tensor_id is None else tensor_id

@@ -65,7 +65,7 @@ class Payments:
 
     def pay(self, charges: Sequence[tuple[Any, int, int]], credit: int) -> int:
         """Reserve ``charges`` ((output, forecast, full) each: what keeping it should
-        cost, ``Session.keeping_charge``, and what it costs at most), using ``credit``
+        cost and what it costs at most, ``Session.keeping_charges``), using ``credit``
         bytes the op gives back to the budget anyway (``HandOut``); returns the credit
         used. The credit pays first for what a forecast may be short of (an output
         forecast as an alias, whose original may be deleted before it is kept): a
@@ -274,7 +274,7 @@ class Recorder:
         when no tape is live (nothing will hold them here)."""
         if not self._live_tapes():
             return None
-        charges = [(v, self.session.keeping_charge(v), self.session.charge_of(v)) for v in outputs]
+        charges = [(v, *self.session.keeping_charges(v)) for v in outputs]
         return self._paid.pay(charges, credit)
 
     def output(self, value: Any) -> str | None:

@@ -35,7 +35,6 @@ from gradserve.server.core.sessions import (
     Session,
     TensorArg,
     TensorReservation,
-    tensor_charge,
 )
 from gradserve.server.core.tape import Payments, Recorder, Tape
 from gradserve.server.core.tensor_array import HandOut
@@ -231,7 +230,6 @@ class CallIO:
         keep: bool | Sequence[bool],
         record_copies: Callable[[Sequence[Any]], Sequence[Any]] | None = None,
         *,
-        pin: bool = False,
         irreversible: bool = False,
     ) -> HandOut:
         """What an op that changes state calls with its outputs before it is done
@@ -245,20 +243,22 @@ class CallIO:
         output), or too large to go inline, where ``emit`` would place them.
 
         An output the session holds already is paid its record only (an alias,
-        ``Session.keeping_charge``). ``pin``: the op hands out holding no lock of an
-        array's (Gradients), so such outputs are pinned until the op ends: another
-        call deleting the original (or releasing the tape that held it) cannot make
-        keeping the output cost more than was paid. A TensorArray op, which hands out
-        under its array's lock, pins nothing (the session's lock is taken before an
-        array's, never after); its credit pays in full instead (``Payments.pay``).
+        ``Session.keeping_charges``). An op that cannot be undone once it hands out
+        must not be refused after, so it pays more:
 
-        Outputs meant for the call's output region are paid for as if the region
-        failed (``_staying``) by an op that cannot be undone once it hands out: one
-        that gives credit (it cleared what it gives back), or ``irreversible``
-        (Gradients on a non-persistent tape, which it releases)."""
+        - ``irreversible`` (Gradients on a non-persistent tape, which it releases; it
+          hands out holding no lock of an array's): such outputs are pinned until the
+          op ends, so that another call deleting the original (or releasing the tape
+          that held it) cannot make keeping them cost more than was paid.
+        - A TensorArray op that gives credit (it cleared what it gives back) hands out
+          under its array's lock, where the session's may not be taken (it is taken
+          before an array's, never after): it pins nothing, and its credit pays in
+          full instead (``Payments.pay``).
+        - Both pay for outputs meant for the call's output region as if the region
+          failed (``_staying``)."""
 
         def hand_out(outputs: Sequence[Any], credit: int) -> int:
-            if pin:
+            if irreversible:
                 self._pinned += self.session.pin(outputs)
             if self.recorder is not None:
                 if record_copies is not None:
@@ -302,13 +302,12 @@ class CallIO:
                 if size <= left - REF_BYTES:
                     left -= size
                     continue
-                staying.append((a, self.session.keeping_charge(a, nbytes), tensor_charge(nbytes)))
+                staying.append((a, *self.session.keeping_charges(a, nbytes)))
                 left -= REF_BYTES
                 continue
             left -= place.response_bytes
             if place.stays:
-                forecast = self.session.keeping_charge(a, place.nbytes)
-                staying.append((a, forecast, tensor_charge(place.nbytes)))
+                staying.append((a, *self.session.keeping_charges(a, place.nbytes)))
         return staying
 
     def _inline_limit(self) -> int:

@@ -120,20 +120,20 @@ def test_ops_that_pay_ahead_pay_an_alias_its_record(tight, client):
 def _original_goes_at_the_forecast(session, original: str, leave: int):
     """Another call deletes ``original`` and fills the room it freed but ``leave``
     bytes just as an op forecasts what keeping an alias of it will cost
-    (``Session.keeping_charge``)."""
-    forecast = Session.keeping_charge
+    (``Session.keeping_charges``)."""
+    forecast = Session.keeping_charges
     filler: list[str] = []
 
     def racing(self, array, nbytes=None):
-        charge = forecast(self, array, nbytes)
+        charges = forecast(self, array, nbytes)
         if not filler:
             self.delete([original])
             room = self.budget.limit - self.budget.used
             filler.append(self.put(np.zeros((room - R - leave) // 4, np.float32)))
-        return charge
+        return charges
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Session, "keeping_charge", racing)
+        patch.setattr(Session, "keeping_charges", racing)
         yield
     session.delete(filler)
 
