@@ -173,6 +173,11 @@ class Session:
         #: on tapes): its record (``TENSOR_RECORD_BYTES``) stays charged until the last
         #: of them goes (``_entry_gone``).
         self._ids: dict[str, int] = {}
+        #: Ids an op's call holds until the op ends (``keep_for_tapes(pin=True)``), and
+        #: how many times: the tensor, its record and its id stay while a call that
+        #: recorded it has still to reply, even if every tape that held it is released
+        #: (``let_go_ids``).
+        self._call_held: dict[str, tuple[_Kept, int]] = {}
         #: Bytes held for tensors still arriving (``reserve_tensor``).
         self._reservations: set[TensorReservation] = set()
         #: Live gradient tapes by id, and the ids of released ones (for a clear error).
@@ -455,13 +460,15 @@ class Session:
             return self._kept(tensor_id).array
 
     def _kept(self, tensor_id: str) -> _Kept:
-        """A resident tensor, or one a tape holds (caller holds ``_lock``)."""
+        """A resident tensor, or one a tape or a call holds (caller holds ``_lock``)."""
         kept = self._resident.get(tensor_id)
         if kept is None:
             for tape in self._tapes.values():
                 kept = tape.held.get(tensor_id)
                 if kept is not None:
                     return kept  # type: ignore[no-any-return]
+            if tensor_id in self._call_held:
+                return self._call_held[tensor_id][0]
             raise NotFoundError(
                 f"resident tensor {tensor_id!r} does not exist in this session",
                 reason="TENSOR_NOT_FOUND",
@@ -645,6 +652,7 @@ class Session:
         reserved: TensorReservation | None = None,
         *,
         paid: int | None = None,
+        pin: bool = False,
     ) -> str | None:
         """Hold ``array`` on every live tape of ``tapes`` under a new id, charged once
         to the session's budget (RESOURCE_EXHAUSTED past a limit); None if every one
@@ -652,7 +660,9 @@ class Session:
         region copy's), which the tapes take over instead of charging them again; left
         as it is when no tape is live. ``paid``: its charge, already reserved in the
         budget (``Recorder.pay_for_outputs``), which the tapes take over; the caller
-        releases it when no tape is live."""
+        releases it when no tape is live. ``pin``: the caller holds the new id too,
+        until it lets go of it (``let_go_ids``): an op's output, which its reply names
+        (``publish``) after another call may have released the tapes."""
         if not hasattr(array, "__cuda_array_interface__"):
             array = np.asarray(array)
         charge = self.charge_of(array)
@@ -666,6 +676,8 @@ class Session:
                 kept, tensor_id = alias
                 for tape in live:
                     tape.held[tensor_id] = kept
+                if pin:
+                    self._pin_id_locked(tensor_id, kept)
                 return tensor_id
             if reserved is not None and reserved in self._reservations:
                 self._reservations.discard(reserved)  # its bytes are the tapes' now
@@ -678,7 +690,31 @@ class Session:
             self._held_anew(kept, tensor_id, len(live))
             for tape in live:
                 tape.held[tensor_id] = kept
+            if pin:
+                self._pin_id_locked(tensor_id, kept)
             return tensor_id
+
+    def _pin_id_locked(self, tensor_id: str, kept: _Kept) -> None:
+        """A call holds ``tensor_id`` (``kept``) once more. (caller holds ``_lock``)"""
+        kept.refs += 1
+        self._entry_added(tensor_id)
+        self._call_held[tensor_id] = (kept, self._call_held.get(tensor_id, (kept, 0))[1] + 1)
+
+    def let_go_ids(self, tensor_ids: Iterable[str]) -> int:
+        """A call lets go of ids it held (``keep_for_tapes(pin=True)``); returns the
+        bytes released. After ``close``, which released the ids' records, only the
+        tensors' own bytes are."""
+        freed = 0
+        with self._lock:
+            for tensor_id in tensor_ids:
+                kept, holds = self._call_held.pop(tensor_id)
+                if holds > 1:
+                    self._call_held[tensor_id] = (kept, holds - 1)
+                freed += self._drop((kept,))
+                if not self._closed:
+                    freed += self._entry_gone(tensor_id)
+        self.budget.release(freed)
+        return freed
 
     def release_held(self, held: list[tuple[Tape, str]]) -> None:
         """Tapes let go of tensors they held for an op that failed."""

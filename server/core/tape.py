@@ -227,6 +227,10 @@ class Recorder:
                 tape.order.acquire()
                 self._locked.append(tape)
         self._held: list[tuple[Tape, str]] = []
+        #: Ids this op's tensors got on the tapes, held for the call as well until the
+        #: op ends: another call may release the tapes before the reply names them
+        #: (``Session.publish``), and the value must not go with them.
+        self._pinned: list[str] = []
         self._pending: list[tuple[str, tuple[str | None, ...], tuple[str | None, ...],
                                   Mapping[str, Any], int]] = []  # fmt: skip
         self._watch: set[str] = set()
@@ -289,7 +293,7 @@ class Recorder:
             reserved = self.held.take(value)
         held = None
         try:
-            held = self.session.keep_for_tapes(self.tapes, value, reserved, paid=paid)
+            held = self.session.keep_for_tapes(self.tapes, value, reserved, paid=paid, pin=True)
         finally:
             if held is None and reserved is not None and self.held is not None:
                 self.held.give_back(value, reserved)  # no live tape took it over
@@ -300,6 +304,7 @@ class Recorder:
                     self.session.budget.release(paid)
         if held is not None:
             self._held += [(tape, held) for tape in self.tapes]
+            self._pinned.append(held)
         return held
 
     def record(self, op: str, inputs: tuple[str | None, ...], outputs: tuple[str | None, ...],
@@ -319,6 +324,7 @@ class Recorder:
             self._held, self._pending = [], []
             self._give_back(self._reserved - charged)
         finally:
+            self._let_go_pins()
             self._unlock()
 
     def rollback(self) -> None:
@@ -328,7 +334,13 @@ class Recorder:
             self.session.release_held(held)
             self._give_back(self._reserved)
         finally:
+            self._let_go_pins()
             self._unlock()
+
+    def _let_go_pins(self) -> None:
+        pinned, self._pinned = self._pinned, []
+        if pinned:
+            self.session.let_go_ids(pinned)
 
     def _live_tapes(self) -> int:
         """How many of the tapes may take a record (one released meanwhile takes none:

@@ -562,6 +562,43 @@ def test_a_tape_released_by_another_call_during_a_read_loses_no_element(target, 
             np.testing.assert_array_equal(kept.numpy(), value)
 
 
+@pytest.mark.parametrize("holder", ["keep", "transient"])
+def test_a_tape_released_during_a_read_at_the_limit_loses_no_element(target, monkeypatch, holder):
+    """As above, with the bytes the release freed taken at once by another call (the
+    session at its limit): the reply kept the value itself, had no room, and the read
+    was refused with its element cleared. The call now holds the tapes' tensor until
+    its op ends (``Session.let_go_ids``), so the release frees nothing under it."""
+    from gradserve.server.core.ops import recording
+
+    record_read = recording.read
+    limit = 128 * 1024
+    with run_server(host="127.0.0.1", port=0, max_session_bytes=limit) as srv:
+        threshold = 16 * 1024 if holder == "transient" else 1 << 20
+        with gradserve.Client(f"127.0.0.1:{srv.port}", stream_threshold=threshold) as c:
+            value = np.arange(8000, dtype=F32)
+            h, flow = c.raw_ops.TensorArrayV3(size=1, dtype=F32)
+            flow = c.raw_ops.TensorArrayWriteV3(h, 0, value, flow)
+            session = srv.store.get(c.session_id)
+            fillers = []
+
+            def read_release_fill(rec, *args):
+                out = record_read(rec, *args)
+                session.release_tape(rec.tapes[0].id)  # (as ReleaseTape on another thread)
+                room = limit - session.budget.used - TENSOR_RECORD_BYTES
+                fillers.append(session.put(np.zeros(room, np.uint8)))  # (another call's)
+                return out
+
+            monkeypatch.setattr(recording, "read", read_release_fill)
+            with c.gradient_tape(persistent=True):
+                got = c.raw_ops.TensorArrayReadV3(h, 0, flow, F32, keep=holder == "keep")
+            np.testing.assert_array_equal(got.numpy() if holder == "keep" else got, value)
+            if holder == "keep":
+                c.delete(got)
+            session.delete(fillers)
+            c.put(np.zeros(1, F32))  # a call: it deletes the transient output fetched
+            assert session.budget.used == session.record_bytes() + 4 + TENSOR_RECORD_BYTES
+
+
 def test_a_write_under_a_tape_without_room_for_its_record_writes_nothing(target):
     """A write's record (and its copy of the index) was reserved after the write: a
     session without room refused the call with the element written, and the retry
