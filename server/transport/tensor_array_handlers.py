@@ -51,10 +51,11 @@ def TensorArrayWriteV3(
     value = io.tensor(req.value, "value")
     host_value = io.host(value)
     io.prepay_record(index)
+    key = recording.stored_input(io.recorder, value) if io.recorder else None
     io.hand_over(value)  # stored and charged by the array
     ta_ops.write(io.session, handle, index, host_value)
     if io.recorder:
-        recording.write(io.recorder, handle, index, value, host_value.dtype)
+        recording.write(io.recorder, handle, index, key, host_value.dtype)
     return pb.TensorArrayWriteV3Response(flow_out=req.flow_in)
 
 
@@ -95,10 +96,11 @@ def TensorArrayScatterV3(
     value = io.tensor(req.value, "value")
     host_value = io.host(value)
     io.prepay_record(indices)
+    key = recording.stored_input(io.recorder, value) if io.recorder else None
     io.hand_over(value)  # stored and charged by the array
     ta_ops.scatter(io.session, handle, indices, host_value)
     if io.recorder:
-        recording.scatter(io.recorder, handle, indices, value, host_value)
+        recording.scatter(io.recorder, handle, indices, key, host_value)
     return pb.TensorArrayScatterV3Response(flow_out=req.flow_in)
 
 
@@ -129,10 +131,11 @@ def TensorArraySplitV3(
     value = io.tensor(req.value, "value")
     host_value, lengths = io.host(value), io.input(req.lengths, "lengths")
     io.prepay_record()
+    key = recording.stored_input(io.recorder, value) if io.recorder else None
     io.hand_over(value)  # stored and charged by the array
     ta_ops.split(io.session, handle, host_value, lengths)
     if io.recorder:
-        recording.split(io.recorder, handle, value, host_value)
+        recording.split(io.recorder, handle, key, host_value)
     return pb.TensorArraySplitV3Response(flow_out=req.flow_in)
 
 

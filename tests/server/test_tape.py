@@ -599,6 +599,43 @@ def test_a_tape_released_during_a_read_at_the_limit_loses_no_element(target, mon
             assert session.budget.used == session.record_bytes() + 4 + TENSOR_RECORD_BYTES
 
 
+@pytest.mark.parametrize("op", ["write", "scatter", "split"])
+def test_a_stored_input_deleted_by_another_call_fails_the_op_before_the_array(
+    target, monkeypatch, op
+):
+    """Another call deletes the resident input of a write (scatter, split) under a
+    tape as the op runs: the op wrote, then failed holding the input on the tape
+    (NOT_FOUND), and the array kept the element of a failed call (a retry: "already
+    been written to"). The tape now holds the input before the array changes, so the
+    op goes through (found by a review helper)."""
+    from gradserve.server.core.ops import tensor_array_ops as ta_ops
+
+    with run_server(host="127.0.0.1", port=0) as srv:
+        with gradserve.Client(f"127.0.0.1:{srv.port}") as c:
+            value = np.arange(6, dtype=F32).reshape(1, 6)
+            x = c.put(value if op != "write" else value[0])
+            h, flow = c.raw_ops.TensorArrayV3(size=1, dtype=F32)
+            session = srv.store.get(c.session_id)
+            store = getattr(ta_ops, op)
+
+            def delete_then_store(*args):
+                session.delete([x.id])  # (as DeleteTensor on another thread)
+                return store(*args)
+
+            monkeypatch.setattr(ta_ops, op, delete_then_store)
+            with c.gradient_tape() as tape:
+                if op == "write":
+                    flow = c.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+                elif op == "scatter":
+                    flow = c.raw_ops.TensorArrayScatterV3(h, [0], x, flow)
+                else:
+                    flow = c.raw_ops.TensorArraySplitV3(h, x, np.array([1], np.int64), flow)
+                read = c.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+            np.testing.assert_array_equal(np.reshape(read, -1), value.reshape(-1))
+            grad = np.reshape(tape.gradient(read, x), -1)
+            np.testing.assert_array_equal(grad, np.ones(value.size, F32))
+
+
 def test_a_write_under_a_tape_without_room_for_its_record_writes_nothing(target):
     """A write's record (and its copy of the index) was reserved after the write: a
     session without room refused the call with the element written, and the retry

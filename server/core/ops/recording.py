@@ -25,8 +25,16 @@ def tensor_array(rec: Recorder, handle: str) -> None:
     rec.record("TensorArrayV3", (), (FLOW_OUT,), {"handle": handle})
 
 
-def write(rec: Recorder, handle: str, index: np.ndarray, value: TensorArg, dtype: Any) -> None:
+def stored_input(rec: Recorder, value: TensorArg) -> str | None:
+    """The key of the input an op stores in a TensorArray (write, scatter, split),
+    held on the tapes: taken before the op changes the array, so that an input deleted
+    meanwhile (NOT_FOUND) fails the op with the array as it was, not after the write."""
     key, _ = rec.arg(value)
+    return key
+
+
+def write(rec: Recorder, handle: str, index: np.ndarray, key: str | None, dtype: Any) -> None:
+    """TensorArrayWriteV3 of the input ``key`` (``stored_input``)."""
     saved = {"handle": handle, "index": small(index), "dtype": dtype}
     rec.record("TensorArrayWriteV3", (key, FLOW_IN), (FLOW_OUT,), saved)
 
@@ -47,9 +55,9 @@ def gather(rec: Recorder, handle: str, indices: np.ndarray, value: Any) -> str |
 
 
 def scatter(
-    rec: Recorder, handle: str, indices: np.ndarray, value_arg: TensorArg, value: np.ndarray
+    rec: Recorder, handle: str, indices: np.ndarray, key: str | None, value: np.ndarray
 ) -> None:
-    key, _ = rec.arg(value_arg)
+    """TensorArrayScatterV3 of the input ``key`` (``stored_input``), ``value``."""
     saved = {
         "handle": handle,
         "indices": small(indices),
@@ -68,9 +76,9 @@ def concat(
     return out, out_lengths
 
 
-def split(rec: Recorder, handle: str, value_arg: TensorArg, value: np.ndarray) -> None:
-    """TensorArraySplitV3: its gradient is a concat, which needs no lengths."""
-    key, _ = rec.arg(value_arg)
+def split(rec: Recorder, handle: str, key: str | None, value: np.ndarray) -> None:
+    """TensorArraySplitV3 of the input ``key`` (``stored_input``), ``value``: its
+    gradient is a concat, which needs no lengths."""
     saved = {"handle": handle, "dtype": value.dtype, "value_shape": tuple(value.shape)}
     rec.record("TensorArraySplitV3", (key, FLOW_IN), (FLOW_OUT,), saved)
 
