@@ -304,6 +304,7 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
                 response.error.reason = err.reason
                 break
         io.end()  # the steps' region copies: released before the client hears back
+        io.replied = True
         return response
 
 
@@ -311,7 +312,9 @@ def _op_rpc(op: Op) -> Any:
     async def method(self: GradServeServicer, request: Message, context: Any) -> Any:
         io = self._io(context)
         io.inline_values = []  # the response is the call's own: see CallIO.inline_values
-        return await self._run(op, io, request)
+        response = await self._run(op, io, request)
+        io.replied = True
+        return response
 
     method.__name__ = method.__qualname__ = op.rpc
     method.__doc__ = f"Serves {op.rpc} with ``{op.handler.__module__}.{op.rpc}``."
@@ -344,8 +347,11 @@ class Liveness:
 
 def _call_over(io: CallIO, context: Any) -> None:
     """The call ended (its response sent, or cancelled, or past its deadline): its
-    region copies go (``CallIO.end``), and so do its outputs if no response took them."""
-    if context.cancelled():
+    region copies go (``CallIO.end``), and so do its outputs if no response took them:
+    the call was cancelled, or it ended before the handler replied (gRPC's aio server
+    ends a call past its deadline with ``cancelled()`` False while the op still runs
+    on its lane, which then stored outputs nobody would learn of)."""
+    if context.cancelled() or not io.replied:
         io.forget_outputs()
     io.end()
 

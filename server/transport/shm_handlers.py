@@ -15,7 +15,7 @@ from typing import Any
 
 from gradserve import codec
 from gradserve.server.transport import boundary, shm_wire
-from gradserve.server.transport.servicer_part import ServicerPart
+from gradserve.server.transport.servicer_part import ForgottenUnlessReplied, ServicerPart
 from gradserve.server.transport.wire import host_array
 from gradserve.v1 import shared_memory_pb2 as pb
 from gradserve.v1 import tensor_pb2
@@ -51,15 +51,17 @@ class SharedMemoryRPCs(ServicerPart):
         the session's budget before the copy is allocated."""
         session = self._session(context)
         msg = request.tensor
+        forgotten = ForgottenUnlessReplied(session, context)
 
         def put() -> str:
             dtype = codec.dtype_from_enum(msg.dtype, field="tensor.dtype")
             nbytes = session.regions.nbytes(dtype, msg.shape, "tensor")
             with session.reserve_tensor(nbytes) as reservation:
                 array = shm_wire.read_tensor(session, msg, "tensor")
-                return reservation.keep(array)
+                return forgotten.kept(reservation.keep(array))
 
         tensor_id = await self.light.run(put)
+        forgotten.replied()
         return tensor_pb2.ResidentTensor(id=tensor_id, dtype=msg.dtype, shape=msg.shape)
 
     @boundary.guarded

@@ -24,7 +24,7 @@ import numpy as np
 from gradserve import codec, dtypes, protocol
 from gradserve.errors import GradserveError, ResourceExhaustedError
 from gradserve.server.transport import boundary
-from gradserve.server.transport.servicer_part import ServicerPart
+from gradserve.server.transport.servicer_part import ForgottenUnlessReplied, ServicerPart
 from gradserve.server.transport.wire import host_array
 from gradserve.v1 import service_pb2, tensor_pb2
 
@@ -44,16 +44,18 @@ class InlineTensorRPCs(ServicerPart):
         """The request's tensor kept in the session (its bytes charged as ``put``'s): a
         view of the bytes gRPC received (``app.VIEW_PARSERS``), no copy."""
         session = self._session(context)
+        forgotten = ForgottenUnlessReplied(session, context)
 
         def put() -> str:
             array = codec.decode(request, field="tensor")  # a view of the request's bytes
-            return session.put(array)
+            return forgotten.kept(session.put(array))
 
         if _declared_bytes(request) <= ON_LOOP_BYTES:
             tensor_id = put()
         else:
             tensor_id = await self.light.run(put)
         dtype = cast(tensor_pb2.DType, request.dtype)  # a WireTensor's is an int
+        forgotten.replied()
         return tensor_pb2.ResidentTensor(id=tensor_id, dtype=dtype, shape=request.shape)
 
     @boundary.guarded

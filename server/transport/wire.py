@@ -130,6 +130,9 @@ class CallIO:
         #: (``forget_outputs``), since nobody else knows them.
         self.stored: list[str] = []
         self._over = False  # the call ended without its response: store nothing more
+        #: The handler returned its response (``servicer._call_over``: a call that
+        #: ended before it did had no response to name what the op stored).
+        self.replied = False
         self._lock = threading.Lock()
         self.tapes = tapes or []
         #: The running op's recording, when the call names tapes.

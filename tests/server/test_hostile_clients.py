@@ -363,6 +363,39 @@ def test_outputs_of_a_call_that_ended_while_computing_are_not_kept():
             assert server.store.budget.used == held
 
 
+@pytest.mark.parametrize("call", ["put", "op"])
+def test_what_a_call_kept_after_its_deadline_on_its_lane_is_not_kept(monkeypatch, call):
+    """The deadline passes while a unary put (PutTensorInline) or an op with a kept
+    output (StopGradient) is on its lane, past the op's last check: the lane then kept
+    the tensor under an id no response carried, charged until the session closed
+    (gRPC's aio server ends such a call with ``cancelled()`` False, so it was not
+    counted as cancelled). Found by a review helper; PutSharedTensor shares the fix."""
+    from gradserve.server.core.sessions import Session
+
+    put = Session.put
+
+    def slow_put(self, *args, **kwargs):
+        time.sleep(0.6)  # past the client's deadline
+        return put(self, *args, **kwargs)
+
+    monkeypatch.setattr(Session, "put", slow_put)
+    value = np.ones(MIB, np.float32)  # 4 MiB: on the light lane, not the event loop
+    with run_server(device="cpu") as server:
+        target = f"127.0.0.1:{server.port}"
+        with gradserve.Client(
+            target, timeout=0.2, stream_threshold=64 * MIB, shared_memory=False
+        ) as client:
+            held = server.store.budget.used
+            with pytest.raises(gradserve.errors.DeadlineExceededError):
+                if call == "put":
+                    client.put(value)
+                else:
+                    client.raw_ops.StopGradient(value, keep=True)
+            assert wait_until(lambda: server.store.budget.used == held, 10)
+            time.sleep(1.0)  # (the lane is done)
+            assert server.store.budget.used == held
+
+
 def test_names_are_bounded(client):
     with pytest.raises(gradserve.errors.InvalidArgumentError, match="at most 1024"):
         client.raw_ops.TensorArrayV3(size=1, dtype=np.float32, tensor_array_name="n" * 2000)
