@@ -131,7 +131,7 @@ def _store(config: ServerConfig, trimmer: Trimmer) -> SessionStore:
         max_tensor_bytes=config.max_tensor_bytes,
         max_tensor_array_size=config.max_tensor_array_size,
         max_sessions=config.max_sessions,
-        max_sessions_per_principal=config.max_sessions_per_principal,
+        max_sessions_per_principal=config.sessions_per_principal(),
         max_session_bytes=config.max_session_bytes,
         max_principal_bytes=config.principal_bytes(),
         max_server_bytes=config.max_server_bytes,

@@ -95,7 +95,11 @@ SERVE_FLAGS = [
     ("max_tensor_bytes", _optional(int), "largest tensor the server holds or builds"),
     ("max_tensor_array_size", _optional(int), "most elements of one TensorArray"),
     ("max_sessions", _optional(int), "open sessions, all principals together"),
-    ("max_sessions_per_principal", _optional(int), "open sessions of one principal"),
+    (
+        "max_sessions_per_principal",
+        _optional(int),
+        "open sessions of one principal (with a token file)",
+    ),
     ("max_session_bytes", _optional(int), "bytes one session may hold"),
     ("max_server_bytes", _optional(int), "bytes all sessions may hold (default: half of RAM)"),
     (

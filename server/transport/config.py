@@ -153,6 +153,12 @@ class ServerConfig:
             return None
         return self.max_server_bytes // 2
 
+    def sessions_per_principal(self) -> int | None:
+        """``max_sessions_per_principal`` where there are principals (a token file):
+        without one every client is the same anonymous principal, and 64 sessions of
+        one local client locked every other out while ``--max-sessions`` had room."""
+        return self.max_sessions_per_principal if self.token_file else None
+
     def streams_per_principal(self) -> int | None:
         """``max_streams_per_principal`` where there are principals (a token file)."""
         return self.max_streams_per_principal if self.token_file else None

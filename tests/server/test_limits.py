@@ -53,6 +53,21 @@ def f32(kib: int) -> np.ndarray:
     return np.ones(kib * KIB // 4, np.float32)
 
 
+def test_without_a_token_file_the_session_limit_is_the_servers():
+    """Without a token file every client is the same anonymous principal: its limit of
+    sessions (64 by default) was every client's together, under ``--max-sessions``.
+    As the stream and byte quotas of a principal, it now applies only with principals
+    (found by a review helper)."""
+    with run_server(device="cpu", max_sessions=4, max_sessions_per_principal=2) as s:
+        clients = [gradserve.Client(f"127.0.0.1:{s.port}") for _ in range(4)]
+        try:
+            with pytest.raises(ResourceExhaustedError, match="--max-sessions\\b"):
+                gradserve.Client(f"127.0.0.1:{s.port}")
+        finally:
+            for c in clients:
+                c.close()
+
+
 def test_session_limits(small):
     a1, a2 = connect(small), connect(small)
     try:
