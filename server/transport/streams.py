@@ -33,6 +33,11 @@ T = TypeVar("T")
 
 #: How often a waiting stream looks whether its session is still open.
 _POLL_SECONDS = 0.5
+#: Once the server drains, a stream that waited this long for its next chunk is
+#: stalled and ends (UNAVAILABLE, reason DRAINING), so that a stalled client does not
+#: hold the drain for all of ``--grace``; one that moves finishes. (It was one poll:
+#: a put sending a chunk every 0.7 s, well above ``--stream-min-rate``, was cut off.)
+DRAIN_IDLE_SECONDS = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +75,8 @@ class Pace:
         task.add_done_callback(_discard)  # its outcome is read below, or moot
         self._check_session()
         idle = self.limits.idle_timeout
-        deadline = None if idle is None else time.monotonic() + idle
+        waiting_since = time.monotonic()
+        deadline = None if idle is None else waiting_since + idle
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -83,9 +89,11 @@ class Pace:
             if done:
                 return task.result()
             self._check_session()
-            if self.draining():
+            stalled = time.monotonic() - waiting_since >= DRAIN_IDLE_SECONDS
+            if stalled and self.draining():
                 raise UnavailableError(
-                    f"{self.what}: the server is shutting down and this stream is idle",
+                    f"{self.what}: the server is shutting down and this stream has moved "
+                    f"nothing for {DRAIN_IDLE_SECONDS:g} s",
                     reason=DRAINING_REASON,
                 )
 

@@ -381,3 +381,34 @@ def test_tensors_of_no_bytes_are_charged_their_records():
             assert session.budget.used == info.value.step * TENSOR_RECORD_BYTES
             client.delete(*info.value.results)
             assert session.budget.used == 0
+
+
+def test_a_drain_ends_a_stalled_stream_and_not_a_moving_one(monkeypatch):
+    """Once the server drains, a stream waiting for its next chunk was ended at the
+    first poll (0.5 s), so a put sending a chunk every 0.7 s, far above the minimum
+    rate, was cut off (found by a review helper). A stream now ends in a drain only
+    once it has moved nothing for ``DRAIN_IDLE_SECONDS``."""
+    from gradserve.errors import UnavailableError
+    from gradserve.server.transport import streams
+
+    monkeypatch.setattr(streams, "_POLL_SECONDS", 0.02)
+    monkeypatch.setattr(streams, "DRAIN_IDLE_SECONDS", 0.3)
+
+    class Open:
+        closed = False
+
+    pace = streams.Pace(streams.StreamLimits(), Open(), "PutTensor", lambda: True)
+
+    async def chunk_after(seconds: float) -> str:
+        await asyncio.sleep(seconds)
+        return "chunk"
+
+    async def scenario() -> None:
+        for _ in range(3):  # a chunk every 0.15 s: moving, 7 polls apart
+            assert await pace.wait(chunk_after(0.15)) == "chunk"
+        started = time.monotonic()
+        with pytest.raises(UnavailableError, match="moved nothing for 0.3 s"):
+            await pace.wait(chunk_after(10))
+        assert 0.3 <= time.monotonic() - started < 5
+
+    asyncio.run(scenario())
