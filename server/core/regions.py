@@ -83,6 +83,23 @@ class RegionTruncatedError(FailedPreconditionError):
     """The region is smaller than the tensor it should hold: its owner shrank it."""
 
 
+def _copy_failed(error: OSError, region: str, field: str, action: str) -> Exception:
+    """A copy into or out of ``region`` that the OS refused, as a typed error, so that
+    an output region that fails this way is dropped for the call as one that shrank
+    (``shm_wire.OutputArena``: the outputs go inline), not an INTERNAL error after an
+    op that cannot be undone (a clearing read, Gradients on a non-persistent tape)
+    changed state. A full ``/dev/shm`` (Docker's default is 64 MB) fails a write into
+    pages the object never had (a sparse region, or one shrunk under the write)."""
+    what = f"{field}: {action} shared memory region {region!r} failed: {error.strerror}"
+    if error.errno in (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT):
+        return ResourceExhaustedError(
+            f"{what} (/dev/shm is full: give it more room, e.g. docker --shm-size)",
+            reason="REGION_NO_SPACE",
+            field=field,
+        )
+    return FailedPreconditionError(what, reason="REGION_IO_ERROR", field=field)
+
+
 def check_name(value: str, what: str) -> str:
     """``value`` if it is a valid region name or key, else INVALID_ARGUMENT."""
     if not _NAME.fullmatch(value) or value in (".", ".."):
@@ -157,7 +174,10 @@ class Region:
     def _read_part(self, offset: int, out: memoryview, field: str) -> None:
         done, total = 0, len(out)
         while done < total:
-            got = os.preadv(self.fd, [out[done:]], offset + done)
+            try:
+                got = os.preadv(self.fd, [out[done:]], offset + done)
+            except OSError as e:
+                raise _copy_failed(e, self.name, field, "reading") from None
             if got == 0:
                 raise RegionTruncatedError(
                     f"{field}: shared memory region {self.name!r} ended after "
@@ -184,7 +204,10 @@ class Region:
             )
         done = 0
         while done < len(data):
-            done += os.pwritev(self.fd, [data[done:]], offset + done)
+            try:
+                done += os.pwritev(self.fd, [data[done:]], offset + done)
+            except OSError as e:
+                raise _copy_failed(e, self.name, field, "writing") from None
 
 
 class RegionTable:

@@ -230,3 +230,38 @@ def test_a_clearing_read_meant_for_the_region_pays_as_if_it_failed(region_object
         else:
             np.testing.assert_array_equal(ta.read(0), value)  # not cleared
         server.store.close(session.id)
+
+
+def test_an_output_region_the_os_refuses_to_write_is_dropped_as_one_that_shrank(
+    server, region_object, monkeypatch
+):
+    """A full /dev/shm refuses a write into pages the region never had (ENOSPC): that
+    error escaped untyped, so the call failed INTERNAL after a clearing read or
+    Gradients had changed state, and the result was lost (found by a review helper).
+    It is now a typed error (reason REGION_NO_SPACE), and the output goes inline."""
+    import errno
+
+    key, nonce, _ = region_object
+    session = server.store.create()
+    try:
+        io = CallIO(session, server.servicer.compute, inline_budget=1 << 20, inline_limit=1024)
+        session.regions.register("out", key, REGION_BYTES, nonce)
+        io.shared_out = shm_wire.OutputArena(session, "out")
+        array = np.arange(2000, dtype=np.float32)
+
+        def no_space(*args):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(os, "pwritev", no_space)
+        out = tensor_pb2.TensorOutput()
+        io.emit(array, out, "out", False)
+        assert out.WhichOneof("result") == "value"
+        assert io.shared_out.broken
+        with pytest.raises(ResourceExhaustedError, match="/dev/shm is full") as info:
+            session.regions.write("out", 0, array, "tensor")
+        assert info.value.reason == "REGION_NO_SPACE"
+        monkeypatch.setattr(os, "preadv", no_space)
+        with pytest.raises(ResourceExhaustedError, match="reading shared memory region"):
+            session.regions.read("out", 0, np.dtype(np.float32), array.shape, "tensor")
+    finally:
+        server.store.close(session.id)
