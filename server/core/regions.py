@@ -73,6 +73,28 @@ MIN_NONCE_BYTES, MAX_NONCE_BYTES = 16, 64
 #: Regions one session may hold (each holds a file descriptor of the server).
 MAX_REGIONS_PER_SESSION = 64
 
+def _descriptor_limit() -> int:
+    """Region descriptors the whole server may hold: half its open-file limit, the rest
+    left to connections and files. Sessions times regions per session (65,536 by
+    default) could take every descriptor: one client that registered one object
+    under many names in many sessions made the server unable to accept a connection
+    (found by a review helper at ``ulimit -n 1024``)."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return 512
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 16
+    return max(16, soft // 2)
+
+
+#: The most region descriptors the server holds at once (``_descriptor_limit``).
+MAX_OPEN_REGIONS = _descriptor_limit()
+#: Region descriptors open now, all sessions together (under ``_claims_lock``).
+_open_regions = 0
+
 #: (st_dev, st_ino) of every registered object -> the id of the session holding it
 #: and under how many names.
 _claims: dict[tuple[int, int], tuple[str, int]] = {}
@@ -279,7 +301,7 @@ class RegionTable:
             )
         with self._lock:
             self._check_room(name)
-        fd = self._open(key)
+        fd = _open_counted(self._open, key)
         try:
             inode = self._check_object(fd, key, byte_size, nonce)
             with self._lock:
@@ -295,7 +317,7 @@ class RegionTable:
                     _claims[inode] = (owner, names + 1)
                 self._regions[name] = Region(name, key, byte_size, fd, inode)
         except BaseException:
-            os.close(fd)
+            _close_counted(fd)
             raise
 
     def _check_room(self, name: str) -> None:
@@ -326,6 +348,8 @@ class RegionTable:
         try:
             return os.open(key, flags, dir_fd=dir_fd)
         except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                raise _server_full() from None
             why = "a symbolic link" if e.errno == errno.ELOOP else e.strerror
             raise NotFoundError(
                 f"the server cannot open shared memory object /dev/shm/{key} ({why}): "
@@ -507,5 +531,35 @@ def _close(regions: Sequence[Region]) -> None:
             owner, names = _claims.pop(region.inode, ("", 1))
             if names > 1:
                 _claims[region.inode] = (owner, names - 1)
-        with contextlib.suppress(OSError):
-            os.close(region.fd)
+        _close_counted(region.fd)
+
+
+def _server_full() -> ResourceExhaustedError:
+    return ResourceExhaustedError(
+        f"the server holds its limit of {MAX_OPEN_REGIONS} shared memory regions (half its "
+        "open-file limit), all sessions together; unregister some, or use the wire",
+        reason="SERVER_REGIONS_FULL",
+    )
+
+
+def _open_counted(open_fd: Any, key: str) -> int:
+    """``open_fd(key)``, counted against ``MAX_OPEN_REGIONS`` (refused past it)."""
+    global _open_regions
+    with _claims_lock:
+        if _open_regions >= MAX_OPEN_REGIONS:
+            raise _server_full()
+        _open_regions += 1
+    try:
+        return int(open_fd(key))
+    except BaseException:
+        with _claims_lock:
+            _open_regions -= 1
+        raise
+
+
+def _close_counted(fd: int) -> None:
+    global _open_regions
+    with _claims_lock:
+        _open_regions -= 1
+    with contextlib.suppress(OSError):
+        os.close(fd)

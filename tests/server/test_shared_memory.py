@@ -261,6 +261,30 @@ def test_another_sessions_region_is_not_found(target, objects):
                 b._call("RegisterSharedMemory", request)
 
 
+def test_region_descriptors_are_bounded_for_the_whole_server(target, objects, monkeypatch):
+    """Each registration holds a descriptor: sessions times regions per session could
+    take every descriptor of the server, which then accepted no connection (one
+    object under many names in many sessions, found by a review helper). The server
+    holds at most ``MAX_OPEN_REGIONS`` (half its open-file limit), all sessions
+    together, and refuses more with RESOURCE_EXHAUSTED; closing a session frees its."""
+    monkeypatch.setattr(regions, "MAX_OPEN_REGIONS", regions._open_regions + 3)
+    with gradserve.Client(target, shared_memory=False) as a:
+        with gradserve.Client(target, shared_memory=False) as b:
+            shm = objects.register(a, name="r0")
+            nonce = bytes(shm.buf[:32])
+            request = pb.RegisterSharedMemoryRequest(
+                name="r1", key=shm.name, byte_size=1 << 20, nonce=nonce
+            )
+            a._call("RegisterSharedMemory", request)  # the object again: a descriptor more
+            objects.register(b)
+            with pytest.raises(ResourceExhaustedError, match="all sessions together") as err:
+                objects.register(a)
+            assert err.value.reason == "SERVER_REGIONS_FULL"
+        objects.register(a, name="again")  # b's session closed: its descriptor with it
+        a._call("UnregisterSharedMemory", pb.UnregisterSharedMemoryRequest(name="r1"))
+        objects.register(a, name="once_more")
+
+
 @pytest.mark.parametrize(
     "key",
     ["../etc/passwd", "a/b", "..", ".", "", "x" * 129, "sp ace", "nul\x00", "é", "psm_1234"],
