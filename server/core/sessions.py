@@ -622,21 +622,27 @@ class Session:
     def _release_tape_locked(self, tape: Tape) -> int:
         tape.released = True
         held, tape.held = tape.held, {}
+        tape.holds.clear()
         tape.records.clear()
         records, tape.record_bytes = tape.record_bytes, 0
         return self._drop(held.values()) + sum(map(self._entry_gone, held)) + records
 
     def hold_for_tape(self, tape: Tape, tensor_id: str) -> bool:
-        """``tape`` holds the tensor ``tensor_id`` (resident, or held by a tape) until
-        it is released; False if it held it already, or was released meanwhile (an op
-        that ran under it is not failed for that: it has changed the session)."""
+        """``tape`` holds the tensor ``tensor_id`` (resident, or held by a tape) for one
+        more op, until the tape is released (or the op fails: ``release_held``); False
+        if the tape was released meanwhile (an op that ran under it is not failed for
+        that: it has changed the session)."""
         with self._lock:
             self._check_open()
-            if tape.released or tensor_id in tape.held:
+            if tape.released:
                 return False
+            if tensor_id in tape.held:
+                tape.holds[tensor_id] += 1
+                return True
             kept = self._kept(tensor_id)
             kept.refs += 1
             tape.held[tensor_id] = kept
+            tape.holds[tensor_id] = 1
             self._entry_added(tensor_id)
             return True
 
@@ -676,6 +682,7 @@ class Session:
                 kept, tensor_id = alias
                 for tape in live:
                     tape.held[tensor_id] = kept
+                    tape.holds[tensor_id] = 1
                 if pin:
                     self._pin_id_locked(tensor_id, kept)
                 return tensor_id
@@ -690,6 +697,7 @@ class Session:
             self._held_anew(kept, tensor_id, len(live))
             for tape in live:
                 tape.held[tensor_id] = kept
+                tape.holds[tensor_id] = 1
             if pin:
                 self._pin_id_locked(tensor_id, kept)
             return tensor_id
@@ -717,9 +725,19 @@ class Session:
         return freed
 
     def release_held(self, held: list[tuple[Tape, str]]) -> None:
-        """Tapes let go of tensors they held for an op that failed."""
+        """Tapes let go of the holds they took for an op that failed; a tensor goes
+        from a tape with its last hold (another op may hold it too)."""
         with self._lock:
-            gone = [(i, k) for t, i in held if (k := t.held.pop(i, None)) is not None]
+            gone = []
+            for tape, tensor_id in held:
+                holds = tape.holds.get(tensor_id, 0) - 1
+                if holds > 0:
+                    tape.holds[tensor_id] = holds
+                    continue
+                tape.holds.pop(tensor_id, None)
+                kept = tape.held.pop(tensor_id, None)
+                if kept is not None:
+                    gone.append((tensor_id, kept))
             freed = self._drop(k for _, k in gone) + sum(self._entry_gone(i) for i, _ in gone)
         self.budget.release(freed)
 

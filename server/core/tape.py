@@ -161,6 +161,11 @@ class Tape:
         self.watch_accessed_variables = watch_accessed_variables
         #: Tensors held for the backward pass, by id (``sessions._Kept``).
         self.held: dict[str, Any] = {}
+        #: How many ops (recorded, or still running) hold each id of ``held``: a failed
+        #: op lets go of its own holds only (``Session.release_held``). One entry per
+        #: id let a failed op take off the tape a tensor that another op, recorded
+        #: meanwhile, needed (found by a review helper).
+        self.holds: dict[str, int] = {}
         #: Keys of tensors that recorded ops produced: differentiable.
         self.outputs: set[str] = set()
         #: Resident tensors watched (``WatchTensors``, or read by a recorded op

@@ -825,3 +825,26 @@ def test_a_split_batch_passes_earlier_transient_outputs_by_value(target):
             batch.raw_ops.StopGradient(np.ones(900, F32))
         batch.raw_ops.StopGradient(y)  # names step 0 from a later request
         np.testing.assert_array_equal(batch.run()[-1], big)
+
+
+def test_a_failed_op_takes_off_a_tape_only_the_holds_it_took(server):
+    """Two ops under one tape hold the same resident tensor: the first (still running)
+    holds it, the second finds it held and is recorded, then the first fails. Its
+    rollback took the tensor off the tape, and the second's record was left without
+    it: once the client deleted it, the tape's gradient was NOT_FOUND (found by a
+    review helper). Holds are counted per op now."""
+    session = server.store.create()
+    try:
+        x = session.put(np.array([1.0, 2.0], F32))
+        tape = session.start_tape(persistent=True, watch_accessed_variables=True)
+        assert session.hold_for_tape(tape, x)  # op A, running
+        assert session.hold_for_tape(tape, x)  # op B, recorded
+        held = session.budget.used
+        session.release_held([(tape, x)])  # op A failed
+        session.delete([x])  # the client's
+        assert x in tape.held and session.budget.used == held  # B's hold keeps it
+        np.testing.assert_array_equal(session.get(x), [1.0, 2.0])
+        session.release_held([(tape, x)])  # (were B to fail too: gone with its last hold)
+        assert x not in tape.held and session.budget.used == session.record_bytes()
+    finally:
+        server.store.close(session.id)
