@@ -73,6 +73,7 @@ MIN_NONCE_BYTES, MAX_NONCE_BYTES = 16, 64
 #: Regions one session may hold (each holds a file descriptor of the server).
 MAX_REGIONS_PER_SESSION = 64
 
+
 def _descriptor_limit() -> int:
     """Region descriptors the whole server may hold: half its open-file limit, the rest
     left to connections and files. Sessions times regions per session (65,536 by
