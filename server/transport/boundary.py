@@ -31,6 +31,7 @@ from gradserve.errors import (
     ResourceExhaustedError,
 )
 from gradserve.protocol import ERROR_DOMAIN, REQUEST_ID_KEY
+from gradserve.server.transport import streams
 from gradserve.server.transport.auth import current_principal
 from gradserve.v1 import service_pb2
 
@@ -190,6 +191,8 @@ def guarded(handler: H) -> H:
                 if response is not None:
                     record.bytes_out = response.ByteSize()
         if error is not None:  # counted and logged above, before the client can see it
+            if streams.status_stuck(error):
+                raise asyncio.CancelledError  # (no status can pass its unread message)
             await abort(context, error, record.request_id)
         return response
 

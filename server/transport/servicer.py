@@ -222,7 +222,7 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
             content = await self.light.run(functools.partial(self._wire_content, kept))
             # Serialized here, one copy per chunk (the handler's serializer passes bytes).
             for chunk in content.encoded_chunks(self._chunk_bytes(request.chunk_bytes)):
-                await pace.wait(context.write(chunk))
+                await pace.wait(context.write(chunk), sending=True)
                 pace.moved_bytes(len(chunk))
                 if call is not None:
                     call.bytes_out += len(chunk)

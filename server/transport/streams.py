@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from gradserve.errors import (
     DRAINING_REASON,
     DeadlineExceededError,
+    GradserveError,
     NotFoundError,
     ResourceExhaustedError,
     UnavailableError,
@@ -66,13 +67,23 @@ class Pace:
         self.started = time.monotonic()
         self.moved = 0
 
-    async def wait(self, step: Awaitable[T]) -> T:
+    async def wait(self, step: Awaitable[T], *, sending: bool = False) -> T:
         """``step`` (the next chunk read or written), within the idle timeout, while
         the session stays open and, once the server drains, while the stream moves;
         raises otherwise. ``step`` is never cancelled: a write cancelled half-way
-        leaves the call unable to send its status; the call's end completes it."""
+        leaves the call unable to send its status; the call's end completes it.
+        ``sending``: ``step`` sends a message; if it is still pending when this
+        raises, the error says so (``status_stuck``)."""
         task = asyncio.ensure_future(step)
         task.add_done_callback(_discard)  # its outcome is read below, or moot
+        try:
+            return await self._wait(task)
+        except GradserveError as error:
+            if sending and not task.done():
+                setattr(error, _STUCK, True)
+            raise
+
+    async def _wait(self, task: asyncio.Future[T]) -> T:
         self._check_session()
         idle = self.limits.idle_timeout
         waiting_since = time.monotonic()
@@ -112,6 +123,18 @@ class Pace:
                 f"rate of {rate:g} bytes/s (--stream-min-rate)",
                 reason="STREAM_TOO_SLOW",
             )
+
+
+_STUCK = "_gradserve_status_stuck"
+
+
+def status_stuck(error: GradserveError) -> bool:
+    """``error`` ended a stream whose client reads nothing: a message is still being
+    sent to it, behind which gRPC cannot send a status (``context.abort`` then failed
+    inside gRPC, GRPC_CALL_ERROR_TOO_MANY_OPERATIONS, logged with a traceback per
+    reader: a frozen worker, a network black hole). The boundary cancels such a call
+    instead: the client would not read a status either."""
+    return bool(getattr(error, _STUCK, False))
 
 
 def _discard(task: asyncio.Future[Any]) -> None:

@@ -412,3 +412,63 @@ def test_a_drain_ends_a_stalled_stream_and_not_a_moving_one(monkeypatch):
         assert 0.3 <= time.monotonic() - started < 5
 
     asyncio.run(scenario())
+
+
+def test_a_stream_whose_client_reads_nothing_is_cancelled_not_aborted(monkeypatch):
+    """A reader that stops reading its socket (a frozen worker) leaves the server's
+    write pending; at the idle timeout the boundary's ``context.abort`` then failed
+    inside gRPC (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS, a traceback logged per reader:
+    found by a review helper). Pace marks an error raised behind a pending send, and
+    the boundary cancels that call instead of aborting it."""
+    import contextlib as ctx
+    import types
+
+    from gradserve.errors import DeadlineExceededError
+    from gradserve.server.transport import boundary, streams
+    from gradserve.v1 import service_pb2
+
+    monkeypatch.setattr(streams, "_POLL_SECONDS", 0.02)
+
+    class Open:
+        closed = False
+
+    limits = streams.StreamLimits(idle_timeout=0.1)
+
+    async def never() -> None:
+        await asyncio.sleep(60)
+
+    async def stuck(sending: bool) -> DeadlineExceededError:
+        with pytest.raises(DeadlineExceededError) as info:
+            await streams.Pace(limits, Open(), "GetTensor").wait(never(), sending=sending)
+        return info.value
+
+    assert streams.status_stuck(asyncio.run(stuck(sending=True)))
+    assert not streams.status_stuck(asyncio.run(stuck(sending=False)))
+
+    aborted = []
+
+    class Context:
+        async def abort(self, *args):
+            aborted.append(args)
+            raise RuntimeError("aborted")
+
+    record = types.SimpleNamespace(request_id="r", code=None, message=None)
+    servicer = types.SimpleNamespace(
+        observer=types.SimpleNamespace(call=lambda *a: ctx.nullcontext(record)),
+        admission=types.SimpleNamespace(enter=lambda *a, **k: None, exit=lambda *a, **k: None),
+        principal=lambda context: "p",
+    )
+
+    def handler(error):
+        async def GetTensor(self, request, context):
+            raise error
+
+        return boundary.guarded(GetTensor)
+
+    request = service_pb2.GetTensorRequest(id="t")
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(handler(asyncio.run(stuck(True)))(servicer, request, Context()))
+    assert aborted == [] and record.message.startswith("GetTensor: no data")
+    with pytest.raises(RuntimeError, match="aborted"):  # a status that can go: aborted
+        asyncio.run(handler(asyncio.run(stuck(False)))(servicer, request, Context()))
+    assert len(aborted) == 1
