@@ -38,7 +38,7 @@ _POLL_SECONDS = 0.5
 #: stalled and ends (UNAVAILABLE, reason DRAINING), so that a stalled client does not
 #: hold the drain for all of ``--grace``; one that moves finishes. (It was one poll:
 #: a put sending a chunk every 0.7 s, well above ``--stream-min-rate``, was cut off.)
-DRAIN_IDLE_SECONDS = 5.0
+DRAIN_IDLE_SECONDS = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
