@@ -213,7 +213,10 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
     async def GetTensor(self, request: service_pb2.GetTensorRequest, context: Any) -> None:
         """The tensor in chunks. Its bytes stay charged until the stream ends, even if
         it is deleted meanwhile; with ``delete_after`` it is deleted once the last
-        chunk is sent, so a stream that breaks off leaves it to be fetched again. A
+        chunk is handed to gRPC, so a stream that breaks off before leaves it to be
+        fetched again, but one that breaks off after (chunks buffered, not yet read:
+        the server cannot know) loses it. The SDK does not use it for that reason
+        (``KeepAlive``'s ``deletes_fetched``: it names what it holds in its next call). A
         reader that stalls or trickles is ended as an uploader is."""
         session = self._session(context)
         call = current_call.get()
