@@ -296,7 +296,8 @@ def gradients(
         source_values.append(value)
     grads: dict[str, Any] = _seeds(session, targets, target_values, output_gradients, compute)
 
-    between = _between(records, differentiable, set(targets))
+    order = {id(record): n for n, record in enumerate(records)}
+    between = _between(records, set(differentiable), set(targets))
     source = session.new_gradient_source()
     sweep = Sweep(session, compute, source, check)
     try:
@@ -309,9 +310,12 @@ def gradients(
             fn = GRADIENTS.get(record.op)
             if fn is None:
                 continue  # no differentiable inputs (its inputs are never reached)
+            recorded_at = order[id(record)]
             for key, g in zip(record.inputs, fn(sweep, record, out_grads)):
                 if key is None or g is None:
                     continue
+                if recorded_at < differentiable.get(key, 0):
+                    continue  # recorded before ``key`` was watched: no path from it
                 grads[key] = _add(grads[key], g, compute) if key in grads else g
         results: list[Any] = []
         for tensor_id, value in zip(sources, source_values):

@@ -750,21 +750,29 @@ class Session:
             for tape in tapes:
                 if tape.released:
                     continue
+                if tape.watch_accessed_variables:  # read by the op: watched as it ran
+                    self._watch_locked(tape, watch)
                 for op, inputs, outputs, saved, cost in records:
                     tape.commit(op, inputs, outputs, saved)
                     tape.record_bytes += cost
                     charged += cost
-                if tape.watch_accessed_variables:
-                    tape.watched.update(watch)
         return charged
+
+    @staticmethod
+    def _watch_locked(tape: Tape, tensor_ids: Iterable[str]) -> None:
+        """(caller holds ``_lock``)"""
+        for tensor_id in tensor_ids:
+            tape.watched.add(tensor_id)
+            tape.watched_at.setdefault(tensor_id, len(tape.records))
 
     def watch(self, tape: Tape, tensor_ids: Iterable[str]) -> None:
         """``tape.watch``: the tensors (which must exist) become differentiable sources."""
         with self._lock:
             self._check_tape_live(tape)
+            tensor_ids = list(tensor_ids)
             for tensor_id in tensor_ids:
                 self._kept(tensor_id)
-            tape.watched.update(tensor_ids)
+            self._watch_locked(tape, tensor_ids)
 
     def publish(self, tensor_id: str) -> bool:
         """Give a tensor a tape holds an entry in the id table as well (a kept or
@@ -808,9 +816,11 @@ class Session:
 
     def tape_snapshot(
         self, tape: Tape, targets: Sequence[str], sources: Sequence[str]
-    ) -> tuple[list[Any], list[str], set[str]]:
+    ) -> tuple[list[Any], list[str], dict[str, int]]:
         """A live tape's records as of now, the ``targets`` it neither produced nor
-        watches (not differentiable: the caller's error), and the ``sources`` it did.
+        watches (not differentiable: the caller's error), and the ``sources`` it did,
+        each with the first record that may pass it a gradient: 0 for an output of
+        the tape, else the number of records before it was watched (``watched_at``).
         Only the records are copied (references): copying the tape's sets of produced
         and watched keys as well cost a gradient call, even one refused for its
         target, time in their size under this lock."""
@@ -822,8 +832,13 @@ class Session:
 
             unknown = [t for t in targets if not on_tape(t)]
             if unknown:
-                return [], unknown, set()
-            return list(tape.records), [], {k for k in sources if on_tape(k)}
+                return [], unknown, {}
+            differentiable = {
+                k: 0 if k in tape.outputs else tape.watched_at.get(k, 0)
+                for k in sources
+                if on_tape(k)
+            }
+            return list(tape.records), [], differentiable
 
     def gradient_done(self, tape: Tape) -> None:
         """A gradient computation on ``tape`` succeeded: a non-persistent tape is

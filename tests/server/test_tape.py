@@ -848,3 +848,32 @@ def test_a_failed_op_takes_off_a_tape_only_the_holds_it_took(server):
         assert x not in tape.held and session.budget.used == session.record_bytes()
     finally:
         server.store.close(session.id)
+
+
+@pytest.mark.parametrize("watch", ["after", "before", "between"])
+def test_a_watch_passes_gradients_only_from_ops_recorded_after_it(client, watch):
+    """TensorFlow records an op only if one of its inputs is watched when it runs
+    (``tape.watch`` is not retroactive): written into a TensorArray before the watch,
+    ``x`` gets None from the read; written after it, ones; written both before and
+    after, only the write after counts (tensorflow 2.21 in a tf.function, whose
+    TensorArrays are these ops; an eager TensorArray is a list, whose gather alone is
+    recorded). The tape gave the gradient through writes recorded before the watch
+    (found by a review helper)."""
+    x = client.put(np.array([1.0, 2.0], F32))
+    with client.gradient_tape(watch_accessed_variables=False) as tape:
+        if watch == "before":
+            tape.watch(x)
+        h, flow = client.raw_ops.TensorArrayV3(size=2, dtype=F32)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+        if watch == "between":
+            tape.watch(x)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 1, x, flow)
+        both = client.raw_ops.TensorArrayGatherV3(h, [0, 1], flow, F32)
+        if watch == "after":
+            tape.watch(x)
+    grad = tape.gradient(both, x)
+    expected = {"after": None, "before": [2.0, 2.0], "between": [1.0, 1.0]}[watch]
+    if expected is None:
+        assert grad is None
+    else:
+        np.testing.assert_array_equal(grad, expected)
