@@ -13,6 +13,7 @@ strings (which never go into a region).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from multiprocessing import shared_memory
 
@@ -117,12 +118,8 @@ def test_an_output_whose_region_failed_goes_inline_if_the_response_has_room(serv
     cleared its element) is not refused for want of room to keep it."""
     import mmap
 
-    key, nonce, shm = region_object
-    session = server.store.create()
-    try:
-        io = CallIO(session, server.servicer.compute, inline_budget=1 << 20, inline_limit=1024)
-        session.regions.register("out", key, REGION_BYTES, nonce)
-        io.shared_out = shm_wire.OutputArena(session, "out")
+    shm = region_object[2]
+    with _call_with_region(server, region_object) as (session, io):
         array = np.arange(2000, dtype=np.float32)  # 8 KB: fits the region, over the limit
         assert io._staying([array], [False]) == []
         try:
@@ -133,6 +130,19 @@ def test_an_output_whose_region_failed_goes_inline_if_the_response_has_room(serv
             os.ftruncate(shm._fd, REGION_BYTES)
         assert out.WhichOneof("result") == "value"
         assert session.budget.used == 0
+
+
+@contextlib.contextmanager
+def _call_with_region(server, region_object):
+    """A fresh session with ``region_object`` registered as "out", and a call whose
+    output region it is (inline limit 1 KiB): (session, call)."""
+    key, nonce, _ = region_object
+    session = server.store.create()
+    try:
+        io = CallIO(session, server.servicer.compute, inline_budget=1 << 20, inline_limit=1024)
+        session.regions.register("out", key, REGION_BYTES, nonce)
+        io.shared_out = shm_wire.OutputArena(session, "out")
+        yield session, io
     finally:
         server.store.close(session.id)
 
@@ -241,12 +251,7 @@ def test_an_output_region_the_os_refuses_to_write_is_dropped_as_one_that_shrank(
     It is now a typed error (reason REGION_NO_SPACE), and the output goes inline."""
     import errno
 
-    key, nonce, _ = region_object
-    session = server.store.create()
-    try:
-        io = CallIO(session, server.servicer.compute, inline_budget=1 << 20, inline_limit=1024)
-        session.regions.register("out", key, REGION_BYTES, nonce)
-        io.shared_out = shm_wire.OutputArena(session, "out")
+    with _call_with_region(server, region_object) as (session, io):
         array = np.arange(2000, dtype=np.float32)
 
         def no_space(*args):
@@ -263,5 +268,3 @@ def test_an_output_region_the_os_refuses_to_write_is_dropped_as_one_that_shrank(
         monkeypatch.setattr(os, "preadv", no_space)
         with pytest.raises(ResourceExhaustedError, match="reading shared memory region"):
             session.regions.read("out", 0, np.dtype(np.float32), array.shape, "tensor")
-    finally:
-        server.store.close(session.id)

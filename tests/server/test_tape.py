@@ -435,6 +435,20 @@ def test_what_tapes_record_is_charged_and_freed_with_them(target):
             assert c.raw_ops.StopGradient(x) == 1  # and the session goes on
 
 
+@contextlib.contextmanager
+def _one_element(limit: int, holder: str):
+    """A server whose sessions hold ``limit`` bytes, a client (outputs over 16 KB sent
+    by reference for the "transient" ``holder``), its session, and a TensorArray of
+    one element of 32 KB: (client, session, handle, flow, value)."""
+    with run_server(host="127.0.0.1", port=0, max_session_bytes=limit) as srv:
+        threshold = 16 * 1024 if holder == "transient" else 1 << 20
+        with gradserve.Client(f"127.0.0.1:{srv.port}", stream_threshold=threshold) as c:
+            value = np.arange(8000, dtype=F32)
+            h, flow = c.raw_ops.TensorArrayV3(size=1, dtype=F32)
+            flow = c.raw_ops.TensorArrayWriteV3(h, 0, value, flow)
+            yield c, srv.store.get(c.session_id), h, flow, value
+
+
 def _fill_to(client, session, limit: int, room: int):
     """Put a filler tensor that leaves ``room`` bytes of the session's ``limit``."""
     filler = limit - session.budget.used - room - TENSOR_RECORD_BYTES
@@ -451,34 +465,28 @@ def test_a_read_without_room_for_its_output_loses_no_element(target, op, holder)
     "cleared after a previous read"). Holding it is now paid for while the read can
     still be undone, so the read needs room for its output until it is done."""
     limit = 128 * 1024
-    with run_server(host="127.0.0.1", port=0, max_session_bytes=limit) as srv:
-        threshold = 16 * 1024 if holder == "transient" else 1 << 20
-        with gradserve.Client(f"127.0.0.1:{srv.port}", stream_threshold=threshold) as c:
-            value = np.arange(8000, dtype=F32)
-            h, flow = c.raw_ops.TensorArrayV3(size=1, dtype=F32)
-            flow = c.raw_ops.TensorArrayWriteV3(h, 0, value, flow)
-            session = srv.store.get(c.session_id)
-            filler = _fill_to(c, session, limit, room=600)  # a record fits, no more
-            before = session.budget.used
-            keep = holder == "keep"
+    with _one_element(limit, holder) as (c, session, h, flow, value):
+        filler = _fill_to(c, session, limit, room=600)  # a record fits, no more
+        before = session.budget.used
+        keep = holder == "keep"
 
-            def read():
-                if op == "read":
-                    return c.raw_ops.TensorArrayReadV3(h, 0, flow, F32, keep=keep)
-                if op == "gather":
-                    return c.raw_ops.TensorArrayGatherV3(h, [0], flow, F32, keep=keep)
-                return c.raw_ops.TensorArrayConcatV3(h, flow, F32, keep=keep)[0]
+        def read():
+            if op == "read":
+                return c.raw_ops.TensorArrayReadV3(h, 0, flow, F32, keep=keep)
+            if op == "gather":
+                return c.raw_ops.TensorArrayGatherV3(h, [0], flow, F32, keep=keep)
+            return c.raw_ops.TensorArrayConcatV3(h, flow, F32, keep=keep)[0]
 
-            with contextlib.ExitStack() as stack:
-                if holder == "tape":
-                    stack.enter_context(c.gradient_tape())
-                with pytest.raises(ResourceExhaustedError, match="--max-session-bytes"):
-                    read()
-            assert session.budget.used == before
-            c.delete(filler)
-            got = read()
-            got = got.numpy() if hasattr(got, "numpy") else np.asarray(got)
-            np.testing.assert_array_equal(got.reshape(-1), value)  # still there
+        with contextlib.ExitStack() as stack:
+            if holder == "tape":
+                stack.enter_context(c.gradient_tape())
+            with pytest.raises(ResourceExhaustedError, match="--max-session-bytes"):
+                read()
+        assert session.budget.used == before
+        c.delete(filler)
+        got = read()
+        got = got.numpy() if hasattr(got, "numpy") else np.asarray(got)
+        np.testing.assert_array_equal(got.reshape(-1), value)  # still there
 
 
 @pytest.mark.parametrize("holder", ["tape", "keep", "transient"])
@@ -572,31 +580,25 @@ def test_a_tape_released_during_a_read_at_the_limit_loses_no_element(target, mon
 
     record_read = recording.read
     limit = 128 * 1024
-    with run_server(host="127.0.0.1", port=0, max_session_bytes=limit) as srv:
-        threshold = 16 * 1024 if holder == "transient" else 1 << 20
-        with gradserve.Client(f"127.0.0.1:{srv.port}", stream_threshold=threshold) as c:
-            value = np.arange(8000, dtype=F32)
-            h, flow = c.raw_ops.TensorArrayV3(size=1, dtype=F32)
-            flow = c.raw_ops.TensorArrayWriteV3(h, 0, value, flow)
-            session = srv.store.get(c.session_id)
-            fillers = []
+    with _one_element(limit, holder) as (c, session, h, flow, value):
+        fillers = []
 
-            def read_release_fill(rec, *args):
-                out = record_read(rec, *args)
-                session.release_tape(rec.tapes[0].id)  # (as ReleaseTape on another thread)
-                room = limit - session.budget.used - TENSOR_RECORD_BYTES
-                fillers.append(session.put(np.zeros(room, np.uint8)))  # (another call's)
-                return out
+        def read_release_fill(rec, *args):
+            out = record_read(rec, *args)
+            session.release_tape(rec.tapes[0].id)  # (as ReleaseTape on another thread)
+            room = limit - session.budget.used - TENSOR_RECORD_BYTES
+            fillers.append(session.put(np.zeros(room, np.uint8)))  # (another call's)
+            return out
 
-            monkeypatch.setattr(recording, "read", read_release_fill)
-            with c.gradient_tape(persistent=True):
-                got = c.raw_ops.TensorArrayReadV3(h, 0, flow, F32, keep=holder == "keep")
-            np.testing.assert_array_equal(got.numpy() if holder == "keep" else got, value)
-            if holder == "keep":
-                c.delete(got)
-            session.delete(fillers)
-            c.put(np.zeros(1, F32))  # a call: it deletes the transient output fetched
-            assert session.budget.used == session.record_bytes() + 4 + TENSOR_RECORD_BYTES
+        monkeypatch.setattr(recording, "read", read_release_fill)
+        with c.gradient_tape(persistent=True):
+            got = c.raw_ops.TensorArrayReadV3(h, 0, flow, F32, keep=holder == "keep")
+        np.testing.assert_array_equal(got.numpy() if holder == "keep" else got, value)
+        if holder == "keep":
+            c.delete(got)
+        session.delete(fillers)
+        c.put(np.zeros(1, F32))  # a call: it deletes the transient output fetched
+        assert session.budget.used == session.record_bytes() + 4 + TENSOR_RECORD_BYTES
 
 
 @pytest.mark.parametrize("op", ["write", "scatter", "split"])
