@@ -208,6 +208,32 @@ GRADIENTS: dict[str, GradFn] = {
 }
 
 
+def recorded(records: Sequence[Record], watched_at: dict[str, int]) -> list[Record]:
+    """The records TensorFlow's tape would hold (``ShouldRecord``): an op's, if one of
+    its inputs was on the tape when it ran, watched by then (``watched_at``: a watch
+    is not retroactive) or an output of an op recorded before it. Once recorded, an
+    op passes gradients to all its inputs, a key watched later included. Every op
+    was counted before: ``tape.watch(x)`` after a TensorArray write of ``x`` gave
+    ``x`` the gradient through it, where TensorFlow gives None (found by a review
+    helper). StopGradient, which passes no gradient, is recorded by its input
+    (``saved["input"]``), as TensorFlow records it; TensorArrayV3 has none (its size,
+    a constant in TensorFlow)."""
+    watches = sorted(watched_at.items(), key=lambda item: item[1])
+    on_tape: set[str] = set()
+    kept, n = [], 0
+    for index, record in enumerate(records):
+        while n < len(watches) and watches[n][1] <= index:
+            on_tape.add(watches[n][0])
+            n += 1
+        reads = record.inputs
+        if record.op == "StopGradient":
+            reads = (record.saved.get("input"),)
+        if any(k in on_tape for k in reads if k is not None):
+            kept.append(record)
+            on_tape.update(k for k in record.outputs if k is not None)
+    return kept
+
+
 def _between(records: Sequence[Record], sources: set[str], targets: set[str]) -> list[Record]:
     """The records on a path from a source to a target, in recorded order (as
     TensorFlow's ``_PendingCount`` keeps the ops between ``xs`` and ``ys``)."""
@@ -276,7 +302,7 @@ def gradients(
     """
     if not targets:
         raise InvalidArgumentError("Gradients needs at least one target", field="targets")
-    records, unknown, differentiable = session.tape_snapshot(tape, targets, sources)
+    records, unknown, differentiable, watched_at = session.tape_snapshot(tape, targets, sources)
     if unknown:
         raise InvalidArgumentError(
             f"target {_describe(unknown[0])!r} was not computed under this tape (nor is "
@@ -296,8 +322,7 @@ def gradients(
         source_values.append(value)
     grads: dict[str, Any] = _seeds(session, targets, target_values, output_gradients, compute)
 
-    order = {id(record): n for n, record in enumerate(records)}
-    between = _between(records, set(differentiable), set(targets))
+    between = _between(recorded(records, watched_at), differentiable, set(targets))
     source = session.new_gradient_source()
     sweep = Sweep(session, compute, source, check)
     try:
@@ -310,12 +335,9 @@ def gradients(
             fn = GRADIENTS.get(record.op)
             if fn is None:
                 continue  # no differentiable inputs (its inputs are never reached)
-            recorded_at = order[id(record)]
             for key, g in zip(record.inputs, fn(sweep, record, out_grads)):
                 if key is None or g is None:
                     continue
-                if recorded_at < differentiable.get(key, 0):
-                    continue  # recorded before ``key`` was watched: no path from it
                 grads[key] = _add(grads[key], g, compute) if key in grads else g
         results: list[Any] = []
         for tensor_id, value in zip(sources, source_values):

@@ -816,11 +816,10 @@ class Session:
 
     def tape_snapshot(
         self, tape: Tape, targets: Sequence[str], sources: Sequence[str]
-    ) -> tuple[list[Any], list[str], dict[str, int]]:
+    ) -> tuple[list[Any], list[str], set[str], dict[str, int]]:
         """A live tape's records as of now, the ``targets`` it neither produced nor
-        watches (not differentiable: the caller's error), and the ``sources`` it did,
-        each with the first record that may pass it a gradient: 0 for an output of
-        the tape, else the number of records before it was watched (``watched_at``).
+        watches (not differentiable: the caller's error), the ``sources`` it did, and
+        when each watched key was watched (``Tape.watched_at``).
         Only the records are copied (references): copying the tape's sets of produced
         and watched keys as well cost a gradient call, even one refused for its
         target, time in their size under this lock."""
@@ -832,13 +831,9 @@ class Session:
 
             unknown = [t for t in targets if not on_tape(t)]
             if unknown:
-                return [], unknown, {}
-            differentiable = {
-                k: 0 if k in tape.outputs else tape.watched_at.get(k, 0)
-                for k in sources
-                if on_tape(k)
-            }
-            return list(tape.records), [], differentiable
+                return [], unknown, set(), {}
+            differentiable = {k for k in sources if on_tape(k)}
+            return list(tape.records), [], differentiable, dict(tape.watched_at)
 
     def gradient_done(self, tape: Tape) -> None:
         """A gradient computation on ``tape`` succeeded: a non-persistent tape is

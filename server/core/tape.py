@@ -171,10 +171,9 @@ class Tape:
         #: Resident tensors watched (``WatchTensors``, or read by a recorded op
         #: when ``watch_accessed_variables``): differentiable sources.
         self.watched: set[str] = set()
-        #: When each watched key became watched: the number of records before it. An
-        #: op recorded earlier passes it no gradient, as in TensorFlow, which records
-        #: an op only if one of its inputs is watched when it runs; watching after
-        #: the op gave its gradient (found by a review helper).
+        #: When each watched key became watched: the number of records before it
+        #: (``gradients.recorded``: TensorFlow records an op only if one of its inputs
+        #: is watched, or an output of a recorded op, when it runs).
         self.watched_at: dict[str, int] = {}
         self.records: list[Record] = []
         #: Bytes charged for ``records`` (``record_cost`` each), released with the tape.

@@ -852,29 +852,37 @@ def test_a_failed_op_takes_off_a_tape_only_the_holds_it_took(server):
         server.store.close(session.id)
 
 
-@pytest.mark.parametrize("watch", ["after", "before", "between"])
+@pytest.mark.parametrize("watch", ["after", "before", "between", "after, on a flow"])
 def test_a_watch_passes_gradients_only_from_ops_recorded_after_it(client, watch):
-    """TensorFlow records an op only if one of its inputs is watched when it runs
-    (``tape.watch`` is not retroactive): written into a TensorArray before the watch,
-    ``x`` gets None from the read; written after it, ones; written both before and
-    after, only the write after counts (tensorflow 2.21 in a tf.function, whose
-    TensorArrays are these ops; an eager TensorArray is a list, whose gather alone is
-    recorded). The tape gave the gradient through writes recorded before the watch
-    (found by a review helper)."""
+    """TensorFlow records an op only if one of its inputs is on the tape when it runs,
+    watched or an output of a recorded op (``tape.watch`` is not retroactive), and a
+    recorded op passes gradients to all its inputs. Two writes of ``x`` then a
+    gather: watched after, ``x`` gets None; before, twos; between, ones (only the
+    second write was recorded). Watched after, but written on the flow of a write of
+    a watched ``w``: ones (tensorflow 2.21 in a tf.function, whose TensorArrays are
+    these ops; an eager TensorArray is a list, whose gather alone is recorded). The
+    tape gave the gradient through writes of ``x`` recorded before any watch (found
+    by review helpers)."""
     x = client.put(np.array([1.0, 2.0], F32))
+    w = client.put(np.array([3.0, 4.0], F32))
     with client.gradient_tape(watch_accessed_variables=False) as tape:
         if watch == "before":
             tape.watch(x)
         h, flow = client.raw_ops.TensorArrayV3(size=2, dtype=F32)
-        flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+        if watch == "after, on a flow":
+            tape.watch(w)
+            flow = client.raw_ops.TensorArrayWriteV3(h, 0, w, flow)
+        else:
+            flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
         if watch == "between":
             tape.watch(x)
         flow = client.raw_ops.TensorArrayWriteV3(h, 1, x, flow)
         both = client.raw_ops.TensorArrayGatherV3(h, [0, 1], flow, F32)
-        if watch == "after":
+        if watch.startswith("after"):
             tape.watch(x)
     grad = tape.gradient(both, x)
-    expected = {"after": None, "before": [2.0, 2.0], "between": [1.0, 1.0]}[watch]
+    expected = {"before": [2.0, 2.0], "between": [1.0, 1.0]}.get(watch)
+    expected = [1.0, 1.0] if watch == "after, on a flow" else expected
     if expected is None:
         assert grad is None
     else:

@@ -85,9 +85,10 @@ def split(rec: Recorder, handle: str, key: str | None, value: np.ndarray) -> Non
 
 def stop_gradient(rec: Recorder, value_arg: TensorArg, value: Any) -> str | None:
     """StopGradient: an output with no differentiable input (it blocks)."""
-    rec.arg(value_arg)  # watched if resident, as any input read under the tape
+    key, _ = rec.arg(value_arg)  # watched if resident, as any input read under the tape
     out = rec.output(value)
-    rec.record("StopGradient", (), (out,), {})
+    # No differentiable input (it blocks); recorded if its input is on the tape.
+    rec.record("StopGradient", (), (out,), {"input": key})
     return out
 
 
