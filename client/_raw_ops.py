@@ -17,7 +17,8 @@ import numpy as np
 from google.protobuf.message import Message
 
 from gradserve import codec, shapes
-from gradserve.client._types import StepOutput, TensorArrayHandle
+from gradserve.client._convert import to_array
+from gradserve.client._types import StepOutput, TapedArray, TensorArrayHandle, TensorRef
 from gradserve.lstm_signature import GRAD_ARGUMENTS, LSTMActivations, LSTMGrads, LSTMInputs
 from gradserve.v1 import lstm_pb2
 from gradserve.v1 import tensor_array_pb2 as pb
@@ -252,8 +253,8 @@ class RawOps:
     def _lstm(self, rpc: str, req: Any, values: dict, names: tuple[str, ...], parse):
         temps = self._staging()
         self._in(values.pop("seq_len_max"), req.seq_len_max, temps, np.int64)
-        for field in names:
-            self._in(values[field], getattr(req, field), temps)
+        for field, value in zip(names, _matching(values[field] for field in names)):
+            self._in(value, getattr(req, field), temps)
         if not req.keep_outputs:
             temps.output_sizes = _lstm_output_sizes(rpc, values)
         return self._op(rpc, req, parse, temps)
@@ -311,6 +312,48 @@ class RawOps:
         values = dict(locals())
         req = lstm_pb2.BlockLSTMGradRequest(use_peephole=use_peephole, keep_outputs=keep)
         return self._lstm("BlockLSTMGrad", req, values, _LSTM_GRAD_INPUTS, self._lstm_grad_out)
+
+
+def _matching(values: Any) -> list[Any]:
+    """An LSTM op's inputs, which share one type (``T``), with Python values converted
+    as TensorFlow converts them: to the dtype of the first tensor among the inputs (a
+    ``TensorRef`` or ``TapedArray``), else of the first one converted (eager
+    ``args_to_matching_eager``; a graph infers ``T`` the same way). Lists of floats
+    with a float16 ``x`` are float16: each converted on its own was float32, and the
+    op was refused (found by a review helper). An array keeps its dtype, and one
+    that does not match is refused by the server, as a graph refuses it; so is a
+    Python value of another kind (bool, complex, string)."""
+    values = list(values)
+    dtype = next((np.dtype(v.dtype) for v in values if isinstance(v, _TENSORS)), None)
+    out: list[Any] = []
+    for value in values:
+        if isinstance(value, (*_TENSORS, StepOutput)):
+            out.append(value)
+            continue
+        array = to_array(value)
+        if dtype is None:
+            dtype = array.dtype
+        elif (
+            _is_python(value)
+            and array.dtype != dtype
+            and array.dtype.kind in "iuf"
+            and dtype.kind == "f"
+        ):
+            array = np.asarray(value, dtype)  # from the Python numbers, rounded once
+        out.append(array)
+    return out
+
+
+def _is_python(value: Any) -> bool:
+    """A plain Python value (a number, a list of them), not an array-like object."""
+    return not (
+        isinstance(value, (np.ndarray, np.generic))
+        or hasattr(value, "__array__")
+        or hasattr(value, "__dlpack__")
+    )
+
+
+_TENSORS = (TensorRef, TapedArray)
 
 
 def _lstm_output_sizes(rpc: str, values: dict) -> tuple[int, ...]:

@@ -336,3 +336,24 @@ def test_a_sequence_with_no_batch_or_no_units_costs_no_steps(client, empty):
     for k, got in grads._asdict().items():
         assert got.shape == getattr(want, k).shape, k
         assert not got.any(), k
+
+
+@pytest.mark.parametrize("first", ["array", "ref"])
+def test_lstm_inputs_given_as_lists_take_the_type_of_the_first_tensor(client, first):
+    """An LSTM op's inputs share one type, T: TensorFlow converts Python (and NumPy)
+    values to the dtype of its first tensor input, else of its first value (eager
+    ``args_to_matching_eager``), so lists with a float16 ``x`` are float16. Each was
+    converted on its own (float32) and the op refused (found by a review helper)."""
+    rng = np.random.default_rng(0)
+    steps, batch, units = 3, 2, 4
+    x = rng.standard_normal((steps, batch, units)).astype(np.float16)
+    w = (rng.standard_normal((2 * units, 4 * units)) * 0.3).astype(np.float16)
+    zeros = [[0.0] * units] * batch
+    peep = [0.1] * units
+    args = [zeros, zeros, w.tolist(), peep, peep, peep, [0.0] * (4 * units)]
+    x_arg = client.put(x) if first == "ref" else x
+    got = client.raw_ops.BlockLSTMV2(np.int64(steps), x_arg, *args, use_peephole=True)
+    half = [np.asarray(a, np.float16) for a in args]
+    want = client.raw_ops.BlockLSTMV2(np.int64(steps), x, *half, use_peephole=True)
+    assert got.h.dtype == np.float16
+    np.testing.assert_array_equal(got.h, want.h)
