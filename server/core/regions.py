@@ -342,6 +342,8 @@ class RegionTable:
         try:
             dir_fd = os.open(self.shm_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):  # (the usual case, not the object's)
+                raise _server_full() from None
             raise NotFoundError(
                 f"the server has no {SHM_DIR} ({e.strerror}): no shared memory here",
                 reason="SHARED_MEMORY_UNAVAILABLE",

@@ -285,6 +285,31 @@ def test_region_descriptors_are_bounded_for_the_whole_server(target, objects, mo
         objects.register(a, name="once_more")
 
 
+def test_a_server_out_of_descriptors_says_so(objects, monkeypatch):
+    """Out of descriptors, the first open of a registration (/dev/shm itself) failed
+    EMFILE and was answered "the server has no /dev/shm" (found by a review helper)."""
+    import errno
+
+    shm = objects.make(4096)
+    nonce = os.urandom(32)
+    shm.buf[:32] = nonce
+    table = regions.RegionTable("s", max_region_bytes=None, max_tensor_bytes=None)
+    real_open = os.open
+
+    def no_descriptors(path, *args, **kwargs):
+        if path == regions.SHM_DIR:
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_descriptors)
+    with pytest.raises(ResourceExhaustedError) as err:
+        table.register("r", shm.name, 4096, nonce)
+    assert err.value.reason == "SERVER_REGIONS_FULL"
+    monkeypatch.setattr(os, "open", real_open)
+    table.register("r", shm.name, 4096, nonce)  # (nothing was left counted)
+    table.close()
+
+
 @pytest.mark.parametrize(
     "key",
     ["../etc/passwd", "a/b", "..", ".", "", "x" * 129, "sp ace", "nul\x00", "é", "psm_1234"],
