@@ -52,6 +52,12 @@ class HeldBytes(Protocol):
         released since): the call keeps ``value`` on it, or gives it back."""
         ...
 
+    def hold_pins(self, tensor_ids: list[str]) -> None:
+        """Ids the op's outputs got on the tapes, pinned for the call
+        (``Recorder._pinned``): the call lets go of them (``Session.let_go_ids``) when
+        nothing of it may name them any more."""
+        ...
+
 
 class Payments:
     """Budget bytes paid ahead for outputs an op will hold (``tensor_array.HandOut``),
@@ -348,7 +354,11 @@ class Recorder:
 
     def _let_go_pins(self) -> None:
         pinned, self._pinned = self._pinned, []
-        if pinned:
+        if not pinned:
+            return
+        if self.held is not None:
+            self.held.hold_pins(pinned)  # (a Batch's later steps may name them)
+        else:
             self.session.let_go_ids(pinned)
 
     def _live_tapes(self) -> int:

@@ -154,6 +154,10 @@ class CallIO:
         self._paid_outputs = Payments(session.budget)
         #: Held tensors the running op's outputs are (``hand_out_for``'s ``pin``).
         self._pinned: list[Any] = []
+        #: Tape ids of earlier Batch steps' outputs, pinned until the call ends
+        #: (``hold_pins``): a later step may name one after another call released
+        #: its tape (it was NOT_FOUND).
+        self._step_pins: list[str] = []
         self._op_running = False  # ``run`` is running an op
         self._ended = False  # the call is over (``end``)
 
@@ -327,6 +331,15 @@ class CallIO:
     def paid_for(self, value: Any, charge: int) -> None:
         self._paid_outputs.add(value, charge)
 
+    def hold_pins(self, tensor_ids: list[str]) -> None:
+        """The op's pins of its tape outputs (``Recorder._pinned``): let go of now, or,
+        in a Batch that goes on, when the call ends (a later step may name them)."""
+        with self._lock:
+            if self.step is not None and not self._ended:
+                self._step_pins += tensor_ids
+                return
+        self.session.let_go_ids(tensor_ids)
+
     def _placement(self, array: Any, keep: bool, response_left: int, offset: int) -> Placement:
         """Where ``emit`` puts output ``array`` (the one definition, so that what an op
         pays for ahead, ``_staying``, is what ``emit`` then keeps): not kept, into the
@@ -398,28 +411,36 @@ class CallIO:
         if self._pinned:
             pinned, self._pinned = self._pinned, []
             self.session.let_go(pinned)
+        pins: list[str] = []
         with self._lock:
             self._op_running = False
             made, self._copies_of_op = self._copies_of_op, []
             if self.step is None or self._ended:
                 done, self._copies = list(self._copies.values()), {}
+                pins, self._step_pins = self._step_pins, []
             else:  # this step's copies but its outputs (held: only earlier steps' outputs)
                 outputs = {id(v) for v in self.produced.get(self.step, {}).values()}
                 gone = [k for k in dict.fromkeys(made) if k in self._copies and k not in outputs]
                 done = [self._copies.pop(k) for k in gone]
         for _, reservation, _ in done:
             reservation.release()
+        if pins:
+            self.session.let_go_ids(pins)
 
     def end(self) -> None:
         """The call is over (its response sent, or the call cancelled, its op perhaps
-        still running): release the region copies now, or when that op ends."""
+        still running): release the region copies and the steps' pins now, or when
+        that op ends."""
         with self._lock:
             self._ended = True
             if self._op_running:
                 return  # ``_after_op`` releases them
             done, self._copies = list(self._copies.values()), {}
+            pins, self._step_pins = self._step_pins, []
         for _, reservation, _ in done:
             reservation.release()
+        if pins:
+            self.session.let_go_ids(pins)
 
     def hand_over(self, value: TensorArg) -> None:
         """The op stores input ``value`` itself and charges it as stored (a TensorArray

@@ -887,3 +887,42 @@ def test_a_watch_passes_gradients_only_from_ops_recorded_after_it(client, watch)
         assert grad is None
     else:
         np.testing.assert_array_equal(grad, expected)
+
+
+def test_a_batch_step_names_an_earlier_steps_tape_output_after_the_tape_went(monkeypatch):
+    """A Batch step names an earlier step's output by its tape id (an inline output
+    the tape holds); another call released the tape between the steps, and the later
+    step was NOT_FOUND, though this call computed the value (found by a review
+    helper). The call now holds its steps' tape outputs until the Batch ends."""
+    from gradserve.server.transport import servicer as servicer_module
+
+    run = servicer_module.GradServeServicer._run
+    released = []
+
+    async def run_then_release(self, op, io, request):
+        result = await run(self, op, io, request)
+        if op.rpc == "TensorArrayReadV3" and io.step is not None:
+            for tape in io.tapes:  # (as ReleaseTape from another call, between the steps)
+                released.append(io.session.release_tape(tape.id))
+        return result
+
+    monkeypatch.setattr(servicer_module.GradServeServicer, "_run", run_then_release)
+    with run_server(device="cpu") as server:
+        with gradserve.Client(f"127.0.0.1:{server.port}", shared_memory=False) as client:
+            x = client.put(np.array([1.0, 2.0], F32))
+            session = server.store.get(client.session_id)
+            with client.gradient_tape(persistent=True):
+                batch = client.batch()
+                ops = batch.raw_ops
+                h, flow = ops.TensorArrayV3(size=1, dtype=F32)
+                flow = ops.TensorArrayWriteV3(h, 0, x, flow)
+                read = ops.TensorArrayReadV3(h, 0, flow, F32)
+                h2, flow2 = ops.TensorArrayV3(size=1, dtype=F32)
+                ops.TensorArrayWriteV3(h2, 0, read, flow2)  # names step 2's tape output
+                results = batch.run()
+            assert released
+            (h2, _), flow2 = results[3], results[4]
+            again = client.raw_ops.TensorArrayReadV3(h2, 0, flow2, F32)
+            np.testing.assert_array_equal(again, [1.0, 2.0])
+            client.delete(x)
+            assert session.budget.used == session.record_bytes()  # the pins let go
