@@ -46,6 +46,7 @@ import logging
 import os
 import pathlib
 import shutil
+import stat
 import struct
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -355,8 +356,15 @@ def read_session(path: str | os.PathLike[str]) -> SessionState:
     """The session in one file, or ``SnapshotError`` saying what is wrong with it."""
     path = pathlib.Path(path)
     try:
-        with path.open("rb") as fh:  # one buffer: no second copy of the file
-            data = bytearray(os.fstat(fh.fileno()).st_size)
+        # Non-blocking, then a regular file only: opening a FIFO named like a session
+        # file blocked the restore (the server never listened) or an adoption (and
+        # then the drain, SIGTERM could not end it; found by a review helper).
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as fh:  # one buffer: no second copy of the file
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise SnapshotError(f"{path.name}: not a regular file")
+            data = bytearray(info.st_size)
             fh.readinto(data)
     except OSError as e:
         raise SnapshotError(f"{path.name}: cannot read: {e}") from e

@@ -538,3 +538,30 @@ def test_a_session_keeps_its_most_recently_closed_arrays_only():
     assert len(back.get(s.id)._closed_arrays) == MAX_CLOSED_ARRAYS  # and it goes on bounded
     store.close(s.id)
     assert store.budget.used == 0
+
+
+def test_a_fifo_named_like_a_session_file_is_refused_not_waited_on(tmp_path):
+    """Opening a FIFO blocks until a writer comes: one named ``*.gss`` in the state
+    directory (or the adopt directory) hung the restore, or the adoption and then the
+    drain, which SIGTERM could not end (found by a review helper). A session file is
+    now opened without blocking and must be a regular file."""
+    import threading
+
+    fifo = tmp_path / f"session-fifo{persistence.SUFFIX}"
+    os.mkfifo(fifo)
+    outcome = []
+
+    def read() -> None:
+        try:
+            persistence.read_session(fifo)
+        except persistence.SnapshotError as e:
+            outcome.append(str(e))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(5)
+    if reader.is_alive():  # (a blocked open: let the thread go before failing)
+        with open(fifo, "wb"):
+            pass
+        pytest.fail("read_session waited on a FIFO")
+    assert outcome and "not a regular file" in outcome[0]
