@@ -39,6 +39,7 @@ from gradserve.errors import (
 from gradserve.server.core.budget import MemoryBudget
 from gradserve.server.core.grad_registry import GradRegistry
 from gradserve.server.core.regions import RegionTable
+from gradserve.server.core.snapshot_gate import SnapshotGate
 from gradserve.server.core.tape import MAX_TAPES_PER_SESSION, Tape
 from gradserve.server.core.tensor_array import TensorArray, TensorArrayState
 from gradserve.warm_buffers import DEFAULT_LIMIT_BYTES, WarmBuffers
@@ -158,6 +159,8 @@ class Session:
         self.budget = budget or MemoryBudget(None, f"session {session_id[:8]}")
         self.last_used = time.monotonic()
         self._lock = threading.Lock()
+        #: Ops that change the session in steps, against its snapshot (``changing``).
+        self._gate = SnapshotGate()
         self._closed = False
         self._name_counter = 0
         self._arrays: dict[str, TensorArray] = {}
@@ -859,8 +862,14 @@ class Session:
             )
 
     # ---------------------------------------------------------------- snapshots
+    def changing(self) -> contextlib.AbstractContextManager[None]:
+        """Around an op that may change the session in steps (a clearing read: the
+        element, then its output): no snapshot sees it half done (``SnapshotGate``)."""
+        return self._gate.op()
+
     def export_state(self, idle_timeout: float, now: float | None = None) -> SessionState:
-        """Everything this session holds, for a snapshot (``server.core.persistence``).
+        """Everything this session holds, for a snapshot (``server.core.persistence``),
+        between ops that change it in steps (``changing``).
 
         Tensors still arriving are not part of it (their upload fails and is repeated).
         Gradient tapes are not persisted (a restored session has none; a call naming
@@ -868,19 +877,21 @@ class Session:
         the snapshot can say so.
         """
         now = time.monotonic() if now is None else now
-        with self._lock:
-            arrays = dict(self._arrays)
-            grads = self._grads.as_dict()
-            resident = {t: kept.array for t, kept in self._resident.items()}
-            counter = self._name_counter
-            remaining = max(0.0, idle_timeout - (now - self.last_used))
-            tapes = len(self._tapes)
+        with self._gate.snapshot():
+            with self._lock:
+                arrays = dict(self._arrays)
+                grads = self._grads.as_dict()
+                resident = {t: kept.array for t, kept in self._resident.items()}
+                counter = self._name_counter
+                remaining = max(0.0, idle_timeout - (now - self.last_used))
+                tapes = len(self._tapes)
+            exported = {h: ta.export_state() for h, ta in arrays.items()}
         return SessionState(
             id=self.id,
             principal=self.principal,
             name_counter=counter,
             idle_seconds_left=remaining,
-            arrays={h: ta.export_state() for h, ta in arrays.items()},
+            arrays=exported,
             grads=grads,
             resident=resident,
             tapes_dropped=tapes,

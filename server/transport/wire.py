@@ -18,6 +18,7 @@ StopGradient), is copied to host memory, through ``host_array``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import threading
@@ -167,7 +168,12 @@ class CallIO:
         """``handler(self, request)``; if it raises, the outputs it already stored in the
         session (kept or transient) are deleted: a failed op hands out no id, so none
         may stay behind holding bytes. ``ordered``: under tapes, the op is recorded in
-        the order it ran relative to other ordered ops (``Recorder``)."""
+        the order it ran relative to other ordered ops (``Recorder``), and no snapshot
+        of the session sees it half done (``Session.changing``: a TensorArray op)."""
+        with self.session.changing() if ordered else contextlib.nullcontext():
+            return self._run(handler, request, ordered)
+
+    def _run(self, handler: Callable[[CallIO, Any], Any], request: Any, ordered: bool) -> Any:
         self._kept = []
         recorder = None
         if self.tapes:

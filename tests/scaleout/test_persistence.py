@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import ml_dtypes
 import numpy as np
@@ -565,3 +566,82 @@ def test_a_fifo_named_like_a_session_file_is_refused_not_waited_on(tmp_path):
             pass
         pytest.fail("read_session waited on a FIFO")
     assert outcome and "not a regular file" in outcome[0]
+
+
+def test_a_snapshot_sees_a_clearing_read_whole_or_not_at_all(monkeypatch):
+    """A read clears its element, then keeps its output: a snapshot taken between the
+    two steps held neither, so after a crash the value was gone from both (found by a
+    review helper with --snapshot-interval 0.02). The snapshot now waits for the op
+    (``SnapshotGate``)."""
+    import threading
+
+    import gradserve
+    from gradserve.server import run_server
+    from gradserve.server.core.ops import tensor_array_ops as ta_ops
+
+    read = ta_ops.read
+    states = []
+
+    def read_then_snapshot(session, *args):
+        value = read(session, *args)  # the element is cleared now
+        snapshot = threading.Thread(target=lambda: states.append(session.export_state(60.0)))
+        snapshot.start()
+        snapshot.join(0.3)  # (with the gate it waits for this op, which is not done)
+        return value
+
+    monkeypatch.setattr(ta_ops, "read", read_then_snapshot)
+    with run_server(host="127.0.0.1", port=0) as server:
+        with gradserve.Client(f"127.0.0.1:{server.port}") as client:
+            h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
+            flow = client.raw_ops.TensorArrayWriteV3(h, 0, np.arange(3, dtype=np.float32), flow)
+            kept = client.raw_ops.TensorArrayReadV3(h, 0, flow, np.float32, keep=True)
+            deadline = time.monotonic() + 10
+            while not states and time.monotonic() < deadline:
+                time.sleep(0.01)
+    assert states, "the snapshot did not finish"
+    np.testing.assert_array_equal(states[0].resident[kept.id], [0.0, 1.0, 2.0])
+
+
+def test_a_snapshot_waits_for_ops_inside_the_gate_but_not_forever():
+    """An op inside the gate holds a snapshot back, and ops that come after a waiting
+    snapshot wait for it; one that does not end within the timeout lets the snapshot
+    go on (the final snapshot of a drain must not hang on a stuck op)."""
+    import threading
+
+    from gradserve.server.core.snapshot_gate import SnapshotGate
+
+    gate = SnapshotGate()
+    order = []
+    with gate.op():
+        with gate.snapshot(timeout=0.2) as whole:
+            order.append("snapshot")
+        assert not whole  # the op was still inside: it went on after the timeout
+    op_done = threading.Event()
+
+    def later_op() -> None:
+        with gate.op():
+            order.append("later op")
+        op_done.set()
+
+    assert order == ["snapshot"]
+    inside = gate.op()
+    inside.__enter__()
+    snapshot_done = []
+
+    def snapshot() -> None:
+        with gate.snapshot(timeout=5) as whole:
+            snapshot_done.append(whole)
+            order.append("snapshot 2")
+
+    taker = threading.Thread(target=snapshot)
+    taker.start()
+    time.sleep(0.1)
+    late = threading.Thread(target=later_op)
+    late.start()
+    time.sleep(0.1)
+    assert snapshot_done == [] and not op_done.is_set()  # both wait for the op inside
+    inside.__exit__(None, None, None)
+    taker.join(5)
+    late.join(5)
+    assert snapshot_done == [True]
+    assert order == ["snapshot", "snapshot 2", "later op"]  # the waiting snapshot first
