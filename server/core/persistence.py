@@ -241,6 +241,7 @@ def _encode(state: SessionState, to_host: Callable[[Any], Any]) -> tuple[bytes, 
         "arrays": arrays,
         "grads": [[h, src, g] for (h, src), g in state.grads.items()],
         "resident": [{"id": t, "value": blobs.add(a)} for t, a in state.resident.items()],
+        "closed_order": state.closed_order,
     }
     return json.dumps(meta, separators=(",", ":")).encode(), blobs.pieces
 
@@ -463,6 +464,7 @@ def _decode(payload: memoryview) -> SessionState:
             closed=bool(a["closed"]),
             slots=slots,
         )
+    closed = meta.get("closed_order")  # (absent from snapshots written before it was kept)
     return SessionState(
         id=str(meta["id"]),
         principal=str(meta["principal"]),
@@ -471,6 +473,7 @@ def _decode(payload: memoryview) -> SessionState:
         arrays=arrays,
         grads={(str(h), str(src)): str(g) for h, src, g in meta["grads"]},
         resident={str(r["id"]): tensor(r["value"]) for r in meta["resident"]},
+        closed_order=None if closed is None else [str(h) for h in closed],
     )
 
 

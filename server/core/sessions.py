@@ -885,6 +885,7 @@ class Session:
                 counter = self._name_counter
                 remaining = max(0.0, idle_timeout - (now - self.last_used))
                 tapes = len(self._tapes)
+                closed_order = list(self._closed_arrays)
             exported = {h: ta.export_state() for h, ta in arrays.items()}
         return SessionState(
             id=self.id,
@@ -895,6 +896,7 @@ class Session:
             grads=grads,
             resident=resident,
             tapes_dropped=tapes,
+            closed_order=closed_order,
         )
 
     @classmethod
@@ -945,9 +947,11 @@ class Session:
                 session.close()
                 raise ValueError(f"grad array of {forward!r} for {source!r}: no such array")
         session._grads = GradRegistry(state.grads.items())
-        for handle, ta in session._arrays.items():
-            if ta.closed:
-                session._closed_arrays[handle] = None
+        closed = [h for h, ta in session._arrays.items() if ta.closed]
+        if state.closed_order is not None and set(state.closed_order) == set(closed):
+            closed = state.closed_order  # (a restored session forgot another array first)
+        for handle in closed:
+            session._closed_arrays[handle] = None
         return session
 
     # ---------------------------------------------------------------- lifecycle
@@ -1003,6 +1007,10 @@ class SessionState:
     resident: dict[str, Array]
     #: Gradient tapes the session had, which snapshots do not keep.
     tapes_dropped: int = 0
+    #: Handles of the closed arrays in the order they were closed (the oldest is
+    #: forgotten first, ``MAX_CLOSED_ARRAYS``); None: in the order they were made (a
+    #: snapshot from before this was kept).
+    closed_order: list[str] | None = None
 
 
 def _check_proposed_id(tape_id: str) -> None:

@@ -645,3 +645,30 @@ def test_a_snapshot_waits_for_ops_inside_the_gate_but_not_forever():
     late.join(5)
     assert snapshot_done == [True]
     assert order == ["snapshot", "snapshot 2", "later op"]  # the waiting snapshot first
+
+
+def test_a_restored_session_forgets_the_closed_arrays_in_the_order_they_were_closed(
+    tmp_path, monkeypatch
+):
+    """A session keeps the most recently closed arrays (``MAX_CLOSED_ARRAYS``); a
+    restored one ordered them as they were made, not closed, and so forgot another
+    array first: its handle was NOT_FOUND where the live session said "already
+    closed" (found by a review helper). The close order is in the snapshot now."""
+    from gradserve.server.core import sessions
+
+    monkeypatch.setattr(sessions, "MAX_CLOSED_ARRAYS", 2)
+    store = SessionStore()
+    s = store.create()
+    first, _ = s.create_tensor_array(tensor_array_name="", dtype=np.float32, size=1)
+    second, _ = s.create_tensor_array(tensor_array_name="", dtype=np.float32, size=1)
+    s.close_tensor_array(second)
+    s.close_tensor_array(first)
+    persistence.write_snapshot(store.export_states(), tmp_path)
+    back = SessionStore()
+    persistence.restore_dir(back, tmp_path)
+    for session in (s, back.get(s.id)):
+        third, _ = session.create_tensor_array(tensor_array_name="", dtype=np.float32, size=1)
+        session.close_tensor_array(third)  # past the limit: the first closed goes
+        with pytest.raises(Exception, match="does not exist"):
+            session.tensor_array(second)
+        assert session.tensor_array(first).closed  # still known: "already closed"
