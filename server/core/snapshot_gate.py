@@ -8,8 +8,11 @@ nor the output: restored after a crash, the value was gone from both, a state th
 never existed (found by a review helper, with ``--snapshot-interval 0.02``).
 
 The gate lets any number of such ops through at once, or one snapshot: a snapshot
-waits until the ops inside are done and holds back the ops that come after it, so it
-sees each op whole or not at all. Nothing else waits on it, and an op waiting here
+waits until the ops inside are done, and ops wait only while a snapshot is being taken
+(a copy of references), so it sees each op whole or not at all. Ops do not wait for a
+snapshot that is itself waiting: each waits on a lane thread, and with every thread of
+the lane held back behind one session's slow op, light ops of every session stalled
+for seconds (found by a review helper: 5.3 s against 24 ms). Nothing else waits on it, and an op waiting here
 holds no lock yet (``CallIO.run`` passes it first). A snapshot waits at most
 ``timeout`` seconds (an op that hangs must not stop the final snapshot of a drain),
 and then takes the session as it is.
@@ -27,19 +30,18 @@ SNAPSHOT_WAIT_SECONDS = 10.0
 
 
 class SnapshotGate:
-    """Ops (shared) against a snapshot (exclusive), a waiting snapshot first."""
+    """Ops (shared) against a snapshot (exclusive)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._ops = 0
-        self._snapshots_waiting = 0
         self._snapshotting = False
 
     @contextlib.contextmanager
     def op(self) -> Iterator[None]:
         """An op that may change the session in several steps."""
         with self._cond:
-            while self._snapshotting or self._snapshots_waiting:
+            while self._snapshotting:
                 self._cond.wait()
             self._ops += 1
         try:
@@ -56,17 +58,13 @@ class SnapshotGate:
         ``timeout`` seconds (it goes on: the caller may say so)."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            self._snapshots_waiting += 1
-            try:
-                while self._snapshotting or self._ops:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._cond.wait(left)
-                whole = not self._ops
-                self._snapshotting = True
-            finally:
-                self._snapshots_waiting -= 1
+            while self._snapshotting or self._ops:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            whole = not self._ops
+            self._snapshotting = True
         try:
             yield whole
         finally:

@@ -603,27 +603,19 @@ def test_a_snapshot_sees_a_clearing_read_whole_or_not_at_all(monkeypatch):
 
 
 def test_a_snapshot_waits_for_ops_inside_the_gate_but_not_forever():
-    """An op inside the gate holds a snapshot back, and ops that come after a waiting
-    snapshot wait for it; one that does not end within the timeout lets the snapshot
-    go on (the final snapshot of a drain must not hang on a stuck op)."""
+    """An op inside the gate holds a snapshot back; one that does not end within the
+    timeout lets the snapshot go on (the final snapshot of a drain must not hang on a
+    stuck op). Ops that come while a snapshot waits are not held back: each would hold
+    a lane thread, and light ops of every session stalled behind one slow op."""
     import threading
 
     from gradserve.server.core.snapshot_gate import SnapshotGate
 
     gate = SnapshotGate()
-    order = []
     with gate.op():
         with gate.snapshot(timeout=0.2) as whole:
-            order.append("snapshot")
+            pass
         assert not whole  # the op was still inside: it went on after the timeout
-    op_done = threading.Event()
-
-    def later_op() -> None:
-        with gate.op():
-            order.append("later op")
-        op_done.set()
-
-    assert order == ["snapshot"]
     inside = gate.op()
     inside.__enter__()
     snapshot_done = []
@@ -631,20 +623,15 @@ def test_a_snapshot_waits_for_ops_inside_the_gate_but_not_forever():
     def snapshot() -> None:
         with gate.snapshot(timeout=5) as whole:
             snapshot_done.append(whole)
-            order.append("snapshot 2")
 
     taker = threading.Thread(target=snapshot)
     taker.start()
     time.sleep(0.1)
-    late = threading.Thread(target=later_op)
-    late.start()
-    time.sleep(0.1)
-    assert snapshot_done == [] and not op_done.is_set()  # both wait for the op inside
+    with gate.op():  # another op, while the snapshot waits: not held back
+        assert snapshot_done == []
     inside.__exit__(None, None, None)
     taker.join(5)
-    late.join(5)
     assert snapshot_done == [True]
-    assert order == ["snapshot", "snapshot 2", "later op"]  # the waiting snapshot first
 
 
 def test_a_restored_session_forgets_the_closed_arrays_in_the_order_they_were_closed(
