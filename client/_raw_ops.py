@@ -320,13 +320,11 @@ def _matching(values: Any) -> list[Any]:
     ``TensorRef`` or ``TapedArray``), else of the first one converted (eager
     ``args_to_matching_eager``; a graph infers ``T`` the same way). Lists of floats
     with a float16 ``x`` are float16: each converted on its own was float32, and the
-    op was refused (found by a review helper). Arrays and NumPy scalars convert to
-    the dtype of a tensor too; without one they keep their own, and one that does
-    not match the first is refused by the server, as a graph refuses it; so is a
-    value of another kind (bool, complex, string)."""
+    op was refused (found by a review helper). An array keeps its dtype, and one
+    that does not match is refused by the server, as a graph refuses it; so is a
+    Python value of another kind (bool, complex, string)."""
     values = list(values)
     dtype = next((np.dtype(v.dtype) for v in values if isinstance(v, _TENSORS)), None)
-    from_tensor = dtype is not None
     out: list[Any] = []
     for value in values:
         if isinstance(value, (*_TENSORS, StepOutput)):
@@ -335,11 +333,13 @@ def _matching(values: Any) -> list[Any]:
         array = to_array(value)
         if dtype is None:
             dtype = array.dtype
-        elif array.dtype != dtype and array.dtype.kind in "iuf" and dtype.kind == "f":
-            if _is_python(value):
-                array = np.asarray(value, dtype)  # from the Python numbers, rounded once
-            elif from_tensor:
-                array = array.astype(dtype)
+        elif (
+            _is_python(value)
+            and array.dtype != dtype
+            and array.dtype.kind in "iuf"
+            and dtype.kind == "f"
+        ):
+            array = np.asarray(value, dtype)  # from the Python numbers, rounded once
         out.append(array)
     return out
 
