@@ -765,7 +765,6 @@ class Session:
     def _watch_locked(tape: Tape, tensor_ids: Iterable[str]) -> None:
         """(caller holds ``_lock``)"""
         for tensor_id in tensor_ids:
-            tape.watched.add(tensor_id)
             tape.watched_at.setdefault(tensor_id, len(tape.records))
 
     def watch(self, tape: Tape, tensor_ids: Iterable[str]) -> None:
@@ -830,7 +829,7 @@ class Session:
             self._check_tape_live(tape)
 
             def on_tape(key: str) -> bool:
-                return key in tape.outputs or key in tape.watched
+                return key in tape.outputs or key in tape.watched_at
 
             unknown = [t for t in targets if not on_tape(t)]
             if unknown:

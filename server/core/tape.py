@@ -174,12 +174,11 @@ class Tape:
         self.holds: dict[str, int] = {}
         #: Keys of tensors that recorded ops produced: differentiable.
         self.outputs: set[str] = set()
-        #: Resident tensors watched (``WatchTensors``, or read by a recorded op
-        #: when ``watch_accessed_variables``): differentiable sources.
-        self.watched: set[str] = set()
-        #: When each watched key became watched: the number of records before it
-        #: (``gradients.recorded``: TensorFlow records an op only if one of its inputs
-        #: is watched, or an output of a recorded op, when it runs).
+        #: Tensors watched (``WatchTensors``, or read by a recorded op when
+        #: ``watch_accessed_variables``): differentiable sources, each with when it
+        #: became watched, the number of records before it (``gradients.recorded``:
+        #: TensorFlow records an op only if one of its inputs is watched, or an
+        #: output of a recorded op, when it runs).
         self.watched_at: dict[str, int] = {}
         self.records: list[Record] = []
         #: Bytes charged for ``records`` (``record_cost`` each), released with the tape.
