@@ -42,9 +42,10 @@ from gradserve.kernels.device import select_device
 from gradserve.server.core import persistence
 from gradserve.server.core.sessions import SessionStore
 from gradserve.server.transport import boundary
-from gradserve.server.transport.admission import Admission, Lane
+from gradserve.server.transport.admission import Admission
 from gradserve.server.transport.auth import TokenTable, is_loopback
 from gradserve.server.transport.config import LSTM_FORMULATIONS, ServerConfig
+from gradserve.server.transport.lanes import Lane
 from gradserve.server.transport.memory import Trimmer
 from gradserve.server.transport.observability import Metrics, Observer
 from gradserve.server.transport.replicas import StateKeeper, register_metrics
@@ -245,10 +246,15 @@ def start(config: ServerConfig) -> Server:
     servicer = GradServeServicer(
         store,
         compute=compute,
-        light=Lane("light", config.workers),
+        # With principals, the light lane keeps its last thread for a principal with
+        # nothing running there; the compute lane, a slot per core, keeps none.
+        light=Lane("light", config.workers, reserve_last_thread=config.token_file is not None),
         heavy=Lane("compute", config.slots(device), config.max_queued_compute),
         admission=Admission(
-            config.max_concurrent_rpcs, config.max_streams, config.streams_per_principal()
+            config.max_concurrent_rpcs,
+            config.max_streams,
+            config.streams_per_principal(),
+            max_calls_per_principal=config.rpcs_per_principal(),
         ),
         tokens=tokens,
         observer=Observer(metrics),

@@ -115,6 +115,12 @@ SERVE_FLAGS = [
         "bytes of freed large-tensor buffers kept warm for reuse (0: off)",
     ),
     ("max_concurrent_rpcs", _optional(int), "calls in flight; more get RESOURCE_EXHAUSTED"),
+    (
+        "max_concurrent_rpcs_per_principal",
+        _optional(int),
+        "calls in flight of one principal (-1: half of --max-concurrent-rpcs with "
+        "--token-file, else none)",
+    ),
     ("max_streams", _optional(int), "PutTensor/GetTensor streams open, all principals"),
     ("max_streams_per_principal", _optional(int), "streams open of one principal"),
     (

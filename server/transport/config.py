@@ -14,7 +14,8 @@ from gradserve.kernels import blas_threads, lstm_cpu
 from gradserve.kernels.cuda_graphs import DEFAULT_CACHE_BYTES
 from gradserve.warm_buffers import DEFAULT_LIMIT_BYTES as DEFAULT_HOST_CACHE_BYTES
 
-#: ``max_principal_bytes`` default: this share of ``max_server_bytes``.
+#: ``max_principal_bytes`` and ``max_concurrent_rpcs_per_principal`` default: half of
+#: the server's limit, where there are principals (a token file).
 SERVER_FRACTION = -1
 
 
@@ -76,6 +77,9 @@ class ServerConfig:
     #: GradServe calls in flight at once (health excluded); more are refused with
     #: RESOURCE_EXHAUSTED.
     max_concurrent_rpcs: int | None = 256
+    #: Of those, the calls of one principal (``SERVER_FRACTION``: half, with a token
+    #: file), so one tenant flooding slow calls never holds every slot.
+    max_concurrent_rpcs_per_principal: int | None = SERVER_FRACTION
     #: Streams (PutTensor, GetTensor) open at once, all principals and one principal:
     #: a stalled stream costs no thread, but a call and the data gRPC buffers for it.
     max_streams: int | None = 1024
@@ -158,6 +162,15 @@ class ServerConfig:
         without one every client is the same anonymous principal, and 64 sessions of
         one local client locked every other out while ``--max-sessions`` had room."""
         return self.max_sessions_per_principal if self.token_file else None
+
+    def rpcs_per_principal(self) -> int | None:
+        """``max_concurrent_rpcs_per_principal`` resolved: by default half of
+        ``max_concurrent_rpcs`` where there are principals (a token file)."""
+        if self.max_concurrent_rpcs_per_principal != SERVER_FRACTION:
+            return self.max_concurrent_rpcs_per_principal
+        if self.token_file is None or self.max_concurrent_rpcs is None:
+            return None
+        return max(1, self.max_concurrent_rpcs // 2)
 
     def streams_per_principal(self) -> int | None:
         """``max_streams_per_principal`` where there are principals (a token file)."""

@@ -40,7 +40,7 @@ class Op:
     """An op as served: its handler (named as the RPC) and how it is scheduled."""
 
     handler: Handler
-    #: Compute-bound: runs on the compute lane (admission.Lane), not the light one.
+    #: Compute-bound: runs on the compute lane (lanes.Lane), not the light one.
     heavy: bool = False
 
     @property

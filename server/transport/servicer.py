@@ -3,7 +3,7 @@
 Every method is a coroutine wrapped by ``boundary.guarded`` (admission,
 authentication, observation, the one place errors become statuses). It finds its
 session from the ``x-gradserve-session`` metadata and translates; work that
-computes runs on a lane (``admission.Lane``): light ops on ``light``, LSTM ops on
+computes runs on a lane (``lanes.Lane``): light ops on ``light``, LSTM ops on
 ``compute``, so the event loop only waits. The op RPCs come from the
 ``handlers.OPS`` table: each is served by the handler function of its name
 (``tensor_array_handlers``, ``lstm_handlers``).
@@ -33,9 +33,10 @@ from gradserve.kernels.compute import Compute
 from gradserve.server.core.sessions import ANONYMOUS, Session, SessionStore, TensorReservation
 from gradserve.server.core.tape import MAX_TAPES_PER_SESSION, Tape
 from gradserve.server.transport import boundary, shm_wire, tape_handlers
-from gradserve.server.transport.admission import Admission, Lane
+from gradserve.server.transport.admission import Admission
 from gradserve.server.transport.auth import REFUSAL, TokenTable, current_principal, principal_of
 from gradserve.server.transport.handlers import OPS, OPS_BY_BATCH_FIELD, Op
+from gradserve.server.transport.lanes import Lane
 from gradserve.server.transport.observability import Observer, current_call
 from gradserve.server.transport.shm_handlers import SharedMemoryRPCs
 from gradserve.server.transport.streams import END, Pace, StreamLimits, next_item

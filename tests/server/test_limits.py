@@ -16,7 +16,7 @@ from gradserve.errors import ResourceExhaustedError
 from gradserve.server import run_server
 from gradserve.server.core.budget import MemoryBudget
 from gradserve.server.core.sessions import TENSOR_RECORD_BYTES
-from gradserve.server.transport.admission import Lane
+from gradserve.server.transport.lanes import Lane
 
 KIB = 1024
 
@@ -216,7 +216,7 @@ def compute_held(server):
         server.servicer.heavy.run(lambda: release.wait(60)), server._loop
     )
     heavy = server.servicer.heavy
-    wait_until(lambda: heavy._slots is not None and heavy._slots.locked())
+    wait_until(lambda: heavy.free == 0)
     try:
         yield
     finally:

@@ -1,0 +1,358 @@
+"""Fairness between principals: RPC slots, the compute queue and both lanes.
+
+A hostile tenant (a review helper's ``fairness_lstm.py``, ``fairness_light.py``) took
+every ``--max-concurrent-rpcs`` slot (the other principal: 0 calls served of 266),
+every ``--max-queued-compute`` place (0 of 120), and every light thread (a 4-float
+write waited 590 ms instead of 1.1 ms). Lane tests run on an event loop of their own
+with jobs the test holds; the RPC tests hold the server's lanes the same way, so no
+test depends on how long an op takes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gradserve
+from gradserve.errors import ResourceExhaustedError
+from gradserve.server import run_server
+from gradserve.server.transport.lanes import Lane
+from tests.server.test_limits import lstm_args, wait_until
+
+
+class Jobs:
+    """Jobs on a lane that run until the test releases them, in the order they ran."""
+
+    def __init__(self, lane: Lane) -> None:
+        self.lane = lane
+        self.started: list[str] = []
+        self._release: dict[str, threading.Event] = {}
+
+    def submit(self, name: str, principal: str) -> asyncio.Future[str]:
+        release = self._release[name] = threading.Event()
+
+        def work() -> str:
+            self.started.append(name)
+            assert release.wait(10), f"{name} never released"
+            return name
+
+        return asyncio.ensure_future(self.lane.run(work, principal))
+
+    async def finish(self, name: str, job: asyncio.Future[str]) -> None:
+        self._release[name].set()
+        assert await job == name
+
+    def release_all(self) -> None:
+        for event in self._release.values():
+            event.set()
+
+
+async def settle() -> None:
+    """Let the loop hand out threads and the threads start their jobs."""
+    for _ in range(5):
+        await asyncio.sleep(0.02)
+
+
+def test_a_freed_thread_goes_to_the_principal_served_least_not_the_oldest_call():
+    async def scenario():
+        lane = Lane("compute", threads=1)
+        jobs = Jobs(lane)
+        first = jobs.submit("a1", "a")
+        await settle()
+        backlog = {f"a{i}": jobs.submit(f"a{i}", "a") for i in range(2, 6)}
+        other = jobs.submit("b1", "b")
+        await settle()
+        assert jobs.started == ["a1"] and lane.waiting == 5
+        await jobs.finish("a1", first)
+        await settle()
+        assert jobs.started == ["a1", "b1"], "b waited behind a's whole backlog"
+        await jobs.finish("b1", other)
+        for name, job in backlog.items():
+            await settle()
+            await jobs.finish(name, job)
+        assert jobs.started == ["a1", "b1", "a2", "a3", "a4", "a5"]
+        assert (lane.free, lane.waiting, lane.running) == (1, 0, 0)
+        lane.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_principals_with_backlogs_take_turns():
+    async def scenario():
+        lane = Lane("compute", threads=1)
+        jobs = Jobs(lane)
+        first = jobs.submit("x", "a")
+        await settle()
+        waiting = {}
+        for i in range(3):  # a queues all its calls first
+            waiting[f"a{i}"] = jobs.submit(f"a{i}", "a")
+        for i in range(3):
+            waiting[f"b{i}"] = jobs.submit(f"b{i}", "b")
+        await settle()
+        await jobs.finish("x", first)
+        while len(jobs.started) < 7:
+            await settle()
+            await jobs.finish(jobs.started[-1], waiting[jobs.started[-1]])
+        assert jobs.started == ["x", "b0", "a0", "b1", "a1", "b2", "a2"]
+        lane.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_full_queue_gives_the_newest_place_of_the_fullest_principal_to_another():
+    async def scenario():
+        lane = Lane("compute", threads=1, max_waiting=3)
+        jobs = Jobs(lane)
+        running = jobs.submit("a1", "a")
+        await settle()
+        waiting = {name: jobs.submit(name, "a") for name in ("a2", "a3", "a4")}
+        await settle()
+        other = jobs.submit("b1", "b")
+        await settle()
+        with pytest.raises(ResourceExhaustedError, match="went to another principal") as info:
+            await waiting.pop("a4")
+        assert info.value.reason == "COMPUTE_QUEUE_FULL"
+        assert (lane.waiting_of("a"), lane.waiting_of("b")) == (2, 1)
+        # a, with the most places, is refused; so is b, with one place fewer than a
+        # (taking another would only turn the imbalance round).
+        for name, principal in (("a5", "a"), ("b2", "b")):
+            with pytest.raises(ResourceExhaustedError, match="compute queue full"):
+                await jobs.submit(name, principal)
+        assert lane.waiting == 3
+        await jobs.finish("a1", running)
+        await settle()
+        assert jobs.started == ["a1", "b1"]
+        jobs.release_all()
+        assert await other == "b1"
+        assert [await job for job in waiting.values()] == ["a2", "a3"]
+        assert (lane.free, lane.waiting) == (1, 0)
+        lane.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_one_principal_alone_still_fills_the_queue():
+    async def scenario():
+        lane = Lane("compute", threads=1, max_waiting=2)
+        jobs = Jobs(lane)
+        held = [jobs.submit(name, "a") for name in ("a1", "a2", "a3")]
+        await settle()
+        assert lane.waiting == 2
+        with pytest.raises(ResourceExhaustedError, match="compute queue full"):
+            await jobs.submit("a4", "a")
+        jobs.release_all()
+        assert [await job for job in held] == ["a1", "a2", "a3"]
+        lane.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_the_last_free_thread_is_kept_for_a_principal_with_nothing_running():
+    async def scenario():
+        lane = Lane("light", threads=3, reserve_last_thread=True)
+        jobs = Jobs(lane)
+        held = [jobs.submit(name, "a") for name in ("a1", "a2", "a3")]
+        await settle()
+        assert sorted(jobs.started) == ["a1", "a2"] and lane.waiting_of("a") == 1
+        small = jobs.submit("b1", "b")
+        await settle()
+        assert "b1" in jobs.started, "b's op waited for one of a's"
+        await jobs.finish("b1", small)
+        jobs.release_all()
+        assert sorted([await job for job in held]) == ["a1", "a2", "a3"]
+        assert (lane.free, lane.running) == (3, 0)
+        lane.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_without_the_reserve_one_principal_takes_every_thread():
+    async def scenario():
+        lane = Lane("light", threads=3)
+        jobs = Jobs(lane)
+        held = [jobs.submit(name, "a") for name in ("a1", "a2", "a3")]
+        await settle()
+        assert sorted(jobs.started) == ["a1", "a2", "a3"]
+        jobs.release_all()
+        await asyncio.gather(*held)
+        lane.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_call_cancelled_after_its_turn_came_passes_the_thread_on():
+    async def scenario():
+        lane = Lane("compute", threads=1)
+        jobs = Jobs(lane)
+        first = jobs.submit("a1", "a")
+        await settle()
+        given_up = jobs.submit("b1", "b")
+        after = jobs.submit("c1", "c")
+        await settle()
+        hand_out = lane._hand_out
+
+        def hand_out_then_cancel():  # b1's client leaves as its turn comes
+            hand_out()
+            if lane.holding("b"):
+                given_up.cancel()
+
+        lane._hand_out = hand_out_then_cancel
+        await jobs.finish("a1", first)
+        await settle()
+        assert given_up.cancelled()
+        assert jobs.started == ["a1", "c1"]
+        await jobs.finish("c1", after)
+        assert (lane.free, lane.waiting, lane.running) == (1, 0, 0)
+        lane.shutdown()
+
+    asyncio.run(scenario())
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    threads=st.integers(1, 3),
+    max_waiting=st.one_of(st.none(), st.integers(0, 4)),
+    reserve=st.booleans(),
+    plan=st.lists(
+        st.tuples(st.sampled_from("abc"), st.sampled_from(["finish", "cancel", "leave"])),
+        min_size=1,
+        max_size=12,
+    ),
+)
+def test_any_schedule_ends_with_every_thread_free_and_never_runs_more_than_threads(
+    threads, max_waiting, reserve, plan
+):
+    async def scenario():
+        lane = Lane("lane", threads, max_waiting, reserve_last_thread=reserve)
+        running = []
+        peak = [0]
+        release = threading.Event()
+
+        def work():
+            running.append(1)
+            peak[0] = max(peak[0], len(running))
+            release.wait(10)
+            running.pop()
+
+        calls = []
+        for principal, fate in plan:
+            call = asyncio.ensure_future(lane.run(work, principal))
+            calls.append((call, fate))
+            await asyncio.sleep(0)
+            if fate == "cancel":
+                call.cancel()
+            assert lane.free >= 0 and lane.waiting >= 0
+        await settle()
+        release.set()
+        for call, _ in calls:
+            try:
+                await call
+            except (asyncio.CancelledError, ResourceExhaustedError):
+                pass
+        await settle()
+        assert peak[0] <= threads
+        assert (lane.free, lane.waiting, lane.running) == (threads, 0, 0)
+        assert not lane._holding and not lane._queues
+        lane.shutdown()
+
+    asyncio.run(scenario())
+
+
+# --- over the real RPC path, with a token file
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fairness") / "tokens"
+    path.write_text("a:token-a\nb:token-b\n")
+    return str(path)
+
+
+def connect(server, principal, **kw):
+    return gradserve.Client(
+        f"127.0.0.1:{server.port}",
+        token=f"token-{principal}",
+        shared_memory=False,
+        keepalive=False,
+        **kw,
+    )
+
+
+def hold(server, lane, principal, count):
+    """``count`` jobs of ``principal`` holding the server's ``lane`` until the
+    returned event is set."""
+    release = threading.Event()
+    jobs = [
+        asyncio.run_coroutine_threadsafe(
+            lane.run(lambda: release.wait(60), principal), server._loop
+        )
+        for _ in range(count)
+    ]
+    return release, jobs
+
+
+def test_one_principal_cannot_hold_every_rpc_slot(tokens):
+    with run_server(
+        device="cpu", token_file=tokens, max_concurrent_rpcs=4, compute_slots=1
+    ) as server:
+        heavy, admission = server.servicer.heavy, server.servicer.admission
+        release, blocker = hold(server, heavy, "test", 1)
+        wait_until(lambda: heavy.free == 0)
+        with connect(server, "a") as a, connect(server, "b") as b:
+            pool = concurrent.futures.ThreadPoolExecutor(2)
+            slow = [pool.submit(a.raw_ops.BlockLSTMV2, *lstm_args()) for _ in range(2)]
+            wait_until(lambda: heavy.waiting == 2)
+            with pytest.raises(ResourceExhaustedError, match="per-principal") as info:
+                a.stop_gradient(np.ones(1))
+            assert info.value.reason == "TOO_MANY_CALLS_FOR_PRINCIPAL"
+            assert b.stop_gradient(np.ones(1))[0] == 1  # two slots are left, for b
+            release.set()
+            assert [len(call.result(30)) for call in slow] == [7, 7]
+            blocker[0].result(10)
+            pool.shutdown()
+        wait_until(lambda: admission.in_flight == 0)
+        assert not admission._calls_of
+
+
+def test_another_principal_takes_a_place_in_a_full_compute_queue(tokens):
+    with run_server(
+        device="cpu", token_file=tokens, compute_slots=1, max_queued_compute=2
+    ) as server:
+        heavy = server.servicer.heavy
+        release, blocker = hold(server, heavy, "test", 1)
+        wait_until(lambda: heavy.free == 0)
+        with connect(server, "a") as a, connect(server, "b") as b:
+            pool = concurrent.futures.ThreadPoolExecutor(3)
+            first = pool.submit(a.raw_ops.BlockLSTMV2, *lstm_args())
+            wait_until(lambda: heavy.waiting == 1)
+            second = pool.submit(a.raw_ops.BlockLSTMV2, *lstm_args())
+            wait_until(lambda: heavy.waiting == 2)
+            other = pool.submit(b.raw_ops.BlockLSTMV2, *lstm_args())
+            with pytest.raises(ResourceExhaustedError, match="another principal") as info:
+                second.result(30)
+            assert info.value.reason == "COMPUTE_QUEUE_FULL"
+            release.set()
+            assert len(other.result(30)) == 7 and len(first.result(30)) == 7
+            blocker[0].result(10)
+            pool.shutdown()
+
+
+def test_a_flood_of_slow_light_ops_leaves_a_thread_for_another_principal(tokens):
+    with run_server(device="cpu", token_file=tokens, workers=3) as server:
+        light = server.servicer.light
+        release, held = hold(server, light, "a", 3)
+        try:
+            wait_until(lambda: light.holding("a") == 2 and light.waiting_of("a") == 1)
+            with connect(server, "b", timeout=10) as b:
+                # Without the reserve this call waited for one of a's jobs: never.
+                assert b.stop_gradient(np.ones(1))[0] == 1
+        finally:
+            release.set()
+        for job in held:
+            job.result(10)
