@@ -20,9 +20,9 @@ from typing import Any
 
 from google.protobuf.message import Message
 
+from gradserve.client._errors import typed_error
 from gradserve.client._raw_ops import RawOps
 from gradserve.client._types import StepOutput
-from gradserve.errors import error_class_for
 from gradserve.lstm_signature import LSTMActivations, LSTMGrads
 from gradserve.protocol import BATCH_FIELDS
 from gradserve.v1 import service_pb2, tensor_array_pb2, tensor_pb2
@@ -136,7 +136,8 @@ class Batch:
                 if reply.error.reason == "RESPONSE_FULL" and reply.failed_step > 0:
                     start += reply.failed_step  # not run: goes in the next request
                     continue
-                raise error_class_for(reply.error.code)(
+                raise typed_error(
+                    reply.error.code,
                     reply.error.message,
                     reason=reply.error.reason,
                     step=start + reply.failed_step,

@@ -12,6 +12,7 @@ from gradserve.errors import (
     NOT_CONNECTED_REASON,
     Code,
     GradserveError,
+    NotFoundError,
     SessionLostError,
     UnavailableError,
     error_class_for,
@@ -135,12 +136,20 @@ def from_rpc_error(error: grpc.RpcError, *, unsent_is_known: bool = False) -> Gr
     if unsent_is_known and not reason and not_sent(error):
         reason = NOT_CONNECTED_REASON
     trailing: Any = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
-    cls = error_class_for(Code[code.name])
-    if code == grpc.StatusCode.NOT_FOUND and reason == SESSION_LOST_REASON:
-        cls, message = SessionLostError, SessionLostError.EXPLANATION + (message or "")
-    return cls(
+    return typed_error(
+        Code[code.name],
         message or str(code),
         reason=reason,
         field=field,
         request_id=next((v for k, v in trailing or () if k == REQUEST_ID_KEY), ""),
     )
+
+
+def typed_error(code: Code | int, message: str, *, reason: str, **details: Any) -> GradserveError:
+    """The error for a status the server sent (a call's, or a Batch step's): the
+    class of its code, and ``SessionLostError``, with what it means, for a NOT_FOUND
+    of the session itself."""
+    cls = error_class_for(code)
+    if cls is NotFoundError and reason == SESSION_LOST_REASON:
+        cls, message = SessionLostError, SessionLostError.EXPLANATION + message
+    return cls(message, reason=reason, **details)

@@ -260,6 +260,8 @@ class Session:
     def tensor_array(self, handle: str) -> TensorArray:
         with self._lock:
             ta = self._arrays.get(handle)
+            if ta is None:
+                self._check_open()  # gone with its session, not on its own
         if ta is None:
             raise NotFoundError(
                 f"TensorArray handle {handle!r} does not exist in this session",
@@ -472,6 +474,7 @@ class Session:
                     return kept  # type: ignore[no-any-return]
             if tensor_id in self._call_held:
                 return self._call_held[tensor_id][0]
+            self._check_open()
             raise NotFoundError(
                 f"resident tensor {tensor_id!r} does not exist in this session",
                 reason="TENSOR_NOT_FOUND",
@@ -593,6 +596,8 @@ class Session:
         with self._lock:
             tape = self._tapes.get(tape_id)
             released = tape_id in self._released_tapes
+            if tape is None:
+                self._check_open()
         if tape is not None:
             return tape
         if released:
@@ -985,6 +990,9 @@ class Session:
         return freed
 
     def _check_open(self) -> None:
+        """SESSION_NOT_FOUND once closed. A lookup that misses checks it first: a
+        call racing CloseSession (or the TTL) learns that its session is gone, not
+        that a handle or tensor it holds does not exist."""
         if self._closed:
             raise NotFoundError(f"session {self.id!r} is closed", reason="SESSION_NOT_FOUND")
 

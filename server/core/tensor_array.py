@@ -40,7 +40,12 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 from gradserve import dtypes, shapes
-from gradserve.errors import InvalidArgumentError, ResourceExhaustedError, UnimplementedError
+from gradserve.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnimplementedError,
+)
 from gradserve.server.core.budget import MemoryBudget
 
 #: Multi-index reads call their ``check`` (deadline, cancellation) this often.
@@ -138,6 +143,8 @@ class TensorArray:
         self._marked_size = marked_size
         self._gradients_disallowed = False
         self._closed = False
+        #: Closed with its session (``discard``), not by TensorArrayCloseV3.
+        self._discarded = False
         self._journal: dict[int, _Slot | None] | None = None
         #: During an op (``_atomic``): the bytes held when it began, those reserved
         #: since, ahead of its end (``_grew``), and those it will give back that its
@@ -628,6 +635,7 @@ class TensorArray:
             self._own_bytes = 0
             self._slots.clear()
             self._closed = True
+            self._discarded = True
         if self._budget is not None:
             self._budget.release(freed)
         return freed
@@ -777,6 +785,10 @@ class TensorArray:
             self._dynamic_size = dynamic_size
 
     def _check_open(self) -> None:
+        if self._discarded:  # an op that found the array as its session closed
+            raise NotFoundError(
+                f"TensorArray {self.name}: its session was closed", reason="SESSION_NOT_FOUND"
+            )
         if self._closed:
             raise InvalidArgumentError(f"TensorArray {self.name} has already been closed.")
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 
 import gradserve
+from gradserve.errors import Code, InvalidArgumentError, NotFoundError, SessionLostError
+from gradserve.server.core.sessions import SessionStore
+from gradserve.v1 import service_pb2
 
 THREADS = 16
 PER_THREAD = 25
@@ -82,3 +86,61 @@ def test_separate_sessions_in_parallel(target):
             np.testing.assert_array_equal(got, [[k, i] for i in range(PER_THREAD)])
 
     assert run_threads(worker) == []
+
+
+def test_a_call_that_finds_its_session_closed_is_told_so_not_that_its_handle_is_missing():
+    """A call racing CloseSession (or the TTL) got past the session lookup, then found
+    its TensorArray, tensor or tape gone: it said TENSOR_ARRAY_NOT_FOUND,
+    TENSOR_NOT_FOUND or "has already been closed" (44 of 240 racing calls, in a review
+    helper's ``close_error_codes.py``), which the SDK cannot tell from a wrong handle.
+    Each lookup, and an array the call already held, now says SESSION_NOT_FOUND."""
+    store = SessionStore()
+    session = store.create()
+    handle, held = session.create_tensor_array(
+        tensor_array_name="", dtype=np.float32, size=2, clear_after_read=False
+    )
+    held.write(0, np.ones(3, np.float32))
+    tensor = session.put(np.ones(3, np.float32))
+    tape = session.start_tape(persistent=True, watch_accessed_variables=False)
+    store.close(session.id)
+    for lookup in (
+        lambda: session.tensor_array(handle),
+        lambda: session.get(tensor),
+        lambda: session.tape(tape.id),
+        lambda: held.read(0),
+        lambda: held.write(1, np.ones(3, np.float32)),
+    ):
+        with pytest.raises(NotFoundError) as info:
+            lookup()
+        assert info.value.reason == "SESSION_NOT_FOUND"
+    # An array closed by TensorArrayCloseV3 is still TensorFlow's INVALID_ARGUMENT.
+    live = store.create()
+    handle, _ = live.create_tensor_array(tensor_array_name="", dtype=np.float32, size=1)
+    array = live.tensor_array(handle)
+    live.close_tensor_array(handle)
+    with pytest.raises(InvalidArgumentError, match="has already been closed"):
+        array.read(0)
+    store.close(live.id)
+
+
+def test_a_batch_step_that_finds_its_session_gone_raises_session_lost(target):
+    """The SDK built a Batch step's error from its code alone: SESSION_NOT_FOUND was a
+    plain NotFoundError there, not SessionLostError as for any other call."""
+    with gradserve.Client(target) as client:
+        real = client._call
+
+        def session_closed_at_step_0(rpc, request, **kw):
+            if rpc != "Batch":
+                return real(rpc, request, **kw)
+            reply = service_pb2.BatchResponse(failed_step=0)
+            reply.error.code = Code.NOT_FOUND
+            reply.error.message = "Batch step 0 (StopGradient): session 'x' is closed"
+            reply.error.reason = "SESSION_NOT_FOUND"
+            return reply
+
+        client._call = session_closed_at_step_0
+        batch = client.batch()
+        batch.raw_ops.StopGradient(np.ones(1))
+        with pytest.raises(SessionLostError, match="session lost") as info:
+            batch.run()
+        assert info.value.step == 0 and info.value.reason == "SESSION_NOT_FOUND"
