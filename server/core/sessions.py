@@ -635,6 +635,13 @@ class Session:
         records, tape.record_bytes = tape.record_bytes, 0
         return self._drop(held.values()) + sum(map(self._entry_gone, held)) + records
 
+    def kept_by_client(self, tensor_id: str) -> bool:
+        """Whether the client keeps ``tensor_id`` (put it, or kept an op's output):
+        a variable to a tape that watches accessed variables. An id only a tape (or
+        a call) holds is an intermediate."""
+        with self._lock:
+            return tensor_id in self._resident
+
     def hold_for_tape(self, tape: Tape, tensor_id: str) -> bool:
         """``tape`` holds the tensor ``tensor_id`` (resident, or held by a tape) for one
         more op, until the tape is released (or the op fails: ``release_held``); False

@@ -254,16 +254,19 @@ class Recorder:
     def arg(self, value: TensorArg, *, hold: bool = False) -> tuple[str | None, str | None]:
         """An input's (differentiable key, held id).
 
-        A resident tensor is differentiable under its id (and watched when the tape
-        watches accessed variables), and held as it is: deleting it does not take
-        it from the tape, which charges no more bytes for it. A value sent inline is
-        a constant (key None); with ``hold`` (its gradient needs the value) the tape
-        keeps it under a new id, charged to the session.
+        A tensor passed by id is differentiable under its id, and held as it is:
+        deleting it does not take it from the tape, which charges no more bytes for
+        it. One the client keeps (put, or kept) is watched when the tape watches
+        accessed variables, as TensorFlow watches variables; another tape's output
+        (a ``TapedArray``) is an intermediate, which TensorFlow does not watch. A
+        value sent inline is a constant (key None); with ``hold`` (its gradient needs
+        the value) the tape keeps it under a new id, charged to the session.
         """
         from gradserve.server.core.sessions import Resident
 
         if isinstance(value, Resident):
-            self._watch.add(value.id)
+            if self.session.kept_by_client(value.id):
+                self._watch.add(value.id)
             for tape in self.tapes:
                 if self.session.hold_for_tape(tape, value.id):
                     self._held.append((tape, value.id))

@@ -926,3 +926,30 @@ def test_a_batch_step_names_an_earlier_steps_tape_output_after_the_tape_went(mon
             np.testing.assert_array_equal(again, [1.0, 2.0])
             client.delete(x)
             assert session.budget.used == session.record_bytes()  # the pins let go
+
+
+def test_another_tapes_output_is_an_intermediate_not_a_watched_variable(client):
+    """``watch_accessed_variables`` watches variables (here: tensors the client
+    keeps), not intermediates. ``z``, an output of tape ``a``, written under tape
+    ``b`` on a fresh array: TensorFlow 2.21 (a tf.function, its TensorArrays these
+    ops) records no write of ``z`` on ``b``, so ``b.gradient(y, [z, v])`` is
+    ``[None, ones]``. ``z`` was watched like a resident tensor and got ones (found by
+    a review helper)."""
+    x = client.put(np.array([1.0, 2.0], F32))
+    v = client.put(np.array([3.0, 4.0], F32))
+    with client.gradient_tape(persistent=True) as a:
+        h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=F32)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+        z = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+    assert isinstance(z, TapedArray)
+    with client.gradient_tape() as b:
+        h2, flow2 = client.raw_ops.TensorArrayV3(size=2, dtype=F32)
+        flow2 = client.raw_ops.TensorArrayWriteV3(h2, 0, z, flow2)
+        flow2 = client.raw_ops.TensorArrayWriteV3(h2, 1, v, flow2)
+        y = client.raw_ops.TensorArrayGatherV3(h2, [0, 1], flow2, F32)
+    gz, gv = b.gradient(y, [z, v])
+    assert gz is None
+    np.testing.assert_array_equal(gv, [1.0, 1.0])
+    # Under its own tape, z is an output of a recorded op: connected, not watched.
+    np.testing.assert_array_equal(a.gradient(z, x), [1.0, 1.0])
+    a.release()
