@@ -126,6 +126,8 @@ class SnapshotReport:
     bytes: int = 0
     seconds: float = 0.0
     tapes_dropped: int = 0
+    #: Sessions taken while an op still changed them (``SessionState.torn``).
+    torn: int = 0
     errors: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -311,6 +313,7 @@ def write_snapshot(
     for state in states:
         keep.add(file_name(state.id))
         report.tapes_dropped += state.tapes_dropped
+        report.torn += state.torn
         try:
             report.bytes += write_session(state, path, to_host)
             report.written += 1
@@ -341,6 +344,12 @@ def write_snapshot(
     report.seconds = time.monotonic() - started
     if report.tapes_dropped:
         log.warning("snapshot: %d gradient tape(s) not persisted", report.tapes_dropped)
+    if report.torn:
+        log.warning(
+            "snapshot: %d session(s) taken while an op still changed them (it ran "
+            "past the snapshot's wait): such an op may be half in the file",
+            report.torn,
+        )
     return report
 
 

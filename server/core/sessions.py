@@ -888,7 +888,7 @@ class Session:
         the snapshot can say so.
         """
         now = time.monotonic() if now is None else now
-        with self._gate.snapshot():
+        with self._gate.snapshot() as whole:
             with self._lock:
                 arrays = dict(self._arrays)
                 grads = self._grads.as_dict()
@@ -908,6 +908,7 @@ class Session:
             resident=resident,
             tapes_dropped=tapes,
             closed_order=closed_order,
+            torn=not whole,
         )
 
     @classmethod
@@ -1025,6 +1026,10 @@ class SessionState:
     #: forgotten first, ``MAX_CLOSED_ARRAYS``); None: in the order they were made (a
     #: snapshot from before this was kept).
     closed_order: list[str] | None = None
+    #: Taken with ops still changing it after ``snapshot_gate.SNAPSHOT_WAIT_SECONDS`` (an op that
+    #: hangs must not stop the drain's snapshot): one of them may be half in it.
+    #: Not written: the snapshot's report says so.
+    torn: bool = False
 
 
 def _check_proposed_id(tape_id: str) -> None:

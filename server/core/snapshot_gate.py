@@ -53,10 +53,11 @@ class SnapshotGate:
                     self._cond.notify_all()
 
     @contextlib.contextmanager
-    def snapshot(self, timeout: float = SNAPSHOT_WAIT_SECONDS) -> Iterator[bool]:
+    def snapshot(self, timeout: float | None = None) -> Iterator[bool]:
         """A snapshot of the session; yields False if ops were still inside after
-        ``timeout`` seconds (it goes on: the caller may say so)."""
-        deadline = time.monotonic() + timeout
+        ``timeout`` seconds (default ``SNAPSHOT_WAIT_SECONDS``; it goes on, and the
+        snapshot's report says so)."""
+        deadline = time.monotonic() + (SNAPSHOT_WAIT_SECONDS if timeout is None else timeout)
         with self._cond:
             while self._snapshotting or self._ops:
                 left = deadline - time.monotonic()

@@ -42,6 +42,10 @@ class Op:
     handler: Handler
     #: Compute-bound: runs on the compute lane (lanes.Lane), not the light one.
     heavy: bool = False
+    #: Changes the session in several steps (a TensorArray op; Gradients, which makes
+    #: and fills gradient arrays), so no snapshot may see it half done
+    #: (``Session.changing``). An LSTM op's one change is keeping its outputs.
+    in_steps: bool = True
 
     @property
     def rpc(self) -> str:
@@ -65,10 +69,10 @@ OPS: tuple[Op, ...] = (
     Op(ta.TensorArrayGradV3),
     Op(ta.TensorArrayGradWithShape),
     Op(StopGradient),
-    Op(lstm.BlockLSTMV2, heavy=True),
-    Op(lstm.BlockLSTMGradV2, heavy=True),
-    Op(lstm.BlockLSTM, heavy=True),
-    Op(lstm.BlockLSTMGrad, heavy=True),
+    Op(lstm.BlockLSTMV2, heavy=True, in_steps=False),
+    Op(lstm.BlockLSTMGradV2, heavy=True, in_steps=False),
+    Op(lstm.BlockLSTM, heavy=True, in_steps=False),
+    Op(lstm.BlockLSTMGrad, heavy=True, in_steps=False),
     Op(tape.Gradients, heavy=True),
 )
 

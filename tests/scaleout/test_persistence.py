@@ -659,3 +659,57 @@ def test_a_restored_session_forgets_the_closed_arrays_in_the_order_they_were_clo
         with pytest.raises(Exception, match="does not exist"):
             session.tensor_array(second)
         assert session.tensor_array(first).closed  # still known: "already closed"
+
+
+def test_a_snapshot_that_stopped_waiting_for_an_op_says_so(tmp_path, monkeypatch, caplog):
+    """A snapshot that waited its time for an op and went on was written without a
+    word: an operator could not tell that a file may hold an op half done."""
+    from gradserve.server.core import snapshot_gate
+
+    monkeypatch.setattr(snapshot_gate, "SNAPSHOT_WAIT_SECONDS", 0.05)
+    store = SessionStore()
+    stuck, calm = store.create(), store.create()
+    with stuck.changing():
+        states = store.export_states()
+    assert {s.id: s.torn for s in states} == {stuck.id: True, calm.id: False}
+    with caplog.at_level("WARNING", logger=persistence.__name__):
+        report = persistence.write_snapshot(states, tmp_path)
+    assert (report.written, report.torn) == (2, 1)
+    assert "1 session(s) taken while an op still changed them" in caplog.text
+
+
+def test_a_snapshot_waits_for_gradients_to_end(monkeypatch):
+    """Gradients makes gradient arrays and fills them in steps, and a snapshot could
+    take them half filled (it ran on the compute lane, outside the gate): restored,
+    the session held arrays of a computation that never ended."""
+    import threading
+
+    import gradserve
+    from gradserve.server import run_server
+    from gradserve.server.transport import tape_handlers
+
+    real = tape_handlers.gradients.gradients
+    taken_during_the_op = []
+    states = []
+
+    def gradients_then_snapshot(session, *args, **kw):
+        grads = real(session, *args, **kw)
+        snapshot = threading.Thread(target=lambda: states.append(session.export_state(60.0)))
+        snapshot.start()
+        snapshot.join(0.3)  # (with the gate it waits for this op, which is not done)
+        taken_during_the_op.append(bool(states))
+        return grads
+
+    monkeypatch.setattr(tape_handlers.gradients, "gradients", gradients_then_snapshot)
+    with run_server(host="127.0.0.1", port=0) as server:
+        with gradserve.Client(f"127.0.0.1:{server.port}") as client:
+            x = client.put(np.ones(3, np.float32))
+            with client.gradient_tape() as tape:
+                h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
+                flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+                r = client.raw_ops.TensorArrayReadV3(h, 0, flow, np.float32)
+            np.testing.assert_array_equal(tape.gradient(r, x), np.ones(3, np.float32))
+            deadline = time.monotonic() + 10
+            while not states and time.monotonic() < deadline:
+                time.sleep(0.01)
+    assert taken_during_the_op == [False] and states
