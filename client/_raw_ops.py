@@ -315,14 +315,15 @@ class RawOps:
 
 
 def _matching(values: Any) -> list[Any]:
-    """An LSTM op's inputs, which share one type (``T``), with Python values converted
-    as TensorFlow converts them: to the dtype of the first tensor among the inputs (a
-    ``TensorRef`` or ``TapedArray``), else of the first one converted (eager
-    ``args_to_matching_eager``; a graph infers ``T`` the same way). Lists of floats
-    with a float16 ``x`` are float16: each converted on its own was float32, and the
-    op was refused (found by a review helper). An array keeps its dtype, and one
-    that does not match is refused by the server, as a graph refuses it; so is a
-    Python value of another kind (bool, complex, string)."""
+    """An LSTM op's inputs, which share one type (``T``), converted as eager
+    TensorFlow converts them (``args_to_matching_eager``): ``T`` is the dtype of the
+    first tensor among the inputs (a ``TensorRef`` or ``TapedArray``), else of the
+    first input, and every other value — Python numbers, lists, arrays — converts to
+    it (a float16 tensor or ``x`` makes float32 or float64 arrays float16, as
+    tf.raw_ops does, rounding). Lists of floats with a float16 ``x`` were float32 and
+    the op was refused (found by a review helper). A tensor of another dtype is
+    refused by the server, as TensorFlow refuses it; so is a value of another kind
+    (bool, complex, string), and anything when ``T`` is not a float."""
     values = list(values)
     dtype = next((np.dtype(v.dtype) for v in values if isinstance(v, _TENSORS)), None)
     out: list[Any] = []
@@ -333,13 +334,11 @@ def _matching(values: Any) -> list[Any]:
         array = to_array(value)
         if dtype is None:
             dtype = array.dtype
-        elif (
-            _is_python(value)
-            and array.dtype != dtype
-            and array.dtype.kind in "iuf"
-            and dtype.kind == "f"
-        ):
-            array = np.asarray(value, dtype)  # from the Python numbers, rounded once
+        elif array.dtype != dtype and array.dtype.kind in "iuf" and dtype.kind == "f":
+            if _is_python(value):
+                array = np.asarray(value, dtype)  # from the Python numbers, rounded once
+            else:
+                array = array.astype(dtype)
         out.append(array)
     return out
 

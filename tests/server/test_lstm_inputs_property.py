@@ -49,7 +49,7 @@ def served(request, tmp_path_factory):
 
 @st.composite
 def calls(draw):
-    """(op, inputs, attrs, what is wrong or None)."""
+    """(op, inputs, attrs, what is wrong or None, the fault drawn)."""
     backward = draw(st.booleans())
     steps, batch, size, units = (draw(st.integers(1, 4)) for _ in range(4))
     dtype = draw(st.sampled_from(FLOATS))
@@ -87,7 +87,7 @@ def calls(draw):
     if not backward:
         attrs["cell_clip"] = draw(st.sampled_from([0.0, 0.25, 3.0]))  # exact in float32
     by_id = {k: draw(st.booleans()) for k in inputs}
-    return backward, np.int64(length), inputs, by_id, attrs, wrong
+    return backward, np.int64(length), inputs, by_id, attrs, wrong, fault
 
 
 def reference(backward, length, inputs, attrs):
@@ -105,20 +105,28 @@ def reference(backward, length, inputs, attrs):
 )
 @given(call=calls())
 def test_valid_calls_match_numpy_and_invalid_ones_are_refused(served, call):
-    backward, length, inputs, by_id, attrs, wrong = call
+    backward, length, inputs, by_id, attrs, wrong, fault = call
+    names = INPUTS + (OUTPUTS + OUTPUT_GRADS if backward else ())
+    # Eager TensorFlow's T: the first tensor's dtype (here: an input by id), else the
+    # first input's; every array converts to it, and only a tensor of another dtype
+    # (or a T that is no float) makes the call wrong.
+    tensors = [k for k in names if by_id[k]]
+    dtype = inputs[tensors[0] if tensors else names[0]].dtype
+    if fault == "dtype" and dtype.kind == "f" and all(inputs[k].dtype == dtype for k in tensors):
+        wrong = None  # the input of another dtype converts: a valid call in T
     with gradserve.Client(f"127.0.0.1:{served.port}", timeout=60) as client:
         refs = {k: client.put(v) for k, v in inputs.items() if by_id[k]}
         args = {k: refs.get(k, v) for k, v in inputs.items()}
         op = client.raw_ops.BlockLSTMGradV2 if backward else client.raw_ops.BlockLSTMV2
-        names = INPUTS + (OUTPUTS + OUTPUT_GRADS if backward else ())
         session = served.store.get(client.session_id)
         if wrong is not None:
             with pytest.raises(InvalidArgumentError):
                 op(length, *(args[k] for k in names), **attrs)
         else:
             got = op(length, *(args[k] for k in names), **attrs)
-            want = reference(backward, length, inputs, attrs)
-            dtype = inputs["x"].dtype.type
+            converted = {k: v.astype(dtype) for k, v in inputs.items()}
+            want = reference(backward, length, converted, attrs)
+            dtype = dtype.type
             for k in GRADS if backward else OUTPUTS:
                 value = getattr(got, k)
                 assert value.dtype == dtype, k

@@ -121,8 +121,8 @@ def test_round_trip_moves_no_activations(target):
         ({"w": np.zeros((7, 12), np.float32)}, "w.dim_size\\(1\\) != cell_size \\* 4: 12 vs. 16"),
         ({"wcf": np.zeros(3, np.float32)}, "wcf.dim_size\\(0\\) != cell_size: 3 vs. 4"),
         ({"b": np.zeros(15, np.float32)}, "b.dim_size\\(0\\) != cell_size \\* 4"),
-        (
-            {"b": np.zeros(16, np.float64)},
+        (  # tensors (an array converts to T, the first tensor's, as in eager TensorFlow)
+            {"x": ("by id", None), "b": ("by id", np.zeros(16, np.float64))},
             "Input 'b' of 'BlockLSTMV2' Op has type float64 that does not match type float32",
         ),
         (
@@ -135,7 +135,11 @@ def test_bad_inputs_are_invalid_argument_and_server_survives(client, change, mes
     case = random_case(
         np.random.default_rng(2), steps=5, batch=2, inputs=3, units=4, dtype=np.float32
     )
-    case.update(change)
+    for k, v in change.items():
+        if isinstance(v, tuple):  # ("by id", the value, or None for the case's own)
+            case[k] = client.put(case[k] if v[1] is None else v[1])
+        else:
+            case[k] = v
     with pytest.raises(InvalidArgumentError, match=message):
         client.raw_ops.BlockLSTMV2(case["seq_len_max"], *(case[k] for k in INPUTS))
     assert client.stop_gradient(np.ones(2)).sum() == 2  # still serving
@@ -338,7 +342,7 @@ def test_a_sequence_with_no_batch_or_no_units_costs_no_steps(client, empty):
         assert not got.any(), k
 
 
-@pytest.mark.parametrize("first", ["array", "ref"])
+@pytest.mark.parametrize("first", ["array", "ref", "ref, arrays", "array, arrays"])
 def test_lstm_inputs_given_as_lists_take_the_type_of_the_first_tensor(client, first):
     """An LSTM op's inputs share one type, T: TensorFlow converts Python (and NumPy)
     values to the dtype of its first tensor input, else of its first value (eager
@@ -351,7 +355,9 @@ def test_lstm_inputs_given_as_lists_take_the_type_of_the_first_tensor(client, fi
     zeros = [[0.0] * units] * batch
     peep = [0.1] * units
     args = [zeros, zeros, w.tolist(), peep, peep, peep, [0.0] * (4 * units)]
-    x_arg = client.put(x) if first == "ref" else x
+    if first.endswith("arrays"):  # float32 arrays after a float16 x: converted too
+        args = [np.asarray(a, np.float32) for a in args]
+    x_arg = client.put(x) if first.startswith("ref") else x
     got = client.raw_ops.BlockLSTMV2(np.int64(steps), x_arg, *args, use_peephole=True)
     half = [np.asarray(a, np.float16) for a in args]
     want = client.raw_ops.BlockLSTMV2(np.int64(steps), x, *half, use_peephole=True)
