@@ -230,6 +230,11 @@ def start(config: ServerConfig) -> Server:
     heap.keep_warm()  # messages and outputs reuse warm memory (gradserve/heap.py)
     credentials = _credentials(config)
     tokens = _tokens(config)
+    several = tokens is not None and len(tokens.principals) > 1
+    try:
+        calls_per_principal = config.rpcs_per_principal()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     device = select_device(config.device)
     trimmer = Trimmer()
     try:
@@ -246,15 +251,17 @@ def start(config: ServerConfig) -> Server:
     servicer = GradServeServicer(
         store,
         compute=compute,
-        # With principals, the light lane keeps its last thread for a principal with
-        # nothing running there; the compute lane, a slot per core, keeps none.
-        light=Lane("light", config.workers, reserve_last_thread=config.token_file is not None),
+        # With several principals, the light lane keeps its last thread, and admission
+        # its last slots, for a principal with nothing there; the compute lane, a slot
+        # per core, keeps none.
+        light=Lane("light", config.workers, reserve_last_thread=several),
         heavy=Lane("compute", config.slots(device), config.max_queued_compute),
         admission=Admission(
             config.max_concurrent_rpcs,
             config.max_streams,
             config.streams_per_principal(),
-            max_calls_per_principal=config.rpcs_per_principal(),
+            max_calls_per_principal=calls_per_principal,
+            reserve_for_newcomers=several,
         ),
         tokens=tokens,
         observer=Observer(metrics),
@@ -324,12 +331,17 @@ async def _start(server: Server, credentials: grpc.ServerCredentials | None) -> 
     server._reaper = asyncio.ensure_future(_reap(server))
 
 
+#: The TTL reaper's name on the light lane: no principal's (a token file's names
+#: have no colon), so it never shares a tenant's count there.
+REAPER = "gradserve:reaper"
+
+
 async def _reap(server: Server) -> None:
     """Close idle sessions every few seconds until the server stops."""
     period = max(0.05, min(30.0, server.config.session_ttl / 4))
     while True:
         await asyncio.sleep(period)
-        expired = await server.servicer.light.run(server.store.expire_idle)
+        expired = await server.servicer.light.run(server.store.expire_idle, REAPER)
         if expired:
             log.info("closed %d idle session(s)", expired)
 

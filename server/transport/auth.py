@@ -37,6 +37,8 @@ class TokenTable:
         if not entries:
             raise ValueError("the token file names no principal:token pair")
         self._entries = list(entries.items())
+        #: The principals the file names (several tokens may name one).
+        self.principals = frozenset(entries.values())
 
     @classmethod
     def from_file(cls, path: str | pathlib.Path) -> TokenTable:

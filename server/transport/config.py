@@ -166,8 +166,14 @@ class ServerConfig:
     def rpcs_per_principal(self) -> int | None:
         """``max_concurrent_rpcs_per_principal`` resolved: by default half of
         ``max_concurrent_rpcs`` where there are principals (a token file)."""
-        if self.max_concurrent_rpcs_per_principal != SERVER_FRACTION:
-            return self.max_concurrent_rpcs_per_principal
+        limit = self.max_concurrent_rpcs_per_principal
+        if limit != SERVER_FRACTION:
+            if limit is not None and limit < 1:
+                raise ValueError(
+                    f"--max-concurrent-rpcs-per-principal {limit}: at least 1 (or none, "
+                    "or -1 for half of --max-concurrent-rpcs)"
+                )
+            return limit
         if self.token_file is None or self.max_concurrent_rpcs is None:
             return None
         return max(1, self.max_concurrent_rpcs // 2)

@@ -13,9 +13,10 @@ Two more rules keep one principal from taking a lane whole:
 - ``max_waiting`` (the compute lane's ``--max-queued-compute``): when the queue is
   full, a call of a principal with fewer waiting calls than the principal with the
   most takes the latter's newest place, whose call is refused with
-  RESOURCE_EXHAUSTED (it has not started: it changed nothing). Otherwise the new call
-  is refused. One principal alone may still fill the whole queue.
-- ``reserve_last_thread`` (the light lane, with principals): the last free thread
+  RESOURCE_EXHAUSTED before its op computed anything (earlier steps of a Batch stay
+  done, as with any failed step). Otherwise the new call is refused. One principal
+  alone may still fill the whole queue.
+- ``reserve_last_thread`` (the light lane, with several principals): the last free thread
   goes only to a principal with nothing running on the lane, so a flood of slow light
   ops never makes another principal's small op wait for one of them to end.
 """

@@ -28,7 +28,7 @@ class ForgottenUnlessReplied:
     """The id a unary put keeps, deleted if its response never reaches the client.
 
     The put runs on a lane, which finishes what it started when the call is cancelled
-    or passes its deadline (``admission.Lane.run`` shields it); the tensor it then kept
+    or passes its deadline (``lanes.Lane.run`` shields it); the tensor it then kept
     had an id nobody would learn, its bytes charged until the session closed. As an
     op's outputs (``servicer._call_over``), it is deleted when the call ends before
     the handler replied (gRPC's aio server ends a call past its deadline with

@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 import gradserve
 from gradserve.errors import ResourceExhaustedError
 from gradserve.server import run_server
+from gradserve.server.transport.admission import Admission
+from gradserve.server.transport.app import ConfigError
 from gradserve.server.transport.lanes import Lane
 from tests.server.test_limits import lstm_args, wait_until
 
@@ -356,3 +358,52 @@ def test_a_flood_of_slow_light_ops_leaves_a_thread_for_another_principal(tokens)
             release.set()
         for job in held:
             job.result(10)
+
+
+def test_two_principals_flooding_leave_a_slot_for_a_third():
+    """Each flooder within its half of the slots, two together took them all, and a
+    third principal was refused 299 times of 300 (found by a review helper). The last
+    slots (one in sixteen) go only to a principal with nothing in flight."""
+    admission = Admission(16, 8, max_calls_per_principal=8, reserve_for_newcomers=True)
+    assert (admission.calls_reserved, admission.streams_reserved) == (1, 1)
+    for principal, calls in (("a", 8), ("c", 7)):
+        for _ in range(calls):
+            admission.enter(principal)
+    with pytest.raises(ResourceExhaustedError, match="kept for principals with none") as info:
+        admission.enter("c")  # c has calls in flight: the last slot is not for it
+    assert info.value.reason == "TOO_MANY_CALLS"
+    admission.enter("b")  # b has none: it gets the slot kept
+    with pytest.raises(ResourceExhaustedError, match="the server's limit"):
+        admission.enter("d")
+    for _ in range(7):  # streams: the same rule
+        admission.enter("a", stream=True)
+    with pytest.raises(ResourceExhaustedError, match="kept for principals with none open"):
+        admission.enter("a", stream=True)
+    admission.enter("b", stream=True)
+    for principal, calls in (("a", 8), ("c", 7), ("b", 1)):
+        for _ in range(calls):
+            admission.exit(principal)
+    for principal, streams in (("a", 7), ("b", 1)):
+        for _ in range(streams):
+            admission.exit(principal, stream=True)
+    assert admission.in_flight == 0 and not admission._calls_of and not admission._streams_of
+
+
+def test_one_principal_or_none_reserves_nothing(tmp_path):
+    """A reserve for other principals only wastes threads and slots where there are
+    none (a lone tenant's 64 MiB gathers ran one at a time on two light threads)."""
+    one = tmp_path / "one"
+    one.write_text("a:token-a\na:token-a2\n")  # two tokens, one principal
+    two = tmp_path / "two"
+    two.write_text("a:token-a\nb:token-b\n")
+    for token_file, reserved in ((None, 0), (str(one), 0), (str(two), 1)):
+        with run_server(device="cpu", token_file=token_file, workers=2) as server:
+            assert server.servicer.light._reserve == reserved, token_file
+            assert server.servicer.admission.calls_reserved == (reserved and 256 // 16)
+
+
+@pytest.mark.parametrize("cap", [0, -2])
+def test_a_per_principal_call_cap_below_one_is_refused_at_start(tokens, cap):
+    with pytest.raises(ConfigError, match="at least 1"):
+        with run_server(device="cpu", token_file=tokens, max_concurrent_rpcs_per_principal=cap):
+            pass
