@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import pathlib
 import signal
 import sys
@@ -254,7 +255,12 @@ def start(config: ServerConfig) -> Server:
         # With several principals, the light lane keeps its last thread, and admission
         # its last slots, for a principal with nothing there; the compute lane, a slot
         # per core, keeps none.
-        light=Lane("light", config.workers, reserve_last_thread=several),
+        light=Lane(
+            "light",
+            config.workers,
+            reserve_last_thread=several,
+            max_per_principal=light_ops_per_principal() if several else None,
+        ),
         heavy=Lane("compute", config.slots(device), config.max_queued_compute),
         admission=Admission(
             config.max_concurrent_rpcs,
@@ -329,6 +335,12 @@ async def _start(server: Server, credentials: grpc.ServerCredentials | None) -> 
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     server.port, server._grpc, server._health = port, grpc_server, health_servicer
     server._reaper = asyncio.ensure_future(_reap(server))
+
+
+def light_ops_per_principal() -> int:
+    """With several principals, the light ops one principal runs at once: two per
+    core (``lanes.Lane.max_per_principal``: more of them only slowed the others)."""
+    return max(2, 2 * (os.cpu_count() or 1))
 
 
 #: The TTL reaper's name on the light lane: no principal's (a token file's names

@@ -17,7 +17,10 @@ on loopback, every loop bounded in count and time:
 5. sigterm: SIGTERM under 32 clients (SDK, retries=0): calls cancelled, wrong,
    refused, ok; exit code and time to exit;
 6. churn: sessions opened and closed (a put and a TensorArray write each): server
-   RSS baseline, peak, after.
+   RSS baseline, peak, after;
+7. fairness: with a token file of three principals, b's small TensorArray writes
+   alone and while a floods the light lane (32 threads of 64 MiB gathers), and b's
+   refusals while a and c flood LSTM calls past ``--max-concurrent-rpcs``.
 
 ``python -m tests.benchmarks.bench_hostile [--quick] [--only stalls,sigterm,...]``
 """
@@ -837,6 +840,126 @@ def bench_churn(args: argparse.Namespace) -> None:
     )
 
 
+# ------------------------------------------------------------------ 7. fairness
+def _small_ops(target: str, token: str, seconds: float) -> tuple[list[float], collections.Counter]:
+    """A tenant's 4-float TensorArray writes, one at a time for ``seconds``: their
+    latencies and refusals (a session of its own, made once the server lets it)."""
+    latencies: list[float] = []
+    refused: collections.Counter[str] = collections.Counter()
+    end = time.monotonic() + seconds
+    client = ta = None
+    n = 0
+    while time.monotonic() < end:
+        try:
+            if client is None:
+                client = gradserve.Client(
+                    target, token=token, retries=0, keepalive=False, shared_memory=False
+                )
+                ta = client.tensor_array(np.float32, size=1 << 20, dynamic_size=True)
+            t0 = time.perf_counter()
+            ta.write(n, np.ones(4, np.float32))
+            latencies.append(time.perf_counter() - t0)
+            n += 1
+        except GradserveError as e:
+            refused[e.reason or e.code.name] += 1
+            time.sleep(0.01)
+    if client is not None:
+        client.close()
+    return latencies, refused
+
+
+def _flood(target: str, token: str, threads: int, op: Callable[[Any], Any]) -> Callable[[], None]:
+    """``threads`` clients of one tenant calling ``op(client)()`` in a loop (refusals
+    ignored) until the returned stop function is called. Returns once each has made
+    its call (or after a minute): the setup's uploads are not what is measured."""
+    stop = threading.Event()
+    ready = threading.Semaphore(0)
+
+    def loop() -> None:
+        client = call = None
+        while not stop.is_set():
+            try:
+                if client is None:
+                    client = gradserve.Client(
+                        target, token=token, retries=0, keepalive=False, shared_memory=False
+                    )
+                if call is None:
+                    call = op(client)
+                    ready.release()
+                call()
+            except GradserveError:
+                time.sleep(0.001)
+        if client is not None:
+            with contextlib.suppress(GradserveError):
+                client.close()
+
+    workers = [threading.Thread(target=loop, daemon=True) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    deadline = time.monotonic() + 60
+    for _ in workers:
+        ready.acquire(timeout=max(0.0, deadline - time.monotonic()))
+
+    def stop_all() -> None:
+        stop.set()
+        for w in workers:
+            w.join(60)
+
+    return stop_all
+
+
+def bench_fairness(args: argparse.Namespace) -> None:
+    seconds = 3.0 if args.quick else 6.0
+    print(f"\n[7] fairness between principals (token file: a, b, c), {seconds:g} s windows")
+    with tempfile.TemporaryDirectory() as tmp:
+        tokens = os.path.join(tmp, "tokens")
+        with open(tokens, "w") as fh:
+            fh.write("a:token-a\nb:token-b\nc:token-c\n")
+
+        def gathers(client: Any) -> Callable[[], None]:  # 64 MiB gathered per call
+            big = client.tensor_array(np.float32, size=64, clear_after_read=False)
+            big.unstack(np.ones((64, 1 << 18), np.float32))
+            indices = np.arange(64)
+            return lambda: client.delete(
+                client.raw_ops.TensorArrayGatherV3(big.handle, indices, 0.0, np.float32, keep=True)
+            )
+
+        with server_process("--token-file", tokens) as server:
+            alone, _ = _small_ops(server.target, "token-b", seconds)
+            stop = _flood(server.target, "token-a", 32, gathers)
+            time.sleep(1.0)
+            flooded, refused_light = _small_ops(server.target, "token-b", seconds)
+            stop()
+        light_ratio = float(np.median(flooded) / np.median(alone))
+        print(
+            f"  b's 4-float TensorArray write: {ms(alone)} alone, {ms(flooded)} while "
+            f"a runs 32 threads of 64 MiB gathers ({light_ratio:.1f}x); refused "
+            f"{dict(refused_light)}"
+        )
+
+        def lstm_calls(client: Any) -> Callable[[], None]:
+            inputs = lstm_inputs(400, batch=8, units=64)
+            return lambda: client.raw_ops.BlockLSTMV2(*inputs)
+
+        flags = ["--token-file", tokens, "--max-concurrent-rpcs", "16", "--compute-slots", "1"]
+        with server_process(*flags) as server:
+            stops = [_flood(server.target, f"token-{p}", 12, lstm_calls) for p in "ac"]
+            time.sleep(1.0)
+            served, refused_slots = _small_ops(server.target, "token-b", seconds)
+            for stop in stops:
+                stop()
+        print(
+            f"  b's small calls while a and c flood LSTM calls (12 threads each, "
+            f"--max-concurrent-rpcs 16): {len(served)} served, refused {dict(refused_slots)}"
+        )
+    summarize(
+        "fairness",
+        f"b's small op {light_ratio:.1f}x slower under a's light flood (target <= 10x); "
+        f"{sum(refused_slots.values())} refusals of b under a's and c's LSTM flood (target 0)",
+        light_ratio <= 10 and not refused_slots and not refused_light and bool(served),
+    )
+
+
 # ------------------------------------------------------------------ main
 SECTIONS = {
     "stalls": bench_stalls,
@@ -845,6 +968,7 @@ SECTIONS = {
     "readers": bench_readers,
     "sigterm": bench_sigterm,
     "churn": bench_churn,
+    "fairness": bench_fairness,
 }
 
 
