@@ -323,18 +323,32 @@ def _matching(values: Any) -> list[Any]:
     tf.raw_ops does, rounding). Lists of floats with a float16 ``x`` were float32 and
     the op was refused (found by a review helper). A tensor of another dtype is
     refused by the server, as TensorFlow refuses it; so is a value of another kind
-    (bool, complex, string), and anything when ``T`` is not a float."""
+    (bool, complex, string), and anything when ``T`` is not a float. Another
+    framework's tensor counts as a tensor (``_is_foreign_tensor``)."""
     values = list(values)
-    dtype = next((np.dtype(v.dtype) for v in values if isinstance(v, _TENSORS)), None)
+    foreign = [_is_foreign_tensor(v) for v in values]
+    arrays = [None if isinstance(v, _TENSORS + (StepOutput,)) else to_array(v) for v in values]
+    dtype = next(
+        (
+            np.dtype(v.dtype) if a is None else a.dtype
+            for v, a, f in zip(values, arrays, foreign)
+            if isinstance(v, _TENSORS) or f
+        ),
+        None,
+    )
     out: list[Any] = []
-    for value in values:
-        if isinstance(value, (*_TENSORS, StepOutput)):
+    for value, array, is_tensor in zip(values, arrays, foreign):
+        if array is None:
             out.append(value)
             continue
-        array = to_array(value)
         if dtype is None:
             dtype = array.dtype
-        elif array.dtype != dtype and array.dtype.kind in "iuf" and dtype.kind == "f":
+        elif (
+            not is_tensor
+            and array.dtype != dtype
+            and array.dtype.kind in "iuf"
+            and dtype.kind == "f"
+        ):
             if _is_python(value):
                 array = np.asarray(value, dtype)  # from the Python numbers, rounded once
             else:
@@ -353,6 +367,18 @@ def _is_python(value: Any) -> bool:
 
 
 _TENSORS = (TensorRef, TapedArray)
+
+
+def _is_foreign_tensor(value: Any) -> bool:
+    """Another framework's tensor (TensorFlow, torch, CuPy): a tensor to TensorFlow's
+    conversion too, so it sets ``T`` and is not converted (one of another dtype is
+    refused, as TensorFlow refuses it). Found by a review helper: a float16 x array
+    among float32 ``tf.constant``s computed in float16 (TF: float32)."""
+    return (
+        not isinstance(value, (np.ndarray, np.generic, *_TENSORS))
+        and hasattr(value, "dtype")
+        and (hasattr(value, "__array__") or hasattr(value, "__dlpack__"))
+    )
 
 
 def _lstm_output_sizes(rpc: str, values: dict) -> tuple[int, ...]:

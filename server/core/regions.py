@@ -418,8 +418,12 @@ class RegionTable:
             region.dropped = True
         return [r for r in regions if r.users == 0]
 
-    @staticmethod
-    def _not_found(name: str) -> NotFoundError:
+    def _not_found(self, name: str) -> NotFoundError:
+        """NOT_FOUND for ``name``: the session's (SESSION_NOT_FOUND) once it closed, so
+        that a call racing CloseSession is told its session is gone, and the SDK does
+        not register the region again (its answer to REGION_NOT_FOUND)."""
+        if self._closed:
+            return NotFoundError("the session is closed", reason="SESSION_NOT_FOUND")
         return NotFoundError(
             f"shared memory region {name[:140]!r} is not registered in this session",
             reason="REGION_NOT_FOUND",

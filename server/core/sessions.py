@@ -636,11 +636,15 @@ class Session:
         return self._drop(held.values()) + sum(map(self._entry_gone, held)) + records
 
     def kept_by_client(self, tensor_id: str) -> bool:
-        """Whether the client keeps ``tensor_id`` (put it, or kept an op's output):
-        a variable to a tape that watches accessed variables. An id only a tape (or
-        a call) holds is an intermediate."""
+        """Whether ``tensor_id`` is a variable to a tape that watches accessed
+        variables: a tensor the client keeps (put it, or kept an op's output) that no
+        live tape recorded as an op's output. An id only a tape (or a call) holds, or
+        a kept output of a tape's op, is an intermediate (found by a review helper:
+        TF 2.21 gives None for both)."""
         with self._lock:
-            return tensor_id in self._resident
+            return tensor_id in self._resident and not any(
+                tensor_id in tape.outputs for tape in self._tapes.values()
+            )
 
     def hold_for_tape(self, tape: Tape, tensor_id: str) -> bool:
         """``tape`` holds the tensor ``tensor_id`` (resident, or held by a tape) for one
@@ -994,7 +998,7 @@ class Session:
         self.budget.release(freed)
         self.regions.close()
         for ta in arrays:  # each releases its own bytes
-            freed += ta.discard()
+            freed += ta.discard(session_closed=True)
         return freed
 
     def _check_open(self) -> None:

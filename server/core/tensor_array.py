@@ -143,7 +143,8 @@ class TensorArray:
         self._marked_size = marked_size
         self._gradients_disallowed = False
         self._closed = False
-        #: Closed with its session (``discard``), not by TensorArrayCloseV3.
+        #: Closed with its session (``discard(session_closed=True)``), not by
+        #: TensorArrayCloseV3 nor forgotten by a live session.
         self._discarded = False
         self._journal: dict[int, _Slot | None] | None = None
         #: During an op (``_atomic``): the bytes held when it began, those reserved
@@ -627,15 +628,16 @@ class TensorArray:
                 self._budget.release(self._nbytes - self._own_bytes)
             self._nbytes = self._own_bytes
 
-    def discard(self) -> int:
-        """Close it and release everything it was charged (its session is closing);
-        returns the bytes released."""
+    def discard(self, *, session_closed: bool = False) -> int:
+        """Close it and release everything it was charged (its session is closing, or
+        forgets it); returns the bytes released. ``session_closed``: an op that still
+        holds it is told its session is gone, not that the array was closed."""
         with self._lock:
             freed, self._nbytes = self._nbytes, 0
             self._own_bytes = 0
             self._slots.clear()
             self._closed = True
-            self._discarded = True
+            self._discarded = session_closed
         if self._budget is not None:
             self._budget.release(freed)
         return freed

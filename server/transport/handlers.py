@@ -42,9 +42,12 @@ class Op:
     handler: Handler
     #: Compute-bound: runs on the compute lane (lanes.Lane), not the light one.
     heavy: bool = False
-    #: Changes the session in several steps (a TensorArray op; Gradients, which makes
-    #: and fills gradient arrays), so no snapshot may see it half done
-    #: (``Session.changing``). An LSTM op's one change is keeping its outputs.
+    #: Changes the session in several steps (a TensorArray op), so no snapshot may see
+    #: it half done (``Session.changing``). An LSTM op's one change is keeping its
+    #: outputs. Gradients, which makes and fills gradient arrays, stays out: two of
+    #: them overlapping in one session kept the gate from ever emptying, and every
+    #: snapshot waited its 10 s and was torn anyway (found by a review helper); one
+    #: taken mid-Gradients holds grad arrays under a source no call will use again.
     in_steps: bool = True
 
     @property
@@ -73,7 +76,7 @@ OPS: tuple[Op, ...] = (
     Op(lstm.BlockLSTMGradV2, heavy=True, in_steps=False),
     Op(lstm.BlockLSTM, heavy=True, in_steps=False),
     Op(lstm.BlockLSTMGrad, heavy=True, in_steps=False),
-    Op(tape.Gradients, heavy=True),
+    Op(tape.Gradients, heavy=True, in_steps=False),
 )
 
 OPS_BY_BATCH_FIELD = {op.batch_field: op for op in OPS}

@@ -18,6 +18,7 @@ import logging
 import os
 import pathlib
 import threading
+import time
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -198,9 +199,10 @@ class StateKeeper:
             if self._finished:
                 return None
             self._finished = final
-            report = persistence.write_snapshot(
-                self.store.export_states(), self.config.state_dir, self.compute.to_host
-            )
+            started = time.monotonic()
+            states = self.store.export_states()  # (waits for TensorArray ops inside)
+            report = persistence.write_snapshot(states, self.config.state_dir, self.compute.to_host)
+            report.seconds = time.monotonic() - started  # the wait included
             self.last = report
             self.snapshots += 1
             self.failures += report.failed

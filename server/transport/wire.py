@@ -174,7 +174,7 @@ class CallIO:
         may stay behind holding bytes. ``ordered``: under tapes, the op is recorded in
         the order it ran relative to other ordered ops (``Recorder``: a TensorArray
         op). ``in_steps``: no snapshot of the session sees it half done
-        (``Session.changing``: a TensorArray op, Gradients)."""
+        (``Session.changing``: a TensorArray op)."""
         with self.session.changing() if in_steps else contextlib.nullcontext():
             return self._run(handler, request, ordered)
 

@@ -113,13 +113,27 @@ def test_a_call_that_finds_its_session_closed_is_told_so_not_that_its_handle_is_
         with pytest.raises(NotFoundError) as info:
             lookup()
         assert info.value.reason == "SESSION_NOT_FOUND"
-    # An array closed by TensorArrayCloseV3 is still TensorFlow's INVALID_ARGUMENT.
+    # Regions too: the SDK answers REGION_NOT_FOUND by registering again.
+    for lookup in (
+        lambda: session.regions.byte_size("r"),
+        lambda: session.regions.unregister("r"),
+    ):
+        with pytest.raises(NotFoundError) as info:
+            lookup()
+        assert info.value.reason == "SESSION_NOT_FOUND"
+    # An array closed by TensorArrayCloseV3, or forgotten by a live session (past
+    # MAX_CLOSED_ARRAYS), is still TensorFlow's INVALID_ARGUMENT, not a lost session.
     live = store.create()
     handle, _ = live.create_tensor_array(tensor_array_name="", dtype=np.float32, size=1)
     array = live.tensor_array(handle)
     live.close_tensor_array(handle)
     with pytest.raises(InvalidArgumentError, match="has already been closed"):
         array.read(0)
+    forgotten, _ = live.create_tensor_array(tensor_array_name="", dtype=np.float32, size=1)
+    gone = live.tensor_array(forgotten)
+    gone.discard()  # as the session forgets an old closed array
+    with pytest.raises(InvalidArgumentError, match="has already been closed"):
+        gone.read(0)
     store.close(live.id)
 
 

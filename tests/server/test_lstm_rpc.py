@@ -363,3 +363,30 @@ def test_lstm_inputs_given_as_lists_take_the_type_of_the_first_tensor(client, fi
     want = client.raw_ops.BlockLSTMV2(np.int64(steps), x, *half, use_peephole=True)
     assert got.h.dtype == np.float16
     np.testing.assert_array_equal(got.h, want.h)
+
+
+class _ForeignTensor:
+    """Another framework's tensor as the SDK sees it: a dtype and ``__array__``."""
+
+    def __init__(self, array):
+        self._array = array
+        self.dtype = array.dtype
+
+    def __array__(self, dtype=None, copy=None):
+        return self._array if dtype is None else self._array.astype(dtype)
+
+
+def test_another_frameworks_tensors_set_t_and_are_not_converted(client):
+    """TensorFlow counts its tensors (and torch's) as tensors when it infers ``T``:
+    a float16 ``x`` array among float32 ``tf.constant``s computes in float32, and a
+    float16 ``tf.constant`` x among float32 ones is refused (TF 2.21 eager; found by a
+    review helper: we computed both in float16)."""
+    steps, batch, units = 2, 1, 2
+    z = lambda *s: np.zeros(s, np.float32)  # noqa: E731
+    rest = [z(batch, units), z(batch, units), np.full((2 * units, 4 * units), 0.1, np.float32)]
+    rest += [z(units), z(units), z(units), z(4 * units)]
+    x16 = np.full((steps, batch, units), 0.1, np.float16)
+    got = client.raw_ops.BlockLSTMV2(np.int64(steps), x16, *map(_ForeignTensor, rest))
+    assert got.h.dtype == np.float32
+    with pytest.raises(InvalidArgumentError, match="does not match type float16"):
+        client.raw_ops.BlockLSTMV2(np.int64(steps), _ForeignTensor(x16), *map(_ForeignTensor, rest))

@@ -928,7 +928,8 @@ def test_a_batch_step_names_an_earlier_steps_tape_output_after_the_tape_went(mon
             assert session.budget.used == session.record_bytes()  # the pins let go
 
 
-def test_another_tapes_output_is_an_intermediate_not_a_watched_variable(client):
+@pytest.mark.parametrize("kept", [False, True])
+def test_another_tapes_output_is_an_intermediate_not_a_watched_variable(client, kept):
     """``watch_accessed_variables`` watches variables (here: tensors the client
     keeps), not intermediates. ``z``, an output of tape ``a``, written under tape
     ``b`` on a fresh array: TensorFlow 2.21 (a tf.function, its TensorArrays these
@@ -940,8 +941,8 @@ def test_another_tapes_output_is_an_intermediate_not_a_watched_variable(client):
     with client.gradient_tape(persistent=True) as a:
         h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=F32)
         flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
-        z = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
-    assert isinstance(z, TapedArray)
+        z = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32, keep=kept)
+    assert isinstance(z, TensorRef if kept else TapedArray)  # kept: resident, still a's
     with client.gradient_tape() as b:
         h2, flow2 = client.raw_ops.TensorArrayV3(size=2, dtype=F32)
         flow2 = client.raw_ops.TensorArrayWriteV3(h2, 0, z, flow2)
