@@ -635,7 +635,7 @@ class Session:
         records, tape.record_bytes = tape.record_bytes, 0
         return self._drop(held.values()) + sum(map(self._entry_gone, held)) + records
 
-    def kept_by_client(self, tensor_id: str) -> bool:
+    def is_variable(self, tensor_id: str) -> bool:
         """Whether ``tensor_id`` is a variable to a tape that watches accessed
         variables: a tensor the client keeps (put it, or kept an op's output) that no
         live tape recorded as an op's output. An id only a tape (or a call) holds, or

@@ -265,7 +265,7 @@ class Recorder:
         from gradserve.server.core.sessions import Resident
 
         if isinstance(value, Resident):
-            if self.session.kept_by_client(value.id):
+            if self.session.is_variable(value.id):
                 self._watch.add(value.id)
             for tape in self.tapes:
                 if self.session.hold_for_tape(tape, value.id):

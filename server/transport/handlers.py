@@ -40,15 +40,9 @@ class Op:
     """An op as served: its handler (named as the RPC) and how it is scheduled."""
 
     handler: Handler
-    #: Compute-bound: runs on the compute lane (lanes.Lane), not the light one.
+    #: Compute-bound: runs on the compute lane (lanes.Lane), not the light one, and
+    #: outside the snapshot gate (``CallIO.run``).
     heavy: bool = False
-    #: Changes the session in several steps (a TensorArray op), so no snapshot may see
-    #: it half done (``Session.changing``). An LSTM op's one change is keeping its
-    #: outputs. Gradients, which makes and fills gradient arrays, stays out: two of
-    #: them overlapping in one session kept the gate from ever emptying, and every
-    #: snapshot waited its 10 s and was torn anyway (found by a review helper); one
-    #: taken mid-Gradients holds grad arrays under a source no call will use again.
-    in_steps: bool = True
 
     @property
     def rpc(self) -> str:
@@ -72,11 +66,11 @@ OPS: tuple[Op, ...] = (
     Op(ta.TensorArrayGradV3),
     Op(ta.TensorArrayGradWithShape),
     Op(StopGradient),
-    Op(lstm.BlockLSTMV2, heavy=True, in_steps=False),
-    Op(lstm.BlockLSTMGradV2, heavy=True, in_steps=False),
-    Op(lstm.BlockLSTM, heavy=True, in_steps=False),
-    Op(lstm.BlockLSTMGrad, heavy=True, in_steps=False),
-    Op(tape.Gradients, heavy=True, in_steps=False),
+    Op(lstm.BlockLSTMV2, heavy=True),
+    Op(lstm.BlockLSTMGradV2, heavy=True),
+    Op(lstm.BlockLSTM, heavy=True),
+    Op(lstm.BlockLSTMGrad, heavy=True),
+    Op(tape.Gradients, heavy=True),
 )
 
 OPS_BY_BATCH_FIELD = {op.batch_field: op for op in OPS}

@@ -145,9 +145,7 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         lane = self.heavy if op.heavy else self.light
         # Light ops (TensorArrays) record in the order they run; the heavy ones (LSTM,
         # Gradients) touch no TensorArray and need not wait for one another.
-        return await lane.run(
-            functools.partial(io.run, op.handler, request, not op.heavy, op.in_steps)
-        )
+        return await lane.run(functools.partial(io.run, op.handler, request, not op.heavy))
 
     def _chunk_bytes(self, asked: int) -> int:
         """A chunk size within [64 KiB, what one message carries]."""

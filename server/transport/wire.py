@@ -163,19 +163,19 @@ class CallIO:
         self._ended = False  # the call is over (``end``)
 
     def run(
-        self,
-        handler: Callable[[CallIO, Any], Any],
-        request: Any,
-        ordered: bool = False,
-        in_steps: bool = False,
+        self, handler: Callable[[CallIO, Any], Any], request: Any, ordered: bool = False
     ) -> Any:
         """``handler(self, request)``; if it raises, the outputs it already stored in the
         session (kept or transient) are deleted: a failed op hands out no id, so none
-        may stay behind holding bytes. ``ordered``: under tapes, the op is recorded in
-        the order it ran relative to other ordered ops (``Recorder``: a TensorArray
-        op). ``in_steps``: no snapshot of the session sees it half done
-        (``Session.changing``: a TensorArray op)."""
-        with self.session.changing() if in_steps else contextlib.nullcontext():
+        may stay behind holding bytes. ``ordered`` (a TensorArray op): under tapes, the
+        op is recorded in the order it ran relative to other ordered ops
+        (``Recorder``), and no snapshot of the session sees it half done
+        (``Session.changing``). The heavy ops stay outside the gate: an LSTM op's one
+        change is keeping its outputs, and Gradients inside it (61e7079) kept the gate
+        from emptying when two overlapped, so every snapshot waited its 10 s and was
+        torn anyway (found by a review helper); one taken mid-Gradients may hold its
+        grad arrays under a source no call will use again."""
+        with self.session.changing() if ordered else contextlib.nullcontext():
             return self._run(handler, request, ordered)
 
     def _run(self, handler: Callable[[CallIO, Any], Any], request: Any, ordered: bool) -> Any:
