@@ -18,10 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from google.protobuf.message import Message
 
 from gradserve.client._errors import typed_error
-from gradserve.client._raw_ops import RawOps
+from gradserve.client._raw_ops import RawOps, Staging
 from gradserve.client._types import StepOutput
 from gradserve.lstm_signature import LSTMActivations, LSTMGrads
 from gradserve.protocol import BATCH_FIELDS
@@ -31,16 +32,27 @@ _METHODS = service_pb2.DESCRIPTOR.services_by_name["GradServe"].methods_by_name
 _NAMED_OUTPUTS = (tensor_pb2.TensorOutput.DESCRIPTOR, tensor_array_pb2.TensorArrayHandle.DESCRIPTOR)
 
 
-def placeholders(rpc: str, step: int) -> Any:
+def placeholders(rpc: str, step: int, dtype: np.dtype | None = None) -> Any:
     """What recording ``rpc`` as step ``step`` returns: its outputs as ``StepOutput``s
-    in the order the typed call returns them (one output: the output itself)."""
+    in the order the typed call returns them (one output: the output itself).
+    ``dtype``: that of its tensor outputs, where known (a concat's lengths: int64)."""
     fields = _METHODS[rpc].output_type.fields
-    outs = [StepOutput(step, f.name) if f.message_type in _NAMED_OUTPUTS else 0.0 for f in fields]
+    outs = [
+        StepOutput(step, f.name, _output_dtype(f, dtype)) if f.message_type in _NAMED_OUTPUTS
+        else 0.0
+        for f in fields
+    ]  # fmt: skip
     if rpc in ("BlockLSTMV2", "BlockLSTM"):
         return LSTMActivations(*outs)
     if rpc in ("BlockLSTMGradV2", "BlockLSTMGrad"):
         return LSTMGrads(*outs)
     return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _output_dtype(field: Any, dtype: np.dtype | None) -> np.dtype | None:
+    if field.message_type is not tensor_pb2.TensorOutput.DESCRIPTOR:
+        return None  # a TensorArray handle
+    return np.dtype(np.int64) if field.name == "lengths" else dtype
 
 
 class Batch:
@@ -64,10 +76,10 @@ class Batch:
         self._releases: list[tuple[int, Any]] = []
         self.raw_ops = RawOps(client, self._record, client._staging)
 
-    def _record(self, rpc: str, request: Message, parse, temps: list[str]) -> Any:
+    def _record(self, rpc: str, request: Message, parse, temps: Staging) -> Any:
         self._steps.append((rpc, request, parse, tuple(self._client._recording.tapes)))
         self._temps.extend(temps)
-        return placeholders(rpc, len(self._steps) - 1)
+        return placeholders(rpc, len(self._steps) - 1, temps.output_dtype)
 
     def gradient(
         self,

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from google.protobuf.message import Message
 
-from gradserve import codec, shapes
+from gradserve import codec, dtypes, shapes
 from gradserve.client._convert import to_array
 from gradserve.client._types import StepOutput, TapedArray, TensorArrayHandle, TensorRef
 from gradserve.lstm_signature import GRAD_ARGUMENTS, LSTMActivations, LSTMGrads, LSTMInputs
@@ -39,6 +39,9 @@ class Staging(list):
         #: The bytes of each of the op's outputs, where known before the call (the
         #: LSTM ops): the client leases an output region that large up front.
         self.output_sizes: tuple[int, ...] = ()
+        #: The dtype of the op's tensor outputs where known before the call: a
+        #: batch's placeholders carry it (``StepOutput.dtype``).
+        self.output_dtype: np.dtype | None = None
 
 
 class TensorArrayV3Output(NamedTuple):
@@ -157,6 +160,7 @@ class RawOps:
             keep_outputs=keep,
         )
         self._in(index, req.index, temps, np.int32)
+        temps.output_dtype = dtypes.normalize(dtype)
         return self._op("TensorArrayReadV3", req, lambda r: self._out(r.value), temps)
 
     def TensorArrayGatherV3(
@@ -171,6 +175,7 @@ class RawOps:
         )
         self._in(indices, req.indices, temps, np.int32)
         _set_shape(req, "element_shape", element_shape)
+        temps.output_dtype = dtypes.normalize(dtype)
         return self._op("TensorArrayGatherV3", req, lambda r: self._out(r.value), temps)
 
     def TensorArrayScatterV3(self, handle, indices, value, flow_in, name=None) -> float:
@@ -190,11 +195,13 @@ class RawOps:
             keep_outputs=keep,
         )
         _set_shape(req, "element_shape_except0", element_shape_except0)
+        temps = self._staging()  # no inputs to stage
+        temps.output_dtype = dtypes.normalize(dtype)
         return self._op(
             "TensorArrayConcatV3",
             req,
             lambda r: TensorArrayConcatV3Output(self._out(r.value), self._out(r.lengths)),
-            self._staging(),  # no inputs to stage
+            temps,
         )
 
     def TensorArraySplitV3(self, handle, value, lengths, flow_in, name=None) -> float:
@@ -247,14 +254,17 @@ class RawOps:
         temps = self._staging()
         req = pb.StopGradientRequest(keep_outputs=keep)
         self._in(input, req.input, temps)
+        temps.output_dtype = dtype_of(input)
         return self._op("StopGradient", req, lambda r: self._out(r.output), temps)
 
     # ------------------------------------------------------------------ LSTM
     def _lstm(self, rpc: str, req: Any, values: dict, names: tuple[str, ...], parse):
         temps = self._staging()
         self._in(values.pop("seq_len_max"), req.seq_len_max, temps, np.int64)
-        for field, value in zip(names, _matching(values[field] for field in names)):
+        inputs = _matching(values[field] for field in names)
+        for field, value in zip(names, inputs):
             self._in(value, getattr(req, field), temps)
+        temps.output_dtype = dtype_of(inputs[0])  # T: every input has it now, or is refused
         if not req.keep_outputs:
             temps.output_sizes = _lstm_output_sizes(rpc, values)
         return self._op(rpc, req, parse, temps)
@@ -332,7 +342,7 @@ def _matching(values: Any) -> list[Any]:
         (
             np.dtype(v.dtype) if a is None else a.dtype
             for v, a, f in zip(values, arrays, foreign)
-            if isinstance(v, _TENSORS) or f
+            if isinstance(v, _TENSORS) or f or (isinstance(v, StepOutput) and v.dtype is not None)
         ),
         None,
     )
@@ -355,6 +365,17 @@ def _matching(values: Any) -> list[Any]:
                 array = array.astype(dtype)
         out.append(array)
     return out
+
+
+def dtype_of(value: Any) -> np.dtype | None:
+    """The dtype ``value`` has as an op input, where the SDK knows it (a batch
+    placeholder's may be unknown: None)."""
+    if isinstance(value, StepOutput):
+        return value.dtype
+    try:
+        return dtypes.normalize(value.dtype if hasattr(value, "dtype") else to_array(value).dtype)
+    except (TypeError, ValueError, dtypes.UnsupportedDTypeError):
+        return None
 
 
 def _is_python(value: Any) -> bool:

@@ -86,7 +86,14 @@ class TapedArray(np.ndarray):
 
 class StepOutput(NamedTuple):
     """In a ``client.batch()``: output ``field`` of the batch's step ``step``, usable
-    as an input of a later step of the same batch (it never crosses the wire)."""
+    as an input of a later step of the same batch (it never crosses the wire).
+
+    ``dtype`` is the output's dtype where the SDK knows it when recording (the value
+    of a TensorArray read, gather or concat, an LSTM op's outputs, StopGradient's),
+    else None: an LSTM step that takes it sets ``T`` from it and converts its other
+    inputs to it, as TensorFlow does with a tensor (found by a review helper: a
+    float16 gathered ``x`` next to float64 arrays was refused)."""
 
     step: int
     field: str
+    dtype: np.dtype | None = None

@@ -41,3 +41,15 @@ def test_batch_stops_at_first_failure_and_says_where(client):
 
 def test_empty_batch(client):
     assert client.batch().run() == []
+
+
+def test_placeholders_carry_the_dtypes_the_sdk_knows(client):
+    h, flow = client.raw_ops.TensorArrayV3(size=2, dtype=np.float32)
+    batch = client.batch()
+    ta, flow2 = batch.raw_ops.TensorArrayV3(2, np.float64)
+    assert ta.dtype is None  # a TensorArray handle, not a tensor
+    assert batch.raw_ops.TensorArrayReadV3(h, 0, flow, "half").dtype == np.float16
+    value, lengths = batch.raw_ops.TensorArrayConcatV3(h, flow, np.float32)
+    assert (value.dtype, lengths.dtype) == (np.float32, np.int64)
+    assert batch.raw_ops.StopGradient([1.0, 2.0]).dtype == np.float32  # as TF converts
+    assert batch.raw_ops.StopGradient(batch.raw_ops.StopGradient(ta)).dtype is None

@@ -390,3 +390,35 @@ def test_another_frameworks_tensors_set_t_and_are_not_converted(client):
     assert got.h.dtype == np.float32
     with pytest.raises(InvalidArgumentError, match="does not match type float16"):
         client.raw_ops.BlockLSTMV2(np.int64(steps), _ForeignTensor(x16), *map(_ForeignTensor, rest))
+
+
+@pytest.mark.parametrize("source", ["gather", "stop-gradient", "lstm"])
+def test_a_batch_steps_output_sets_t_as_a_tensor(client, source):
+    """In a batch, an earlier step's output is a tensor of a known dtype: a float16
+    ``x`` gathered from a TensorArray (or passed on through StopGradient, or another
+    LSTM step's ``h``) makes the float64 arrays beside it float16, as the
+    direct call does (found by a review helper: the step was refused, "Input
+    'cs_prev' of 'BlockLSTMV2' Op has type float64 that does not match type float16")."""
+    steps, batch, units = 3, 2, 4
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((steps, batch, units)).astype(np.float16)
+    args = [np.zeros((batch, units)), np.zeros((batch, units))]
+    args += [rng.standard_normal((2 * units, 4 * units)) * 0.3]
+    args += [np.zeros(units), np.zeros(units), np.zeros(units), np.zeros(4 * units)]
+    want = client.raw_ops.BlockLSTMV2(np.int64(steps), x, *args)
+    b = client.batch()
+    if source == "lstm":
+        x_step = b.raw_ops.BlockLSTMV2(np.int64(steps), x, *args).h
+        want = client.raw_ops.BlockLSTMV2(np.int64(steps), want.h, *args)
+    else:
+        ta, flow = b.raw_ops.TensorArrayV3(steps, np.float16)
+        flow = b.raw_ops.TensorArrayScatterV3(ta, np.arange(steps), x, flow)
+        x_step = b.raw_ops.TensorArrayGatherV3(ta, np.arange(steps), flow, np.float16)
+        if source == "stop-gradient":
+            x_step = b.raw_ops.StopGradient(x_step)
+    assert x_step.dtype == np.float16
+    got = b.raw_ops.BlockLSTMV2(np.int64(steps), x_step, *args)
+    assert all(out.dtype == np.float16 for out in got)
+    result = b.run()[-1]
+    assert result.h.dtype == np.float16
+    np.testing.assert_array_equal(result.h, want.h)
