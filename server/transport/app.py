@@ -204,8 +204,10 @@ VIEW_PARSERS: dict[str, Callable[[bytes], Any]] = {
 
 def service_handler(servicer: GradServeServicer) -> grpc.GenericRpcHandler:
     """The GradServe service's method handlers, from its descriptor: each method's
-    kind, messages and servicer coroutine, with a deserializer that never raises."""
-    handlers = {}
+    kind, messages and servicer coroutine, with a deserializer that never raises.
+    With a token file, a call without a valid token gets a refusal that reads no
+    message (``boundary.TokenGate``)."""
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
     for method in SERVICE.methods:
         request = message_factory.GetMessageClass(method.input_type)
         parse = VIEW_PARSERS.get(method.name, request.FromString)
@@ -222,7 +224,9 @@ def service_handler(servicer: GradServeServicer) -> grpc.GenericRpcHandler:
             # Messages, or bytes already serialized (GetTensor's chunks): as they are.
             response_serializer=codec.serialize,
         )
-    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+    if servicer.tokens is None:
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+    return boundary.TokenGate(servicer, handlers)
 
 
 def start(config: ServerConfig) -> Server:

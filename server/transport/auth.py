@@ -5,9 +5,10 @@ ignored). Only SHA-256 digests of the tokens are kept in memory, and a
 presented token is compared against every digest with ``hmac.compare_digest``
 so that timing reveals nothing about how close a guess was.
 
-``boundary.guarded`` reads ``authorization: Bearer <token>`` metadata on every
-GradServe call (``principal_of``). A missing or wrong token ends the call with
-UNAUTHENTICATED; a good one runs the handler with the caller's principal in
+``boundary.TokenGate`` reads ``authorization: Bearer <token>`` metadata on every
+GradServe call (``principal_of``) before gRPC reads its message, and
+``boundary.guarded`` again in the handler. A missing or wrong token ends the call
+with UNAUTHENTICATED; a good one runs the handler with the caller's principal in
 ``current_principal``. Health checks and reflection are other services and stay
 open, so that orchestrators can probe the server.
 """

@@ -32,7 +32,7 @@ from gradserve.errors import (
 )
 from gradserve.protocol import ERROR_DOMAIN, REQUEST_ID_KEY
 from gradserve.server.transport import streams
-from gradserve.server.transport.auth import current_principal
+from gradserve.server.transport.auth import current_principal, principal_of
 from gradserve.v1 import service_pb2
 
 SERVICE = service_pb2.DESCRIPTOR.services_by_name["GradServe"]
@@ -202,6 +202,54 @@ def guarded(handler: H) -> H:
 def _size(request: Any) -> int:
     """A message request's size; 0 for a request stream (counted as it is read)."""
     return request.ByteSize() if hasattr(request, "ByteSize") else 0
+
+
+class TokenGate(grpc.GenericRpcHandler):
+    """The GradServe handlers behind a token check made before any message is read.
+
+    gRPC hands a unary call's handler its request only once the whole message has
+    arrived, so a refusal made in the handler (``guarded``) came after the server had
+    buffered up to ``--max-message-bytes`` for anyone who could open a connection: a
+    message declared large and never finished held that memory for as long as the
+    connection lived. Here, where gRPC picks a call's handler from its metadata, a
+    call without a valid bearer token gets instead a handler of the same method that
+    takes its request as a stream it never reads: the refusal (UNAUTHENTICATED,
+    counted and logged by ``guarded`` as any refusal) ends the call at once, and what
+    the client sent past HTTP/2's flow-control window is never accepted. A valid
+    token gets the method's own handler, which checks it again (``guarded``)."""
+
+    def __init__(self, servicer: Any, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        self._tokens = servicer.tokens
+        self._handlers = handlers
+        self._refusals = {name: _refusal(servicer, SERVICE.methods_by_name[name])
+                          for name in handlers}  # fmt: skip
+        self._prefix = f"/{SERVICE.full_name}/"
+
+    def service(self, handler_call_details: Any) -> grpc.RpcMethodHandler | None:
+        path = handler_call_details.method
+        if not path.startswith(self._prefix):
+            return None
+        name = path[len(self._prefix) :]
+        handler = self._handlers.get(name)
+        if handler is None:
+            return None
+        if principal_of(self._tokens, handler_call_details.invocation_metadata or ()) is None:
+            return self._refusals[name]
+        return handler
+
+
+def _refusal(servicer: Any, method: Any) -> grpc.RpcMethodHandler:
+    """A handler of ``method`` for a call ``guarded`` refuses (it authenticates first),
+    taking the request as a stream so that gRPC reads none of it."""
+
+    async def refuse(self: Any, request: Any, context: Any) -> Any:
+        raise AssertionError("unreachable: guarded refuses a call without a valid token")
+
+    refuse.__name__ = method.name
+    behavior = guarded(refuse).__get__(servicer)
+    if method.server_streaming:
+        return grpc.stream_stream_rpc_method_handler(behavior)
+    return grpc.stream_unary_rpc_method_handler(behavior)
 
 
 async def abort(context: Any, err: GradserveError, request_id: str) -> NoReturn:

@@ -13,6 +13,7 @@ from gradserve.server import ServerConfig, run_server, start
 from gradserve.server.transport.app import ConfigError
 from gradserve.server.transport.auth import TokenTable
 from tests.server.certs import make_pki
+from tests.server.h2_probe import unfinished_call
 
 TOKENS = "# principal:token\nalice:tok-alice-1234\nbob:tok-bob-5678\n"
 
@@ -133,3 +134,39 @@ def test_tls_with_tokens_together(pki, token_file):
             target, root_certificates=pems["ca"].cert, token="tok-bob-5678"
         ) as client:
             assert client.keep_alive() > 0
+
+
+@pytest.mark.parametrize("method", ["PutTensorInline", "PutTensor", "CreateSession"])
+def test_a_call_without_a_valid_token_is_refused_before_its_message_arrives(auth_server, method):
+    """gRPC reads a unary call's whole message before its handler runs; the token is
+    now checked where gRPC picks the handler, so a caller without a valid token can no
+    longer make the server buffer a message declared 100 MiB long that never ends (a
+    review helper held 766 MiB that way). Before, the call stayed open, waiting."""
+    port = int(auth_server.rsplit(":", 1)[1])
+    for token in (None, "tok-alice-123"):
+        assert unfinished_call(port, method, token) == grpc.StatusCode.UNAUTHENTICATED.value[0]
+    with gradserve.Client(auth_server, token="tok-bob-5678") as client:  # serves on
+        np.testing.assert_array_equal(client.stop_gradient(np.arange(2)), np.arange(2))
+
+
+def test_refusals_of_every_kind_of_call_carry_the_status_details(auth_server):
+    """The refusal handler takes a unary request as a stream it never reads; the
+    client still gets UNAUTHENTICATED with its reason, whatever the method's kind."""
+    from grpc_status import rpc_status
+
+    from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_pb2
+
+    with grpc.insecure_channel(auth_server) as channel:
+        stub = service_pb2_grpc.GradServeStub(channel)
+        bad = (("authorization", "Bearer nope"),)
+        calls = [
+            lambda: stub.GetTensor(service_pb2.GetTensorRequest(id="x"), metadata=bad).next(),
+            lambda: stub.PutTensor(iter([tensor_pb2.TensorChunk()]), metadata=bad),
+            lambda: stub.DeleteTensor(service_pb2.DeleteTensorRequest(), metadata=bad),
+        ]
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as info:
+                call()
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            status = rpc_status.from_call(info.value)
+            assert status is not None and "UNAUTHENTICATED" in str(status.details)

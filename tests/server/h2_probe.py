@@ -1,0 +1,69 @@
+"""A raw HTTP/2 client for what gRPC's own clients never send: a call whose request
+message is declared large and never finished (the ``h2`` library frames it)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+
+
+def unfinished_call(
+    port: int,
+    method: str,
+    token: str | None,
+    *,
+    declared: int = 100 << 20,
+    sent: int = 64 << 10,
+    wait: float = 5.0,
+) -> int | None:
+    """Open a GradServe call of ``method`` on 127.0.0.1:``port``, send the first
+    ``sent`` bytes of a message declared ``declared`` bytes long, and keep the call
+    open. Returns the grpc-status the server ended it with within ``wait`` seconds,
+    or None if it had not ended it by then."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=wait)
+    try:
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        headers = [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":authority", f"127.0.0.1:{port}"),
+            (":path", f"/gradserve.v1.GradServe/{method}"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+        ]
+        if token is not None:
+            headers.append(("authorization", f"Bearer {token}"))
+        conn.send_headers(1, headers)
+        body = struct.pack(">BI", 0, declared) + bytes(sent)  # gRPC's length prefix
+        deadline = time.monotonic() + wait
+        sock.settimeout(0.1)
+        while time.monotonic() < deadline:
+            window = min(conn.local_flow_control_window(1), conn.max_outbound_frame_size)
+            if body and window > 0:
+                try:
+                    conn.send_data(1, body[:window])
+                except h2.exceptions.StreamClosedError:  # the server ended the call
+                    window = len(body)
+                body = body[window:]
+            sock.sendall(conn.data_to_send())
+            try:
+                data = sock.recv(1 << 16)
+            except TimeoutError:
+                continue
+            if not data:
+                return None
+            for event in conn.receive_data(data):
+                if isinstance(event, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
+                    fields = {bytes(k): bytes(v) for k, v in event.headers}
+                    if b"grpc-status" in fields:
+                        return int(fields[b"grpc-status"])
+        return None
+    finally:
+        sock.close()
