@@ -308,7 +308,7 @@ class TensorArray:
                     f"Max scatter index must be < array size ({max_index} vs. {size})"
                 )
             for i, index in enumerate(indices):
-                self._write_locked(int(index), value[i])
+                self._write_locked(int(index), _own_piece(value[i], value))
 
     def split(
         self,
@@ -339,7 +339,7 @@ class TensorArray:
                 self._marked_size = n
             start = 0
             for index, length in enumerate(lengths):
-                self._write_locked(index, value[start : start + length])
+                self._write_locked(index, _own_piece(value[start : start + length], value))
                 start += length
 
     def _write_locked(self, index: int, value: np.ndarray) -> None:
@@ -846,3 +846,12 @@ def fully_defined(shape: shapes.PartialShape) -> tuple[int, ...]:
     """The dims of a shape that ``shapes.is_fully_defined`` has accepted."""
     assert shape is not None and all(d is not None for d in shape)
     return tuple(d for d in shape if d is not None)
+
+
+def _own_piece(piece: np.ndarray, whole: np.ndarray) -> np.ndarray:
+    """A scattered or split element as an array of its own, unless it is all of
+    ``whole``: a view would keep every byte of the input alive while the session is
+    charged only the element's (found by a review helper: split with lengths [1, N-1],
+    the large element read and cleared, held 48 MiB per array against a 192-byte
+    charge, past --max-session-bytes)."""
+    return piece if piece.nbytes == whole.nbytes else piece.copy()

@@ -306,3 +306,19 @@ def test_what_an_array_holds_is_charged_to_its_budget_records_included():
     with pytest.raises(ResourceExhaustedError, match="pass the limit"):
         full.write(1, np.zeros(0, F32))  # a slot more than the limit holds
     assert room.used == own + SLOT_BYTES and full.record_bytes() == room.used
+
+
+@pytest.mark.parametrize("op", ["split", "scatter"])
+def test_a_stored_piece_does_not_keep_the_whole_input_alive(op):
+    """Each element is charged its own bytes, so it must hold only those: a view of
+    the input kept all of it alive (a review helper: split [1, N-1] of 48 MiB, the
+    large element read and cleared, left 48 MiB held against a 192-byte charge)."""
+    value = np.arange(12, dtype=F32).reshape(4, 3)
+    ta = make(size=2)
+    if op == "split":
+        ta.split([1, 3], value)
+    else:
+        ta.scatter([0, 1], value[:2].copy())
+    first = ta.read(0)
+    np.testing.assert_array_equal(first.reshape(-1)[:3], [0, 1, 2])
+    assert first.base is None or first.base.nbytes == first.nbytes  # not a view of the input
