@@ -264,7 +264,9 @@ class RawOps:
         inputs = _matching(values[field] for field in names)
         for field, value in zip(names, inputs):
             self._in(value, getattr(req, field), temps)
-        temps.output_dtype = dtype_of(inputs[0])  # T: every input has it now, or is refused
+        # T: every input has it now (or the server refuses the op); an unknown
+        # placeholder's (x from an earlier batch step) is any other input's.
+        temps.output_dtype = next((d for d in map(dtype_of, inputs) if d is not None), None)
         if not req.keep_outputs:
             temps.output_sizes = _lstm_output_sizes(rpc, values)
         return self._op(rpc, req, parse, temps)

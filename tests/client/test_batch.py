@@ -53,3 +53,8 @@ def test_placeholders_carry_the_dtypes_the_sdk_knows(client):
     assert (value.dtype, lengths.dtype) == (np.float32, np.int64)
     assert batch.raw_ops.StopGradient([1.0, 2.0]).dtype == np.float32  # as TF converts
     assert batch.raw_ops.StopGradient(batch.raw_ops.StopGradient(ta)).dtype is None
+    unknown = batch.raw_ops.StopGradient(ta)  # x of a dtype the SDK does not know
+    w = np.zeros((2, 4), np.float64)
+    out = batch.raw_ops.BlockLSTMV2(np.int64(1), unknown, *[np.zeros((1, 1))] * 2, w,
+                                    *[np.zeros(1)] * 3, np.zeros(4))  # fmt: skip
+    assert out.h.dtype == np.float64  # T from the inputs the SDK knows
