@@ -38,6 +38,7 @@ from gradserve.server.transport.auth import REFUSAL, TokenTable, current_princip
 from gradserve.server.transport.handlers import OPS, OPS_BY_BATCH_FIELD, Op
 from gradserve.server.transport.lanes import Lane
 from gradserve.server.transport.observability import Observer, current_call
+from gradserve.server.transport.servicer_part import ForgottenUnlessReplied, check_reply_in_time
 from gradserve.server.transport.shm_handlers import SharedMemoryRPCs
 from gradserve.server.transport.streams import END, Pace, StreamLimits, next_item
 from gradserve.server.transport.tensor_handlers import InlineTensorRPCs
@@ -187,6 +188,7 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         session = self._session(context)
         call = current_call.get()
         pace = Pace(self.stream_limits, session, "PutTensor", self._draining)
+        forgotten = ForgottenUnlessReplied(session, context)
         with contextlib.ExitStack() as held:
             reservations: list[TensorReservation] = []
 
@@ -205,7 +207,8 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
                     call.bytes_in += len(chunk.data)
             # Building the array is a pass over every string: off the event loop.
             array = await self.light.run(assembler.finish)
-            tensor_id = reservations[0].keep(array)
+            tensor_id = forgotten.kept(reservations[0].keep(array))
+        forgotten.replied()
         return tensor_pb2.ResidentTensor(
             id=tensor_id, dtype=codec.dtype_to_enum(array.dtype), shape=array.shape
         )
@@ -307,6 +310,9 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
                 )
                 response.error.reason = err.reason
                 break
+        # A step stopped by the deadline (``check_alive``, or the op's own checks) ends
+        # the call: its reply would reach no one (``check_reply_in_time``).
+        check_reply_in_time(context)
         io.end()  # the steps' region copies: released before the client hears back
         io.replied = True
         return response
@@ -317,6 +323,7 @@ def _op_rpc(op: Op) -> Any:
         io = self._io(context)
         io.inline_values = []  # the response is the call's own: see CallIO.inline_values
         response = await self._run(op, io, request)
+        check_reply_in_time(context)
         io.replied = True
         return response
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from gradserve.errors import DeadlineExceededError
 from gradserve.server.core.sessions import Session
 
 
@@ -24,6 +25,22 @@ class ServicerPart:
         raise NotImplementedError
 
 
+def check_reply_in_time(context: Any) -> None:
+    """Raise ``DeadlineExceededError`` if the call's deadline has passed: a response
+    returned now reaches no client, whose own deadline (earlier than the server's by
+    the request's transit) passed first. The handler fails instead of replying, so
+    the call's end deletes what it stored for that response. A reply counted as
+    delivered after the deadline kept, charged until the session closed, the
+    outputs of every step a Batch ran before its deadline check stopped it (it
+    became a failed step of a normal reply; gRPC's aio server does not count a call
+    past its deadline as cancelled), and a put's tensor (found by a review helper).
+    One sent just before the deadline may still arrive after the client's: the
+    server cannot know, and keeps it rather than lose a result the client got."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        raise DeadlineExceededError("deadline exceeded")
+
+
 class ForgottenUnlessReplied:
     """The id a unary put keeps, deleted if its response never reaches the client.
 
@@ -33,10 +50,13 @@ class ForgottenUnlessReplied:
     op's outputs (``servicer._call_over``), it is deleted when the call ends before
     the handler replied (gRPC's aio server ends a call past its deadline with
     ``cancelled()`` False, the handler still waiting on its lane) or cancelled; or as
-    the lane keeps it, if the call ended first."""
+    the lane keeps it, if the call ended first. A handler that would reply past the
+    deadline fails instead (``replied``, ``check_reply_in_time``). Used by the puts:
+    PutTensorInline, PutSharedTensor and the PutTensor stream."""
 
     def __init__(self, session: Session, context: Any) -> None:
         self._session = session
+        self._context = context
         self._lock = threading.Lock()
         self._over = False
         self._replied = False
@@ -53,7 +73,9 @@ class ForgottenUnlessReplied:
         return tensor_id
 
     def replied(self) -> None:
-        """The handler returns the response, with the id."""
+        """The handler returns the response, with the id; raises instead if the
+        deadline has passed (``check_reply_in_time``)."""
+        check_reply_in_time(self._context)
         self._replied = True
 
     def _call_over(self, context: Any) -> None:

@@ -396,6 +396,48 @@ def test_what_a_call_kept_after_its_deadline_on_its_lane_is_not_kept(monkeypatch
             assert server.store.budget.used == held
 
 
+@pytest.mark.parametrize("call", ["inline put", "streamed put", "op", "batch"])
+def test_a_reply_returned_past_the_deadline_keeps_nothing(monkeypatch, call):
+    """The handler gets its work back from the lane only after the deadline, and
+    replies before gRPC's aio server hears of it (the event loop was busy): the reply
+    reaches no client, so what the call stored must go. A Batch made its deadline
+    check a failed step of a normal reply, and the steps before it kept their outputs;
+    a put kept its tensor (gRPC's aio server does not count a call past its deadline
+    as cancelled). Found by a review helper."""
+    from gradserve.server.transport.lanes import Lane
+
+    run = Lane.run
+
+    async def late(self, fn, principal=None):
+        result = await run(self, fn, principal)
+        time.sleep(0.4)  # the event loop held past the client's deadline
+        return result
+
+    monkeypatch.setattr(Lane, "run", late)
+    value = np.ones(MIB, np.float32)
+    with run_server(device="cpu") as server:
+        target = f"127.0.0.1:{server.port}"
+        threshold = 1 if call == "streamed put" else 64 * MIB
+        with gradserve.Client(
+            target, timeout=0.2, stream_threshold=threshold, shared_memory=False
+        ) as client:
+            held = server.store.budget.used
+            with pytest.raises(gradserve.errors.DeadlineExceededError):
+                if call.endswith("put"):
+                    client.put(value)
+                elif call == "op":
+                    client.raw_ops.StopGradient(value, keep=True)
+                else:
+                    batch = client.batch()
+                    for _ in range(3):
+                        batch.raw_ops.StopGradient(value, keep=True)
+                    batch.run()
+            assert wait_until(lambda: server.store.budget.used == held, 10)
+            time.sleep(0.5)
+            assert server.store.budget.used == held
+            monkeypatch.undo()  # CloseSession runs on a lane too
+
+
 def test_names_are_bounded(client):
     with pytest.raises(gradserve.errors.InvalidArgumentError, match="at most 1024"):
         client.raw_ops.TensorArrayV3(size=1, dtype=np.float32, tensor_array_name="n" * 2000)
