@@ -8,11 +8,14 @@ TensorFlow's (``python/ops/tensor_array_grad.py``, ``array_grad.py``,
 ``rnn_grad.py``), run on the same core ops a client would drive by hand:
 
 * TensorArray ops route gradients through ``TensorArrayGradV3`` arrays keyed by
-  (forward handle, source), with a source unique to the computation
+  (forward handle, source), named by a source unique to the computation
   (``Session.new_gradient_source``): read <-> write, gather <-> scatter,
   concat <-> split (with the recorded lengths). The grad array's rules (size
   freeze, aggregation, clear after read, zeros for unwritten elements) are the
-  core's, so they are TensorFlow's.
+  core's, so they are TensorFlow's. The arrays are the computation's own
+  (``Sweep.grads``): a client's TensorArrayGradV3 never gets one, even under the
+  same source, where TensorFlow's graph would share it (a client's array made
+  under that name while a computation ran was shared, then dropped with it).
 * ``StopGradient`` records no differentiable input: it blocks.
 * ``BlockLSTM`` -> ``BlockLSTMGrad``, ``BlockLSTMV2`` -> ``BlockLSTMGradV2``.
 
@@ -25,7 +28,7 @@ TensorArray has an empty gradient here, where TensorFlow raises.
 
 A failed computation changes nothing: the grad arrays it made are dropped and
 the forward arrays it froze get their dynamic size back. A successful one
-drops its grad arrays too (their source is its own; nothing can name them).
+drops its grad arrays too (nothing can name them).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from gradserve import dtypes
 from gradserve.errors import InvalidArgumentError, UnimplementedError
 from gradserve.kernels.compute import Compute
 from gradserve.lstm_signature import LSTMActivations, LSTMInputs, LSTMOutputGrads
+from gradserve.server.core.grad_registry import GradRegistry
 from gradserve.server.core.ops import lstm_ops
 from gradserve.server.core.ops import tensor_array_ops as ta_ops
 from gradserve.server.core.sessions import Resident, Session, TensorArg
@@ -69,12 +73,14 @@ class Sweep:
     check: Callable[[], None] | None
     #: Forward TensorArrays whose grad array this made: handle -> dynamic size before.
     frozen: dict[str, bool] = dataclasses.field(default_factory=dict)
+    #: The grad arrays this made: its own, out of reach of any TensorArrayGradV3.
+    grads: GradRegistry = dataclasses.field(default_factory=GradRegistry)
 
     def grad_array(self, handle: str) -> str:
         """``ta.grad(source)``: the grad array's handle (made on first use)."""
         if handle not in self.frozen:
             self.frozen[handle] = self.session.tensor_array(handle).dynamic_size
-        grad_handle, _ = ta_ops.grad(self.session, handle, self.source)
+        grad_handle, _ = ta_ops.grad(self.session, handle, self.source, registry=self.grads)
         return grad_handle
 
     def host(self, value: Any) -> np.ndarray:
@@ -356,7 +362,7 @@ def gradients(
             session.unfreeze_tensor_array(handle, dynamic)
         raise
     finally:
-        session.drop_grad_arrays(source)
+        session.drop_grad_arrays(source, sweep.grads)
     session.gradient_done(tape)
     return results, source
 

@@ -165,6 +165,10 @@ class Session:
         self._name_counter = 0
         self._arrays: dict[str, TensorArray] = {}
         self._grads = GradRegistry()
+        #: Grad arrays a gradient computation made in a registry of its own
+        #: (``grad_array``'s ``registry``): no TensorArrayGradV3 can name them, and a
+        #: snapshot leaves them out (the computation drops them when it ends).
+        self._private_grads: set[str] = set()
         #: Handles of closed arrays, oldest first: at most ``MAX_CLOSED_ARRAYS`` kept.
         self._closed_arrays: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._resident: dict[str, _Kept] = {}
@@ -271,13 +275,19 @@ class Session:
         return ta
 
     def grad_array(
-        self, handle: str, source: str, shape_to_prepend: tuple[int, ...] = ()
+        self,
+        handle: str,
+        source: str,
+        shape_to_prepend: tuple[int, ...] = (),
+        *,
+        registry: GradRegistry | None = None,
     ) -> tuple[str, TensorArray]:
         """TensorArrayGradV3's lookup-or-create of the gradient of ``handle`` for ``source``.
 
         The same (handle, source) always returns the same gradient array (a
         later ``shape_to_prepend`` is ignored, as in TensorFlow); a new source
-        makes a separate one.
+        makes a separate one. ``registry``: a gradient computation's own, instead
+        of the session's (``drop_grad_arrays``).
         """
         forward = self.tensor_array(handle)
         if forward.is_grad:
@@ -289,14 +299,17 @@ class Session:
         with self._lock:
             self._check_open()
             key = (handle, source)
-            grad_handle = self._grads.get(key) or new_token()
+            grads = self._grads if registry is None else registry
+            grad_handle = grads.get(key) or new_token()
 
             def lookup() -> TensorArray | None:
-                return self._arrays.get(grad_handle) if key in self._grads else None
+                return self._arrays.get(grad_handle) if key in grads else None
 
             def register(grad: TensorArray) -> None:
                 self._arrays[grad_handle] = grad
-                self._grads.add(key, grad_handle)
+                grads.add(key, grad_handle)
+                if registry is not None:
+                    self._private_grads.add(grad_handle)
 
             grad = forward.make_grad(
                 name=f"{forward.name}@{source}",
@@ -811,8 +824,11 @@ class Session:
             return True
 
     def new_gradient_source(self) -> str:
-        """TensorArrayGradV3's ``source`` for one gradient computation: "gradients",
-        then "gradients_1", ... (TensorFlow's name scopes), skipping any in use."""
+        """The ``source`` one gradient computation names its grad arrays by:
+        "gradients", then "gradients_1", ... (TensorFlow's name scopes), skipping any
+        the session's grad arrays use, so that a message naming one is not mistaken
+        for a user's. The arrays themselves are the computation's own
+        (``grad_array``'s ``registry``), whatever the name."""
         with self._lock:
             while True:
                 n = self._gradient_sources
@@ -821,13 +837,18 @@ class Session:
                 if not self._grads.has_source(source):
                     return source
 
-    def drop_grad_arrays(self, source: str) -> None:
-        """Remove every gradient array made for ``source`` (and free its bytes)."""
+    def drop_grad_arrays(self, source: str, registry: GradRegistry | None = None) -> None:
+        """Remove every gradient array made for ``source`` (and free its bytes): those
+        of ``registry`` (a gradient computation's own) where given, else the
+        session's. A computation dropped its source from the session's registry, and
+        with it a user's TensorArrayGradV3 array made under that name while it ran
+        (found by a review helper), which it had also shared."""
         with self._lock:
-            handles = self._grads.pop_source(source)
+            handles = (self._grads if registry is None else registry).pop_source(source)
             arrays = [self._arrays.pop(handle, None) for handle in handles]
             for handle in handles:
                 self._closed_arrays.pop(handle, None)
+                self._private_grads.discard(handle)
         for ta in arrays:
             if ta is not None:
                 ta.discard()  # gone from the session: its records too
@@ -894,7 +915,7 @@ class Session:
         now = time.monotonic() if now is None else now
         with self._gate.snapshot() as whole:
             with self._lock:
-                arrays = dict(self._arrays)
+                arrays = {h: a for h, a in self._arrays.items() if h not in self._private_grads}
                 grads = self._grads.as_dict()
                 resident = {t: kept.array for t, kept in self._resident.items()}
                 counter = self._name_counter
@@ -989,6 +1010,7 @@ class Session:
             freed += sum(r.charged for r in self._reservations)
             self._arrays.clear()
             self._grads.clear()
+            self._private_grads.clear()
             self._closed_arrays.clear()
             freed += TENSOR_RECORD_BYTES * len(self._ids)  # the ids left: the table's
             self._ids.clear()

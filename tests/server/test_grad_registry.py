@@ -93,3 +93,27 @@ def test_dropping_a_source_removes_its_grad_arrays_only():
     assert s._grads.as_dict() == {(forwards[0], "gradients_1"): other}
     store.close(s.id)
     assert store.budget.used == 0
+
+
+def test_a_computations_own_grad_arrays_are_apart_from_the_sessions():
+    """``registry``: a gradient computation's grad arrays. A TensorArrayGradV3 under
+    the same source gets another array; dropping the computation's leaves the user's;
+    a snapshot taken meanwhile leaves the computation's out (restored, no one could
+    name them)."""
+    store = SessionStore()
+    s = store.create()
+    forward, _ = s.create_tensor_array(tensor_array_name="", dtype=np.float32, size=2)
+    own = GradRegistry()
+    sweeps, _ = s.grad_array(forward, "gradients", registry=own)
+    users, _ = s.grad_array(forward, "gradients")
+    assert sweeps != users
+    assert s.grad_array(forward, "gradients", registry=own)[0] == sweeps
+    state = s.export_state(idle_timeout=60)
+    assert set(state.arrays) == {forward, users}
+    assert state.grads == {(forward, "gradients"): users}
+    s.drop_grad_arrays("gradients", own)
+    with pytest.raises(NotFoundError):
+        s.tensor_array(sweeps)
+    assert s.grad_array(forward, "gradients")[0] == users
+    store.close(s.id)
+    assert store.budget.used == 0

@@ -340,6 +340,60 @@ def test_a_failed_gradient_rolls_back_its_grad_arrays_and_the_freeze(client, ser
     tape.release()
 
 
+def test_a_users_grad_array_under_the_sweeps_source_is_neither_shared_nor_dropped(
+    client, server, monkeypatch
+):
+    """Another call of the session makes TensorArrayGradV3(source="gradients") and
+    writes 100 into it while a tape.gradient, which named its arrays "gradients", has
+    not made its own yet. The sweep shared the user's array (dx 101, not 1) and then
+    dropped it with its own (found by a review helper)."""
+    import threading
+
+    from gradserve.server.core import gradients
+
+    sweep_waits, user_done = threading.Event(), threading.Event()
+    read_grad = gradients.GRADIENTS["TensorArrayReadV3"]
+
+    def held_read_grad(sweep, record, grads):
+        assert sweep.source == "gradients"
+        sweep_waits.set()
+        assert user_done.wait(10)
+        return read_grad(sweep, record, grads)
+
+    monkeypatch.setitem(gradients.GRADIENTS, "TensorArrayReadV3", held_read_grad)
+    x = client.put(np.array([1.0, 2.0], F32))
+    with client.gradient_tape() as tape:
+        h, flow = _ta(client)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+        r = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+    failures = []
+
+    def user():
+        try:
+            assert sweep_waits.wait(10)
+            with gradserve.Client(
+                f"127.0.0.1:{server.port}", session_id=client.session_id
+            ) as other:
+                g, g_flow = other.raw_ops.TensorArrayGradV3(h, flow, source="gradients")
+                other.raw_ops.TensorArrayWriteV3(g, 0, np.full(2, 100.0, F32), g_flow)
+                user_done.set()
+                failures.append(g)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+            user_done.set()
+
+    thread = threading.Thread(target=user)
+    thread.start()
+    dx = tape.gradient(r, x)
+    thread.join(10)
+    (g,) = failures
+    assert not isinstance(g, BaseException), g
+    np.testing.assert_array_equal(dx, [1.0, 1.0])
+    same, _ = client.raw_ops.TensorArrayGradV3(h, flow, source="gradients")
+    assert same.id == g.id  # the user's array is still there, by its handle
+    np.testing.assert_array_equal(client.raw_ops.TensorArrayReadV3(g, 0, flow, F32), [100.0, 100.0])
+
+
 # ----------------------------------------------------------------- memory
 def test_a_non_persistent_tape_frees_what_it_held_after_gradient(client, server):
     args = _lstm_inputs(client, np.random.default_rng(3), T=8, B=4, I=5, H=6)

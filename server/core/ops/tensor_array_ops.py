@@ -12,6 +12,7 @@ import numpy as np
 
 from gradserve import dtypes, shapes
 from gradserve.errors import InvalidArgumentError
+from gradserve.server.core.grad_registry import GradRegistry
 from gradserve.server.core.ops import args
 from gradserve.server.core.sessions import Session
 from gradserve.server.core.tensor_array import HandOut, TensorArray
@@ -159,9 +160,15 @@ def close(session: Session, handle: str) -> None:
 
 
 def grad(
-    session: Session, handle: str, source: str, shape_to_prepend: np.ndarray | None = None
+    session: Session,
+    handle: str,
+    source: str,
+    shape_to_prepend: np.ndarray | None = None,
+    *,
+    registry: GradRegistry | None = None,
 ) -> tuple[str, TensorArray]:
-    """TensorArrayGradV3 (``shape_to_prepend`` None) or TensorArrayGradWithShape."""
+    """TensorArrayGradV3 (``shape_to_prepend`` None) or TensorArrayGradWithShape;
+    ``registry``: a gradient computation's own (``Session.grad_array``)."""
     args.short_name(source, "source")
     prepend: tuple[int, ...] = ()
     if shape_to_prepend is not None:
@@ -176,4 +183,4 @@ def grad(
             if d < 0:
                 raise InvalidArgumentError(f"Dimension {d} must be >= 0", field="shape_to_prepend")
         prepend = tuple(dims)
-    return session.grad_array(handle, source, prepend)
+    return session.grad_array(handle, source, prepend, registry=registry)
