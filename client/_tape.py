@@ -126,7 +126,8 @@ class GradientTape:
 
         ``target``: a tape output (``TapedArray`` or kept ``TensorRef``) or a list of them;
         ``sources``: one tensor or a list (the result has the same structure);
-        ``output_gradients``: one array per target (default: ones, as TensorFlow);
+        ``output_gradients``: one array per target (default: ones, as TensorFlow), None
+        for a target that contributes nothing;
         ``unconnected_gradients``: "none" (None for a source the targets do not depend
         on) or "zero". ``keep=True`` keeps the gradients in the session (``TensorRef``).
         """
@@ -178,7 +179,9 @@ class GradientTape:
         if output_gradients is not None:
             seeds = output_gradients if _is_list(output_gradients) else [output_gradients]
             for seed in seeds:
-                self._client.encode_input(seed, msg.output_gradients.add(), temps)
+                entry = msg.output_gradients.add()  # left unset for None
+                if seed is not None:
+                    self._client.encode_input(seed, entry, temps)
         return {"message": msg, "temps": list(temps)}
 
     def decode(self, out: tensor_pb2.TensorOutput) -> Any:

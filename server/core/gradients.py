@@ -287,7 +287,7 @@ def gradients(
     tape: Tape,
     targets: Sequence[str],
     sources: Sequence[str],
-    output_gradients: Sequence[TensorArg] | None,
+    output_gradients: Sequence[TensorArg | None] | None,
     *,
     unconnected_zero: bool,
     check: Callable[[], None] | None = None,
@@ -301,13 +301,14 @@ def gradients(
 
     Targets must be tensors the tape produced or watches; sources any tensor of the
     session or tape (one the targets do not depend on gets None, or zeros with
-    ``unconnected_zero``). INVALID_ARGUMENT for a target not recorded, a dtype that
+    ``unconnected_zero``). No targets: no source depends on them (TensorFlow: None
+    for each). A None output gradient: its target contributes nothing (TensorFlow
+    passes the None to the gradient functions, which it crashes or aborts in unless
+    they pass it on). INVALID_ARGUMENT for a target not recorded, a dtype that
     is not floating point, or output gradients that do not match their targets; a
     released tape is FAILED_PRECONDITION. Nothing changes in the session unless it
     succeeds; a non-persistent tape is released once it has.
     """
-    if not targets:
-        raise InvalidArgumentError("Gradients needs at least one target", field="targets")
     records, unknown, differentiable, watched_at = session.tape_snapshot(tape, targets, sources)
     if unknown:
         raise InvalidArgumentError(
@@ -371,12 +372,12 @@ def _seeds(
     session: Session,
     targets: Sequence[str],
     values: Sequence[Any],
-    output_gradients: Sequence[TensorArg] | None,
+    output_gradients: Sequence[TensorArg | None] | None,
     compute: Compute,
 ) -> dict[str, Any]:
     """Each target's output gradient, summed where a target comes more than once:
     ones of its shape and dtype (as TensorFlow) when none are given, else the given
-    ones, one per target of its shape and dtype.
+    ones, one per target of its shape and dtype (None: none from that target).
 
     Without output gradients a target named m times gets m (the derivative of the
     sum), one array: a list of m arrays of ones, all alive at once, let a 5 KB call
@@ -393,6 +394,8 @@ def _seeds(
         )
     seeds: dict[str, Any] = {}
     for n, (arg, target, value) in enumerate(zip(output_gradients, targets, values)):
+        if arg is None:
+            continue  # this target contributes nothing
         seed = session.resolve(arg)
         if np.dtype(seed.dtype) != np.dtype(value.dtype) or tuple(seed.shape) != tuple(value.shape):
             raise InvalidArgumentError(

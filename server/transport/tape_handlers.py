@@ -31,7 +31,10 @@ def Gradients(io: CallIO, req: tape_pb2.GradientsRequest) -> tape_pb2.GradientsR
     tape = io.session.tape(req.tape_id)
     targets = [_tensor_id(io, t, f"targets[{n}]") for n, t in enumerate(req.targets)]
     sources = [_tensor_id(io, s, f"sources[{n}]") for n, s in enumerate(req.sources)]
-    seeds = [io.tensor(g, f"output_gradients[{n}]") for n, g in enumerate(req.output_gradients)]
+    seeds = [
+        None if g.WhichOneof("source") is None else io.tensor(g, f"output_gradients[{n}]")
+        for n, g in enumerate(req.output_gradients)
+    ]
     outer = [t for t in io.tapes if t is not tape]
     args = [Resident(k) for k in targets + sources]
     if io.recorder is not None:

@@ -340,6 +340,51 @@ def test_a_failed_gradient_rolls_back_its_grad_arrays_and_the_freeze(client, ser
     tape.release()
 
 
+def test_a_none_output_gradient_means_its_target_contributes_nothing(client):
+    """TensorFlow's eager tape passes the None to the gradient functions (a ValueError
+    in most, an abort in its aggregation); the meaning it has where it works is that
+    of a zero seed. Before, INVALID_ARGUMENT."""
+    rng = np.random.default_rng(11)
+    args = _lstm_inputs(client, rng)
+    with client.gradient_tape(persistent=True) as tape:
+        acts = client.raw_ops.BlockLSTMV2(*args)
+    g_cs = rng.standard_normal(acts.cs.shape)
+    sources = [args[1], args[4]]
+    got = tape.gradient([acts.h, acts.cs], sources, output_gradients=[None, g_cs])
+    want = tape.gradient(
+        [acts.h, acts.cs], sources, output_gradients=[np.zeros(acts.h.shape), g_cs]
+    )
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    assert np.abs(got[1]).sum() > 0
+    assert tape.gradient([acts.h], sources, output_gradients=[None]) == [None, None]
+    zeros = tape.gradient(acts.h, args[4], output_gradients=[None], unconnected_gradients="zero")
+    np.testing.assert_array_equal(zeros, np.zeros(args[4].shape))
+    with pytest.raises(InvalidArgumentError, match="2 output gradients for 1 targets"):
+        tape.gradient(acts.h, args[4], output_gradients=[None, None])
+    tape.release()
+
+
+def test_no_targets_give_none_for_each_source_and_release_the_tape(client):
+    """As TensorFlow: ``tape.gradient([], x)`` is None, one per source for a list
+    (zeros with unconnected_gradients="zero"); a non-persistent tape is then spent.
+    Before, INVALID_ARGUMENT."""
+    x = client.put(np.array([1.0, 2.0], F32))
+    with client.gradient_tape(persistent=True) as tape:
+        h, flow = _ta(client)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+    assert tape.gradient([], x) is None
+    assert tape.gradient([], [x, x]) == [None, None]
+    np.testing.assert_array_equal(
+        tape.gradient([], x, unconnected_gradients="zero"), np.zeros(2, F32)
+    )
+    with client.gradient_tape() as once:
+        client.raw_ops.TensorArrayWriteV3(h, 1, x, flow)
+    assert once.gradient([], x) is None
+    with pytest.raises(FailedPreconditionError, match="released"):
+        once.gradient([], x)
+
+
 def test_a_users_grad_array_under_the_sweeps_source_is_neither_shared_nor_dropped(
     client, server, monkeypatch
 ):
