@@ -71,6 +71,12 @@ class GradRegistry:
         for key in list(self._keys_naming.get(handle, ())):
             self._remove(key)
 
+    def pop_grads_of(self, forward: str) -> list[str]:
+        """Drop every entry of ``forward`` (as forward array); returns their grad
+        handles."""
+        keys = [key for key in self._keys_naming.get(forward, ()) if key[0] == forward]
+        return [self._remove(key) for key in keys]
+
     def pop_source(self, source: str) -> list[str]:
         """Drop every entry of ``source``; returns their grad handles."""
         keys = list(self._keys_of_source.get(source, ()))

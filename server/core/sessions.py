@@ -252,6 +252,21 @@ class Session:
             if gone is not None:
                 gone.discard()
 
+    def forget_tensor_arrays(self, handles: Sequence[str]) -> None:
+        """Remove forward arrays no client can name, with their grad arrays, and free
+        their bytes: made by a call whose response never reached its client (the
+        handle was only in it), each stayed charged until the session closed."""
+        gone = []
+        with self._lock:
+            for handle in handles:
+                for h in (handle, *self._grads.pop_grads_of(handle)):
+                    self._closed_arrays.pop(h, None)
+                    ta = self._arrays.pop(h, None)
+                    if ta is not None:
+                        gone.append(ta)
+        for ta in gone:
+            ta.discard()
+
     def record_bytes(self) -> int:
         """Bytes charged for records, not values: this session's TensorArrays' (the
         arrays and their slots: ``TensorArray.record_bytes``) and its live tapes' (the

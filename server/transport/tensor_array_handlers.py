@@ -37,6 +37,7 @@ def TensorArrayV3(io: CallIO, req: pb.TensorArrayV3Request) -> pb.TensorArrayV3R
         identical_element_shapes=req.identical_element_shapes,
         tensor_array_name=req.tensor_array_name,
     )
+    io.made_array(handle)
     if io.recorder:
         recording.tensor_array(io.recorder, handle)
     io.produce("handle", handle)

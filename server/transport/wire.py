@@ -126,6 +126,10 @@ class CallIO:
         self.inline_limit = inline_budget if inline_limit is None else inline_limit
         self.check_alive = check_alive
         self._kept: list[str] = []  # ids stored by the op running now
+        self._arrays_of_op: list[str] = []  # TensorArrays the op running now made
+        #: TensorArrays this call made: forgotten with its outputs
+        #: (``forget_outputs``), since only its response named them.
+        self.arrays_made: list[str] = []
         #: Every id this call stored (kept or transient outputs): if the call ends
         #: without its response reaching the client, they are deleted
         #: (``forget_outputs``), since nobody else knows them.
@@ -180,6 +184,7 @@ class CallIO:
 
     def _run(self, handler: Callable[[CallIO, Any], Any], request: Any, ordered: bool) -> Any:
         self._kept = []
+        self._arrays_of_op = []
         recorder = None
         if self.tapes:
             recorder = Recorder(self.session, self.tapes, ordered=ordered, held=self)
@@ -195,19 +200,23 @@ class CallIO:
             with self._lock:
                 if not self._over:
                     self.stored += self._kept
+                    self.arrays_made += self._arrays_of_op
                     return response
             # The call ended while the op ran: no one will learn these ids.
             self.session.delete(self._kept)
+            self.session.forget_tensor_arrays(self._arrays_of_op)
             return response
         except BaseException:
             if recorder is not None:
                 recorder.rollback()
             self.session.delete(self._kept)
+            self.session.forget_tensor_arrays(self._arrays_of_op)
             if self.step is not None:
                 self.produced.pop(self.step, None)
             raise
         finally:
             self._kept = []
+            self._arrays_of_op = []
             if self.inline_values:  # serialized, or the op failed: none for a next op
                 self.inline_values.clear()
             self.recorder = None
@@ -224,13 +233,20 @@ class CallIO:
         return serialized
 
     def forget_outputs(self) -> None:
-        """Delete what this call stored, and what its op still stores: its response did
-        not reach the client."""
+        """Delete what this call stored (and the TensorArrays it made), and what its op
+        still stores: its response did not reach the client."""
         with self._lock:
             self._over = True
             stored, self.stored = self.stored, []
+            arrays, self.arrays_made = self.arrays_made, []
         if stored:
             self.session.delete(stored)
+        if arrays:
+            self.session.forget_tensor_arrays(arrays)
+
+    def made_array(self, handle: str) -> None:
+        """The running op made TensorArray ``handle``, which only its response names."""
+        self._arrays_of_op.append(handle)
 
     def settle(self, before: int, result_bytes: int) -> None:
         """After a Batch step: the response grew by ``result_bytes`` (its result, and

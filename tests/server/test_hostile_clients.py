@@ -396,14 +396,15 @@ def test_what_a_call_kept_after_its_deadline_on_its_lane_is_not_kept(monkeypatch
             assert server.store.budget.used == held
 
 
-@pytest.mark.parametrize("call", ["inline put", "streamed put", "op", "batch"])
+@pytest.mark.parametrize("call", ["inline put", "streamed put", "op", "batch", "tensor array"])
 def test_a_reply_returned_past_the_deadline_keeps_nothing(monkeypatch, call):
     """The handler gets its work back from the lane only after the deadline, and
     replies before gRPC's aio server hears of it (the event loop was busy): the reply
     reaches no client, so what the call stored must go. A Batch made its deadline
     check a failed step of a normal reply, and the steps before it kept their outputs;
     a put kept its tensor (gRPC's aio server does not count a call past its deadline
-    as cancelled). Found by a review helper."""
+    as cancelled). Found by a review helper. A TensorArray made by such a call (in a
+    Batch, with its grad array) is forgotten too: only the lost reply named it."""
     from gradserve.server.transport.lanes import Lane
 
     run = Lane.run
@@ -427,15 +428,21 @@ def test_a_reply_returned_past_the_deadline_keeps_nothing(monkeypatch, call):
                     client.put(value)
                 elif call == "op":
                     client.raw_ops.StopGradient(value, keep=True)
+                elif call == "tensor array":
+                    batch = client.batch()
+                    h, flow = batch.raw_ops.TensorArrayV3(size=1000, dtype=np.float32)
+                    batch.raw_ops.TensorArrayGradV3(h, flow, source="s")
+                    batch.raw_ops.TensorArrayWriteV3(h, 0, value, flow)
+                    batch.run()
                 else:
                     batch = client.batch()
                     for _ in range(3):
                         batch.raw_ops.StopGradient(value, keep=True)
                     batch.run()
+            monkeypatch.undo()  # (CloseSession runs on a lane too)
             assert wait_until(lambda: server.store.budget.used == held, 10)
             time.sleep(0.5)
             assert server.store.budget.used == held
-            monkeypatch.undo()  # CloseSession runs on a lane too
 
 
 def test_names_are_bounded(client):
