@@ -96,6 +96,23 @@ class _Slot:
 Slot = _Slot
 
 
+@dataclasses.dataclass
+class Cleared:
+    """What a read with ``clear_after_read`` cleared: its array, and the slots it
+    touched as they were before, by index (None: no slot). ``put_back`` undoes the
+    read where its output reached no one (its reply was lost to a deadline or a
+    cancel): the values were the output's alone, and were lost with it."""
+
+    array: TensorArray
+    before: dict[int, _Slot | None]
+
+    def put_back(self) -> int:
+        """``TensorArray.put_back``, once (a later read may clear the elements again):
+        the number of elements put back."""
+        before, self.before = self.before, {}
+        return self.array.put_back(before)
+
+
 class TensorArray:
     """One TensorArray or gradient TensorArray.
 
@@ -403,7 +420,12 @@ class TensorArray:
             self._gradients_disallowed = True
 
     # ------------------------------------------------------------------ reads
-    def read(self, index: int, hand_out: HandOut | None = None) -> np.ndarray:
+    def read(
+        self,
+        index: int,
+        hand_out: HandOut | None = None,
+        cleared: list[Cleared] | None = None,
+    ) -> np.ndarray:
         """TensorArrayReadV3.
 
         Preconditions: open; ``0 <= index < size`` (a gradient array also reads
@@ -413,11 +435,13 @@ class TensorArray:
         Side effects: marks the index read; with clear_after_read drops the value.
         ``hand_out``, if given, gets the op's outputs before the op is done: should it
         raise (a gradient tape that has no room in the budget to hold them), the op is
-        undone as if it had never run (a cleared element comes back)."""
+        undone as if it had never run (a cleared element comes back). ``cleared`` gets
+        what a clearing read cleared (``Cleared``)."""
         with self._atomic():
             self._check_open()
             value = self._read_locked(index)
             self._hand_out(hand_out, (value,))
+            self._note_cleared(cleared)
             return value
 
     def gather(
@@ -426,14 +450,17 @@ class TensorArray:
         element_shape: shapes.PartialShape,
         check: Callable[[], None] | None = None,
         hand_out: HandOut | None = None,
+        cleared: list[Cleared] | None = None,
     ) -> np.ndarray:
         """TensorArrayGatherV3: the values at ``indices`` stacked on a new axis 0.
 
         ``check`` runs every ``CHECK_EVERY`` reads (deadline, cancellation); if
-        it raises, the array is left as it was. ``hand_out``: as for ``read``."""
+        it raises, the array is left as it was. ``hand_out``, ``cleared``: as for
+        ``read``."""
         with self._atomic():
             out = self._gather_locked(indices, element_shape, check)
             self._hand_out(hand_out, (out,))
+            self._note_cleared(cleared)
             return out
 
     def _gather_locked(
@@ -480,13 +507,15 @@ class TensorArray:
         element_shape_except0: shapes.PartialShape,
         check: Callable[[], None] | None = None,
         hand_out: HandOut | None = None,
+        cleared: list[Cleared] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """TensorArrayConcatV3: every value joined on axis 0, and their lengths (int64).
 
-        ``hand_out``: as for ``read``."""
+        ``hand_out``, ``cleared``: as for ``read``."""
         with self._atomic():
             value, lengths = self._concat_locked(element_shape_except0, check)
             self._hand_out(hand_out, (value, lengths))
+            self._note_cleared(cleared)
             return value, lengths
 
     def _concat_locked(
@@ -530,6 +559,38 @@ class TensorArray:
                 )
         lengths = np.array([v.shape[0] for v in values], dtype=np.int64)
         return np.concatenate(values), lengths
+
+    def _note_cleared(self, cleared: list[Cleared] | None) -> None:
+        """Within a read: what it cleared (the journal holds the slots before it)."""
+        if cleared is not None and self.clear_after_read and self._journal:
+            cleared.append(Cleared(self, dict(self._journal)))
+
+    def put_back(self, before: dict[int, _Slot | None]) -> int:
+        """Undo a clearing read whose output reached no one (``Cleared``): each slot it
+        cleared that is still cleared gets its record from ``before`` back, its value
+        charged again. Nothing else can have changed such a slot (a read or a write
+        of a cleared index fails), so this is the state as if the read never ran. A
+        closed array takes nothing back; past the budget nothing is put back (raises).
+        Returns the number of elements put back."""
+        with self._atomic():
+            if self._closed:
+                return 0
+            count = 0
+            for index, old in before.items():
+                slot = self._slots.get(index)
+                if slot is None or not slot.cleared:
+                    continue
+                slot = self._slot_for_update(index)
+                count += 1
+                if old is None:  # an unwritten index read as zeros: unwritten again
+                    self._set_value(slot, None)
+                    del self._slots[index]
+                    self._nbytes -= SLOT_BYTES
+                    continue
+                self._set_value(slot, old.value)
+                slot.shape, slot.written = old.shape, old.written
+                slot.read, slot.cleared = old.read, old.cleared
+            return count
 
     def _read_many(
         self, indices: Sequence[int], check: Callable[[], None] | None = None

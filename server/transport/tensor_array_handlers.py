@@ -63,7 +63,9 @@ def TensorArrayWriteV3(
 def TensorArrayReadV3(io: CallIO, req: pb.TensorArrayReadV3Request) -> pb.TensorArrayReadV3Response:
     handle, index, dtype = io.handle(req.handle), io.input(req.index, "index"), dtype_of(req.dtype)
     io.prepay_record(index)
-    value = ta_ops.read(io.session, handle, index, dtype, io.hand_out_for(req.keep_outputs))
+    value = ta_ops.read(
+        io.session, handle, index, dtype, io.hand_out_for(req.keep_outputs), io.cleared_by_op
+    )
     tape_id = recording.read(io.recorder, handle, index, dtype, value) if io.recorder else None
     resp = pb.TensorArrayReadV3Response()
     io.output(value, resp, "value", req.keep_outputs, tape_id)
@@ -83,6 +85,7 @@ def TensorArrayGatherV3(
         _shape(req, "element_shape"),
         io.check_alive,
         io.hand_out_for(req.keep_outputs),
+        io.cleared_by_op,
     )
     tape_id = recording.gather(io.recorder, handle, indices, value) if io.recorder else None
     resp = pb.TensorArrayGatherV3Response()
@@ -117,6 +120,7 @@ def TensorArrayConcatV3(
         io.check_alive,
         # (its record, paid there, keeps a copy of the lengths: ``recording.concat``)
         io.hand_out_for((req.keep_outputs, False), record_copies=lambda outputs: outputs[1:]),
+        io.cleared_by_op,
     )
     ids = recording.concat(io.recorder, handle, value, lengths) if io.recorder else (None, None)
     resp = pb.TensorArrayConcatV3Response()

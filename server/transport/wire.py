@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from gradserve import codec, dtypes, protocol
-from gradserve.errors import InvalidArgumentError
+from gradserve.errors import InvalidArgumentError, ResourceExhaustedError
 from gradserve.kernels.compute import Compute
 from gradserve.server.core.sessions import (
     Resident,
@@ -38,9 +39,11 @@ from gradserve.server.core.sessions import (
     TensorReservation,
 )
 from gradserve.server.core.tape import Payments, Recorder, Tape
-from gradserve.server.core.tensor_array import HandOut
+from gradserve.server.core.tensor_array import Cleared, HandOut
 from gradserve.server.transport import observability, shm_wire
 from gradserve.v1 import tensor_array_pb2, tensor_pb2
+
+log = logging.getLogger(__name__)
 
 
 def _never_stop() -> None:
@@ -130,6 +133,10 @@ class CallIO:
         #: TensorArrays this call made: forgotten with its outputs
         #: (``forget_outputs``), since only its response named them.
         self.arrays_made: list[str] = []
+        #: What the running op's clearing reads cleared (``TensorArray.read``'s
+        #: ``cleared``), and the call's: put back if its response is lost.
+        self.cleared_by_op: list[Cleared] = []
+        self.cleared: list[Cleared] = []
         #: Every id this call stored (kept or transient outputs): if the call ends
         #: without its response reaching the client, they are deleted
         #: (``forget_outputs``), since nobody else knows them.
@@ -185,6 +192,7 @@ class CallIO:
     def _run(self, handler: Callable[[CallIO, Any], Any], request: Any, ordered: bool) -> Any:
         self._kept = []
         self._arrays_of_op = []
+        self.cleared_by_op = []
         recorder = None
         if self.tapes:
             recorder = Recorder(self.session, self.tapes, ordered=ordered, held=self)
@@ -201,22 +209,22 @@ class CallIO:
                 if not self._over:
                     self.stored += self._kept
                     self.arrays_made += self._arrays_of_op
+                    self.cleared += self.cleared_by_op
                     return response
             # The call ended while the op ran: no one will learn these ids.
-            self.session.delete(self._kept)
-            self.session.forget_tensor_arrays(self._arrays_of_op)
+            self._undo(self._kept, self._arrays_of_op, self.cleared_by_op)
             return response
         except BaseException:
             if recorder is not None:
                 recorder.rollback()
-            self.session.delete(self._kept)
-            self.session.forget_tensor_arrays(self._arrays_of_op)
+            self._undo(self._kept, self._arrays_of_op, self.cleared_by_op)
             if self.step is not None:
                 self.produced.pop(self.step, None)
             raise
         finally:
             self._kept = []
             self._arrays_of_op = []
+            self.cleared_by_op = []
             if self.inline_values:  # serialized, or the op failed: none for a next op
                 self.inline_values.clear()
             self.recorder = None
@@ -239,10 +247,23 @@ class CallIO:
             self._over = True
             stored, self.stored = self.stored, []
             arrays, self.arrays_made = self.arrays_made, []
+            cleared, self.cleared = self.cleared, []
+        self._undo(stored, arrays, cleared)
+
+    def _undo(self, stored: list[str], arrays: list[str], cleared: list[Cleared]) -> None:
+        """Delete the outputs ``stored`` and the TensorArrays ``arrays`` made by ops whose
+        results reach no one, then put back what their clearing reads cleared (latest
+        first; the outputs, deleted first, held those bytes). Past the budget an
+        element stays cleared (another call took the room meanwhile)."""
         if stored:
             self.session.delete(stored)
         if arrays:
             self.session.forget_tensor_arrays(arrays)
+        for read in reversed(cleared):
+            try:
+                read.put_back()
+            except ResourceExhaustedError:
+                log.warning("a cleared TensorArray element could not be put back: no room")
 
     def made_array(self, handle: str) -> None:
         """The running op made TensorArray ``handle``, which only its response names."""

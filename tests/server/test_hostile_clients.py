@@ -445,6 +445,53 @@ def test_a_reply_returned_past_the_deadline_keeps_nothing(monkeypatch, call):
             assert server.store.budget.used == held
 
 
+@pytest.mark.parametrize("how", ["read", "batch of reads", "gather", "concat"])
+def test_a_clearing_read_whose_reply_is_lost_puts_its_elements_back(monkeypatch, how):
+    """A read with clear_after_read drops the element: its output holds the only copy.
+    If the reply carrying it never reaches the client (past the deadline, as above),
+    the element comes back, as if the read had not run; it was lost."""
+    from gradserve.server.transport.lanes import Lane
+
+    run = Lane.run
+
+    async def late(self, fn, principal=None):
+        result = await run(self, fn, principal)
+        time.sleep(0.4)
+        return result
+
+    values = [np.full(4, k, np.float32) for k in range(3)]
+    with run_server(device="cpu") as server:
+        target = f"127.0.0.1:{server.port}"
+        with gradserve.Client(target, shared_memory=False) as client:
+            h, flow = client.raw_ops.TensorArrayV3(size=3, dtype=np.float32)
+            for k, v in enumerate(values):
+                flow = client.raw_ops.TensorArrayWriteV3(h, k, v, flow)
+            held = server.store.budget.used
+            monkeypatch.setattr(Lane, "run", late)
+            client.timeout = 0.2
+            with pytest.raises(gradserve.errors.DeadlineExceededError):
+                if how == "read":
+                    client.raw_ops.TensorArrayReadV3(h, 1, flow, np.float32)
+                elif how == "batch of reads":
+                    batch = client.batch()
+                    for k in range(3):
+                        batch.raw_ops.TensorArrayReadV3(h, k, flow, np.float32, keep=k == 0)
+                    batch.run()
+                elif how == "gather":
+                    client.raw_ops.TensorArrayGatherV3(h, [2, 0], flow, np.float32)
+                else:
+                    client.raw_ops.TensorArrayConcatV3(h, flow, np.float32)
+            monkeypatch.undo()
+            client.timeout = None
+            assert wait_until(lambda: server.store.budget.used == held, 10)
+            for k, v in enumerate(values):
+                np.testing.assert_array_equal(
+                    client.raw_ops.TensorArrayReadV3(h, k, flow, np.float32), v
+                )
+            with pytest.raises(gradserve.errors.InvalidArgumentError, match="twice"):
+                client.raw_ops.TensorArrayReadV3(h, 1, flow, np.float32)
+
+
 def test_names_are_bounded(client):
     with pytest.raises(gradserve.errors.InvalidArgumentError, match="at most 1024"):
         client.raw_ops.TensorArrayV3(size=1, dtype=np.float32, tensor_array_name="n" * 2000)

@@ -322,3 +322,35 @@ def test_a_stored_piece_does_not_keep_the_whole_input_alive(op):
     first = ta.read(0)
     np.testing.assert_array_equal(first.reshape(-1)[:3], [0, 1, 2])
     assert first.base is None or first.base.nbytes == first.nbytes  # not a view of the input
+
+
+def test_put_back_undoes_a_clearing_read_exactly():
+    """``Cleared.put_back`` (a read whose output reached no one): a written element
+    comes back readable once, an unwritten one read as zeros is unwritten again, its
+    slot record's bytes released; a non-clearing read notes nothing; a closed array
+    takes nothing back."""
+    from gradserve.server.core.budget import MemoryBudget
+
+    budget = MemoryBudget(None, "session")
+    ta = make(size=3, element_shape=(2,), budget=budget)
+    ta.write(0, np.ones(2, np.float32))
+    empty = budget.used
+    cleared: list = []
+    np.testing.assert_array_equal(ta.read(0, cleared=cleared), [1, 1])
+    np.testing.assert_array_equal(ta.read(1, cleared=cleared), [0, 0])  # unwritten: zeros
+    assert [c.put_back() for c in reversed(cleared)] == [1, 1]
+    assert budget.used == empty
+    np.testing.assert_array_equal(ta.read(0), [1, 1])
+    with pytest.raises(InvalidArgumentError, match="twice"):
+        ta.read(0)
+    ta.write(1, np.full(2, 5, np.float32))  # unwritten again: writable
+    assert cleared[0].put_back() == 0  # nothing cleared by that read any more
+
+    kept = make(size=1, clear_after_read=False)
+    kept.write(0, np.ones(1, np.float32))
+    noted: list = []
+    kept.read(0, cleared=noted)
+    assert noted == []
+
+    ta.close()
+    assert cleared[1].put_back() == 0

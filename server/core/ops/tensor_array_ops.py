@@ -15,7 +15,7 @@ from gradserve.errors import InvalidArgumentError
 from gradserve.server.core.grad_registry import GradRegistry
 from gradserve.server.core.ops import args
 from gradserve.server.core.sessions import Session
-from gradserve.server.core.tensor_array import HandOut, TensorArray
+from gradserve.server.core.tensor_array import Cleared, HandOut, TensorArray
 
 
 def _check_write_dtype(ta: TensorArray, value: np.ndarray) -> None:
@@ -76,11 +76,12 @@ def read(
     index: np.ndarray,
     dtype: np.dtype,
     hand_out: HandOut | None = None,
+    cleared: list[Cleared] | None = None,
 ) -> np.ndarray:
     i = args.int32_scalar(index, "index", "TensorArray index must be scalar, but had shape: ")
     ta = session.tensor_array(handle)
     _check_read_dtype(ta, dtype)
-    return ta.read(i, hand_out)
+    return ta.read(i, hand_out, cleared)
 
 
 def gather(
@@ -91,13 +92,14 @@ def gather(
     element_shape: shapes.PartialShape,
     check: Callable[[], None] | None = None,
     hand_out: HandOut | None = None,
+    cleared: list[Cleared] | None = None,
 ) -> np.ndarray:
     ta = session.tensor_array(handle)
     _check_read_dtype(ta, dtype)
     idx = args.int_vector(
         indices, "indices", "Expected indices to be a vector, but received shape: "
     )
-    return ta.gather(idx, element_shape, check, hand_out)
+    return ta.gather(idx, element_shape, check, hand_out, cleared)
 
 
 def scatter(session: Session, handle: str, indices: np.ndarray, value: np.ndarray) -> None:
@@ -121,10 +123,11 @@ def concat(
     element_shape_except0: shapes.PartialShape,
     check: Callable[[], None] | None = None,
     hand_out: HandOut | None = None,
+    cleared: list[Cleared] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     ta = session.tensor_array(handle)
     _check_read_dtype(ta, dtype)
-    return ta.concat(element_shape_except0, check, hand_out)
+    return ta.concat(element_shape_except0, check, hand_out, cleared)
 
 
 def split(session: Session, handle: str, value: np.ndarray, lengths: np.ndarray) -> None:
