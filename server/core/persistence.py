@@ -244,6 +244,8 @@ def _encode(state: SessionState, to_host: Callable[[Any], Any]) -> tuple[bytes, 
         "grads": [[h, src, g] for (h, src), g in state.grads.items()],
         "resident": [{"id": t, "value": blobs.add(a)} for t, a in state.resident.items()],
         "closed_order": state.closed_order,
+        "lost_tapes": state.lost_tapes,
+        "released_tapes": state.released_tapes,
     }
     return json.dumps(meta, separators=(",", ":")).encode(), blobs.pieces
 
@@ -483,6 +485,9 @@ def _decode(payload: memoryview) -> SessionState:
         grads={(str(h), str(src)): str(g) for h, src, g in meta["grads"]},
         resident={str(r["id"]): tensor(r["value"]) for r in meta["resident"]},
         closed_order=None if closed is None else [str(h) for h in closed],
+        # (both absent from snapshots written before they were kept)
+        lost_tapes=[str(t) for t in meta.get("lost_tapes") or ()],
+        released_tapes=[str(t) for t in meta.get("released_tapes") or ()],
     )
 
 

@@ -190,6 +190,12 @@ class Session:
         #: Live gradient tapes by id, and the ids of released ones (for a clear error).
         self._tapes: dict[str, Tape] = {}
         self._released_tapes: dict[str, None] = {}
+        #: Ids of the tapes that were live when the snapshot this session was
+        #: restored from was taken (``SessionState.lost_tapes``): snapshots do not keep
+        #: tapes, and a client proposing one again (``start_tape``'s ``tape_id``) would
+        #: have started an empty tape under it and got gradients of only what came
+        #: after the restart (found by a review helper). Bounded as released ones.
+        self._lost_tapes: dict[str, None] = {}
         #: Gradients computations so far: each gets its own grad-array ``source``.
         self._gradient_sources = 0
         #: Same-host shared-memory regions the worker registered (``regions``), each at
@@ -598,8 +604,8 @@ class Session:
                 existing = self._tapes.get(tape_id)
             if existing is not None:
                 return existing
-            if tape_id in self._released_tapes:
-                return self.tape(tape_id)  # raises: released
+            if tape_id in self._released_tapes or tape_id in self._lost_tapes:
+                return self.tape(tape_id)  # raises: released, or lost
         with self._lock:
             self._check_open()
             if tape_id is not None and tape_id in self._tapes:
@@ -620,14 +626,24 @@ class Session:
             return tape
 
     def tape(self, tape_id: str) -> Tape:
-        """A live tape; FAILED_PRECONDITION for a released one."""
+        """A live tape; FAILED_PRECONDITION for a released one, NOT_FOUND (reason
+        ``TAPE_LOST``) for one a restore did not bring back."""
         with self._lock:
             tape = self._tapes.get(tape_id)
             released = tape_id in self._released_tapes
+            lost = tape_id in self._lost_tapes
             if tape is None:
                 self._check_open()
         if tape is not None:
             return tape
+        if lost:
+            raise NotFoundError(
+                f"gradient tape {tape_id!r} was lost when its session was restored from a "
+                "snapshot (a server restart, or its replica leaving): snapshots do not keep "
+                "tapes. Start a new tape and run the forward pass again",
+                reason="TAPE_LOST",
+                field="tape_id",
+            )
         if released:
             raise FailedPreconditionError(
                 f"gradient tape {tape_id!r} was released: a non-persistent tape is released "
@@ -936,6 +952,8 @@ class Session:
                 counter = self._name_counter
                 remaining = max(0.0, idle_timeout - (now - self.last_used))
                 tapes = len(self._tapes)
+                lost_tapes = _latest([*self._lost_tapes, *self._tapes])
+                released_tapes = list(self._released_tapes)
                 closed_order = list(self._closed_arrays)
             exported = {h: ta.export_state() for h, ta in arrays.items()}
         return SessionState(
@@ -947,6 +965,8 @@ class Session:
             grads=grads,
             resident=resident,
             tapes_dropped=tapes,
+            lost_tapes=lost_tapes,
+            released_tapes=released_tapes,
             closed_order=closed_order,
             torn=not whole,
         )
@@ -973,6 +993,8 @@ class Session:
             buffers=buffers,
         )
         session._name_counter = state.name_counter
+        session._lost_tapes = dict.fromkeys(_latest(state.lost_tapes))
+        session._released_tapes = dict.fromkeys(_latest(state.released_tapes))
         session.last_used = time.monotonic() - max(0.0, idle_timeout - state.idle_seconds_left)
         try:
             for handle, ta_state in state.arrays.items():
@@ -1063,6 +1085,10 @@ class SessionState:
     resident: dict[str, Array]
     #: Gradient tapes the session had, which snapshots do not keep.
     tapes_dropped: int = 0
+    #: Ids of those tapes (and of those lost by earlier restores), so that the
+    #: restored session refuses them (``TAPE_LOST``), and of the released ones.
+    lost_tapes: list[str] = dataclasses.field(default_factory=list)
+    released_tapes: list[str] = dataclasses.field(default_factory=list)
     #: Handles of the closed arrays in the order they were closed (the oldest is
     #: forgotten first, ``MAX_CLOSED_ARRAYS``); None: in the order they were made (a
     #: snapshot from before this was kept).
@@ -1071,6 +1097,11 @@ class SessionState:
     #: hangs must not stop the drain's snapshot): one of them may be half in it.
     #: Not written: the snapshot's report says so.
     torn: bool = False
+
+
+def _latest(tape_ids: Sequence[str]) -> list[str]:
+    """The last ``4 * MAX_TAPES_PER_SESSION`` ids (the bound of released ones)."""
+    return list(tape_ids)[-4 * MAX_TAPES_PER_SESSION :]
 
 
 def _check_proposed_id(tape_id: str) -> None:

@@ -395,6 +395,61 @@ def test_tapes_are_not_persisted_and_the_rest_is(tmp_path, caplog):
     assert restored.budget.used == s.budget.used and not restored._tapes
 
 
+def test_a_tape_that_spans_a_restart_is_lost_not_started_again_empty(tmp_path):
+    """The SDK proposes its tape's id on every call (``+ID``: start it if it does not
+    exist). After a restart the tape, not in the snapshot, was started again empty
+    under that id, and ``tape.gradient`` gave the gradient of what came after the
+    restart alone: None, or zeros (a review helper). Now the restored session
+    refuses the id (``TAPE_LOST``), across a second restart too; a released id stays
+    released; a new tape works."""
+    import socket
+
+    import gradserve
+    from gradserve.errors import FailedPreconditionError, NotFoundError
+    from gradserve.server import run_server
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with run_server(host="127.0.0.1", port=port, state_dir=str(tmp_path), grace=0):
+        client = gradserve.Client(f"127.0.0.1:{port}", keepalive=False, shared_memory=False)
+        w = client.put(np.arange(3, dtype=np.float32))
+        with client.gradient_tape() as spent:
+            h0, f0 = client.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
+            r0 = client.raw_ops.TensorArrayReadV3(
+                h0, 0, client.raw_ops.TensorArrayWriteV3(h0, 0, w, f0), np.float32
+            )
+        spent.gradient(r0, w)
+        tape = client.gradient_tape(persistent=True)
+        tape.__enter__()
+        h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=np.float32, clear_after_read=False)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, w, flow)
+    for _ in range(2):  # restarts
+        with run_server(host="127.0.0.1", port=port, state_dir=str(tmp_path), grace=0):
+            with pytest.raises(NotFoundError, match="was lost") as info:
+                client.raw_ops.TensorArrayReadV3(h, 0, flow, np.float32)
+            assert info.value.reason == "TAPE_LOST"
+            with pytest.raises(FailedPreconditionError, match="released"):
+                gradserve.Client(
+                    f"127.0.0.1:{port}", session_id=client.session_id, keepalive=False
+                )._call("ReleaseTape", _release(spent.id), tapes=[])
+    with run_server(host="127.0.0.1", port=port, state_dir=str(tmp_path), grace=0):
+        tape.__exit__(None, None, None)
+        with client.gradient_tape() as fresh:
+            y = client.raw_ops.TensorArrayReadV3(h, 0, flow, np.float32)  # (its write: not here)
+            h2, f2 = client.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
+            f2 = client.raw_ops.TensorArrayWriteV3(h2, 0, w, f2)
+            z = client.raw_ops.TensorArrayReadV3(h2, 0, f2, np.float32)
+        assert fresh.gradient([y, z], [w]) == [pytest.approx(np.ones(3, np.float32))]
+        client.close()
+
+
+def _release(tape_id):
+    from gradserve.v1 import tape_pb2
+
+    return tape_pb2.ReleaseTapeRequest(tape_id=tape_id)
+
+
 def test_gpu_tensors_are_saved_through_the_hosts_copy(tmp_path):
     """A resident tensor on the GPU (CuPy's stand-in, which refuses an implicit host
     conversion as CuPy does) is written through ``Compute.to_host``'s copy and comes
