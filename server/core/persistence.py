@@ -88,8 +88,8 @@ def lock_directory(directory: str | os.PathLike[str]) -> int:
     latest when the process ends, however it ends). ``DirectoryInUseError`` if another
     process, or another server of this one, holds it; the lock file says whose."""
     path = pathlib.Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    path.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE_MODE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -111,6 +111,20 @@ def lock_directory(directory: str | os.PathLike[str]) -> int:
     except OSError:
         pass
     return fd
+
+
+#: A state directory the server makes, and its files: they hold session ids (which
+#: attach to a session, alone where there is no token file) and every tensor's bytes,
+#: readable by other local users at the umask's usual 0755/0644 (a review helper).
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+
+
+def _create_private(path: pathlib.Path) -> BinaryIO:
+    """``path`` created (or truncated) for writing, readable by this user alone."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+    os.fchmod(fd, PRIVATE_FILE_MODE)  # (a file left by an earlier server kept its mode)
+    return open(fd, "wb")
 
 
 class SnapshotError(Exception):
@@ -267,7 +281,7 @@ def write_session(
     temp = directory / f"{TEMP_PREFIX}{final.name}"
     meta, pieces = _encode(state, to_host)
     try:
-        with open(temp, "wb") as fh:
+        with _create_private(temp) as fh:
             fh.write(b"\0" * _HEADER.size)  # filled in once the checksum is known
             digest = hashlib.sha256()
             _write_all(fh, _U64.pack(len(meta)), digest)
@@ -300,7 +314,7 @@ def write_snapshot(
     path = pathlib.Path(directory)
     report = SnapshotReport()
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
     except OSError as e:  # no session can be written: each one counts as not saved
         for state in states:
             report.failed += 1
@@ -631,8 +645,9 @@ def _move_in(
         return
     temp = target / f"{TEMP_PREFIX}adopted-{path.name}"
     try:
-        shutil.copyfile(path, temp)
-        with open(temp, "rb") as fh:
+        with open(path, "rb") as source, _create_private(temp) as fh:
+            shutil.copyfileobj(source, fh)
+            fh.flush()
             os.fsync(fh.fileno())
         temp.replace(final)
     except BaseException:

@@ -769,3 +769,33 @@ def test_a_snapshot_does_not_wait_for_gradients(monkeypatch):
             while not states and time.monotonic() < deadline:
                 time.sleep(0.01)
     assert taken_during_the_op == [True] and not states[0].torn
+
+
+def test_the_state_directory_and_its_files_are_the_servers_own(tmp_path):
+    """Session files hold session ids and every tensor's bytes: at the usual umask the
+    server made the directory 0755 and the files 0644, readable by any local user
+    (a review helper). Now 0700 and 0600; a file left by an earlier server is made
+    private when it is written again."""
+    import stat as stat_mod
+
+    old = os.umask(0o022)
+    try:
+        directory = tmp_path / "state"
+        fd = persistence.lock_directory(directory)
+        os.close(fd)
+        store = SessionStore()
+        s = populated(store)
+        stale = directory / persistence.file_name(s.id)
+        stale.write_bytes(b"old")
+        stale.chmod(0o644)
+        assert persistence.write_snapshot(store.export_states(), directory).written == 1
+    finally:
+        os.umask(old)
+
+    def mode(path):
+        return stat_mod.S_IMODE(path.stat().st_mode)
+
+    assert mode(directory) == 0o700
+    assert mode(directory / persistence.LOCK_NAME) == 0o600
+    files = list(persistence.snapshot_files(directory))
+    assert [mode(f) for f in files] == [0o600]
