@@ -645,9 +645,9 @@ def _move_in(
         return
     temp = target / f"{TEMP_PREFIX}adopted-{path.name}"
     try:
-        with open(path, "rb") as source, _create_private(temp) as fh:
-            shutil.copyfileobj(source, fh)
-            fh.flush()
+        _create_private(temp).close()  # (copyfile keeps the mode of a file that exists)
+        shutil.copyfile(path, temp)
+        with open(temp, "rb") as fh:
             os.fsync(fh.fileno())
         temp.replace(final)
     except BaseException:
