@@ -1020,6 +1020,9 @@ class Session:
             if forward not in session._arrays or grad not in session._arrays:
                 session.close()
                 raise ValueError(f"grad array of {forward!r} for {source!r}: no such array")
+            if session._arrays[forward].is_grad or not session._arrays[grad].is_grad:
+                session.close()
+                raise ValueError(f"grad array of {forward!r} for {source!r}: not a grad array")
         session._grads = GradRegistry(state.grads.items())
         closed = [h for h, ta in session._arrays.items() if ta.closed]
         if state.closed_order is not None and set(state.closed_order) == set(closed):

@@ -878,13 +878,25 @@ class TensorArrayState:
 
 
 def _check_state(state: TensorArrayState) -> None:
-    """The invariants every TensorArray keeps, checked on a state read from a file."""
-    if state.size < 0:
-        raise ValueError(f"TensorArray {state.name}: size {state.size} is negative")
+    """The invariants every TensorArray keeps, checked on a state read from a file.
+    (A review helper restored hand-made ones: a size past int32, whose size op then
+    failed INTERNAL and whose concat ran to the deadline; an index past a dynamic
+    array's size; a cleared slot still holding its value; a read of an unwritten
+    index.)"""
+    if not 0 <= state.size <= dtypes.INT32_MAX:
+        raise ValueError(f"TensorArray {state.name}: size {state.size} is not an int32 >= 0")
+    if not -1 <= state.marked_size <= dtypes.INT32_MAX:
+        raise ValueError(f"TensorArray {state.name}: marked size {state.marked_size} is invalid")
     for index, slot in state.slots.items():
         where = f"TensorArray {state.name}, index {index}"
-        if index < 0 or (index >= state.size and not state.dynamic_size):
+        if not 0 <= index < state.size:  # (a write or read past the end grows the size)
             raise ValueError(f"{where}: outside its size {state.size}")
+        if slot.read and not slot.written:  # (a read of an unwritten index writes zeros)
+            raise ValueError(f"{where}: read but never written")
+        if slot.cleared and (slot.value is not None or not slot.read):
+            raise ValueError(f"{where}: cleared, but not by a read that took its value")
+        if slot.written and slot.value is None and not slot.cleared and not state.is_grad:
+            raise ValueError(f"{where}: written without a value (only a gradient array's are)")
         if slot.value is None:
             continue
         if slot.value.dtype != state.dtype:

@@ -18,7 +18,7 @@ import pytest
 
 from gradserve import dtypes
 from gradserve.server.core import persistence
-from gradserve.server.core.sessions import TENSOR_RECORD_BYTES, SessionStore
+from gradserve.server.core.sessions import TENSOR_RECORD_BYTES, Session, SessionStore
 
 
 def populated(store: SessionStore, principal: str = "alice", seed: int = 0):
@@ -799,3 +799,23 @@ def test_the_state_directory_and_its_files_are_the_servers_own(tmp_path):
     assert mode(directory / persistence.LOCK_NAME) == 0o600
     files = list(persistence.snapshot_files(directory))
     assert [mode(f) for f in files] == [0o600]
+
+
+def test_a_grad_map_entry_that_names_no_grad_array_is_refused():
+    """A hand-edited grad map (an array named as its own gradient, a review helper's)
+    is refused at restore: no TensorArrayGradV3 makes such an entry."""
+    store = SessionStore()
+    s = populated(store)
+    state = s.export_state(idle_timeout=60)
+    (forward, source), _ = next(iter(state.grads.items()))
+    state.grads = {(forward, source): forward}
+    back = SessionStore()
+    with pytest.raises(ValueError, match="not a grad array"):
+        Session.from_state(
+            state,
+            idle_timeout=60,
+            max_tensor_bytes=None,
+            max_tensor_array_size=None,
+            budget=back.budget,
+        )
+    assert back.budget.used == 0

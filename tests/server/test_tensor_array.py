@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -354,3 +356,31 @@ def test_put_back_undoes_a_clearing_read_exactly():
 
     ta.close()
     assert cleared[1].put_back() == 0
+
+
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        (dict(size=2**40), "not an int32"),
+        (dict(marked_size=2**62), "marked size"),
+        (dict(slot=dict(index=7)), "outside its size"),
+        (dict(slot=dict(read=True, written=False, value=None)), "read but never written"),
+        (dict(slot=dict(read=True, cleared=True)), "cleared, but not by a read"),
+        (dict(slot=dict(value=None)), "written without a value"),
+    ],
+)
+def test_a_state_no_ops_could_make_is_refused(edit, says):
+    """A hand-edited snapshot (its checksum made again) is refused, naming what is
+    wrong: a review helper restored a size of 2**40 (the size op then failed INTERNAL,
+    a concat ran to the deadline) and the other states below."""
+    ta = make(size=3, dynamic_size=True)
+    ta.write(1, v(1, 2))
+    state = ta.export_state()
+    slot_edit = edit.pop("slot", None)
+    state = dataclasses.replace(state, **edit)
+    if slot_edit is not None:
+        index = slot_edit.pop("index", 1)
+        state.slots = {index: dataclasses.replace(state.slots[1], **slot_edit)}
+    with pytest.raises(ValueError, match=says):
+        TensorArray.from_state(state)
+    TensorArray.from_state(ta.export_state())  # (the unedited one is fine)

@@ -184,3 +184,44 @@ def test_model_is_not_trivial():
         (1, False, True, [("write", 0), ("write", 0), ("read", 0), ("read", 0)])
     )
     assert [o[0] for o in outcomes] == ["ok", "error", "ok", "error"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios, st.booleans())
+def test_every_state_the_ops_reach_a_snapshot_restores(scenario, shaped):
+    """``TensorArray.from_state`` refuses states no ops could make (a hand-edited
+    file): every state the ops do make, of a forward array and of its gradient array
+    (soft copies, reads past the end), must pass its checks and come back the same."""
+    size, dynamic, clear, sequence = scenario
+    forward = TensorArray(
+        name="ta",
+        dtype=np.dtype(np.float32),
+        size=size,
+        dynamic_size=dynamic,
+        clear_after_read=clear,
+        element_shape=(2,) if shaped else None,
+    )
+    arrays = [forward]
+
+    def apply(op, arg, value, ta):
+        table = {
+            "write": lambda: ta.write(arg, value),
+            "read": lambda: ta.read(arg),
+            "gather": lambda: ta.gather(arg, None),
+            "scatter": lambda: ta.scatter(arg, value),
+            "size": ta.size,
+            "close": lambda: None,  # (last, below: a closed array is restored too)
+        }
+        return table[op]()
+
+    run(scenario, lambda op, arg, x: apply(op, arg, x, forward))
+    try:
+        arrays.append(forward.make_grad(name="ta@gradients"))
+    except errors.InvalidArgumentError:
+        pass  # (multiple writes aggregated: no gradient array)
+    else:
+        run(scenario, lambda op, arg, x: apply(op, arg, x, arrays[1]))
+    forward.close()
+    for ta in arrays:
+        state = ta.export_state()
+        assert TensorArray.from_state(state).export_state().slots.keys() == state.slots.keys()
