@@ -51,6 +51,13 @@ class TokenTable:
             principal, sep, token = line.partition(":")
             if not sep or not principal.strip() or not token.strip():
                 raise ValueError(f"{path}:{number}: expected 'principal:token'")
+            if principal.strip() == ANONYMOUS:
+                # The owner of every session made without a token file: restored from
+                # a snapshot, they would be this principal's (a review helper).
+                raise ValueError(
+                    f"{path}:{number}: the principal name {ANONYMOUS!r} is reserved (the "
+                    "owner of sessions served without a token file)"
+                )
             entries[_digest(token.strip())] = principal.strip()
         return cls(entries)
 

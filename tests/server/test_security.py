@@ -73,6 +73,11 @@ def test_token_table_parsing(tmp_path):
     path.write_text("no-colon\n")
     with pytest.raises(ValueError, match="principal:token"):
         TokenTable.from_file(path)
+    # The owner of sessions made without a token file: restored from a snapshot, they
+    # became the token's principal's (a review helper).
+    path.write_text("alice:a\n anonymous :x\n")
+    with pytest.raises(ValueError, match="2: the principal name 'anonymous' is reserved"):
+        TokenTable.from_file(path)
 
 
 def test_public_address_without_tokens_refuses_to_start():
