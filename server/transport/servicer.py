@@ -38,7 +38,11 @@ from gradserve.server.transport.auth import REFUSAL, TokenTable, current_princip
 from gradserve.server.transport.handlers import OPS, OPS_BY_BATCH_FIELD, Op
 from gradserve.server.transport.lanes import Lane
 from gradserve.server.transport.observability import Observer, current_call
-from gradserve.server.transport.servicer_part import ForgottenUnlessReplied, check_reply_in_time
+from gradserve.server.transport.servicer_part import (
+    ForgottenUnlessReplied,
+    check_reply_in_time,
+    deleted_once_replied,
+)
 from gradserve.server.transport.shm_handlers import SharedMemoryRPCs
 from gradserve.server.transport.streams import END, Pace, StreamLimits, next_item
 from gradserve.server.transport.tensor_handlers import InlineTensorRPCs
@@ -233,8 +237,9 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
                 pace.moved_bytes(len(chunk))
                 if call is not None:
                     call.bytes_out += len(chunk)
-        if request.delete_after:
-            session.delete([request.id])
+        # Past the deadline the client gets DEADLINE_EXCEEDED, not the end of the
+        # stream: the tensor stays, to be fetched again.
+        deleted_once_replied(session, request, context)
         return None
 
     def _wire_content(self, kept: Any) -> codec.WireContent:

@@ -41,6 +41,16 @@ def check_reply_in_time(context: Any) -> None:
         raise DeadlineExceededError("deadline exceeded")
 
 
+def deleted_once_replied(session: Session, request: Any, context: Any) -> None:
+    """A get's ``delete_after``: the tensor is deleted as the handler replies with it,
+    unless the deadline has passed (``check_reply_in_time`` raises: the client gets
+    DEADLINE_EXCEEDED and can fetch it again). Deleted as the value was read, a reply
+    lost to the deadline lost the tensor."""
+    check_reply_in_time(context)
+    if request.delete_after:
+        session.delete([request.id])
+
+
 class ForgottenUnlessReplied:
     """The id a unary put keeps, deleted if its response never reaches the client.
 

@@ -15,7 +15,11 @@ from typing import Any
 
 from gradserve import codec
 from gradserve.server.transport import boundary, shm_wire
-from gradserve.server.transport.servicer_part import ForgottenUnlessReplied, ServicerPart
+from gradserve.server.transport.servicer_part import (
+    ForgottenUnlessReplied,
+    ServicerPart,
+    deleted_once_replied,
+)
 from gradserve.server.transport.wire import host_array
 from gradserve.v1 import shared_memory_pb2 as pb
 from gradserve.v1 import tensor_pb2
@@ -69,7 +73,8 @@ class SharedMemoryRPCs(ServicerPart):
         self, request: pb.GetSharedTensorRequest, context: Any
     ) -> pb.GetSharedTensorResponse:
         """The resident tensor copied into the region; with ``delete_after`` deleted
-        once copied (a copy that fails leaves it, to be fetched again)."""
+        once copied (a copy that fails, or a reply past the deadline, leaves it, to be
+        fetched again: ``deleted_once_replied``)."""
         session = self._session(context)
         response = pb.GetSharedTensorResponse()
 
@@ -78,8 +83,7 @@ class SharedMemoryRPCs(ServicerPart):
                 array = host_array(self.compute, kept)
                 session.regions.write(request.region, request.offset, array, "tensor")
                 shm_wire.fill(response.tensor, request.region, request.offset, array)
-            if request.delete_after:
-                session.delete([request.id])
 
         await self.light.run(get)
+        deleted_once_replied(session, request, context)
         return response

@@ -24,7 +24,11 @@ import numpy as np
 from gradserve import codec, dtypes, protocol
 from gradserve.errors import GradserveError, ResourceExhaustedError
 from gradserve.server.transport import boundary
-from gradserve.server.transport.servicer_part import ForgottenUnlessReplied, ServicerPart
+from gradserve.server.transport.servicer_part import (
+    ForgottenUnlessReplied,
+    ServicerPart,
+    deleted_once_replied,
+)
 from gradserve.server.transport.wire import host_array
 from gradserve.v1 import service_pb2, tensor_pb2
 
@@ -79,15 +83,12 @@ class InlineTensorRPCs(ServicerPart):
                         f"({budget} bytes): fetch it with GetTensor",
                         reason="USE_GET_TENSOR",
                     )
-                message = codec.Serialized(codec.serialize_tensor(host_array(self.compute, kept)))
-            if request.delete_after:
-                session.delete([request.id])
-            return message
+                return codec.Serialized(codec.serialize_tensor(host_array(self.compute, kept)))
 
         kept = session.get(request.id)  # NOT_FOUND here as in ``get``
-        if on_loop(kept):
-            return get()
-        return await self.light.run(get)
+        message = get() if on_loop(kept) else await self.light.run(get)
+        deleted_once_replied(session, request, context)
+        return message
 
 
 def _declared_bytes(request: codec.WireTensor | tensor_pb2.Tensor) -> int:

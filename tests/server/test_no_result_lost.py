@@ -148,6 +148,30 @@ def test_get_tensor_with_delete_after_keeps_the_tensor_until_the_last_chunk(serv
     assert client.delete(ref) == 0  # read to the end: deleted
 
 
+def test_a_get_whose_reply_misses_its_deadline_deletes_nothing(monkeypatch):
+    """GetTensorInline with ``delete_after`` deleted the tensor as it read it: a reply
+    that then missed the client's deadline lost the tensor. Now it is deleted only
+    with a reply in time."""
+    from gradserve.server.transport.lanes import Lane
+
+    run = Lane.run
+
+    async def late(self, fn, principal=None):
+        result = await run(self, fn, principal)
+        time.sleep(0.4)  # the event loop held past the client's deadline
+        return result
+
+    value = np.arange(MIB // 2, dtype=np.float32)  # 2 MiB: read on a lane
+    with run_server(device="cpu") as server, connect(server) as client:
+        ref = client.put(value)
+        request = service_pb2.GetTensorRequest(id=ref.id, delete_after=True)
+        monkeypatch.setattr(Lane, "run", late)
+        with pytest.raises(gradserve.errors.DeadlineExceededError):
+            client._call("GetTensorInline", request, timeout=0.2)
+        monkeypatch.undo()
+        np.testing.assert_array_equal(client.get(ref), value)
+
+
 def test_a_transient_output_stays_until_the_client_holds_it_all(server, client, monkeypatch):
     """The SDK fetches a transient output without having the server delete it as the
     last chunk leaves (a stream broken after that would lose it): fetched again, it is
