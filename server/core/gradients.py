@@ -80,6 +80,7 @@ class Sweep:
         """``ta.grad(source)``: the grad array's handle (made on first use)."""
         if handle not in self.frozen:
             self.frozen[handle] = self.session.tensor_array(handle).dynamic_size
+            self.session.gradient_froze(handle, self.frozen[handle])
         grad_handle, _ = ta_ops.grad(self.session, handle, self.source, registry=self.grads)
         return grad_handle
 
@@ -364,6 +365,7 @@ def gradients(
         raise
     finally:
         session.drop_grad_arrays(source, sweep.grads)
+        session.gradient_ended(sweep.frozen)
     session.gradient_done(tape)
     return results, source
 

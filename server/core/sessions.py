@@ -169,6 +169,12 @@ class Session:
         #: (``grad_array``'s ``registry``): no TensorArrayGradV3 can name them, and a
         #: snapshot leaves them out (the computation drops them when it ends).
         self._private_grads: set[str] = set()
+        #: Forward arrays a running gradient computation froze (made a grad array of,
+        #: which switches dynamic sizing off), with their dynamic sizing before, one
+        #: per computation: a snapshot exports them as before (the computation's grad
+        #: arrays are not in it either), or a drain's last snapshot, taken while one
+        #: ran past --grace and was then rolled back, froze them for good.
+        self._frozen_by_gradients: dict[str, list[bool]] = {}
         #: Handles of closed arrays, oldest first: at most ``MAX_CLOSED_ARRAYS`` kept.
         self._closed_arrays: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._resident: dict[str, _Kept] = {}
@@ -911,6 +917,22 @@ class Session:
         if not tape.persistent:
             self.release_tape(tape.id)
 
+    def gradient_froze(self, handle: str, dynamic_size: bool) -> None:
+        """A gradient computation is about to make a grad array of ``handle``, whose
+        dynamic sizing was ``dynamic_size`` (see ``_frozen_by_gradients``)."""
+        with self._lock:
+            self._frozen_by_gradients.setdefault(handle, []).append(dynamic_size)
+
+    def gradient_ended(self, frozen: dict[str, bool]) -> None:
+        """The computation that froze ``frozen`` (handle: dynamic sizing before) ended."""
+        with self._lock:
+            for handle, dynamic_size in frozen.items():
+                before = self._frozen_by_gradients.get(handle)
+                if before is not None and dynamic_size in before:
+                    before.remove(dynamic_size)
+                    if not before:
+                        del self._frozen_by_gradients[handle]
+
     def unfreeze_tensor_array(self, handle: str, dynamic_size: bool) -> None:
         """Give a forward array back the dynamic sizing a failed gradient computation
         switched off by making its grad array."""
@@ -955,7 +977,13 @@ class Session:
                 lost_tapes = _latest([*self._lost_tapes, *self._tapes])
                 released_tapes = list(self._released_tapes)
                 closed_order = list(self._closed_arrays)
+                unfrozen = {h: before[0] for h, before in self._frozen_by_gradients.items()}
             exported = {h: ta.export_state() for h, ta in arrays.items()}
+            for handle, dynamic_size in unfrozen.items():
+                if handle in exported:
+                    exported[handle] = dataclasses.replace(
+                        exported[handle], dynamic_size=dynamic_size
+                    )
         return SessionState(
             id=self.id,
             principal=self.principal,

@@ -439,6 +439,39 @@ def test_a_users_grad_array_under_the_sweeps_source_is_neither_shared_nor_droppe
     np.testing.assert_array_equal(client.raw_ops.TensorArrayReadV3(g, 0, flow, F32), [100.0, 100.0])
 
 
+def test_a_snapshot_during_a_gradient_sees_the_forward_arrays_as_before_it(
+    client, server, monkeypatch
+):
+    """A gradient computation makes grad arrays, which switch off the forward
+    arrays' dynamic sizing; a snapshot taken meanwhile (a drain's last one, while the
+    call runs past --grace and is then rolled back) froze them for good in the
+    restored session. It now sees them as before the computation; after it, frozen
+    (as TensorFlow leaves them)."""
+    from gradserve.server.core import gradients
+
+    seen = []
+    read_grad = gradients.GRADIENTS["TensorArrayReadV3"]
+
+    def read_grad_then_snapshot(sweep, record, grads):
+        out = read_grad(sweep, record, grads)
+        state = sweep.session.export_state(60.0)
+        seen.append(state.arrays[record.saved["handle"]].dynamic_size)
+        assert sweep.session.tensor_array(record.saved["handle"]).dynamic_size is False
+        return out
+
+    monkeypatch.setitem(gradients.GRADIENTS, "TensorArrayReadV3", read_grad_then_snapshot)
+    x = client.put(np.array([1.0, 2.0], F32))
+    with client.gradient_tape() as tape:
+        h, flow = _ta(client, dynamic_size=True)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+        r = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+    np.testing.assert_array_equal(tape.gradient(r, x), [1.0, 1.0])
+    assert seen == [True]
+    session = session_of(server, client)
+    assert session.export_state(60.0).arrays[h.id].dynamic_size is False
+    assert not session._frozen_by_gradients
+
+
 # ----------------------------------------------------------------- memory
 def test_a_non_persistent_tape_frees_what_it_held_after_gradient(client, server):
     args = _lstm_inputs(client, np.random.default_rng(3), T=8, B=4, I=5, H=6)
