@@ -22,6 +22,7 @@ import numpy as np
 from google.protobuf.message import Message
 
 from gradserve.client._errors import typed_error
+from gradserve.errors import GradserveError
 from gradserve.client._raw_ops import RawOps, Staging
 from gradserve.client._types import StepOutput
 from gradserve.lstm_signature import LSTMActivations, LSTMGrads
@@ -136,6 +137,11 @@ class Batch:
                     reply = self._client._call("Batch", request, tapes=steps[start][3])
                 except BaseException as e:
                     failure = e
+                    if isinstance(e, GradserveError) and results and e.step is None:
+                        # The requests before this one ran: their results (kept
+                        # tensors' ids among them) are the caller's, as a failed
+                        # step's are; they were dropped, held until the session ended.
+                        e.step, e.results = start, results
                     raise
                 parsers = [parse for _, _, parse, _ in steps[start:]]
                 results += self._client._parse(

@@ -95,9 +95,11 @@ class GradserveError(Exception):
     request_id:
         The ``x-request-id`` of the call that failed (SDK side; the server logs it).
     step:
-        For a failed ``Batch``: the index of the step that failed, else None.
+        For a failed ``Batch``: the index of the step that failed (or the first of a
+        request the SDK sent apart that failed as a whole), else None.
     results:
-        For a failed ``Batch``: the results of the steps before ``step``.
+        For a failed ``Batch``: the results of the steps before ``step`` (kept
+        tensors are yours: delete them when done).
     """
 
     code: Code = Code.UNKNOWN

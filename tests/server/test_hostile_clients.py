@@ -492,6 +492,46 @@ def test_a_clearing_read_whose_reply_is_lost_puts_its_elements_back(monkeypatch,
                 client.raw_ops.TensorArrayReadV3(h, 1, flow, np.float32)
 
 
+def test_a_batch_sent_in_parts_keeps_the_results_of_the_parts_that_ran(monkeypatch):
+    """The SDK sends a batch in several requests (here: steps under another tape go in
+    their own); when a later one failed as a whole (past its deadline) the error
+    carried no results, so the kept outputs of the earlier ones, already stored and
+    named in replies the SDK had, reached no one and stayed charged until the session
+    ended (a review helper). The error now carries them, as a failed step's does."""
+    from gradserve.server.transport.lanes import Lane
+
+    run = Lane.run
+    runs = []
+
+    async def fourth_late(self, fn, principal=None):
+        result = await run(self, fn, principal)
+        runs.append(fn)
+        if len(runs) == 4:  # the second request's step
+            time.sleep(0.4)  # the event loop held past the client's deadline
+        return result
+
+    value = np.ones(MIB, np.float32)
+    with run_server(device="cpu") as server:
+        target = f"127.0.0.1:{server.port}"
+        with gradserve.Client(target, timeout=0.25, shared_memory=False) as client:
+            held = server.store.budget.used
+            batch = client.batch()
+            for _ in range(3):
+                batch.raw_ops.StopGradient(value, keep=True)
+            with client.gradient_tape() as tape:
+                batch.raw_ops.StopGradient(value, keep=True)
+            monkeypatch.setattr(Lane, "run", fourth_late)
+            with pytest.raises(gradserve.errors.DeadlineExceededError) as info:
+                batch.run()
+            monkeypatch.undo()
+            assert info.value.step == 3 and len(info.value.results) == 3
+            for ref in info.value.results:
+                np.testing.assert_array_equal(client.get(ref), value)
+            client.delete(*info.value.results)
+            tape.release()
+            assert wait_until(lambda: server.store.budget.used == held, 10)
+
+
 def test_names_are_bounded(client):
     with pytest.raises(gradserve.errors.InvalidArgumentError, match="at most 1024"):
         client.raw_ops.TensorArrayV3(size=1, dtype=np.float32, tensor_array_name="n" * 2000)
