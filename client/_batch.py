@@ -22,9 +22,9 @@ import numpy as np
 from google.protobuf.message import Message
 
 from gradserve.client._errors import typed_error
-from gradserve.errors import GradserveError
 from gradserve.client._raw_ops import RawOps, Staging
 from gradserve.client._types import StepOutput
+from gradserve.errors import GradserveError
 from gradserve.lstm_signature import LSTMActivations, LSTMGrads
 from gradserve.protocol import BATCH_FIELDS
 from gradserve.v1 import service_pb2, tensor_array_pb2, tensor_pb2
