@@ -7,10 +7,11 @@ it relies on are declared once.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
-from gradserve.errors import DeadlineExceededError
+from gradserve.errors import DeadlineExceededError, GradserveError
 from gradserve.server.core.sessions import Session
 
 
@@ -42,13 +43,23 @@ def check_reply_in_time(context: Any) -> None:
 
 
 def deleted_once_replied(session: Session, request: Any, context: Any) -> None:
-    """A get's ``delete_after``: the tensor is deleted as the handler replies with it,
-    unless the deadline has passed (``check_reply_in_time`` raises: the client gets
-    DEADLINE_EXCEEDED and can fetch it again). Deleted as the value was read, a reply
-    lost to the deadline lost the tensor."""
+    """A get's ``delete_after``, called as the handler replies: the tensor is deleted
+    once the call has ended with its reply sent before the deadline. Past it
+    (``check_reply_in_time`` raises, or the sending took until then) the client got
+    DEADLINE_EXCEEDED, and can fetch the tensor again. Deleted as the value was read,
+    then as the handler replied, a reply that missed the client's deadline lost the
+    tensor (a review helper: 71 of 120 gets of 128 MiB, a 0.5 s deadline)."""
     check_reply_in_time(context)
-    if request.delete_after:
-        session.delete([request.id])
+    if not request.delete_after:
+        return
+
+    def call_over(context: Any) -> None:
+        remaining = context.time_remaining()
+        if remaining is None or remaining > 0:
+            with contextlib.suppress(GradserveError):  # (its session closed meanwhile)
+                session.delete([request.id])
+
+    context.add_done_callback(call_over)
 
 
 class ForgottenUnlessReplied:
