@@ -11,8 +11,10 @@ computes runs on a lane (``lanes.Lane``): light ops on ``light``, LSTM ops on
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
+import logging
 import threading
 import time
 from collections.abc import AsyncIterable, Callable
@@ -48,6 +50,8 @@ from gradserve.server.transport.streams import END, Pace, StreamLimits, next_ite
 from gradserve.server.transport.tensor_handlers import InlineTensorRPCs
 from gradserve.server.transport.wire import CallIO, host_array
 from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_pb2
+
+log = logging.getLogger(__name__)
 
 #: Streamed chunks are at least this large (the last one aside): a client asking for
 #: one-byte chunks would make the server send a message per byte.
@@ -366,10 +370,19 @@ def _call_over(io: CallIO, context: Any) -> None:
     region copies go (``CallIO.end``), and so do its outputs if no response took them:
     the call was cancelled, or it ended before the handler replied (gRPC's aio server
     ends a call past its deadline with ``cancelled()`` False while the op still runs
-    on its lane, which then stored outputs nobody would learn of)."""
-    if context.cancelled() or not io.replied:
-        io.forget_outputs()
+    on its lane, which then stored outputs nobody would learn of). The undoing runs
+    on a thread of the loop's default executor (``CallIO.forget_outputs``), not on a
+    lane, where a full queue could refuse it."""
+    undo = io.forget_outputs() if context.cancelled() or not io.replied else None
     io.end()
+    if undo is not None:
+        future = asyncio.get_running_loop().run_in_executor(None, undo)
+        future.add_done_callback(_log_failed_undo)
+
+
+def _log_failed_undo(future: asyncio.Future[None]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("undoing a call whose response was lost failed", exc_info=future.exception())
 
 
 def _metadata(context: Any) -> dict[str, str]:

@@ -8,6 +8,7 @@ check outcomes, with bounds loose enough for a busy 2-core machine.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -460,6 +461,19 @@ def test_a_clearing_read_whose_reply_is_lost_puts_its_elements_back(monkeypatch,
         return result
 
     values = [np.full(4, k, np.float32) for k in range(3)]
+    from gradserve.server.core.tensor_array import Cleared
+
+    put_back, put_back_on_loop = Cleared.put_back, []
+
+    def noting_put_back(self):
+        try:
+            asyncio.get_running_loop()
+            put_back_on_loop.append(True)
+        except RuntimeError:
+            put_back_on_loop.append(False)
+        return put_back(self)
+
+    monkeypatch.setattr(Cleared, "put_back", noting_put_back)
     with run_server(device="cpu") as server:
         target = f"127.0.0.1:{server.port}"
         with gradserve.Client(target, shared_memory=False) as client:
@@ -481,7 +495,7 @@ def test_a_clearing_read_whose_reply_is_lost_puts_its_elements_back(monkeypatch,
                     client.raw_ops.TensorArrayGatherV3(h, [2, 0], flow, np.float32)
                 else:
                     client.raw_ops.TensorArrayConcatV3(h, flow, np.float32)
-            monkeypatch.undo()
+            monkeypatch.setattr(Lane, "run", run)
             client.timeout = None
             assert wait_until(lambda: server.store.budget.used == held, 10)
             for k, v in enumerate(values):
@@ -490,6 +504,10 @@ def test_a_clearing_read_whose_reply_is_lost_puts_its_elements_back(monkeypatch,
                 )
             with pytest.raises(gradserve.errors.InvalidArgumentError, match="twice"):
                 client.raw_ops.TensorArrayReadV3(h, 1, flow, np.float32)
+    # Off the event loop: it takes the array's lock, which a long op on the array (a
+    # large scatter) holds; on the loop it stalled every call of the server (a review
+    # helper: KeepAlive 2.9 s).
+    assert put_back_on_loop == [False] * len(put_back_on_loop) and put_back_on_loop
 
 
 def test_a_batch_sent_in_parts_keeps_the_results_of_the_parts_that_ran(monkeypatch):
