@@ -290,6 +290,12 @@ class TensorArray:
     def _grow_to(self, size: int) -> None:
         if self.max_size is not None and size > self.max_size:
             raise _too_many_elements(self.name, size, self.max_size)
+        if size > dtypes.INT32_MAX:  # (a size is an int32: a read of index 2**31 - 1 of a
+            # gradient array made it 2**31 without --max-tensor-array-size, and its size
+            # op then failed INTERNAL, its snapshot was refused: a review helper)
+            raise InvalidArgumentError(
+                f"TensorArray {self.name}: index {size - 1} would make its size exceed int32"
+            )
         self._size = size
 
     # ------------------------------------------------------------------ writes

@@ -384,3 +384,16 @@ def test_a_state_no_ops_could_make_is_refused(edit, says):
     with pytest.raises(ValueError, match=says):
         TensorArray.from_state(state)
     TensorArray.from_state(ta.export_state())  # (the unedited one is fine)
+
+
+def test_a_gradient_array_read_past_its_end_stays_within_int32():
+    """A gradient array read past its end grows to the index + 1: at index 2**31 - 1,
+    without a size limit, to 2**31, which its size op could not return (INTERNAL) and
+    a snapshot of which restore refused (the session lost; a review helper)."""
+    forward = make(size=1, element_shape=(1,))
+    grad = forward.make_grad(name="ta_1@g")
+    with pytest.raises(InvalidArgumentError, match="exceed int32"):
+        grad.read(2**31 - 1)
+    np.testing.assert_array_equal(grad.read(2**31 - 2), [0])
+    assert grad.size() == 2**31 - 1
+    TensorArray.from_state(grad.export_state())
