@@ -80,7 +80,7 @@ class Sweep:
         """``ta.grad(source)``: the grad array's handle (made on first use)."""
         if handle not in self.frozen:
             self.frozen[handle] = self.session.tensor_array(handle).dynamic_size
-            self.session.gradient_froze(handle, self.frozen[handle])
+            self.session.gradient_froze(id(self), handle, self.frozen[handle])
         grad_handle, _ = ta_ops.grad(self.session, handle, self.source, registry=self.grads)
         return grad_handle
 
@@ -360,12 +360,11 @@ def gradients(
         if hand_out is not None:
             hand_out([g for g in results if g is not None], 0)
     except BaseException:
-        for handle, dynamic in sweep.frozen.items():
-            session.unfreeze_tensor_array(handle, dynamic)
+        session.gradient_ended(id(sweep), sweep.frozen, succeeded=False)
         raise
     finally:
         session.drop_grad_arrays(source, sweep.grads)
-        session.gradient_ended(sweep.frozen)
+    session.gradient_ended(id(sweep), sweep.frozen, succeeded=True)
     session.gradient_done(tape)
     return results, source
 

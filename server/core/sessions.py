@@ -174,7 +174,7 @@ class Session:
         #: per computation: a snapshot exports them as before (the computation's grad
         #: arrays are not in it either), or a drain's last snapshot, taken while one
         #: ran past --grace and was then rolled back, froze them for good.
-        self._frozen_by_gradients: dict[str, list[bool]] = {}
+        self._frozen_by_gradients: dict[str, dict[int, bool]] = {}
         #: Handles of closed arrays, oldest first: at most ``MAX_CLOSED_ARRAYS`` kept.
         self._closed_arrays: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._resident: dict[str, _Kept] = {}
@@ -337,6 +337,8 @@ class Session:
                 grads.add(key, grad_handle)
                 if registry is not None:
                     self._private_grads.add(grad_handle)
+                else:
+                    self._frozen_for_good(handle)
 
             grad = forward.make_grad(
                 name=f"{forward.name}@{source}",
@@ -917,29 +919,41 @@ class Session:
         if not tape.persistent:
             self.release_tape(tape.id)
 
-    def gradient_froze(self, handle: str, dynamic_size: bool) -> None:
-        """A gradient computation is about to make a grad array of ``handle``, whose
-        dynamic sizing was ``dynamic_size`` (see ``_frozen_by_gradients``)."""
+    def gradient_froze(self, computation: int, handle: str, dynamic_size: bool) -> None:
+        """Gradient computation ``computation`` (an id of its own) is about to make a grad
+        array of ``handle``, whose dynamic sizing was ``dynamic_size`` (see
+        ``_frozen_by_gradients``)."""
         with self._lock:
-            self._frozen_by_gradients.setdefault(handle, []).append(dynamic_size)
+            self._frozen_by_gradients.setdefault(handle, {})[computation] = dynamic_size
 
-    def gradient_ended(self, frozen: dict[str, bool]) -> None:
-        """The computation that froze ``frozen`` (handle: dynamic sizing before) ended."""
+    def gradient_ended(self, computation: int, frozen: Iterable[str], succeeded: bool) -> None:
+        """``computation`` ended. One that succeeded froze ``frozen`` for good (as
+        TensorFlow leaves them): the snapshots of computations still running see them
+        frozen too. One that failed gives them their dynamic sizing back, unless a
+        client's grad array or another computation that succeeded froze them
+        meanwhile."""
+        thawed = []
         with self._lock:
-            for handle, dynamic_size in frozen.items():
+            for handle in frozen:
                 before = self._frozen_by_gradients.get(handle)
-                if before is not None and dynamic_size in before:
-                    before.remove(dynamic_size)
-                    if not before:
-                        del self._frozen_by_gradients[handle]
+                if before is None or computation not in before:
+                    continue
+                dynamic_size = before.pop(computation)
+                if not succeeded and dynamic_size:
+                    thawed.append(self._arrays.get(handle))
+                if not before:
+                    del self._frozen_by_gradients[handle]
+                elif succeeded:
+                    before.update(dict.fromkeys(before, False))
+        for ta in thawed:
+            if ta is not None:
+                ta.restore_dynamic_size(True)
 
-    def unfreeze_tensor_array(self, handle: str, dynamic_size: bool) -> None:
-        """Give a forward array back the dynamic sizing a failed gradient computation
-        switched off by making its grad array."""
-        with self._lock:
-            ta = self._arrays.get(handle)
-        if ta is not None:
-            ta.restore_dynamic_size(dynamic_size)
+    def _frozen_for_good(self, handle: str) -> None:
+        """(caller holds ``_lock``) A client's grad array of ``handle`` froze it for good."""
+        before = self._frozen_by_gradients.get(handle)
+        if before is not None:
+            before.update(dict.fromkeys(before, False))
 
     def _check_tape_live(self, tape: Tape) -> None:
         """(caller holds ``_lock``)"""
@@ -977,7 +991,7 @@ class Session:
                 lost_tapes = _latest([*self._lost_tapes, *self._tapes])
                 released_tapes = list(self._released_tapes)
                 closed_order = list(self._closed_arrays)
-                unfrozen = {h: before[0] for h, before in self._frozen_by_gradients.items()}
+                unfrozen = {h: all(b.values()) for h, b in self._frozen_by_gradients.items()}
             exported = {h: ta.export_state() for h, ta in arrays.items()}
             for handle, dynamic_size in unfrozen.items():
                 if handle in exported:

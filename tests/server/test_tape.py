@@ -454,9 +454,12 @@ def test_a_snapshot_during_a_gradient_sees_the_forward_arrays_as_before_it(
 
     def read_grad_then_snapshot(sweep, record, grads):
         out = read_grad(sweep, record, grads)
-        state = sweep.session.export_state(60.0)
-        seen.append(state.arrays[record.saved["handle"]].dynamic_size)
-        assert sweep.session.tensor_array(record.saved["handle"]).dynamic_size is False
+        handle = record.saved["handle"]
+        seen.append(sweep.session.export_state(60.0).arrays[handle].dynamic_size)
+        assert sweep.session.tensor_array(handle).dynamic_size is False
+        if len(seen) == 2:  # a client's grad array made meanwhile freezes it for good
+            sweep.session.grad_array(handle, "mine")
+            seen.append(sweep.session.export_state(60.0).arrays[handle].dynamic_size)
         return out
 
     monkeypatch.setitem(gradients.GRADIENTS, "TensorArrayReadV3", read_grad_then_snapshot)
@@ -470,6 +473,12 @@ def test_a_snapshot_during_a_gradient_sees_the_forward_arrays_as_before_it(
     session = session_of(server, client)
     assert session.export_state(60.0).arrays[h.id].dynamic_size is False
     assert not session._frozen_by_gradients
+    with client.gradient_tape() as tape:  # another array, and a client's grad array
+        h, flow = _ta(client, dynamic_size=True)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+        r = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+    np.testing.assert_array_equal(tape.gradient(r, x), [1.0, 1.0])
+    assert seen == [True, True, False]
 
 
 # ----------------------------------------------------------------- memory
