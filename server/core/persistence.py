@@ -37,6 +37,7 @@ each other's sessions; the second one is refused at start instead.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import fcntl
@@ -90,6 +91,8 @@ def lock_directory(directory: str | os.PathLike[str]) -> int:
     path = pathlib.Path(directory)
     path.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
     fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+    with contextlib.suppress(OSError):  # (one an earlier server left keeps its mode)
+        os.fchmod(fd, PRIVATE_FILE_MODE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

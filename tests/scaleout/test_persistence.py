@@ -781,8 +781,9 @@ def test_the_state_directory_and_its_files_are_the_servers_own(tmp_path):
     old = os.umask(0o022)
     try:
         directory = tmp_path / "state"
-        fd = persistence.lock_directory(directory)
-        os.close(fd)
+        os.close(persistence.lock_directory(directory))
+        (directory / persistence.LOCK_NAME).chmod(0o644)  # as an earlier server left it
+        os.close(persistence.lock_directory(directory))
         store = SessionStore()
         s = populated(store)
         stale = directory / persistence.file_name(s.id)
