@@ -667,7 +667,12 @@ class Session:
         )
 
     def release_tape(self, tape_id: str) -> int:
-        """Let go of everything the tape holds; returns the bytes that freed."""
+        """Let go of everything the tape holds; returns the bytes that freed (0 for a
+        tape a restore lost: it holds nothing, and a client's ``finally: release()``
+        must not fail on it, hiding the error that brought it there)."""
+        with self._lock:
+            if tape_id in self._lost_tapes:
+                return 0
         tape = self.tape(tape_id)
         with self._lock:
             if self._tapes.pop(tape_id, None) is None:

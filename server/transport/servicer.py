@@ -164,7 +164,13 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
     # ---------------------------------------------------------------- sessions
     @boundary.guarded
     async def CreateSession(self, request: Any, context: Any) -> Message:
-        session = self.store.create(current_principal.get())
+        principal = current_principal.get()
+        session = self.store.create(principal)
+        # Its reply lost, the session held a --max-sessions place (and its principal's)
+        # until its TTL (a review helper).
+        forgotten = ForgottenUnlessReplied(session, context)
+        forgotten.undone_by(functools.partial(self.store.close, session.id, principal))
+        forgotten.replied()
         return service_pb2.CreateSessionResponse(
             session_id=session.id, idle_timeout_seconds=self.store.idle_timeout
         )
@@ -275,7 +281,11 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
     @boundary.guarded
     async def ReleaseTape(self, request: Any, context: Any) -> Message:
         session = self._session(context)
-        _tapes(session, _metadata(context))  # a proposed tape that never recorded starts
+        try:
+            _tapes(session, _metadata(context))  # a proposed tape that never recorded starts
+        except NotFoundError as e:
+            if e.reason != "TAPE_LOST":  # (releasing a lost tape: nothing to release)
+                raise
         return await self.light.run(functools.partial(tape_handlers.release_tape, session, request))
 
     # ---------------------------------------------------------------- Batch

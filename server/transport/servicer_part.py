@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from gradserve.errors import DeadlineExceededError, GradserveError
@@ -73,7 +74,9 @@ class ForgottenUnlessReplied:
     ``cancelled()`` False, the handler still waiting on its lane) or cancelled; or as
     the lane keeps it, if the call ended first. A handler that would reply past the
     deadline fails instead (``replied``, ``check_reply_in_time``). Used by the puts:
-    PutTensorInline, PutSharedTensor and the PutTensor stream."""
+    PutTensorInline, PutSharedTensor and the PutTensor stream; and, with ``undone_by``,
+    by the calls that make other state only their reply names (CreateSession,
+    RegisterSharedMemory)."""
 
     def __init__(self, session: Session, context: Any) -> None:
         self._session = session
@@ -82,6 +85,7 @@ class ForgottenUnlessReplied:
         self._over = False
         self._replied = False
         self._ids: list[str] = []
+        self._undos: list[Callable[[], object]] = []
         context.add_done_callback(self._call_over)
 
     def kept(self, tensor_id: str) -> str:
@@ -92,6 +96,15 @@ class ForgottenUnlessReplied:
                 return tensor_id
         self._session.delete([tensor_id])
         return tensor_id
+
+    def undone_by(self, undo: Callable[[], object]) -> None:
+        """The call made state its reply names: ``undo`` undoes it if the reply never
+        reaches the client (now, if the call is over)."""
+        with self._lock:
+            if not self._over:
+                self._undos.append(undo)
+                return
+        _quietly(undo)
 
     def replied(self) -> None:
         """The handler returns the response, with the id; raises instead if the
@@ -105,4 +118,14 @@ class ForgottenUnlessReplied:
         with self._lock:
             self._over = True
             ids, self._ids = self._ids, []
+            undos, self._undos = self._undos, []
         self._session.delete(ids)
+        for undo in undos:
+            _quietly(undo)
+
+
+def _quietly(undo: Callable[[], object]) -> None:
+    """``undo``, where a failure has no caller to go to (the state's session may have
+    closed meanwhile, which undid it anyway)."""
+    with contextlib.suppress(GradserveError):
+        undo()

@@ -33,10 +33,18 @@ class SharedMemoryRPCs(ServicerPart):
         self, request: pb.RegisterSharedMemoryRequest, context: Any
     ) -> pb.RegisterSharedMemoryResponse:
         session = self._session(context)
-        register = functools.partial(
-            session.regions.register, request.name, request.key, request.byte_size, request.nonce
-        )
+        forgotten = ForgottenUnlessReplied(session, context)
+
+        def register() -> None:
+            regions = session.regions
+            regions.register(request.name, request.key, request.byte_size, request.nonce)
+            # Its reply lost, the client unlinks the object: the server held a
+            # descriptor of it, memory no budget counts, and a region slot, until the
+            # session ended (a review helper).
+            forgotten.undone_by(functools.partial(regions.unregister, request.name))
+
         await self.light.run(register)
+        forgotten.replied()
         return pb.RegisterSharedMemoryResponse()
 
     @boundary.guarded

@@ -434,6 +434,7 @@ def test_a_tape_that_spans_a_restart_is_lost_not_started_again_empty(tmp_path):
                     f"127.0.0.1:{port}", session_id=client.session_id, keepalive=False
                 )._call("ReleaseTape", _release(spent.id), tapes=[])
     with run_server(host="127.0.0.1", port=port, state_dir=str(tmp_path), grace=0):
+        assert tape.release() == 0  # (a finally: release() must not hide the error)
         tape.__exit__(None, None, None)
         with client.gradient_tape() as fresh:
             y = client.raw_ops.TensorArrayReadV3(h, 0, flow, np.float32)  # (its write: not here)

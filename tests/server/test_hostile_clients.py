@@ -550,6 +550,46 @@ def test_a_batch_sent_in_parts_keeps_the_results_of_the_parts_that_ran(monkeypat
             assert wait_until(lambda: server.store.budget.used == held, 10)
 
 
+def test_a_session_or_region_whose_reply_is_lost_is_undone(monkeypatch):
+    """CreateSession and RegisterSharedMemory past the deadline (the event loop held,
+    as above): the session held a --max-sessions place until its TTL, and the region a
+    descriptor of an object its client then unlinked (memory no budget counts) and a
+    region slot, until the session ended (a review helper)."""
+    from gradserve.server.core.sessions import SessionStore
+    from gradserve.server.transport.lanes import Lane
+
+    create, run = SessionStore.create, Lane.run
+
+    def late_create(self, *args, **kwargs):
+        session = create(self, *args, **kwargs)
+        time.sleep(0.4)
+        return session
+
+    async def late(self, fn, principal=None):
+        result = await run(self, fn, principal)
+        time.sleep(0.4)
+        return result
+
+    with run_server(device="cpu", max_sessions=2) as server:
+        target = f"127.0.0.1:{server.port}"
+        monkeypatch.setattr(SessionStore, "create", late_create)
+        for _ in range(3):
+            with pytest.raises(gradserve.errors.DeadlineExceededError):
+                gradserve.Client(target, timeout=0.2, shared_memory=False)
+        monkeypatch.undo()
+        assert wait_until(lambda: not server.store._sessions, 10)
+        with gradserve.Client(target, timeout=5) as client:  # (shared memory on)
+            regions = server.store.get(client.session_id).regions
+            before = len(regions._regions)
+            monkeypatch.setattr(Lane, "run", late)
+            client.timeout = 0.2
+            with pytest.raises(gradserve.errors.DeadlineExceededError):
+                client._shm.pool._create(MIB)
+            monkeypatch.undo()
+            client.timeout = 5
+            assert wait_until(lambda: len(regions._regions) == before, 10)
+
+
 def test_names_are_bounded(client):
     with pytest.raises(gradserve.errors.InvalidArgumentError, match="at most 1024"):
         client.raw_ops.TensorArrayV3(size=1, dtype=np.float32, tensor_array_name="n" * 2000)
