@@ -420,7 +420,10 @@ class Client:
                 self._recording.call_tapes = tapes
                 body = request() if callable(request) else request
                 sent_before = True
-                return method(body, metadata=sent, timeout=timeout)
+                reply = method(body, metadata=sent, timeout=timeout)
+                for tape in tapes:
+                    tape.started = True  # (see ``GradientTape.header``)
+                return reply
             except BaseException as e:
                 if isinstance(e, grpc.RpcError) and self._own_channel and not_sent(e):
                     sent_before = False  # gRPC sent nothing

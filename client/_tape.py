@@ -58,6 +58,8 @@ class GradientTape:
         self.watch_accessed_variables = watch_accessed_variables
         self.id: str | None = None
         self.released = False
+        #: A call naming this tape succeeded: the server has it (``header``).
+        self.started = False
 
     # ---------------------------------------------------------------- recording
     def done(self) -> None:
@@ -79,7 +81,13 @@ class GradientTape:
 
     def header(self) -> str:
         """This tape's entry in ``x-gradserve-tape``: "+ID.PW" starts it if the server
-        does not have it yet (P, W: persistent, watch_accessed_variables)."""
+        does not have it yet (P, W: persistent, watch_accessed_variables), until a call
+        naming it has succeeded (``started``); then "ID", which a server that no longer
+        has it (restarted without it, or another replica) refuses. Proposed every
+        time, a tape lost that way was started again empty under its id, and gave
+        the gradients of what came after alone."""
+        if self.started:
+            return str(self.id)
         return f"+{self.id}.{int(self.persistent)}{int(self.watch_accessed_variables)}"
 
     def __exit__(self, *exc: object) -> None:

@@ -19,6 +19,7 @@ from gradserve.client._types import TapedArray
 from gradserve.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
+    NotFoundError,
     ResourceExhaustedError,
     UnimplementedError,
 )
@@ -479,6 +480,21 @@ def test_a_snapshot_during_a_gradient_sees_the_forward_arrays_as_before_it(
         r = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
     np.testing.assert_array_equal(tape.gradient(r, x), [1.0, 1.0])
     assert seen == [True, True, False]
+
+
+def test_a_tape_the_server_no_longer_has_is_not_started_again_empty(client, server):
+    """The SDK proposes its tape ("+ID": start it if missing) only until a call naming
+    it succeeded. Proposed every time, a tape the server lost (a restart past the ids
+    it remembers as lost: a review helper, after five restarts of 64 tapes) was started
+    again empty, and gave the gradient of what came after alone."""
+    x = client.put(np.array([1.0, 2.0], F32))
+    with client.gradient_tape(persistent=True) as tape:
+        h, flow = _ta(client)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+        session_of(server, client)._tapes.pop(tape.id)  # (as a server that lost it)
+        with pytest.raises(NotFoundError, match="does not exist") as info:
+            client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+        assert info.value.reason == "TAPE_NOT_FOUND"
 
 
 # ----------------------------------------------------------------- memory
