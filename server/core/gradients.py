@@ -27,8 +27,10 @@ TensorFlow silently returns zeros; a split or scatter into a size-0
 TensorArray has an empty gradient here, where TensorFlow raises.
 
 A failed computation changes nothing: the grad arrays it made are dropped and
-the forward arrays it froze get their dynamic size back. A successful one
-drops its grad arrays too (nothing can name them).
+the forward arrays it froze get their dynamic size back (unless a client's grad
+array, or another computation that succeeded, froze them meanwhile:
+``Session.gradient_ended``). A successful one drops its grad arrays too (nothing
+can name them).
 """
 
 from __future__ import annotations
