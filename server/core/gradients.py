@@ -73,16 +73,18 @@ class Sweep:
     compute: Compute
     source: str
     check: Callable[[], None] | None
-    #: Forward TensorArrays whose grad array this made: handle -> dynamic size before.
-    frozen: dict[str, bool] = dataclasses.field(default_factory=dict)
+    #: Forward TensorArrays whose grad array this made (their dynamic sizing before
+    #: it is the session's to know: ``Session.gradient_froze``).
+    frozen: set[str] = dataclasses.field(default_factory=set)
     #: The grad arrays this made: its own, out of reach of any TensorArrayGradV3.
     grads: GradRegistry = dataclasses.field(default_factory=GradRegistry)
 
     def grad_array(self, handle: str) -> str:
         """``ta.grad(source)``: the grad array's handle (made on first use)."""
         if handle not in self.frozen:
-            self.frozen[handle] = self.session.tensor_array(handle).dynamic_size
-            self.session.gradient_froze(id(self), handle, self.frozen[handle])
+            dynamic_size = self.session.tensor_array(handle).dynamic_size
+            self.session.gradient_froze(id(self), handle, dynamic_size)
+            self.frozen.add(handle)
         grad_handle, _ = ta_ops.grad(self.session, handle, self.source, registry=self.grads)
         return grad_handle
 
