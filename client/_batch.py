@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 from google.protobuf.message import Message
 
+from gradserve.client import _nest as nest
 from gradserve.client._errors import typed_error
 from gradserve.client._raw_ops import RawOps, Staging
 from gradserve.client._types import StepOutput
@@ -93,8 +94,10 @@ class Batch:
         keep: bool = False,
     ) -> list[StepOutput]:
         """``tape.gradient`` as a step: targets, sources and output gradients may be
-        outputs of earlier steps. Returns one placeholder per source; ``run()``
-        returns the gradients (a list) as this step's result."""
+        outputs of earlier steps, in nested structures as ``tape.gradient`` takes them.
+        Returns one placeholder per source, in a list (for one source too) or the
+        sources' tuple or dict structure; ``run()`` returns the gradients so as this
+        step's result."""
         tape._require_id()
         built = tape.gradients_request(
             target, sources, output_gradients, unconnected_gradients, keep=keep
@@ -102,12 +105,21 @@ class Batch:
         self._temps.extend(built["temps"])
         request = built["message"]
         tapes = (tape, *(t for t in self._client._recording.tapes if t is not tape))
+
+        def shaped(flat: list[Any]) -> Any:
+            return nest.pack_like(sources, flat) if nest.is_nested(sources) else flat
+
         self._steps.append(
-            ("Gradients", request, lambda r: [tape.decode(g) for g in r.gradients], tapes)
+            (
+                "Gradients",
+                request,
+                lambda r: shaped([tape.decode(g) for g in r.gradients]),
+                tapes,
+            )
         )
         step = len(self._steps) - 1
         self._releases.append((step, tape))
-        return [StepOutput(step, f"gradients[{n}]") for n in range(len(request.sources))]
+        return shaped([StepOutput(step, f"gradients[{n}]") for n in range(len(request.sources))])
 
     def __len__(self) -> int:
         return len(self._steps)
@@ -134,7 +146,9 @@ class Batch:
             while start < len(steps):
                 request = self._request(steps, start, replies, results, temps)
                 try:
-                    reply = self._client._call("Batch", request, tapes=steps[start][3])
+                    # Without the tapes an earlier request's Gradients step released.
+                    tapes = [t for t in steps[start][3] if not t.released]
+                    reply = self._client._call("Batch", request, tapes=tapes)
                 except BaseException as e:
                     failure = e
                     if isinstance(e, GradserveError) and results and e.step is None:
@@ -148,6 +162,7 @@ class Batch:
                     reply, lambda r, ps=parsers: [self._one(p, x) for p, x in zip(ps, r.results)]
                 )
                 replies += [getattr(r, r.WhichOneof("op")) for r in reply.results]
+                releases = _release_ran(releases, len(results))
                 if not reply.HasField("failed_step"):
                     start += len(request.steps)
                     continue
@@ -162,9 +177,7 @@ class Batch:
                     results=results,
                 )
         finally:
-            for step, tape in releases:
-                if step < len(results):  # its Gradients step ran
-                    tape.done()
+            _release_ran(releases, len(results))
             self._client._clean_up(temps, failure=failure)
         return results
 
@@ -192,6 +205,16 @@ class Batch:
         return parse(getattr(result, result.WhichOneof("op")))
 
 
+def _release_ran(releases: list[tuple[int, Any]], ran: int) -> list[tuple[int, Any]]:
+    """Mark the tapes of the Gradients steps that ran (``step < ran``) as their step
+    left them (a non-persistent one released: a later request of the same batch does
+    not name it, or the server would refuse it); returns the rest."""
+    for step, tape in releases:
+        if step < ran:
+            tape.done()
+    return [(step, tape) for step, tape in releases if step >= ran]
+
+
 class _Earlier:
     """Outputs of steps sent in earlier requests, as the SDK parsed them."""
 
@@ -203,8 +226,8 @@ class _Earlier:
         fetched and deleted when its reply was parsed: it goes by value again)."""
         parsed = self.results[step]
         name, _, index = field.partition("[")
-        if index:
-            parsed = parsed[int(index.rstrip("]"))]
+        if index:  # a gradients step's result may be in its sources' structure
+            parsed = nest.flatten(parsed)[int(index.rstrip("]"))]
         elif isinstance(parsed, tuple) and hasattr(parsed, name):
             parsed = getattr(parsed, name)
         staging = self.client._staging()

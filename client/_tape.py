@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from gradserve.client import _nest as nest
 from gradserve.client._types import StepOutput, TapedArray, TensorRef
 from gradserve.errors import FailedPreconditionError
 from gradserve.v1 import tape_pb2, tensor_pb2
@@ -111,11 +112,11 @@ class GradientTape:
             tapes.append(self)
 
     def watch(self, tensor: Any) -> None:
-        """Watch resident tensors (``TensorRef``) or tape outputs (``TapedArray``), one or a
-        list: they become sources one can differentiate with respect to."""
+        """Watch resident tensors (``TensorRef``) or tape outputs (``TapedArray``), one or
+        a nested structure of them: they become sources one can differentiate with
+        respect to."""
         self._require_id()
-        items = tensor if _is_list(tensor) else [tensor]
-        ids = [_tensor_id(t, "watch") for t in items]
+        ids = [_tensor_id(t, "watch") for t in nest.flatten(tensor)]
         self._client._call(
             "WatchTensors", tape_pb2.WatchTensorsRequest(tape_id=self.id, ids=ids), tapes=[self]
         )
@@ -132,15 +133,15 @@ class GradientTape:
     ) -> Any:
         """d target / d sources, as ``tf.GradientTape.gradient``.
 
-        ``target``: a tape output (``TapedArray`` or kept ``TensorRef``) or a list of them;
-        ``sources``: one tensor or a list (the result has the same structure);
+        ``target``: a tape output (``TapedArray`` or kept ``TensorRef``), or lists,
+        tuples and dicts of them, nested (``tf.nest``'s structures, ``_nest``);
+        ``sources``: likewise (the result has the sources' structure);
         ``output_gradients``: one array per target (default: ones, as TensorFlow), None
-        for a target that contributes nothing;
+        for a target that contributes nothing: a flat list, or the target's structure;
         ``unconnected_gradients``: "none" (None for a source the targets do not depend
         on) or "zero". ``keep=True`` keeps the gradients in the session (``TensorRef``).
         """
         self._require_id()
-        single = not _is_list(sources)
         request = self.gradients_request(
             target, sources, output_gradients, unconnected_gradients, keep=keep
         )
@@ -158,7 +159,7 @@ class GradientTape:
             self._client._clean_up(temps, failure=failure)
         self.done()
         grads = self._client._parse(reply, lambda r: [self.decode(g) for g in r.gradients])
-        return grads[0] if single else type(sources)(grads)
+        return nest.pack_like(sources, grads)
 
     def gradients_request(
         self,
@@ -171,8 +172,8 @@ class GradientTape:
     ) -> dict[str, Any]:
         """The ``GradientsRequest`` (and its temporary uploads) for ``gradient`` or a
         ``batch().gradient`` step."""
-        targets = target if _is_list(target) else [target]
-        source_list = sources if _is_list(sources) else [sources]
+        targets = nest.flatten(target)
+        source_list = nest.flatten(sources)
         mode = getattr(unconnected_gradients, "value", unconnected_gradients)
         if mode not in _UNCONNECTED:
             raise ValueError(f"unconnected_gradients must be 'none' or 'zero', got {mode!r}")
@@ -185,8 +186,7 @@ class GradientTape:
             _name(s, msg.sources.add(), "source")
         temps = self._client._staging()
         if output_gradients is not None:
-            seeds = output_gradients if _is_list(output_gradients) else [output_gradients]
-            for seed in seeds:
+            for seed in _seeds(target, output_gradients):
                 entry = msg.output_gradients.add()  # left unset for None
                 if seed is not None:
                     self._client.encode_input(seed, entry, temps)
@@ -221,6 +221,19 @@ class GradientTape:
     def __repr__(self) -> str:
         state = "released" if self.released else "persistent" if self.persistent else "live"
         return f"GradientTape(id={(self.id or '')[:8]}…, {state})"
+
+
+def _seeds(target: Any, output_gradients: Any) -> list[Any]:
+    """The output gradients, one per flattened target: in the target's nested
+    structure, or a flat list, or one value for a lone target. Matched against the
+    target's structure rather than flattened through, so that a seed may be a Python
+    list (``tf.nest`` takes that apart too: given ``[[1.0, 2.0]]`` for one target of
+    shape [2], TensorFlow 2.21 seeds it with 1.0 alone and returns a scalar)."""
+    if nest.is_nested(target):
+        matched = nest.flatten_up_to(target, output_gradients)
+        if matched is not None:
+            return matched
+    return list(output_gradients) if _is_list(output_gradients) else [output_gradients]
 
 
 def _is_list(value: Any) -> bool:

@@ -887,6 +887,60 @@ def test_step_references_are_checked(client):
         batch.run()
 
 
+def test_targets_and_sources_nest_as_tf_nest_nests_them(client):
+    """Lists, tuples, named tuples and dicts, nested, as ``tf.GradientTape.gradient``
+    takes them: dicts flatten in sorted key order and come back in their own order.
+    TensorFlow 2.21 eager, the same program on variables x = [1, 2], z = [3, 4] with
+    y1 = 2x, y2 = z * x: ``gradient({"b": y1, "a": y2}, {"z": z, "x": x},
+    output_gradients={"b": [1, 0], "a": [0, 1]})`` gives {"z": [0, 2], "x": [1, 0] * 2
+    + [0, 1] * z}; here the same structure with y1 = x, y2 = z (reads of a TensorArray)
+    so each gradient is its seed. Before, a dict or nested source was refused
+    (TypeError) and a nested target INVALID_ARGUMENT."""
+    import collections
+
+    x = client.put(np.array([1.0, 2.0], F32))
+    z = client.put(np.array([3.0, 4.0], F32))
+    with client.gradient_tape(persistent=True) as tape:
+        h, flow = _ta(client, clear_after_read=False)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 1, z, flow)
+        y1 = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+        y2 = client.raw_ops.TensorArrayReadV3(h, 1, flow, F32)
+    seeds = {"b": np.array([1.0, 0.0], F32), "a": np.array([0.0, 5.0], F32)}
+    got = tape.gradient({"b": y1, "a": y2}, {"z": z, "x": x}, output_gradients=seeds)
+    assert list(got) == ["z", "x"]
+    np.testing.assert_array_equal(got["z"], seeds["a"])
+    np.testing.assert_array_equal(got["x"], seeds["b"])
+    pair = collections.namedtuple("pair", "second first")
+    got = tape.gradient((y1, [y2]), pair(second=x, first=[z, (x,)]))
+    assert type(got) is pair and type(got.first) is list and type(got.first[1]) is tuple
+    np.testing.assert_array_equal(got.second, [1.0, 1.0])
+    np.testing.assert_array_equal(got.first[0], [1.0, 1.0])
+    np.testing.assert_array_equal(got.first[1][0], [1.0, 1.0])
+    # A nested target's seeds: in its structure, or flat; a seed may be a Python list.
+    for given in ([[2.0, 3.0], [[4.0, 5.0]]], [[2.0, 3.0], [4.0, 5.0]]):
+        g = tape.gradient([y1, [y2]], [x, z], output_gradients=given)
+        np.testing.assert_array_equal(g[0], [2.0, 3.0])
+        np.testing.assert_array_equal(g[1], [4.0, 5.0])
+    assert tape.gradient([y1, y2], {}) == {}
+    assert tape.gradient([y1, y2], []) == []
+    tape.release()
+    # The same in a batch: a dict of placeholders, a dict as the step's result, and a
+    # later step that names one of its gradients.
+    with client.gradient_tape() as tape:
+        batch = client.batch()
+        ops = batch.raw_ops
+        h, flow = ops.TensorArrayV3(size=2, dtype=F32, element_shape=[2])
+        flow = ops.TensorArrayWriteV3(h, 0, x, flow)
+        y = ops.TensorArrayReadV3(h, 0, flow, F32)
+        grads = batch.gradient(tape, {"y": y}, {"x": x, "z": z})
+        ops.StopGradient(grads["x"])
+        results = batch.run()
+    assert list(grads) == ["x", "z"] and results[-2]["z"] is None
+    np.testing.assert_array_equal(results[-2]["x"], [1.0, 1.0])
+    np.testing.assert_array_equal(results[-1], [1.0, 1.0])
+
+
 # ----------------------------------------------------------------- review regressions
 def test_a_tape_named_twice_in_the_header_is_one_tape(client, server):
     """Naming one tape twice (as an id and as a start) once leaked its bytes past the
@@ -984,6 +1038,27 @@ def test_a_split_batch_passes_earlier_transient_outputs_by_value(target):
             batch.raw_ops.StopGradient(np.ones(900, F32))
         batch.raw_ops.StopGradient(y)  # names step 0 from a later request
         np.testing.assert_array_equal(batch.run()[-1], big)
+
+
+def test_a_split_batch_names_a_gradient_of_a_dict_of_sources_by_value(target):
+    """A later request names a gradient of an earlier one whose sources were a dict
+    (its result a dict): the placeholder's index is in the flattened order."""
+    with gradserve.Client(target, max_message_bytes=80 * 1024, shared_memory=False) as c:
+        x = c.put(np.arange(2, dtype=F32))
+        with c.gradient_tape() as tape:
+            batch = c.batch()
+            h, flow = batch.raw_ops.TensorArrayV3(size=1, dtype=F32, element_shape=[2])
+            flow = batch.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+            y = batch.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+            seed = np.arange(2, dtype=F32) + 7
+            grads = batch.gradient(tape, y, {"x": x, "a": x}, output_gradients=seed)
+            for _ in range(6):  # fill the first request
+                batch.raw_ops.StopGradient(np.ones(900, F32))
+            batch.raw_ops.StopGradient(grads["x"])  # names it from a later request
+            batch.raw_ops.StopGradient(grads["a"])
+            results = batch.run()
+    np.testing.assert_array_equal(results[-1], seed)
+    np.testing.assert_array_equal(results[-2], seed)
 
 
 def test_a_failed_op_takes_off_a_tape_only_the_holds_it_took(server):
