@@ -297,6 +297,7 @@ def gradients(
     unconnected_zero: bool,
     check: Callable[[], None] | None = None,
     hand_out: HandOut | None = None,
+    spent: Callable[[Tape], None] | None = None,
 ) -> tuple[list[Any], str]:
     """d(sum of targets, weighted by ``output_gradients``)/d(each source) over what
     ``tape`` recorded; returns (one array or None per source, the grad source used).
@@ -312,7 +313,9 @@ def gradients(
     they pass it on). INVALID_ARGUMENT for a target not recorded, a dtype that
     is not floating point, or output gradients that do not match their targets; a
     released tape is FAILED_PRECONDITION. Nothing changes in the session unless it
-    succeeds; a non-persistent tape is released once it has.
+    succeeds; a non-persistent tape is released once it has. ``spent``: the caller
+    frees that tape's holdings once the results reached their client, or makes it live
+    again if they did not (``Session.spend_tape``); it is told of the tape here.
     """
     records, unknown, differentiable, watched_at = session.tape_snapshot(tape, targets, sources)
     if unknown:
@@ -369,7 +372,10 @@ def gradients(
     finally:
         session.drop_grad_arrays(source, sweep.grads)
     session.gradient_ended(id(sweep), sweep.frozen, succeeded=True)
-    session.gradient_done(tape)
+    if spent is None or tape.persistent:
+        session.gradient_done(tape)
+    elif session.spend_tape(tape):
+        spent(tape)
     return results, source
 
 

@@ -196,6 +196,12 @@ class Session:
         #: Live gradient tapes by id, and the ids of released ones (for a clear error).
         self._tapes: dict[str, Tape] = {}
         self._released_tapes: dict[str, None] = {}
+        #: Non-persistent tapes a gradient computation used up (``spend_tape``), by id:
+        #: released to every call, but what they hold is freed only once the results
+        #: reached the client (``free_spent_tape``), or they come back if they did not
+        #: (``unspend_tape``); released at once, a tape whose gradients' reply was
+        #: lost had to be recorded again.
+        self._spent_tapes: dict[str, Tape] = {}
         #: Ids of the tapes that were live when the snapshot this session was
         #: restored from was taken (``SessionState.lost_tapes``): snapshots do not keep
         #: tapes, and a client proposing one again (``start_tape``'s ``tape_id``) would
@@ -286,6 +292,7 @@ class Session:
         with self._lock:
             arrays = list(self._arrays.values())
             tapes = sum(tape.record_bytes for tape in self._tapes.values())
+            tapes += sum(tape.record_bytes for tape in self._spent_tapes.values())
         return tapes + sum(ta.record_bytes() for ta in arrays)
 
     def tensor_array(self, handle: str) -> TensorArray:
@@ -673,16 +680,63 @@ class Session:
         with self._lock:
             if tape_id in self._lost_tapes:
                 return 0
+            spent = self._spent_tapes.pop(tape_id, None)
+        if spent is not None:  # (a client's release after a gradient it did not get)
+            return self._free(spent)
         tape = self.tape(tape_id)
         with self._lock:
             if self._tapes.pop(tape_id, None) is None:
                 return 0  # released meanwhile
-            self._released_tapes[tape_id] = None
-            while len(self._released_tapes) > 4 * MAX_TAPES_PER_SESSION:
-                del self._released_tapes[next(iter(self._released_tapes))]
+            self._note_released_locked(tape_id)
             freed = self._release_tape_locked(tape)
         self.budget.release(freed)
         return freed
+
+    def _note_released_locked(self, tape_id: str) -> None:
+        self._released_tapes[tape_id] = None
+        while len(self._released_tapes) > 4 * MAX_TAPES_PER_SESSION:
+            del self._released_tapes[next(iter(self._released_tapes))]
+
+    def spend_tape(self, tape: Tape) -> bool:
+        """A gradient computation on the non-persistent ``tape`` succeeded: the tape is
+        released to every call from now on (TensorFlow's one ``gradient`` call), but
+        keeps what it holds until its caller frees it (``free_spent_tape``, once the
+        results reached the client) or gives it back (``unspend_tape``, if they did
+        not). False if it was released meanwhile."""
+        with self._lock:
+            if self._tapes.get(tape.id) is not tape:
+                return False
+            del self._tapes[tape.id]
+            tape.released = True
+            self._note_released_locked(tape.id)
+            self._spent_tapes[tape.id] = tape
+            return True
+
+    def free_spent_tape(self, tape: Tape) -> int:
+        """Free what a spent tape holds (unless it went meanwhile); the bytes freed."""
+        with self._lock:
+            if self._spent_tapes.get(tape.id) is not tape:
+                return 0
+            del self._spent_tapes[tape.id]
+        return self._free(tape)
+
+    def _free(self, spent: Tape) -> int:
+        with self._lock:
+            freed = self._release_tape_locked(spent)
+        self.budget.release(freed)
+        return freed
+
+    def unspend_tape(self, tape: Tape) -> None:
+        """The results of the computation that spent ``tape`` never reached the client:
+        the tape is live again, for the client to ask again (unless it was freed
+        meanwhile: released by the client, or its session closed)."""
+        with self._lock:
+            if self._closed or self._spent_tapes.get(tape.id) is not tape:
+                return
+            del self._spent_tapes[tape.id]
+            self._released_tapes.pop(tape.id, None)
+            tape.released = False
+            self._tapes[tape.id] = tape
 
     def _release_tape_locked(self, tape: Tape) -> int:
         tape.released = True
@@ -920,7 +974,9 @@ class Session:
 
     def gradient_done(self, tape: Tape) -> None:
         """A gradient computation on ``tape`` succeeded: a non-persistent tape is
-        released (TensorFlow's tapes allow one ``gradient`` call unless persistent)."""
+        released (TensorFlow's tapes allow one ``gradient`` call unless persistent).
+        A caller that can tell whether the results reached their client spends it
+        instead (``spend_tape``)."""
         if not tape.persistent:
             self.release_tape(tape.id)
 
@@ -1091,9 +1147,10 @@ class Session:
             self._closed = True
             arrays = list(self._arrays.values())
             freed = self._drop(self._resident.values())
-            for tape in self._tapes.values():
+            for tape in [*self._tapes.values(), *self._spent_tapes.values()]:
                 freed += self._release_tape_locked(tape)
             self._tapes.clear()
+            self._spent_tapes.clear()
             freed += sum(r.charged for r in self._reservations)
             self._arrays.clear()
             self._grads.clear()

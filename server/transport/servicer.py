@@ -333,7 +333,7 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         # the call: its reply would reach no one (``check_reply_in_time``).
         check_reply_in_time(context)
         io.end()  # the steps' region copies: released before the client hears back
-        io.replied = True
+        io.reply_made()
         return response
 
 
@@ -343,7 +343,7 @@ def _op_rpc(op: Op) -> Any:
         io.inline_values = []  # the response is the call's own: see CallIO.inline_values
         response = await self._run(op, io, request)
         check_reply_in_time(context)
-        io.replied = True
+        io.reply_made()
         return response
 
     method.__name__ = method.__qualname__ = op.rpc

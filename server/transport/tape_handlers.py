@@ -54,6 +54,7 @@ def Gradients(io: CallIO, req: tape_pb2.GradientsRequest) -> tape_pb2.GradientsR
         unconnected_zero=req.unconnected_gradients == tape_pb2.UNCONNECTED_ZERO,
         check=io.check_alive,
         hand_out=io.hand_out_for(req.keep_outputs, irreversible=not tape.persistent),
+        spent=io.tape_spent,
     )
     tape_ids: list[str | None] = [None] * len(grads)
     if io.recorder is not None and outer:

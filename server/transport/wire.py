@@ -138,6 +138,11 @@ class CallIO:
         #: ``cleared``), and the call's: put back if its response is lost.
         self.cleared_by_op: list[Cleared] = []
         self.cleared: list[Cleared] = []
+        #: Non-persistent tapes the running op's gradient computation spent
+        #: (``tape_spent``), and the call's: freed once its reply is made in time
+        #: (``reply_made``), live again if it is not (``Session.spend_tape``).
+        self._spent_by_op: list[Tape] = []
+        self.spent_tapes: list[Tape] = []
         #: Every id this call stored (kept or transient outputs): if the call ends
         #: without its response reaching the client, they are deleted
         #: (``forget_outputs``), since nobody else knows them.
@@ -194,6 +199,7 @@ class CallIO:
         self._kept = []
         self._arrays_of_op = []
         self.cleared_by_op = []
+        self._spent_by_op = []
         recorder = None
         if self.tapes:
             recorder = Recorder(self.session, self.tapes, ordered=ordered, held=self)
@@ -211,14 +217,15 @@ class CallIO:
                     self.stored += self._kept
                     self.arrays_made += self._arrays_of_op
                     self.cleared += self.cleared_by_op
+                    self.spent_tapes += self._spent_by_op
                     return response
             # The call ended while the op ran: no one will learn these ids.
-            self._undo(self._kept, self._arrays_of_op, self.cleared_by_op)
+            self._undo(self._kept, self._arrays_of_op, self.cleared_by_op, self._spent_by_op)
             return response
         except BaseException:
             if recorder is not None:
                 recorder.rollback()
-            self._undo(self._kept, self._arrays_of_op, self.cleared_by_op)
+            self._undo(self._kept, self._arrays_of_op, self.cleared_by_op, self._spent_by_op)
             if self.step is not None:
                 self.produced.pop(self.step, None)
             raise
@@ -226,6 +233,7 @@ class CallIO:
             self._kept = []
             self._arrays_of_op = []
             self.cleared_by_op = []
+            self._spent_by_op = []
             if self.inline_values:  # serialized, or the op failed: none for a next op
                 self.inline_values.clear()
             self.recorder = None
@@ -253,15 +261,38 @@ class CallIO:
             stored, self.stored = self.stored, []
             arrays, self.arrays_made = self.arrays_made, []
             cleared, self.cleared = self.cleared, []
-        if not (stored or arrays or cleared):
+            spent, self.spent_tapes = self.spent_tapes, []
+        if not (stored or arrays or cleared or spent):
             return None
-        return functools.partial(self._undo, stored, arrays, cleared)
+        return functools.partial(self._undo, stored, arrays, cleared, spent)
 
-    def _undo(self, stored: list[str], arrays: list[str], cleared: list[Cleared]) -> None:
+    def reply_made(self) -> None:
+        """The handler replies, in time (``check_reply_in_time`` passed): the tapes the
+        call's gradient computations spent are freed now, before the client hears
+        back (a client's next call finds their bytes free, as it found them when the
+        computation released them at once)."""
+        with self._lock:
+            self.replied = True
+            spent, self.spent_tapes = self.spent_tapes, []
+        for tape in spent:
+            self.session.free_spent_tape(tape)
+
+    def tape_spent(self, tape: Tape) -> None:
+        """The running op's gradient computation spent ``tape`` (``Session.spend_tape``)."""
+        self._spent_by_op.append(tape)
+
+    def _undo(
+        self,
+        stored: list[str],
+        arrays: list[str],
+        cleared: list[Cleared],
+        spent: Sequence[Tape] = (),
+    ) -> None:
         """Delete the outputs ``stored`` and the TensorArrays ``arrays`` made by ops whose
         results reach no one, then put back what their clearing reads cleared (latest
-        first; the outputs, deleted first, mostly held those bytes), all inside the
-        snapshot gate (a snapshot between the delete and the put-back held neither).
+        first; the outputs, deleted first, mostly held those bytes), and make the tapes
+        their gradient computations ``spent`` live again, all inside the snapshot gate
+        (a snapshot between the delete and the put-back held neither).
         Past the budget an element stays cleared: another call took the room, or a
         tape holds the read's output (the same array, charged to the tape until it is
         released, and to the array again)."""
@@ -275,6 +306,8 @@ class CallIO:
                     read.put_back()
                 except ResourceExhaustedError:
                     log.warning("a cleared TensorArray element could not be put back: no room")
+            for tape in spent:
+                self.session.unspend_tape(tape)
 
     def made_array(self, handle: str) -> None:
         """The running op made TensorArray ``handle``, which only its response names."""

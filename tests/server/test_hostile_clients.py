@@ -446,6 +446,56 @@ def test_a_reply_returned_past_the_deadline_keeps_nothing(monkeypatch, call):
             assert server.store.budget.used == held
 
 
+@pytest.mark.parametrize("how", ["gradient", "batch"])
+def test_a_gradient_whose_reply_is_lost_leaves_its_tape_to_ask_again(monkeypatch, how):
+    """A non-persistent tape is spent by its first gradient; if that reply never
+    reaches the client (held past the deadline, as above), the tape is live again and
+    the client gets its gradients by asking again. It was released with the lost
+    reply: the forward had to run again. Once a reply reaches the client the tape's
+    bytes are free."""
+    from gradserve.server.transport.lanes import Lane
+
+    run = Lane.run
+    handlers_ended = threading.Event()
+
+    async def late(self, fn, principal=None):
+        try:
+            result = await run(self, fn, principal)
+            time.sleep(0.4)  # the event loop held past the client's deadline
+            return result
+        finally:
+            handlers_ended.set()
+
+    x_value = np.arange(4, dtype=np.float32)
+    seed = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
+    with run_server(device="cpu") as server:
+        target = f"127.0.0.1:{server.port}"
+        with gradserve.Client(target, timeout=0.2, shared_memory=False) as client:
+            session = server.store.get(client.session_id)
+            x = client.put(x_value)
+            before = session.budget.used
+            with client.gradient_tape() as tape:
+                h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
+                flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+                y = client.raw_ops.TensorArrayReadV3(h, 0, flow, np.float32)
+            monkeypatch.setattr(Lane, "run", late)
+            with pytest.raises(gradserve.errors.DeadlineExceededError):
+                if how == "gradient":
+                    tape.gradient(y, x, output_gradients=seed)
+                else:
+                    batch = client.batch()
+                    batch.gradient(tape, y, [x], output_gradients=[seed])
+                    batch.run()
+            assert handlers_ended.wait(5)
+            time.sleep(0.5)  # (the handler's reply, then the call's end)
+            monkeypatch.undo()
+            np.testing.assert_array_equal(tape.gradient(y, x, output_gradients=seed), seed)
+            assert not session._tapes and not session._spent_tapes
+            assert session.budget.used == before + session.record_bytes()  # the array's
+            with pytest.raises(gradserve.errors.FailedPreconditionError):
+                tape.gradient(y, x)
+
+
 @pytest.mark.parametrize("how", ["read", "batch of reads", "gather", "concat"])
 def test_a_clearing_read_whose_reply_is_lost_puts_its_elements_back(monkeypatch, how):
     """A read with clear_after_read drops the element: its output holds the only copy.

@@ -941,6 +941,40 @@ def test_targets_and_sources_nest_as_tf_nest_nests_them(client):
     np.testing.assert_array_equal(results[-1], [1.0, 1.0])
 
 
+def test_a_spent_tape_is_released_to_calls_and_freed_by_release_or_close(client, server):
+    """A tape spent by a gradient whose reply is not yet made (``Session.spend_tape``)
+    is released to every call, but its bytes stay charged until the reply frees it;
+    a client's release frees it at once, as does the session's close, and neither
+    can be undone by the call's end (``unspend_tape`` then finds nothing)."""
+    session = session_of(server, client)
+    x = client.put(np.ones(2, F32))
+    base = used(server, client)
+    tapes = []
+    for _ in range(2):
+        with client.gradient_tape() as tape:
+            h, flow = _ta(client)
+            client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+        tapes.append((tape, session.tape(tape.id)))
+    held = used(server, client)
+    for _, t in tapes:
+        assert session.spend_tape(t)
+    with pytest.raises(FailedPreconditionError, match="released"):
+        tapes[0][0].gradient(x, x)
+    assert used(server, client) == held
+    freed = session.release_tape(tapes[0][1].id)
+    assert freed > 0 and used(server, client) == held - freed
+    session.unspend_tape(tapes[0][1])
+    with pytest.raises(FailedPreconditionError, match="released"):
+        session.tape(tapes[0][1].id)
+    session.unspend_tape(tapes[1][1])  # live again
+    assert session.tape(tapes[1][1].id) is tapes[1][1]
+    assert session.spend_tape(tapes[1][1])
+    assert session.close() > 0
+    session.unspend_tape(tapes[1][1])
+    assert not session._tapes and not session._spent_tapes
+    assert session.budget.used == 0 and base > 0
+
+
 # ----------------------------------------------------------------- review regressions
 def test_a_tape_named_twice_in_the_header_is_one_tape(client, server):
     """Naming one tape twice (as an id and as a start) once leaked its bytes past the
