@@ -1048,9 +1048,11 @@ class Session:
                 resident = {t: kept.array for t, kept in self._resident.items()}
                 counter = self._name_counter
                 remaining = max(0.0, idle_timeout - (now - self.last_used))
-                tapes = len(self._tapes)
-                lost_tapes = _latest([*self._lost_tapes, *self._tapes])
-                released_tapes = list(self._released_tapes)
+                tapes = len(self._tapes) + len(self._spent_tapes)
+                # A spent tape's gradients have not reached the client yet: lost, as
+                # a live one, if this snapshot is restored (the client asks again).
+                lost_tapes = _latest([*self._lost_tapes, *self._tapes, *self._spent_tapes])
+                released_tapes = [t for t in self._released_tapes if t not in self._spent_tapes]
                 closed_order = list(self._closed_arrays)
                 unfrozen = {h: all(b.values()) for h, b in self._frozen_by_gradients.items()}
             exported = {h: ta.export_state() for h, ta in arrays.items()}

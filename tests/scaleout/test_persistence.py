@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from gradserve import dtypes
+from gradserve.errors import FailedPreconditionError, NotFoundError
 from gradserve.server.core import persistence
 from gradserve.server.core.sessions import TENSOR_RECORD_BYTES, Session, SessionStore
 
@@ -393,6 +394,30 @@ def test_tapes_are_not_persisted_and_the_rest_is(tmp_path, caplog):
     assert persistence.restore_dir(back, tmp_path).restored == 1
     restored = back.get(s.id, "alice")
     assert restored.budget.used == s.budget.used and not restored._tapes
+
+
+def test_a_tape_spent_by_a_gradient_not_yet_replied_is_lost_not_released(tmp_path):
+    """A gradient's reply that a restart cut off never reached the client, which
+    asks again: the tape it spent is restored as lost (``TAPE_LOST``, as a live one),
+    not as released; one released for good stays released."""
+    store = SessionStore()
+    s = populated(store)
+    spent = s.start_tape(persistent=False, watch_accessed_variables=True)
+    gone = s.start_tape(persistent=False, watch_accessed_variables=True)
+    assert s.spend_tape(spent) and s.spend_tape(gone)
+    s.free_spent_tape(gone)
+    state = s.export_state(idle_timeout=60.0)
+    assert spent.id in state.lost_tapes and spent.id not in state.released_tapes
+    assert gone.id in state.released_tapes and gone.id not in state.lost_tapes
+    report = persistence.write_snapshot(store.export_states(), tmp_path)
+    assert report.tapes_dropped == 1
+    back = SessionStore()
+    assert persistence.restore_dir(back, tmp_path).restored == 1
+    restored = back.get(s.id, "alice")
+    with pytest.raises(NotFoundError, match="was lost"):
+        restored.tape(spent.id)
+    with pytest.raises(FailedPreconditionError, match="released"):
+        restored.tape(gone.id)
 
 
 def test_a_tape_that_spans_a_restart_is_lost_not_started_again_empty(tmp_path):
