@@ -335,7 +335,11 @@ def gradients(
         value = session.resolve(Resident(tensor_id))
         check_differentiable(value, "source", tensor_id)
         source_values.append(value)
-    grads: dict[str, Any] = _seeds(session, targets, target_values, output_gradients, compute)
+    # No targets: nothing to seed, whatever output gradients came (TensorFlow ignores
+    # them too, and gives None per source).
+    grads: dict[str, Any] = (
+        _seeds(session, targets, target_values, output_gradients, compute) if targets else {}
+    )
 
     between = _between(recorded(records, watched_at), differentiable, set(targets))
     source = session.new_gradient_source()

@@ -379,6 +379,13 @@ def test_no_targets_give_none_for_each_source_and_release_the_tape(client):
     np.testing.assert_array_equal(
         tape.gradient([], x, unconnected_gradients="zero"), np.zeros(2, F32)
     )
+    # Output gradients with no targets are ignored, as TensorFlow 2.21 ignores them
+    # (it was INVALID_ARGUMENT: 1 output gradients for 0 targets).
+    assert tape.gradient([], x, output_gradients=[np.ones(2, F32)]) is None
+    np.testing.assert_array_equal(
+        tape.gradient([], [x], [np.ones(2, F32)], unconnected_gradients="zero")[0],
+        np.zeros(2, F32),
+    )
     with client.gradient_tape() as once:
         client.raw_ops.TensorArrayWriteV3(h, 1, x, flow)
     assert once.gradient([], x) is None
