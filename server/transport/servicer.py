@@ -333,7 +333,7 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         # the call: its reply would reach no one (``check_reply_in_time``).
         check_reply_in_time(context)
         io.end()  # the steps' region copies: released before the client hears back
-        io.reply_made()
+        await _reply_made(io)
         return response
 
 
@@ -343,7 +343,7 @@ def _op_rpc(op: Op) -> Any:
         io.inline_values = []  # the response is the call's own: see CallIO.inline_values
         response = await self._run(op, io, request)
         check_reply_in_time(context)
-        io.reply_made()
+        await _reply_made(io)
         return response
 
     method.__name__ = method.__qualname__ = op.rpc
@@ -373,6 +373,14 @@ class Liveness:
             raise CancelledError("the call was cancelled")
         if self.session.closed:
             raise NotFoundError("the session was closed", reason="SESSION_NOT_FOUND")
+
+
+async def _reply_made(io: CallIO) -> None:
+    """The handler replies: the tapes its gradients spent are freed first, on a thread
+    of the loop's default executor (a tape of many records takes a while)."""
+    spent = io.reply_made()
+    if spent:
+        await asyncio.get_running_loop().run_in_executor(None, io.free_spent, spent)
 
 
 def _call_over(io: CallIO, context: Any) -> None:

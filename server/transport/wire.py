@@ -266,15 +266,20 @@ class CallIO:
             return None
         return functools.partial(self._undo, stored, arrays, cleared, spent)
 
-    def reply_made(self) -> None:
-        """The handler replies, in time (``check_reply_in_time`` passed): the tapes the
-        call's gradient computations spent are freed now, before the client hears
-        back (a client's next call finds their bytes free, as it found them when the
-        computation released them at once)."""
+    def reply_made(self) -> list[Tape]:
+        """The handler replies, in time (``check_reply_in_time`` passed). Returns the
+        tapes the call's gradient computations spent, for the caller to free
+        (``free_spent``) before the client hears back: its next call finds their bytes
+        free, as it did when the computation released them at once."""
         with self._lock:
             self.replied = True
             spent, self.spent_tapes = self.spent_tapes, []
-        for tape in spent:
+        return spent
+
+    def free_spent(self, tapes: Sequence[Tape]) -> None:
+        """Free what ``tapes`` (from ``reply_made``) hold: time in their records, so
+        off the event loop."""
+        for tape in tapes:
             self.session.free_spent_tape(tape)
 
     def tape_spent(self, tape: Tape) -> None:
