@@ -18,7 +18,7 @@ from google.protobuf.message import Message
 
 from gradserve import codec, dtypes, heap, protocol, warm_buffers
 from gradserve.client import _shm
-from gradserve.client._convert import to_array
+from gradserve.client._convert import is_plain_python, to_array
 from gradserve.client._errors import (
     CHANNEL_GONE,
     answered,
@@ -572,6 +572,12 @@ class Client:
             return
         array = to_array(value, dtype)  # as tf.convert_to_tensor converts it
         if dtype is not None:
+            if array.dtype.kind in "fc" and is_plain_python(value):
+                # tf.raw_ops refuses a Python float for an integer input (it truncates
+                # a NumPy one, which the server refuses: see _as_integer_input).
+                raise TypeError(
+                    f"Cannot convert {value!r} to EagerTensor of dtype {np.dtype(dtype)}"
+                )
             array = _as_integer_input(array, dtypes.normalize(dtype))
         nbytes = dtypes.nbytes(array)
         size = protocol.encoded_size(nbytes, array.ndim)

@@ -88,6 +88,15 @@ def to_array(value: Any, dtype: dtypes.DTypeLike | None = None) -> np.ndarray:
     return _from_python(value)
 
 
+def is_plain_python(value: Any) -> bool:
+    """A plain Python value (a number, a list of them), not an array-like object."""
+    return not (
+        isinstance(value, (np.ndarray, np.generic))
+        or hasattr(value, "__array__")
+        or hasattr(value, "__dlpack__")
+    )
+
+
 # ------------------------------------------------------------------ array-like objects
 def _array_protocols(value: Any) -> np.ndarray | None:
     """The ndarray an array-like object offers, or None for plain Python values."""

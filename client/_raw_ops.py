@@ -17,7 +17,8 @@ import numpy as np
 from google.protobuf.message import Message
 
 from gradserve import codec, dtypes, shapes
-from gradserve.client._convert import to_array
+from gradserve.client import _attrs as attrs
+from gradserve.client._convert import is_plain_python, to_array
 from gradserve.client._types import StepOutput, TapedArray, TensorArrayHandle, TensorRef
 from gradserve.lstm_signature import GRAD_ARGUMENTS, LSTMActivations, LSTMGrads, LSTMInputs
 from gradserve.v1 import lstm_pb2
@@ -79,9 +80,16 @@ def _handle(msg: pb.TensorArrayHandle) -> TensorArrayHandle:
 
 
 def _set_shape(msg: Message, field: str, shape) -> None:
-    """Set a PartialShape field; ``None`` leaves it unset (unknown rank)."""
-    if shape is not None:
-        codec.encode_shape(shapes.make(list(shape)), getattr(msg, field))
+    """Set a PartialShape field from a ``shape`` attribute (``attrs.make_shape``);
+    ``None`` leaves it unset (unknown rank)."""
+    dims = attrs.make_shape(shape, field)
+    if dims is not None:
+        codec.encode_shape(shapes.make(dims), getattr(msg, field))
+
+
+def _dtype(value: Any, arg_name: str = "dtype") -> np.dtype:
+    """A ``type`` attribute (``attrs.make_type``) as a supported NumPy dtype."""
+    return dtypes.normalize(attrs.make_type(value, arg_name))
 
 
 class RawOps:
@@ -132,11 +140,13 @@ class RawOps:
     ) -> TensorArrayV3Output:
         temps = self._staging()
         req = pb.TensorArrayV3Request(
-            dtype=codec.dtype_to_enum(dtype),
-            dynamic_size=dynamic_size,
-            clear_after_read=clear_after_read,
-            identical_element_shapes=identical_element_shapes,
-            tensor_array_name=tensor_array_name,
+            dtype=codec.dtype_to_enum(_dtype(dtype)),
+            dynamic_size=attrs.make_bool(dynamic_size, "dynamic_size"),
+            clear_after_read=attrs.make_bool(clear_after_read, "clear_after_read"),
+            identical_element_shapes=attrs.make_bool(
+                identical_element_shapes, "identical_element_shapes"
+            ),
+            tensor_array_name=attrs.make_str(tensor_array_name, "tensor_array_name"),
         )
         self._in(size, req.size, temps, np.int32)
         _set_shape(req, "element_shape", element_shape)
@@ -153,6 +163,7 @@ class RawOps:
 
     def TensorArrayReadV3(self, handle, index, flow_in, dtype, name=None, *, keep=False):
         temps = self._staging()
+        dtype = _dtype(dtype)
         req = pb.TensorArrayReadV3Request(
             handle=_handle_msg(handle),
             flow_in=flow_in,
@@ -160,13 +171,14 @@ class RawOps:
             keep_outputs=keep,
         )
         self._in(index, req.index, temps, np.int32)
-        temps.output_dtype = dtypes.normalize(dtype)
+        temps.output_dtype = dtype
         return self._op("TensorArrayReadV3", req, lambda r: self._out(r.value), temps)
 
     def TensorArrayGatherV3(
         self, handle, indices, flow_in, dtype, element_shape=None, name=None, *, keep=False
     ):
         temps = self._staging()
+        dtype = _dtype(dtype)
         req = pb.TensorArrayGatherV3Request(
             handle=_handle_msg(handle),
             flow_in=flow_in,
@@ -175,7 +187,7 @@ class RawOps:
         )
         self._in(indices, req.indices, temps, np.int32)
         _set_shape(req, "element_shape", element_shape)
-        temps.output_dtype = dtypes.normalize(dtype)
+        temps.output_dtype = dtype
         return self._op("TensorArrayGatherV3", req, lambda r: self._out(r.value), temps)
 
     def TensorArrayScatterV3(self, handle, indices, value, flow_in, name=None) -> float:
@@ -188,6 +200,7 @@ class RawOps:
     def TensorArrayConcatV3(
         self, handle, flow_in, dtype, element_shape_except0=None, name=None, *, keep=False
     ) -> TensorArrayConcatV3Output:
+        dtype = _dtype(dtype)
         req = pb.TensorArrayConcatV3Request(
             handle=_handle_msg(handle),
             flow_in=flow_in,
@@ -196,7 +209,7 @@ class RawOps:
         )
         _set_shape(req, "element_shape_except0", element_shape_except0)
         temps = self._staging()  # no inputs to stage
-        temps.output_dtype = dtypes.normalize(dtype)
+        temps.output_dtype = dtype
         return self._op(
             "TensorArrayConcatV3",
             req,
@@ -225,7 +238,7 @@ class RawOps:
 
     def TensorArrayGradV3(self, handle, flow_in, source, name=None) -> TensorArrayGradV3Output:
         req = pb.TensorArrayGradV3Request(
-            handle=_handle_msg(handle), flow_in=flow_in, source=source
+            handle=_handle_msg(handle), flow_in=flow_in, source=attrs.make_str(source, "source")
         )
         return self._op(
             "TensorArrayGradV3",
@@ -239,7 +252,7 @@ class RawOps:
     ) -> TensorArrayGradV3Output:
         temps = self._staging()
         req = pb.TensorArrayGradWithShapeRequest(
-            handle=_handle_msg(handle), flow_in=flow_in, source=source
+            handle=_handle_msg(handle), flow_in=flow_in, source=attrs.make_str(source, "source")
         )
         self._in(shape_to_prepend, req.shape_to_prepend, temps, np.int32)
         return self._op(
@@ -284,7 +297,9 @@ class RawOps:
         """Gate layout IFCO; ``keep=True`` keeps the seven outputs on the server."""
         values = dict(locals())
         req = lstm_pb2.BlockLSTMV2Request(
-            cell_clip=cell_clip, use_peephole=use_peephole, keep_outputs=keep
+            cell_clip=attrs.make_float(cell_clip, "cell_clip"),
+            use_peephole=attrs.make_bool(use_peephole, "use_peephole"),
+            keep_outputs=keep,
         )
         return self._lstm("BlockLSTMV2", req, values, _LSTM_INPUTS, self._lstm_out)
 
@@ -295,9 +310,9 @@ class RawOps:
         """The V1 op: gate layout ICFO, with forget bias."""
         values = dict(locals())
         req = lstm_pb2.BlockLSTMRequest(
-            forget_bias=forget_bias,
-            cell_clip=cell_clip,
-            use_peephole=use_peephole,
+            forget_bias=attrs.make_float(forget_bias, "forget_bias"),
+            cell_clip=attrs.make_float(cell_clip, "cell_clip"),
+            use_peephole=attrs.make_bool(use_peephole, "use_peephole"),
             keep_outputs=keep,
         )
         return self._lstm("BlockLSTM", req, values, _LSTM_INPUTS, self._lstm_out)
@@ -312,7 +327,9 @@ class RawOps:
         forward clipped passes gradient as if unclipped (``client.gradient_tape()``
         masks clipped cells: the true derivative)."""
         values = dict(locals())
-        req = lstm_pb2.BlockLSTMGradRequest(use_peephole=use_peephole, keep_outputs=keep)
+        req = lstm_pb2.BlockLSTMGradRequest(
+            use_peephole=attrs.make_bool(use_peephole, "use_peephole"), keep_outputs=keep
+        )
         return self._lstm("BlockLSTMGradV2", req, values, _LSTM_GRAD_INPUTS, self._lstm_grad_out)
 
     def BlockLSTMGrad(
@@ -322,7 +339,9 @@ class RawOps:
         """The V1 backward (ICFO), with TensorFlow's kernel semantics: the forward's
         ``cell_clip`` is ignored (the gradient tape masks clipped cells)."""
         values = dict(locals())
-        req = lstm_pb2.BlockLSTMGradRequest(use_peephole=use_peephole, keep_outputs=keep)
+        req = lstm_pb2.BlockLSTMGradRequest(
+            use_peephole=attrs.make_bool(use_peephole, "use_peephole"), keep_outputs=keep
+        )
         return self._lstm("BlockLSTMGrad", req, values, _LSTM_GRAD_INPUTS, self._lstm_grad_out)
 
 
@@ -361,7 +380,7 @@ def _matching(values: Any) -> list[Any]:
             and array.dtype.kind in "iuf"
             and dtype.kind == "f"
         ):
-            if _is_python(value):
+            if is_plain_python(value):
                 array = np.asarray(value, dtype)  # from the Python numbers, rounded once
             else:
                 array = array.astype(dtype)
@@ -378,15 +397,6 @@ def dtype_of(value: Any) -> np.dtype | None:
         return dtypes.normalize(value.dtype if hasattr(value, "dtype") else to_array(value).dtype)
     except (TypeError, ValueError, dtypes.UnsupportedDTypeError):
         return None
-
-
-def _is_python(value: Any) -> bool:
-    """A plain Python value (a number, a list of them), not an array-like object."""
-    return not (
-        isinstance(value, (np.ndarray, np.generic))
-        or hasattr(value, "__array__")
-        or hasattr(value, "__dlpack__")
-    )
 
 
 _TENSORS = (TensorRef, TapedArray)
