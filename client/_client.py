@@ -415,9 +415,14 @@ class Client:
                 sent = (*(default if base is None else base), *extra, _request_id())
                 if fetched:  # the server deletes them first (client/_fetched.py)
                     sent = (*sent, (protocol.FETCHED_METADATA_KEY, ",".join(fetched)))
-                # What its outputs' TapedArrays belong to; set after the calls above
-                # (``metadata()`` may register a new output region).
-                self._recording.call_tapes = tapes
+                if recorded:
+                    # What its outputs' TapedArrays belong to; set after the calls above
+                    # (``metadata()`` may register a new output region), and only by
+                    # calls that record: the uploads of its inputs and the fetches of
+                    # its outputs, nested in this one, set it to none, and its outputs
+                    # came back tied to no tape (found by a review helper: an input of
+                    # 4 MiB or more over TCP made ``tape.gradient`` silently None).
+                    self._recording.call_tapes = tapes
                 body = request() if callable(request) else request
                 sent_before = True
                 reply = method(body, metadata=sent, timeout=timeout)

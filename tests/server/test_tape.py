@@ -982,6 +982,39 @@ def test_a_spent_tape_is_released_to_calls_and_freed_by_release_or_close(client,
     assert session.budget.used == 0 and base > 0
 
 
+@pytest.mark.parametrize("big", ["input", "output"])
+def test_outputs_stay_on_the_tape_when_inputs_are_uploaded_or_outputs_fetched(target, big):
+    """An input sent by its own upload (at or past ``stream_threshold``, without
+    shared memory), or an output fetched by its own call (transient), is a call nested
+    in the op's: it set the thread's "tapes of the last call" to none, the op's outputs
+    came back tied to no tape, went on by value, and the gradient was silently None
+    (a review helper: the README's LSTM example with x of 4.9 MB)."""
+    rng = np.random.default_rng(3)
+    T, B, I, H = 4, 2, 3, 5  # noqa: N806, E741
+    xs = rng.standard_normal((T, B, I)).astype(F32)
+    w = rng.standard_normal((I + H, 4 * H)).astype(F32) * 0.3
+    z, p, b = np.zeros((B, H), F32), np.zeros(H, F32), np.zeros(4 * H, F32)
+    grads = {}
+    for threshold in (1 << 30, 64):
+        kwargs = {"stream_threshold": threshold, "shared_memory": False}
+        if big == "output":
+            kwargs["max_message_bytes"] = 64 * 1024  # outputs come back transient
+            xs_big = np.repeat(xs, 300, axis=0)  # 1,200 steps: 24 KB per output
+        else:
+            xs_big = xs
+        with gradserve.Client(target, **kwargs) as c:
+            w_ref = c.put(w)
+            with c.gradient_tape() as tape:
+                acts = c.raw_ops.BlockLSTMV2(np.int64(len(xs_big)), xs_big, z, z, w_ref, p, p, p, b)
+                assert isinstance(acts.h, TapedArray) and acts.h.held
+                h, flow = c.raw_ops.TensorArrayV3(size=1, dtype=F32)
+                flow = c.raw_ops.TensorArrayWriteV3(h, 0, acts.h, flow)
+                last = c.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+            grads[threshold] = tape.gradient(last, w_ref)
+    assert grads[64] is not None and np.abs(grads[64]).sum() > 0
+    np.testing.assert_allclose(grads[64], grads[1 << 30], rtol=1e-6)
+
+
 # ----------------------------------------------------------------- review regressions
 def test_a_tape_named_twice_in_the_header_is_one_tape(client, server):
     """Naming one tape twice (as an id and as a start) once leaked its bytes past the
