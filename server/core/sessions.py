@@ -158,6 +158,9 @@ class Session:
         self.max_tensor_array_size = max_tensor_array_size
         self.budget = budget or MemoryBudget(None, f"session {session_id[:8]}")
         self.last_used = time.monotonic()
+        #: Calls on this session still running (``call_started``): it is not idle.
+        self._calls = 0
+        self._calls_lock = threading.Lock()
         self._lock = threading.Lock()
         #: Ops that change the session in steps, against its snapshot (``changing``).
         self._gate = SnapshotGate()
@@ -221,6 +224,25 @@ class Session:
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
+
+    def call_started(self) -> None:
+        """A call on this session began: until it ends (``call_ended``) the session is
+        not idle, however long it runs. Idle was counted from each call's start, and a
+        call running past the TTL with no other on its session (a long LSTM, a slow
+        upload) had the session closed under it, its result lost (a review helper)."""
+        with self._calls_lock:
+            self._calls += 1
+            self.last_used = time.monotonic()
+
+    def call_ended(self) -> None:
+        with self._calls_lock:
+            self._calls -= 1
+            self.last_used = time.monotonic()
+
+    @property
+    def busy(self) -> bool:
+        """A call on it is still running."""
+        return self._calls > 0
 
     # ---------------------------------------------------------------- arrays
     def create_tensor_array(
@@ -1391,10 +1413,15 @@ class SessionStore:
         session.close()
 
     def expire_idle(self, now: float | None = None) -> int:
-        """Close sessions unused for longer than the idle timeout; returns how many."""
+        """Close sessions unused for longer than the idle timeout, none with a call
+        running; returns how many."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            stale = [s for s in self._sessions.values() if now - s.last_used > self.idle_timeout]
+            stale = [
+                s
+                for s in self._sessions.values()
+                if now - s.last_used > self.idle_timeout and not s.busy
+            ]
             for s in stale:
                 del self._sessions[s.id]
             self.expired += len(stale)

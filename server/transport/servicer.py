@@ -117,6 +117,8 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
                 reason="SESSION_REQUIRED",
             )
         session = self.store.get(session_id, current_principal.get())
+        session.call_started()  # not idle until the call ends, however long it runs
+        context.add_done_callback(lambda _: session.call_ended())
         fetched = metadata.get(protocol.FETCHED_METADATA_KEY)
         if fetched:
             limit = protocol.MAX_FETCHED_IDS

@@ -275,6 +275,34 @@ def test_idle_sessions_expire_unless_kept_alive():
         kept.close()
 
 
+def test_a_session_with_a_call_running_is_not_idle(monkeypatch):
+    """A call that runs past the TTL with nothing else on its session (an op taking
+    long, no keep-alive) keeps its session: idle was counted from each call's start,
+    and the session was closed under the call, its result lost (a review helper: a
+    slow upload and a 3 s LSTM, each NOT_FOUND "the session was closed"). After the
+    call ends the TTL counts again."""
+    from gradserve.server.core.sessions import Session
+
+    put = Session.put
+
+    def slow_put(self, *args, **kwargs):
+        time.sleep(1.5)  # over three TTLs
+        return put(self, *args, **kwargs)
+
+    monkeypatch.setattr(Session, "put", slow_put)
+    with run_server(device="cpu", session_ttl=0.4) as server:
+        target = f"127.0.0.1:{server.port}"
+        with gradserve.Client(target, keepalive=False, shared_memory=False) as client:
+            ref = client.put(np.arange(1000.0))
+            monkeypatch.undo()
+            np.testing.assert_array_equal(ref.numpy(), np.arange(1000.0))
+            assert server.store.expired == 0
+            time.sleep(1.5)  # now idle
+            with pytest.raises(gradserve.errors.NotFoundError):
+                client.keep_alive()
+            assert server.store.expired == 1
+
+
 def test_tensor_arrays_of_nothing_fill_the_session_budget_too():
     """Arrays and slots cost server memory of their own (~600 and ~220 bytes): a
     session of 1 MB made 600,000 arrays (390 MB) through Batch, and grad arrays by
