@@ -182,6 +182,14 @@ def guarded(handler: H) -> H:
                     raise
                 except Exception as exc:  # noqa: BLE001 - the boundary: nothing escapes
                     error = as_gradserve_error(exc)
+                    if streams.status_stuck(error):  # in the stream limits until it ends
+                        try:
+                            await streams.until_taken_or_gone(
+                                error, lambda: self.admission.draining
+                            )
+                        except asyncio.CancelledError:  # the client went: as ended
+                            record.code, record.message = error.code, error.message
+                            raise
                 finally:
                     self.admission.exit(principal, stream=stream)
             if error is not None:

@@ -80,7 +80,7 @@ class Pace:
             return await self._wait(task)
         except GradserveError as error:
             if sending and not task.done():
-                setattr(error, _STUCK, True)
+                setattr(error, _STUCK, task)
             raise
 
     async def _wait(self, task: asyncio.Future[T]) -> T:
@@ -134,7 +134,25 @@ def status_stuck(error: GradserveError) -> bool:
     inside gRPC, GRPC_CALL_ERROR_TOO_MANY_OPERATIONS, logged with a traceback per
     reader: a frozen worker, a network black hole). The boundary cancels such a call
     instead: the client would not read a status either."""
-    return bool(getattr(error, _STUCK, False))
+    return getattr(error, _STUCK, None) is not None
+
+
+async def until_taken_or_gone(error: GradserveError, draining: Callable[[], bool]) -> None:
+    """Wait while the message ``error`` left stuck (``status_stuck``) is still being
+    sent: until the client takes it (then its status can follow: no longer stuck),
+    or goes (gRPC cancels the call: ``CancelledError`` here), or the server drains.
+    gRPC's server cannot reset the stream, and keeps the message (a chunk, up to
+    1 MiB) and the call until then; returning at once, the stream left the stream
+    limits while it still held that memory, and a client stalling ``--max-streams``
+    readers per idle timeout grew the server without bound (a review helper: 746 MiB
+    after eight rounds of 40)."""
+    task = getattr(error, _STUCK, None)
+    if task is None:
+        return
+    while not task.done() and not draining():
+        await asyncio.wait((task,), timeout=_POLL_SECONDS)
+    if task.done() and not task.cancelled() and task.exception() is None:
+        setattr(error, _STUCK, None)
 
 
 def _discard(task: asyncio.Future[Any]) -> None:

@@ -186,12 +186,42 @@ def test_delete_after_readers_keep_their_bytes_counted():
                     "gradserve_rpcs_total", {"method": "GetTensor", "code": "DEADLINE_EXCEEDED"}
                 )
 
-            # The idle timeout ends the reader; the tensor stays (it was not all sent).
-            assert wait_until(lambda: ended() == 1, 10)
+            # The idle timeout ends the reader's sending; the tensor stays (it was not
+            # all sent). The call ends when the reader goes (gRPC cannot reset it).
+            time.sleep(3)
             np.testing.assert_array_equal(client.get(ref)[:4], np.zeros(4, np.uint8))
             assert client.delete(ref) == 1
             assert server.store.budget.used == 0
+            assert ended() is None
             reader.close()
+            assert wait_until(lambda: ended() == 1, 10)
+
+
+def test_a_stalled_reader_counts_against_the_stream_limits_until_it_goes():
+    """Past the idle timeout the server stops sending to a reader that reads nothing,
+    but gRPC's server cannot reset the stream: the call, and the chunk it was sending,
+    stay until the client reads or goes. The stream left the stream limits at the
+    timeout, so a client could stall --max-streams readers per idle timeout and grow
+    the server without bound (a review helper: 746 MiB after eight rounds of 40
+    readers). Now it counts until it ends; a reader that resumes gets its status."""
+    with run_server(
+        device="cpu", max_streams=2, stream_idle_timeout=0.5, metrics_port=0
+    ) as server:
+        target = f"127.0.0.1:{server.port}"
+        with gradserve.Client(target) as client, grpc.insecure_channel(target) as channel:
+            ref = client.put(np.zeros(8 * MIB, np.uint8))
+            readers = [StalledReader(channel, metadata(client.session_id), ref.id)
+                       for _ in range(2)]  # fmt: skip
+            assert all(r.first.wait(10) for r in readers)
+            time.sleep(2)  # four idle timeouts
+            assert server.servicer.admission.streams == 2
+            third = StalledReader(channel, metadata(client.session_id), ref.id)
+            assert not third.first.wait(1)
+            assert third.outcome == grpc.StatusCode.RESOURCE_EXHAUSTED
+            for r in readers:
+                r.close()
+            assert wait_until(lambda: server.servicer.admission.streams == 0)
+            np.testing.assert_array_equal(client.get(ref)[-4:], np.zeros(4, np.uint8))
 
 
 def test_a_trickling_upload_ends_below_the_minimum_rate():
