@@ -204,9 +204,7 @@ def test_a_stalled_reader_counts_against_the_stream_limits_until_it_goes():
     timeout, so a client could stall --max-streams readers per idle timeout and grow
     the server without bound (a review helper: 746 MiB after eight rounds of 40
     readers). Now it counts until it ends; a reader that resumes gets its status."""
-    with run_server(
-        device="cpu", max_streams=2, stream_idle_timeout=0.5, metrics_port=0
-    ) as server:
+    with run_server(device="cpu", max_streams=2, stream_idle_timeout=0.5, metrics_port=0) as server:
         target = f"127.0.0.1:{server.port}"
         with gradserve.Client(target) as client, grpc.insecure_channel(target) as channel:
             ref = client.put(np.zeros(8 * MIB, np.uint8))
