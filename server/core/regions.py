@@ -70,6 +70,10 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 #: made for it, never another program's shared memory that happens to be in /dev/shm.
 KEY_PREFIX = "gradserve_"
 MIN_NONCE_BYTES, MAX_NONCE_BYTES = 16, 64
+#: A region's first bytes hold its nonce, never a tensor: a tensor read or written
+#: there would give the nonce away or overwrite it (``protocol.SHM_RESERVED_BYTES``,
+#: the same number for the SDK; a test checks they agree).
+RESERVED_BYTES = MAX_NONCE_BYTES
 #: Regions one session may hold (each holds a file descriptor of the server).
 MAX_REGIONS_PER_SESSION = 64
 
@@ -167,6 +171,13 @@ class Region:
             raise InvalidArgumentError(
                 f"{field}: bytes [{offset}, {offset + nbytes}) are outside shared memory "
                 f"region {self.name!r} of {self.byte_size} bytes",
+                field=field,
+            )
+        if offset < RESERVED_BYTES and nbytes:
+            raise InvalidArgumentError(
+                f"{field}: bytes [{offset}, {offset + nbytes}) of shared memory region "
+                f"{self.name!r}: its first {RESERVED_BYTES} bytes hold its nonce, never "
+                "a tensor",
                 field=field,
             )
 

@@ -263,8 +263,8 @@ def test_an_output_region_the_os_refuses_to_write_is_dropped_as_one_that_shrank(
         assert out.WhichOneof("result") == "value"
         assert io.shared_out.broken
         with pytest.raises(ResourceExhaustedError, match="/dev/shm is full") as info:
-            session.regions.write("out", 0, array, "tensor")
+            session.regions.write("out", 64, array, "tensor")
         assert info.value.reason == "REGION_NO_SPACE"
         monkeypatch.setattr(os, "preadv", no_space)
         with pytest.raises(ResourceExhaustedError, match="reading shared memory region"):
-            session.regions.read("out", 0, np.dtype(np.float32), array.shape, "tensor")
+            session.regions.read("out", 64, np.dtype(np.float32), array.shape, "tensor")

@@ -116,7 +116,9 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
-def shared(shm, dtype, shape, offset: int = 0, name: str | None = None) -> tensor_pb2.TensorInput:
+def shared(
+    shm, dtype, shape, offset: int = protocol.SHM_RESERVED_BYTES, name: str | None = None
+) -> tensor_pb2.TensorInput:
     msg = tensor_pb2.TensorInput()
     msg.shared.region = name or shm.name
     msg.shared.offset = offset
@@ -125,7 +127,7 @@ def shared(shm, dtype, shape, offset: int = 0, name: str | None = None) -> tenso
     return msg
 
 
-def write(shm, array: np.ndarray, offset: int = 0) -> None:
+def write(shm, array: np.ndarray, offset: int = protocol.SHM_RESERVED_BYTES) -> None:
     shm.buf[offset : offset + array.nbytes] = array.tobytes()
 
 
@@ -364,10 +366,31 @@ def test_symlinks_and_directories_under_dev_shm_are_refused(wire_client, objects
 
 def test_tensors_outside_the_region_are_refused(wire_client, objects):
     shm = objects.register(wire_client, 4096)
-    for offset, shape in ((4000, [100]), (-8, [1]), (0, [1025]), (0, [1 << 40, 1 << 40])):
+    for offset, shape in ((4000, [100]), (-8, [1]), (64, [1009]), (64, [1 << 40, 1 << 40])):
         with pytest.raises(InvalidArgumentError):
             put_shared(wire_client, shared(shm, np.float32, shape, offset=offset))
-    assert put_shared(wire_client, shared(shm, np.float32, [1024])).shape == [1024]
+    assert put_shared(wire_client, shared(shm, np.float32, [1008])).shape == [1008]
+
+
+def test_no_tensor_is_read_or_written_over_a_regions_nonce(wire_client, objects):
+    """The first ``SHM_RESERVED_BYTES`` of a region hold the nonce that registered
+    it, which only its owner knows: a put from there read it into a tensor, a get
+    wrote over it (a review helper; the README said never). Refused, the nonce intact;
+    the server's bound (``regions.RESERVED_BYTES``) is the SDK's."""
+    from gradserve.server.core import regions
+
+    assert regions.RESERVED_BYTES == protocol.SHM_RESERVED_BYTES
+    shm = objects.register(wire_client, 4096)
+    nonce = bytes(shm.buf[:64])
+    ref = wire_client.put(np.ones(4, np.float32))
+    for offset in (0, 48, 63):
+        with pytest.raises(InvalidArgumentError, match="hold its nonce"):
+            put_shared(wire_client, shared(shm, np.float32, [4], offset=offset))
+        request = pb.GetSharedTensorRequest(id=ref.id, region=shm.name, offset=offset)
+        with pytest.raises(InvalidArgumentError, match="hold its nonce"):
+            wire_client._call("GetSharedTensor", request)
+    assert bytes(shm.buf[:64]) == nonce
+    assert put_shared(wire_client, shared(shm, np.float32, [4], offset=64)).shape == [4]
 
 
 def test_region_sizes_are_bounded_by_the_session(objects):
@@ -590,7 +613,7 @@ def test_truncated_or_unlinked_region_is_an_error_and_the_server_serves_on(shm_c
 def test_region_truncated_while_calls_run_gives_errors_never_a_crash(shm_client, objects):
     size = 16 << 20
     shm = objects.register(shm_client, size)
-    ref = shm_client.put(np.ones(size // 4, np.float32))
+    ref = shm_client.put(np.ones(size // 4 - 16, np.float32))  # (past the nonce)
     stop = threading.Event()
 
     def vandal():
@@ -606,9 +629,10 @@ def test_region_truncated_while_calls_run_gives_errors_never_a_crash(shm_client,
     try:
         for _ in range(20):
             for call in (
-                lambda: put_shared(shm_client, shared(shm, np.float32, [size // 4])),
+                lambda: put_shared(shm_client, shared(shm, np.float32, [size // 4 - 16])),
                 lambda: shm_client._call(
-                    "GetSharedTensor", pb.GetSharedTensorRequest(id=ref.id, region=shm.name)
+                    "GetSharedTensor",
+                    pb.GetSharedTensorRequest(id=ref.id, region=shm.name, offset=64),
                 ),
             ):
                 try:
