@@ -977,8 +977,11 @@ class Session:
         self, tape: Tape, targets: Sequence[str], sources: Sequence[str]
     ) -> tuple[list[Any], list[str], set[str], dict[str, int]]:
         """A live tape's records as of now, the ``targets`` it neither produced nor
-        watches (not differentiable: the caller's error), the ``sources`` it did, and
-        when each watched key was watched (``Tape.watched_at``).
+        watches and that are not sources either (not differentiable: the caller's
+        error), the ``sources`` it did or that are targets too (d target / d target is
+        its output gradient, recorded or not, as TensorFlow has it: ``gradient(v, v)``
+        on a tape that saw nothing is ones), and when each watched key was watched
+        (``Tape.watched_at``).
         Only the records are copied (references): copying the tape's sets of produced
         and watched keys as well cost a gradient call, even one refused for its
         target, time in their size under this lock."""
@@ -988,10 +991,11 @@ class Session:
             def on_tape(key: str) -> bool:
                 return key in tape.outputs or key in tape.watched_at
 
-            unknown = [t for t in targets if not on_tape(t)]
+            source_set = set(sources)
+            unknown = [t for t in targets if not on_tape(t) and t not in source_set]
             if unknown:
                 return [], unknown, set(), {}
-            differentiable = {k for k in sources if on_tape(k)}
+            differentiable = {k for k in sources if on_tape(k)} | (source_set & set(targets))
             return list(tape.records), [], differentiable, dict(tape.watched_at)
 
     def gradient_done(self, tape: Tape) -> None:

@@ -1015,6 +1015,37 @@ def test_outputs_stay_on_the_tape_when_inputs_are_uploaded_or_outputs_fetched(ta
     np.testing.assert_allclose(grads[64], grads[1 << 30], rtol=1e-6)
 
 
+def test_a_target_that_is_a_source_gets_its_output_gradient(client):
+    """d v / d v is v's output gradient whether or not the tape recorded anything, as
+    in TensorFlow 2.21 (``gradient(v, [v, w])`` on a tape that saw nothing is
+    ``[ones, None]``, also with ``watch_accessed_variables=False``); summed with what
+    flows to v through recorded ops. It was INVALID_ARGUMENT ("not computed under
+    this tape"), which a target that is neither recorded nor a source still is (a
+    review helper's comparison)."""
+    v = client.put(np.array([1.0, 2.0], F32))
+    w = client.put(np.array([3.0], F32))
+    with client.gradient_tape(persistent=True) as tape:
+        pass
+    got = tape.gradient(v, [v, w])
+    np.testing.assert_array_equal(got[0], [1.0, 1.0])
+    assert got[1] is None
+    seeds = [np.array([2.0, 3.0], F32)]
+    np.testing.assert_array_equal(tape.gradient([v], v, output_gradients=seeds), seeds[0])
+    with pytest.raises(InvalidArgumentError, match="was not computed under this tape"):
+        tape.gradient(w, v)
+    tape.release()
+    with client.gradient_tape(watch_accessed_variables=False) as unwatched:
+        h, flow = _ta(client)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, v, flow)
+        y = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+    np.testing.assert_array_equal(unwatched.gradient([y, v], v), [1.0, 1.0])  # y: unwatched
+    with client.gradient_tape() as watched:
+        h, flow = _ta(client)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, v, flow)
+        y = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+    np.testing.assert_array_equal(watched.gradient([y, v], v), [2.0, 2.0])
+
+
 # ----------------------------------------------------------------- review regressions
 def test_a_tape_named_twice_in_the_header_is_one_tape(client, server):
     """Naming one tape twice (as an id and as a start) once leaked its bytes past the
