@@ -141,13 +141,15 @@ class Batch:
         results: list[Any] = []
         replies: list[Message] = []  # each step's typed result, for later requests
         failure: BaseException | None = None
+        spent: set[int] = set()  # tapes this run's Gradients steps released
         try:
             start = 0
             while start < len(steps):
                 request = self._request(steps, start, replies, results, temps)
                 try:
-                    # Without the tapes an earlier request's Gradients step released.
-                    tapes = [t for t in steps[start][3] if not t.released]
+                    # Without the tapes an earlier request's Gradients step released
+                    # (one the caller released before is still named: refused).
+                    tapes = [t for t in steps[start][3] if id(t) not in spent]
                     reply = self._client._call("Batch", request, tapes=tapes)
                 except BaseException as e:
                     failure = e
@@ -162,6 +164,7 @@ class Batch:
                     reply, lambda r, ps=parsers: [self._one(p, x) for p, x in zip(ps, r.results)]
                 )
                 replies += [getattr(r, r.WhichOneof("op")) for r in reply.results]
+                spent |= {id(t) for s, t in releases if s < len(results) and not t.persistent}
                 releases = _release_ran(releases, len(results))
                 if not reply.HasField("failed_step"):
                     start += len(request.steps)

@@ -225,19 +225,27 @@ class Session:
     def touch(self) -> None:
         self.last_used = time.monotonic()
 
-    def call_started(self) -> None:
-        """A call on this session began: until it ends (``call_ended``) the session is
-        not idle, however long it runs. Idle was counted from each call's start, and a
-        call running past the TTL with no other on its session (a long LSTM, a slow
-        upload) had the session closed under it, its result lost (a review helper)."""
+    def call_started(self) -> Callable[[], None]:
+        """A call on this session began: until it ends (the function returned, which
+        does it once however often it is called) the session is not idle, however
+        long it runs. Idle was counted from each call's start, and a call running past
+        the TTL with no other on its session (a long LSTM, a slow upload) had the
+        session closed under it, its result lost (a review helper)."""
         with self._calls_lock:
             self._calls += 1
             self.last_used = time.monotonic()
+        ended = False
 
-    def call_ended(self) -> None:
-        with self._calls_lock:
-            self._calls -= 1
-            self.last_used = time.monotonic()
+        def end() -> None:
+            nonlocal ended
+            with self._calls_lock:
+                if ended:
+                    return
+                ended = True
+                self._calls -= 1
+                self.last_used = time.monotonic()
+
+        return end
 
     @property
     def busy(self) -> bool:
@@ -647,7 +655,7 @@ class Session:
             self._check_open()
             if tape_id is not None and tape_id in self._tapes:
                 return self._tapes[tape_id]
-            if len(self._tapes) >= MAX_TAPES_PER_SESSION:
+            if len(self._tapes) + len(self._spent_tapes) >= MAX_TAPES_PER_SESSION:
                 raise ResourceExhaustedError(
                     f"the session has {MAX_TAPES_PER_SESSION} live gradient tapes, the most "
                     "it may; release one (a non-persistent tape is released by its first "
@@ -757,8 +765,7 @@ class Session:
                 return
             del self._spent_tapes[tape.id]
             self._released_tapes.pop(tape.id, None)
-            tape.released = False
-            self._tapes[tape.id] = tape
+            self._tapes[tape.id] = tape.revived()  # (``tape`` stays released)
 
     def _release_tape_locked(self, tape: Tape) -> int:
         tape.released = True

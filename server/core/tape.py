@@ -191,6 +191,28 @@ class Tape:
         #: the write it read would lose the write's gradient).
         self.order = threading.Lock()
 
+    def revived(self) -> Tape:
+        """A live tape under this id that takes over everything this one holds and
+        recorded (caller holds the session's lock). This object stays released for
+        good: an op that began while it was spent (``Session.spend_tape``) reserved
+        nothing for it and took no holds on it, and must not commit onto it when the
+        spend is undone (a review helper: the record's bytes came off the budget
+        unreserved)."""
+        new = Tape(
+            self.id,
+            persistent=self.persistent,
+            watch_accessed_variables=self.watch_accessed_variables,
+        )
+        new.held, self.held = self.held, {}
+        new.holds, self.holds = self.holds, {}
+        new.outputs, self.outputs = self.outputs, set()
+        new.watched_at, self.watched_at = self.watched_at, {}
+        new.records, self.records = self.records, []
+        new.record_bytes, self.record_bytes = self.record_bytes, 0
+        new.flow_versions, self.flow_versions = self.flow_versions, {}
+        self.released = True
+        return new
+
     def commit(self, op: str, inputs: tuple[str | None, ...], outputs: tuple[str | None, ...],
                saved: Mapping[str, Any]) -> None:  # fmt: skip
         """Append a record, resolving its flow stand-ins (caller holds the session

@@ -34,7 +34,7 @@ from gradserve.errors import (
 from gradserve.kernels.compute import Compute
 from gradserve.server.core.sessions import ANONYMOUS, Session, SessionStore, TensorReservation
 from gradserve.server.core.tape import MAX_TAPES_PER_SESSION, Tape
-from gradserve.server.transport import boundary, shm_wire, tape_handlers
+from gradserve.server.transport import boundary, shm_wire, streams, tape_handlers
 from gradserve.server.transport.admission import Admission
 from gradserve.server.transport.auth import REFUSAL, TokenTable, current_principal, principal_of
 from gradserve.server.transport.handlers import OPS, OPS_BY_BATCH_FIELD, Op
@@ -117,8 +117,11 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
                 reason="SESSION_REQUIRED",
             )
         session = self.store.get(session_id, current_principal.get())
-        session.call_started()  # not idle until the call ends, however long it runs
-        context.add_done_callback(lambda _: session.call_ended())
+        # Not idle until the call ends, however long it runs (or until it only waits
+        # for a reader that stopped reading: ``streams.until_taken_or_gone``).
+        ended = session.call_started()
+        context.add_done_callback(lambda _: ended())
+        streams.SESSION_CALL.set(ended)
         fetched = metadata.get(protocol.FETCHED_METADATA_KEY)
         if fetched:
             limit = protocol.MAX_FETCHED_IDS
@@ -335,7 +338,7 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         # the call: its reply would reach no one (``check_reply_in_time``).
         check_reply_in_time(context)
         io.end()  # the steps' region copies: released before the client hears back
-        await _reply_made(io)
+        io.reply_made()
         return response
 
 
@@ -345,7 +348,7 @@ def _op_rpc(op: Op) -> Any:
         io.inline_values = []  # the response is the call's own: see CallIO.inline_values
         response = await self._run(op, io, request)
         check_reply_in_time(context)
-        await _reply_made(io)
+        io.reply_made()
         return response
 
     method.__name__ = method.__qualname__ = op.rpc
@@ -377,14 +380,6 @@ class Liveness:
             raise NotFoundError("the session was closed", reason="SESSION_NOT_FOUND")
 
 
-async def _reply_made(io: CallIO) -> None:
-    """The handler replies: the tapes its gradients spent are freed first, on a thread
-    of the loop's default executor (a tape of many records takes a while)."""
-    spent = io.reply_made()
-    if spent:
-        await asyncio.get_running_loop().run_in_executor(None, io.free_spent, spent)
-
-
 def _call_over(io: CallIO, context: Any) -> None:
     """The call ended (its response sent, or cancelled, or past its deadline): its
     region copies go (``CallIO.end``), and so do its outputs if no response took them:
@@ -393,16 +388,23 @@ def _call_over(io: CallIO, context: Any) -> None:
     on its lane, which then stored outputs nobody would learn of). The undoing runs
     on a thread of the loop's default executor (``CallIO.forget_outputs``), not on a
     lane, where a full queue could refuse it."""
-    undo = io.forget_outputs() if context.cancelled() or not io.replied else None
+    if context.cancelled() or not io.replied:
+        work = io.forget_outputs()
+    else:  # (the large tapes its gradients spent: CallIO.reply_made)
+        remaining = context.time_remaining()
+        work = io.after_reply(reply_in_time=remaining is None or remaining > 0)
     io.end()
-    if undo is not None:
-        future = asyncio.get_running_loop().run_in_executor(None, undo)
+    if work is not None:
+        future = asyncio.get_running_loop().run_in_executor(None, work)
         future.add_done_callback(_log_failed_undo)
 
 
 def _log_failed_undo(future: asyncio.Future[None]) -> None:
     if not future.cancelled() and future.exception() is not None:
-        log.error("undoing a call whose response was lost failed", exc_info=future.exception())
+        log.error(
+            "undoing a call whose response was lost (or freeing the tapes it spent) failed",
+            exc_info=future.exception(),
+        )
 
 
 def _metadata(context: Any) -> dict[str, str]:

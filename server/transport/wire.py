@@ -47,6 +47,16 @@ from gradserve.v1 import tensor_array_pb2, tensor_pb2
 log = logging.getLogger(__name__)
 
 
+#: The most tensors and records a spent tape may hold to be freed on the event loop as
+#: the reply is made (``CallIO.reply_made``): a fraction of a millisecond.
+FREE_ON_REPLY_MAX = 1024
+
+
+def _each(fn: Callable[[Tape], Any], tapes: Sequence[Tape]) -> None:
+    for tape in tapes:
+        fn(tape)
+
+
 def _never_stop() -> None:
     return None
 
@@ -143,6 +153,9 @@ class CallIO:
         #: (``reply_made``), live again if it is not (``Session.spend_tape``).
         self._spent_by_op: list[Tape] = []
         self.spent_tapes: list[Tape] = []
+        #: Spent tapes too large to free as the reply is made, freed once the call
+        #: has ended with it in time (``after_reply``).
+        self._free_after_reply: list[Tape] = []
         #: Every id this call stored (kept or transient outputs): if the call ends
         #: without its response reaching the client, they are deleted
         #: (``forget_outputs``), since nobody else knows them.
@@ -262,25 +275,42 @@ class CallIO:
             arrays, self.arrays_made = self.arrays_made, []
             cleared, self.cleared = self.cleared, []
             spent, self.spent_tapes = self.spent_tapes, []
+            spent += self._free_after_reply
+            self._free_after_reply = []
         if not (stored or arrays or cleared or spent):
             return None
         return functools.partial(self._undo, stored, arrays, cleared, spent)
 
-    def reply_made(self) -> list[Tape]:
-        """The handler replies, in time (``check_reply_in_time`` passed). Returns the
-        tapes the call's gradient computations spent, for the caller to free
-        (``free_spent``) before the client hears back: its next call finds their bytes
-        free, as it did when the computation released them at once."""
+    def reply_made(self) -> None:
+        """The handler replies, in time (``check_reply_in_time`` passed): the tapes the
+        call's gradient computations spent are freed now, before the client hears
+        back (its next call finds their bytes free, as when the computation released
+        them at once), but only small ones (``FREE_ON_REPLY_MAX`` tensors and
+        records): this runs on the event loop, just before the reply, and a long free
+        there could hold the reply past its deadline and lose the gradients it frees
+        the tape for (a review helper). A larger one is freed once the call has ended
+        (``after_reply``)."""
         with self._lock:
             self.replied = True
             spent, self.spent_tapes = self.spent_tapes, []
-        return spent
+            large = [t for t in spent if len(t.held) + len(t.records) > FREE_ON_REPLY_MAX]
+            self._free_after_reply += large
+        for tape in spent:
+            if tape not in large:
+                self.session.free_spent_tape(tape)
 
-    def free_spent(self, tapes: Sequence[Tape]) -> None:
-        """Free what ``tapes`` (from ``reply_made``) hold: time in their records, so
-        off the event loop."""
-        for tape in tapes:
-            self.session.free_spent_tape(tape)
+    def after_reply(self, reply_in_time: bool) -> Callable[[], None] | None:
+        """The call ended with its reply made: the work (None: nothing to do) that
+        frees the large spent tapes ``reply_made`` left if the reply went out in
+        time, or makes them live again if sending it took past the deadline (the
+        client got DEADLINE_EXCEEDED and asks again)."""
+        with self._lock:
+            tapes, self._free_after_reply = self._free_after_reply, []
+        if not tapes:
+            return None
+        if reply_in_time:
+            return functools.partial(_each, self.session.free_spent_tape, tapes)
+        return functools.partial(_each, self.session.unspend_tape, tapes)
 
     def tape_spent(self, tape: Tape) -> None:
         """The running op's gradient computation spent ``tape`` (``Session.spend_tape``)."""

@@ -222,6 +222,26 @@ def test_a_stalled_reader_counts_against_the_stream_limits_until_it_goes():
             np.testing.assert_array_equal(client.get(ref)[-4:], np.zeros(4, np.uint8))
 
 
+def test_a_stalled_reader_does_not_keep_its_session_from_expiring():
+    """A session with a call running is not idle; but a GetTensor that only waits for
+    a reader that stopped reading (past the idle timeout) no longer counts, or a hung
+    client whose gRPC still answers keep-alive pings kept its session, and all it
+    held, past --session-ttl for good (a review helper: 64 MiB held after 8 s at a
+    0.5 s TTL). The stream keeps its place in the stream limits until it goes."""
+    with run_server(device="cpu", session_ttl=0.5, stream_idle_timeout=0.5) as server:
+        target = f"127.0.0.1:{server.port}"
+        with gradserve.Client(target, keepalive=False) as client:
+            with grpc.insecure_channel(target) as channel:
+                ref = client.put(np.zeros(16 * MIB, np.uint8))
+                reader = StalledReader(channel, metadata(client.session_id), ref.id)
+                assert reader.first.wait(10)
+                assert wait_until(lambda: server.store.expired == 1, 10)
+                assert server.store.budget.used == 0
+                assert server.servicer.admission.streams == 1
+                reader.close()
+                assert wait_until(lambda: server.servicer.admission.streams == 0)
+
+
 def test_a_trickling_upload_ends_below_the_minimum_rate():
     with run_server(device="cpu", stream_min_rate=1 * MIB, stream_rate_grace=0.5) as server:
         target = f"127.0.0.1:{server.port}"
@@ -496,18 +516,6 @@ def test_a_gradient_whose_reply_is_lost_leaves_its_tape_to_ask_again(monkeypatch
 
     x_value = np.arange(4, dtype=np.float32)
     seed = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
-    from gradserve.server.core.sessions import Session
-
-    free, freed_on_loop = Session.free_spent_tape, []
-
-    def noting_free(self, tape):
-        try:
-            asyncio.get_running_loop()
-            freed_on_loop.append(True)
-        except RuntimeError:
-            freed_on_loop.append(False)
-        return free(self, tape)
-
     with run_server(device="cpu") as server:
         target = f"127.0.0.1:{server.port}"
         with gradserve.Client(target, timeout=0.2, shared_memory=False) as client:
@@ -529,13 +537,51 @@ def test_a_gradient_whose_reply_is_lost_leaves_its_tape_to_ask_again(monkeypatch
             assert handlers_ended.wait(5)
             time.sleep(0.5)  # (the handler's reply, then the call's end)
             monkeypatch.undo()
-            monkeypatch.setattr(Session, "free_spent_tape", noting_free)
             np.testing.assert_array_equal(tape.gradient(y, x, output_gradients=seed), seed)
-            assert freed_on_loop == [False]  # (a tape of many records takes a while)
             assert not session._tapes and not session._spent_tapes
             assert session.budget.used == before + session.record_bytes()  # the array's
             with pytest.raises(gradserve.errors.FailedPreconditionError):
                 tape.gradient(y, x)
+
+
+def test_a_large_spent_tape_is_freed_after_the_reply_off_the_loop(monkeypatch):
+    """A tape of many tensors and records takes a while to free: freed on the event
+    loop just before the reply (after the deadline check), a slow free held the reply
+    past the deadline and the gradients were lost with the tape freed (a review
+    helper: the free ran on the loop's default executor and the reply waited on it).
+    Past ``FREE_ON_REPLY_MAX`` the tape is freed once the call has ended in time, off
+    the loop; the reply does not wait."""
+    from gradserve.server.core.sessions import Session
+    from gradserve.server.transport import wire
+
+    monkeypatch.setattr(wire, "FREE_ON_REPLY_MAX", 0)  # every tape is large
+    free, freed_on_loop = Session.free_spent_tape, []
+
+    def slow_free(self, tape):
+        try:
+            asyncio.get_running_loop()
+            freed_on_loop.append(True)
+        except RuntimeError:
+            freed_on_loop.append(False)
+        time.sleep(0.5)  # past the client's deadline
+        return free(self, tape)
+
+    monkeypatch.setattr(Session, "free_spent_tape", slow_free)
+    x_value = np.arange(4, dtype=np.float32)
+    with run_server(device="cpu") as server:
+        target = f"127.0.0.1:{server.port}"
+        with gradserve.Client(target, timeout=0.3, shared_memory=False) as client:
+            session = server.store.get(client.session_id)
+            x = client.put(x_value)
+            before = session.budget.used
+            with client.gradient_tape() as tape:
+                h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
+                flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+                y = client.raw_ops.TensorArrayReadV3(h, 0, flow, np.float32)
+            np.testing.assert_array_equal(tape.gradient(y, x), np.ones(4, np.float32))
+            assert wait_until(lambda: not session._spent_tapes, 5)
+            assert freed_on_loop == [False]
+            assert session.budget.used == before + session.record_bytes()
 
 
 @pytest.mark.parametrize("how", ["read", "batch of reads", "gather", "concat"])

@@ -973,11 +973,16 @@ def test_a_spent_tape_is_released_to_calls_and_freed_by_release_or_close(client,
     session.unspend_tape(tapes[0][1])
     with pytest.raises(FailedPreconditionError, match="released"):
         session.tape(tapes[0][1].id)
-    session.unspend_tape(tapes[1][1])  # live again
-    assert session.tape(tapes[1][1].id) is tapes[1][1]
-    assert session.spend_tape(tapes[1][1])
+    spent = tapes[1][1]
+    records = list(spent.records)
+    session.unspend_tape(spent)  # live again, as another object: ``spent`` stays released
+    revived = session.tape(spent.id)
+    assert revived is not spent and spent.released and not revived.released
+    assert revived.records == records and not spent.records and not spent.held
+    assert used(server, client) == held - freed  # the same bytes, held by the revived tape
+    assert session.spend_tape(revived)
     assert session.close() > 0
-    session.unspend_tape(tapes[1][1])
+    session.unspend_tape(revived)
     assert not session._tapes and not session._spent_tapes
     assert session.budget.used == 0 and base > 0
 
@@ -1044,6 +1049,38 @@ def test_a_target_that_is_a_source_gets_its_output_gradient(client):
         flow = client.raw_ops.TensorArrayWriteV3(h, 0, v, flow)
         y = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
     np.testing.assert_array_equal(watched.gradient([y, v], v), [2.0, 2.0])
+
+
+def test_an_op_begun_while_its_tape_was_spent_records_nothing_when_it_comes_back(client, server):
+    """An op that began under a tape a gradient had spent reserved nothing for it and
+    took no holds on it; when the gradient's reply is lost and the tape comes back, the
+    op must not commit onto it. It did (the tape object was made live again): its
+    record's bytes came off the budget unreserved when the tape was freed, and the
+    record named an input the tape did not hold (a review helper). The tape comes
+    back as a new object; the op's stays released."""
+    from gradserve.server.core.sessions import Resident
+    from gradserve.server.core.tape import Recorder
+
+    session = session_of(server, client)
+    x = client.put(np.ones(2, F32))
+    with client.gradient_tape() as tape:
+        h, flow = _ta(client)
+        client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+    old = session.tape(tape.id)
+    assert session.spend_tape(old)
+    recorder = Recorder(session, [old])  # an op of another call, begun now
+    key, _ = recorder.arg(Resident(x.id))
+    recorder.record("StopGradient", (key,), (None,), {})
+    before = used(server, client)
+    session.unspend_tape(old)  # the gradient's reply was lost
+    recorder.commit()
+    revived = session.tape(tape.id)
+    assert [r.op for r in revived.records] == ["TensorArrayV3", "TensorArrayWriteV3"]
+    assert used(server, client) == before
+    freed = session.release_tape(tape.id)
+    assert used(server, client) == before - freed
+    client.delete(x)
+    assert used(server, client) == session.record_bytes() + 8  # the array: records, element
 
 
 # ----------------------------------------------------------------- review regressions
@@ -1164,6 +1201,19 @@ def test_a_split_batch_names_a_gradient_of_a_dict_of_sources_by_value(target):
             results = batch.run()
     np.testing.assert_array_equal(results[-1], seed)
     np.testing.assert_array_equal(results[-2], seed)
+
+
+def test_a_batch_recorded_under_a_tape_released_before_it_runs_is_refused(client):
+    """A split batch leaves out of its later requests only the tapes its own Gradients
+    steps released; one the caller released before ``run()`` is still named, and the
+    server refuses the batch, as before (a review helper: every released tape was
+    left out, and such a batch ran without recording)."""
+    with client.gradient_tape(persistent=True) as tape:
+        batch = client.batch()
+        batch.raw_ops.StopGradient(np.ones(2, F32))
+    tape.release()
+    with pytest.raises(FailedPreconditionError, match="released"):
+        batch.run()
 
 
 def test_a_failed_op_takes_off_a_tape_only_the_holds_it_took(server):
