@@ -494,6 +494,18 @@ def test_a_reply_returned_past_the_deadline_keeps_nothing(monkeypatch, call):
             assert server.store.budget.used == held
 
 
+def _read_under_a_tape(client, session, value):
+    """A non-persistent tape that recorded ``value`` (put) written to a TensorArray
+    and read back: (tape, x, y, the session's bytes with x only)."""
+    x = client.put(value)
+    before = session.budget.used
+    with client.gradient_tape() as tape:
+        h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+        y = client.raw_ops.TensorArrayReadV3(h, 0, flow, np.float32)
+    return tape, x, y, before
+
+
 @pytest.mark.parametrize("how", ["gradient", "batch"])
 def test_a_gradient_whose_reply_is_lost_leaves_its_tape_to_ask_again(monkeypatch, how):
     """A non-persistent tape is spent by its first gradient; if that reply never
@@ -520,12 +532,7 @@ def test_a_gradient_whose_reply_is_lost_leaves_its_tape_to_ask_again(monkeypatch
         target = f"127.0.0.1:{server.port}"
         with gradserve.Client(target, timeout=0.2, shared_memory=False) as client:
             session = server.store.get(client.session_id)
-            x = client.put(x_value)
-            before = session.budget.used
-            with client.gradient_tape() as tape:
-                h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
-                flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
-                y = client.raw_ops.TensorArrayReadV3(h, 0, flow, np.float32)
+            tape, x, y, before = _read_under_a_tape(client, session, x_value)
             monkeypatch.setattr(Lane, "run", late)
             with pytest.raises(gradserve.errors.DeadlineExceededError):
                 if how == "gradient":
@@ -572,12 +579,7 @@ def test_a_large_spent_tape_is_freed_after_the_reply_off_the_loop(monkeypatch):
         target = f"127.0.0.1:{server.port}"
         with gradserve.Client(target, timeout=0.3, shared_memory=False) as client:
             session = server.store.get(client.session_id)
-            x = client.put(x_value)
-            before = session.budget.used
-            with client.gradient_tape() as tape:
-                h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
-                flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
-                y = client.raw_ops.TensorArrayReadV3(h, 0, flow, np.float32)
+            tape, x, y, before = _read_under_a_tape(client, session, x_value)
             np.testing.assert_array_equal(tape.gradient(y, x), np.ones(4, np.float32))
             assert wait_until(lambda: not session._spent_tapes, 5)
             assert freed_on_loop == [False]
