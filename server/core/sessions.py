@@ -1080,7 +1080,11 @@ class Session:
                 grads = self._grads.as_dict()
                 resident = {t: kept.array for t, kept in self._resident.items()}
                 counter = self._name_counter
-                remaining = max(0.0, idle_timeout - (now - self.last_used))
+                # A call running is not idle time: a restart gives it the whole TTL (a
+                # session busy past its TTL was saved with none left, and expired at
+                # once after a crash; a review helper).
+                idle = 0.0 if self.busy else now - self.last_used
+                remaining = max(0.0, idle_timeout - idle)
                 tapes = len(self._tapes) + len(self._spent_tapes)
                 # A spent tape's gradients have not reached the client yet: lost, as
                 # a live one, if this snapshot is restored (the client asks again).

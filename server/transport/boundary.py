@@ -13,6 +13,7 @@ traceback). No handler picks a status code itself.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 from collections.abc import Callable
@@ -170,6 +171,13 @@ def guarded(handler: H) -> H:
             except GradserveError as exc:
                 error = exc
             else:
+                # In the limits until gRPC is done with the call, not only its handler:
+                # a reply waiting for a client that reads nothing holds its bytes in
+                # gRPC meanwhile (a review helper: eight unread 32 MiB replies held
+                # 512 MiB that no limit or budget counted).
+                context.add_done_callback(
+                    functools.partial(_exit, self.admission, principal, stream)
+                )
                 try:
                     token = current_principal.set(principal)
                     try:
@@ -177,6 +185,7 @@ def guarded(handler: H) -> H:
                         response = await handler(self, request, context)
                     finally:
                         current_principal.reset(token)
+                        _let_go_of_session()  # the handler is done with it
                 except asyncio.CancelledError:
                     record.code, record.message = Code.CANCELLED, "cancelled by the client"
                     raise
@@ -190,8 +199,6 @@ def guarded(handler: H) -> H:
                         except asyncio.CancelledError:  # the client went: as ended
                             record.code, record.message = error.code, error.message
                             raise
-                finally:
-                    self.admission.exit(principal, stream=stream)
             if error is not None:
                 record.code, record.message = error.code, error.message
             elif self.observer.counts_bytes:
@@ -205,6 +212,26 @@ def guarded(handler: H) -> H:
         return response
 
     return call  # type: ignore[return-value]
+
+
+#: Ends the running call's hold on its session (``Session.call_started``), set by the
+#: servicer as the handler finds the session: the boundary calls it once the handler
+#: has returned, so that a session is idle from then, not only once gRPC has sent the
+#: reply (a client that reads nothing kept its session from expiring for good, a
+#: review helper).
+SESSION_CALL: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
+    "gradserve_session_call", default=None
+)
+
+
+def _let_go_of_session() -> None:
+    ended = SESSION_CALL.get()
+    if ended is not None:
+        ended()
+
+
+def _exit(admission: Any, principal: str, stream: bool, _context: Any) -> None:
+    admission.exit(principal, stream=stream)
 
 
 def _size(request: Any) -> int:

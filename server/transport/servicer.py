@@ -34,7 +34,7 @@ from gradserve.errors import (
 from gradserve.kernels.compute import Compute
 from gradserve.server.core.sessions import ANONYMOUS, Session, SessionStore, TensorReservation
 from gradserve.server.core.tape import MAX_TAPES_PER_SESSION, Tape
-from gradserve.server.transport import boundary, shm_wire, streams, tape_handlers
+from gradserve.server.transport import boundary, shm_wire, tape_handlers
 from gradserve.server.transport.admission import Admission
 from gradserve.server.transport.auth import REFUSAL, TokenTable, current_principal, principal_of
 from gradserve.server.transport.handlers import OPS, OPS_BY_BATCH_FIELD, Op
@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 #: Streamed chunks are at least this large (the last one aside): a client asking for
 #: one-byte chunks would make the server send a message per byte.
 MIN_CHUNK_BYTES = 64 * 1024
+#: The largest GetTensor chunk, whatever the reader asks: what gRPC holds for a reader
+#: that stops reading (the stream limits bound how many), outside every budget.
+MAX_CHUNK_BYTES = 4 * 1024 * 1024
 #: A Batch runs its next step only with this much room left in the response: the
 #: most a step's result takes when every output of it goes transient (8 refs), with
 #: room to spare; what the step's outputs cannot fit inline goes transient.
@@ -117,11 +120,11 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
                 reason="SESSION_REQUIRED",
             )
         session = self.store.get(session_id, current_principal.get())
-        # Not idle until the call ends, however long it runs (or until it only waits
-        # for a reader that stopped reading: ``streams.until_taken_or_gone``).
+        # Not idle until the handler ends, however long it runs (``boundary.guarded``
+        # ends the hold then; the call's end, should the handler not get there).
         ended = session.call_started()
         context.add_done_callback(lambda _: ended())
-        streams.SESSION_CALL.set(ended)
+        boundary.SESSION_CALL.set(ended)
         fetched = metadata.get(protocol.FETCHED_METADATA_KEY)
         if fetched:
             limit = protocol.MAX_FETCHED_IDS
@@ -162,8 +165,8 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         return await lane.run(functools.partial(io.run, op.handler, request, not op.heavy))
 
     def _chunk_bytes(self, asked: int) -> int:
-        """A chunk size within [64 KiB, what one message carries]."""
-        ceiling = max(1, self.max_message_bytes - protocol.CHUNK_HEADER_BYTES)
+        """A chunk size within [64 KiB, 4 MiB], and what one message carries."""
+        ceiling = max(1, min(MAX_CHUNK_BYTES, self.max_message_bytes - protocol.CHUNK_HEADER_BYTES))
         return min(max(asked or self.chunk_bytes, MIN_CHUNK_BYTES), ceiling)
 
     # ---------------------------------------------------------------- sessions

@@ -15,7 +15,6 @@ the read it holds open).
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -128,13 +127,6 @@ class Pace:
 
 _STUCK = "_gradserve_status_stuck"
 
-#: Ends the running call's hold on its session (``Session.call_started``; set by the
-#: servicer as it finds the session): a call that only waits for a reader that stopped
-#: reading (``until_taken_or_gone``) no longer keeps its session from expiring.
-SESSION_CALL: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
-    "gradserve_session_call", default=None
-)
-
 
 def status_stuck(error: GradserveError) -> bool:
     """``error`` ended a stream whose client reads nothing: a message is still being
@@ -157,9 +149,6 @@ async def until_taken_or_gone(error: GradserveError, draining: Callable[[], bool
     task = getattr(error, _STUCK, None)
     if task is None:
         return
-    let_go_of_session = SESSION_CALL.get()
-    if let_go_of_session is not None:  # (it may expire meanwhile: a hung client's
-        let_go_of_session()  # gRPC still answers pings; a review helper)
     while not task.done() and not draining():
         await asyncio.wait((task,), timeout=_POLL_SECONDS)
     if task.done() and not task.cancelled() and task.exception() is None:

@@ -396,6 +396,21 @@ def test_tapes_are_not_persisted_and_the_rest_is(tmp_path, caplog):
     assert restored.budget.used == s.budget.used and not restored._tapes
 
 
+def test_a_session_busy_at_a_snapshot_keeps_its_whole_ttl():
+    """A call running is not idle time: a session busy past its TTL (a long upload)
+    was saved with no time left, and after a crash its restore expired it at once
+    (a review helper)."""
+    store = SessionStore()
+    s = populated(store)
+    ended = s.call_started()
+    s.last_used -= 100.0  # the call began long ago
+    assert s.export_state(idle_timeout=60.0).idle_seconds_left == 60.0
+    ended()
+    assert s.export_state(idle_timeout=60.0).idle_seconds_left == pytest.approx(60.0, abs=1)
+    s.last_used -= 100.0
+    assert s.export_state(idle_timeout=60.0).idle_seconds_left == 0.0
+
+
 def test_a_tape_spent_by_a_gradient_not_yet_replied_is_lost_not_released(tmp_path):
     """A gradient's reply that a restart cut off never reached the client, which
     asks again: the tape it spent is restored as lost (``TAPE_LOST``, as a live one),

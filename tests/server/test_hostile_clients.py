@@ -242,6 +242,32 @@ def test_a_stalled_reader_does_not_keep_its_session_from_expiring():
                 assert wait_until(lambda: server.servicer.admission.streams == 0)
 
 
+def test_an_unread_unary_reply_counts_as_in_flight_and_its_session_expires():
+    """A unary reply its client never reads waits in gRPC for flow control, holding its
+    bytes: the call counts against the call limits until gRPC is done with it (it left
+    them when the handler returned, and eight unread 32 MiB replies held 512 MiB that
+    nothing counted); its session is idle from the handler's return (it was busy until
+    gRPC finished sending, so it never expired). Found by a review helper."""
+    with run_server(device="cpu", session_ttl=0.5) as server:
+        target = f"127.0.0.1:{server.port}"
+        with gradserve.Client(target, keepalive=False, shared_memory=False) as client:
+            with grpc.insecure_channel(target) as channel:
+                ref = client.put(np.ones(8 * MIB, np.uint8))
+                get = channel.unary_stream(
+                    "/gradserve.v1.GradServe/GetTensorInline",
+                    request_serializer=lambda m: m.SerializeToString(),
+                    response_deserializer=lambda b: b,
+                )
+                call = get(
+                    service_pb2.GetTensorRequest(id=ref.id), metadata=metadata(client.session_id)
+                )  # never read
+                assert wait_until(lambda: server.store.expired == 1, 10)
+                assert server.store.budget.used == 0
+                assert server.servicer.admission.in_flight == 1
+                call.cancel()
+                assert wait_until(lambda: server.servicer.admission.in_flight == 0)
+
+
 def test_a_trickling_upload_ends_below_the_minimum_rate():
     with run_server(device="cpu", stream_min_rate=1 * MIB, stream_rate_grace=0.5) as server:
         target = f"127.0.0.1:{server.port}"
@@ -268,6 +294,22 @@ def test_chunk_size_is_clamped(client, target):
         request = service_pb2.GetTensorRequest(id=ref.id, chunk_bytes=1)
         chunks = list(stub.GetTensor(request, metadata=metadata(client.session_id)))
     assert [len(c.data) for c in chunks] == [64 * 1024] * 4  # not 262,144 one-byte messages
+
+
+def test_chunk_size_has_a_ceiling_below_the_message_limit(client, target):
+    """A reader's chunk is what gRPC holds for it while it reads nothing (the stream
+    limits bound how many): asked for 64 MiB chunks, a stalled reader held twice that
+    outside every budget (a review helper: eight held 1 GiB). At most
+    ``MAX_CHUNK_BYTES`` (4 MiB; 1 MiB moves fastest here)."""
+    from gradserve.server.transport.servicer import MAX_CHUNK_BYTES
+
+    ref = client.put(np.zeros(9 * MIB, np.uint8))
+    with grpc.insecure_channel(target, options=protocol.channel_options()) as channel:
+        stub = service_pb2_grpc.GradServeStub(channel)
+        request = service_pb2.GetTensorRequest(id=ref.id, chunk_bytes=64 * MIB)
+        chunks = list(stub.GetTensor(request, metadata=metadata(client.session_id)))
+    assert MAX_CHUNK_BYTES == 4 * MIB
+    assert [len(c.data) for c in chunks] == [4 * MIB, 4 * MIB, MIB]
 
 
 def test_a_client_cancelling_its_upload_is_cancelled_not_internal(caplog):

@@ -480,6 +480,9 @@ def test_a_stream_whose_client_reads_nothing_is_cancelled_not_aborted(monkeypatc
             aborted.append(args)
             raise RuntimeError("aborted")
 
+        def add_done_callback(self, callback):
+            pass
+
     record = types.SimpleNamespace(request_id="r", code=None, message=None)
     servicer = types.SimpleNamespace(
         observer=types.SimpleNamespace(call=lambda *a: ctx.nullcontext(record)),
