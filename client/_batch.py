@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 from google.protobuf.message import Message
 
+from gradserve import protocol, wire_fields
 from gradserve.client import _nest as nest
 from gradserve.client._errors import typed_error
 from gradserve.client._raw_ops import RawOps, Staging
@@ -187,10 +188,12 @@ class Batch:
     def _request(
         self, steps: list, start: int, replies: list[Message], results: list, temps: list
     ) -> service_pb2.BatchRequest:
-        """The steps from ``start`` that fit in one request (at least one) and record on
-        the same tapes, their step references made relative to the request."""
+        """The steps from ``start`` that fit in one request (at least one), in bytes
+        and in the server's field limit, and record on the same tapes, their step
+        references made relative to the request."""
         request = service_pb2.BatchRequest()
         left = self._client.request_budget
+        fields_left = protocol.MAX_REQUEST_FIELDS
         for rpc, op_request, _, tapes in steps[start:]:
             size = op_request.ByteSize() + 16
             if request.steps and (size > left or tapes != steps[start][3]):
@@ -199,7 +202,12 @@ class Batch:
             step.CopyFrom(op_request)
             if start:
                 _rebase(step, start, replies, _Earlier(self._client, results, temps))
+            fields = wire_fields.message_fields(step) + 2  # with the step and its op's key
+            if len(request.steps) > 1 and fields > fields_left:
+                del request.steps[-1]  # the next request begins with it
+                break
             left -= size
+            fields_left -= fields
         return request
 
     @staticmethod

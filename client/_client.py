@@ -681,12 +681,17 @@ class Client:
         return self._delete_ids(ids, once=True)
 
     def _delete_ids(self, ids: Iterable[str], *, once: bool = False) -> int:
-        """Delete tensors by id, in as many requests as the message limit needs (each
-        tried ``once``, for housekeeping inside another call: ``_call``)."""
+        """Delete tensors by id, in as many requests as the message limit and the
+        server's field limit need (each tried ``once``, for housekeeping inside
+        another call: ``_call``)."""
         deleted, size = 0, 0
         batch: list[str] = []
         for tensor_id in [*ids, None]:
-            if tensor_id is None or size + len(tensor_id) + 8 > self.request_budget:
+            if (
+                tensor_id is None
+                or size + len(tensor_id) + 8 > self.request_budget
+                or len(batch) >= protocol.MAX_REQUEST_FIELDS
+            ):
                 if batch or tensor_id is None:
                     request = service_pb2.DeleteTensorRequest(ids=batch)
                     deleted += self._call("DeleteTensor", request, once=once).deleted

@@ -54,6 +54,12 @@ def encoded_size(nbytes: int, ndim: int) -> int:
     return nbytes + 48 + 11 * ndim
 
 
+#: Fields, at every depth (each element of a repeated or packed field one), that one
+#: request may hold; the server refuses one with more (RESOURCE_EXHAUSTED) before
+#: parsing it, and the SDK splits deletes and batches to stay under it: see
+#: ``gradserve/wire_fields.py``.
+MAX_REQUEST_FIELDS = 1 << 16
+
 #: Default ceiling of one unary message, each direction.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 

@@ -24,6 +24,7 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from gradserve import wire_fields
 from gradserve.errors import (
     Code,
     GradserveError,
@@ -113,22 +114,34 @@ def rpc_status_for(err: GradserveError) -> status_pb2.Status:
 
 class Unparsed:
     """A request (or stream message) that did not parse: the handler's call ends with
-    INVALID_ARGUMENT naming why, where gRPC would log a traceback and answer INTERNAL."""
+    INVALID_ARGUMENT naming why, where gRPC would log a traceback and answer INTERNAL.
+    One holding more than ``protocol.MAX_REQUEST_FIELDS`` fields is not parsed at all
+    (``wire_fields``) and ends with RESOURCE_EXHAUSTED."""
 
     def __init__(self, what: str, error: Exception) -> None:
-        self.message = f"the request does not parse as {what}: {type(error).__name__}: {error}"
+        self.too_many_fields = isinstance(error, wire_fields.TooManyFieldsError)
+        if self.too_many_fields:
+            self.message = f"{what}: {error}"
+        else:
+            self.message = f"the request does not parse as {what}: {type(error).__name__}: {error}"
 
 
 def lenient(
-    parse: Callable[[bytes], Any], what: str, received: Callable[[int], None] = lambda n: None
+    parse: Callable[[bytes], Any],
+    descriptor: Any,
+    received: Callable[[int], None] = lambda n: None,
 ) -> Callable[[bytes], Any]:
-    """A request deserializer that returns ``Unparsed`` instead of raising; tells
+    """A request deserializer for messages of ``descriptor``'s type that returns
+    ``Unparsed`` instead of raising, and refuses a message of too many fields before
+    parsing it: gRPC runs it on the event loop, before any admission. Tells
     ``received`` the size of every message (the server's trimmer: see
     ``GradServeServicer.request_freed``)."""
+    what = descriptor.full_name
 
     def deserialize(data: bytes) -> Any:
         received(len(data))
         try:
+            wire_fields.check_field_count(data, descriptor)
             return parse(data)
         except Exception as error:  # noqa: BLE001 - any parse failure is the client's
             return Unparsed(what, error)
@@ -137,8 +150,11 @@ def lenient(
 
 
 def check_parsed(message: Any) -> None:
-    """Raise INVALID_ARGUMENT for a message that did not parse."""
+    """Raise INVALID_ARGUMENT for a message that did not parse, RESOURCE_EXHAUSTED for
+    one of too many fields."""
     if isinstance(message, Unparsed):
+        if message.too_many_fields:
+            raise ResourceExhaustedError(message.message, reason="TOO_MANY_FIELDS")
         raise InvalidArgumentError(message.message, reason="MALFORMED_REQUEST")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gradserve import protocol, wire_fields
 from gradserve.errors import InvalidArgumentError
 
 
@@ -58,3 +59,16 @@ def test_placeholders_carry_the_dtypes_the_sdk_knows(client):
     out = batch.raw_ops.BlockLSTMV2(np.int64(1), unknown, *[np.zeros((1, 1))] * 2, w,
                                     *[np.zeros(1)] * 3, np.zeros(4))  # fmt: skip
     assert out.h.dtype == np.float64  # T from the inputs the SDK knows
+
+
+def test_a_batch_of_more_fields_than_one_request_may_hold_is_split(client):
+    # The server refuses a request of more than MAX_REQUEST_FIELDS fields unparsed;
+    # the SDK sends a batch in as many requests as that needs.
+    h, flow = client.raw_ops.TensorArrayV3(size=6000, dtype=np.int32)
+    batch = client.batch()
+    for t in range(6000):
+        batch.raw_ops.TensorArrayWriteV3(h, t, np.int32(t), flow)
+    batch.raw_ops.TensorArrayGatherV3(h, np.arange(6000), flow, np.int32)
+    fields = sum(wire_fields.message_fields(request) + 2 for _, request, *_ in batch._steps)
+    assert fields > protocol.MAX_REQUEST_FIELDS
+    np.testing.assert_array_equal(batch.run()[-1], np.arange(6000))

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import gradserve
+from gradserve import protocol
 from gradserve.errors import InvalidArgumentError, NotFoundError
 
 
@@ -80,3 +81,11 @@ def test_error_carries_field_violation(client):
         client.raw_ops.TensorArrayWriteV3(h, 0, np.ones(2), flow)  # float64 into float32
     assert info.value.field == "value"
     assert "TensorArray dtype is float but Op is trying to write dtype double" in str(info.value)
+
+
+def test_deleting_more_ids_than_one_request_may_hold(client):
+    # The server refuses a request of more than MAX_REQUEST_FIELDS fields unparsed;
+    # the SDK sends the ids in as many requests as that needs.
+    kept = client.put(np.arange(3))
+    ids = [f"gone-{i}" for i in range(protocol.MAX_REQUEST_FIELDS)] + [kept.id]
+    assert client.delete(*ids) == 1

@@ -196,3 +196,62 @@ def test_put_stream_with_wrong_length(client, target):
         assert_code(lambda: put(iter(too_much), metadata=md), grpc.StatusCode.INVALID_ARGUMENT)
         empty = []
         assert_code(lambda: put(iter(empty), metadata=md), grpc.StatusCode.INVALID_ARGUMENT)
+
+
+def _packed_dims(count: int) -> bytes:
+    """A ``Tensor``'s shape field (2) of ``count`` dims of 1, packed."""
+    run = b"\x01" * count
+    return b"\x12" + _varint(len(run)) + run
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes(out + bytes([value]))
+
+
+_TOO_MANY = protocol.MAX_REQUEST_FIELDS + 1
+
+
+@pytest.mark.parametrize(
+    ("rpc", "request_bytes"),
+    [
+        ("DeleteTensor", b"\x0a\x01x" * _TOO_MANY),  # one-letter ids
+        ("Batch", b"\x0a\x00" * _TOO_MANY),  # empty steps
+        ("Gradients", b"\x12\x00" * _TOO_MANY),  # empty targets
+        ("PutTensorInline", b"\x08\x01" + _packed_dims(_TOO_MANY)),  # a packed shape
+        ("PutTensorInline", b"\x08\x01" + b"\x10\x01" * _TOO_MANY),  # dims one field each
+        # A step's op's input's inline tensor's dims: counted at every depth.
+        (
+            "Batch",
+            service_pb2.BatchRequest(
+                steps=[
+                    service_pb2.BatchStep(
+                        stop_gradient=tensor_array_pb2.StopGradientRequest(
+                            input=tensor_pb2.TensorInput(
+                                value=tensor_pb2.Tensor(dtype=1, shape=[1] * _TOO_MANY)
+                            )
+                        )
+                    )
+                ]
+            ),
+        ),
+    ],
+    ids=["ids", "steps", "targets", "packed-dims", "unpacked-dims", "nested"],
+)
+def test_a_request_of_too_many_fields_is_refused_before_it_is_parsed(stub_call, rpc, request_bytes):
+    # Parsing turns each field into an object of tens of bytes, with the event loop
+    # and Python's lock held: 256 MiB of empty Batch steps would take ~6 GB and
+    # seconds. Such a request is refused unparsed, and the server serves on.
+    details = assert_code(
+        lambda: stub_call(rpc, request_bytes, service_pb2.BatchResponse),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    )
+    assert f"more than {protocol.MAX_REQUEST_FIELDS} fields" in details
+
+
+def test_a_request_at_the_field_limit_is_served(stub_call):
+    request = service_pb2.DeleteTensorRequest(ids=["x"] * protocol.MAX_REQUEST_FIELDS)
+    assert stub_call("DeleteTensor", request, service_pb2.DeleteTensorResponse).deleted == 0
