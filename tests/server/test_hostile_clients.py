@@ -207,7 +207,8 @@ def test_a_stalled_reader_counts_against_the_stream_limits_until_it_goes():
     with run_server(device="cpu", max_streams=2, stream_idle_timeout=0.5, metrics_port=0) as server:
         target = f"127.0.0.1:{server.port}"
         with gradserve.Client(target) as client, grpc.insecure_channel(target) as channel:
-            ref = client.put(np.zeros(8 * MIB, np.uint8))
+            # More than gRPC's flow-control windows take in (8 MiB sometimes went whole).
+            ref = client.put(np.zeros(32 * MIB, np.uint8))
             readers = [StalledReader(channel, metadata(client.session_id), ref.id)
                        for _ in range(2)]  # fmt: skip
             assert all(r.first.wait(10) for r in readers)
