@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import gradserve
-from gradserve import codec, heap, shapes, warm_buffers
-from gradserve.errors import InvalidArgumentError
+from gradserve import codec, heap, protocol, shapes, warm_buffers
+from gradserve.errors import InvalidArgumentError, ResourceExhaustedError
 from gradserve.server import run_server
 from gradserve.v1 import tensor_pb2
 from tests.memory_owner import memory_owner
@@ -161,6 +161,9 @@ def test_a_put_of_too_many_dims_is_refused_and_the_server_serves_on(target, rpc,
             assert np.array_equal(
                 client.get(reply.id), np.arange(2, dtype=np.float32).reshape(shape)
             )
+        elif rank > protocol.MAX_REQUEST_FIELDS:  # refused before it is parsed
+            with pytest.raises(ResourceExhaustedError, match="more than 65536 fields"):
+                client._call(rpc, request)
         else:
             with pytest.raises(InvalidArgumentError, match=f"{rank} dimensions"):
                 client._call(rpc, request)
@@ -221,8 +224,10 @@ def test_many_shape_fields_are_left_to_protobuf(count):
 
 def test_a_request_of_many_empty_shape_fields_is_put_as_protobuf_reads_it(target):
     with gradserve.Client(target, shared_memory=False) as client:
-        reply = client._call("PutTensorInline", _empty_shape_fields(500_000))
+        reply = client._call("PutTensorInline", _empty_shape_fields(60_000))
         assert np.array_equal(client.get(reply.id), np.arange(3, dtype=np.float32))
+        with pytest.raises(ResourceExhaustedError, match="more than 65536 fields"):
+            client._call("PutTensorInline", _empty_shape_fields(500_000))
 
 
 @pytest.mark.parametrize("padding", [codec.MAX_PADDING_BYTES, codec.MAX_PADDING_BYTES + 1, MIB])
