@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from gradserve import protocol
 from gradserve.client import _nest as nest
 from gradserve.client._types import StepOutput, TapedArray, TensorRef
 from gradserve.errors import FailedPreconditionError
@@ -117,9 +118,10 @@ class GradientTape:
         respect to."""
         self._require_id()
         ids = [_tensor_id(t, "watch") for t in nest.flatten(tensor)]
-        self._client._call(
-            "WatchTensors", tape_pb2.WatchTensorsRequest(tape_id=self.id, ids=ids), tapes=[self]
-        )
+        part = protocol.MAX_REQUEST_FIELDS - 1  # ids a request may hold beside the tape's
+        for start in range(0, max(len(ids), 1), part):
+            request = tape_pb2.WatchTensorsRequest(tape_id=self.id, ids=ids[start : start + part])
+            self._client._call("WatchTensors", request, tapes=[self])
 
     # ---------------------------------------------------------------- gradients
     def gradient(

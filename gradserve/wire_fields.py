@@ -11,8 +11,10 @@ SDK splits what it sends (deletes, batches) to stay under it.
 The count walks the wire format as the message's descriptor says: a
 length-delimited field of message type is entered, one of bytes or strings is
 skipped whole (a tensor's content costs one step, whatever its size), and a packed
-run of numbers counts each element. Malformed data stops the walk; the parser that
-follows refuses it as it always did.
+run of numbers counts each element. Data the walk cannot follow to its end is
+refused as malformed, groups included: protobuf reads an unknown group, and a
+count that stopped at one let it parse millions of fields behind it (a review
+helper).
 """
 
 from __future__ import annotations
@@ -45,13 +47,25 @@ class TooManyFieldsError(ValueError):
     """The message holds more fields than the limit allows."""
 
 
+class MalformedError(ValueError):
+    """The message's bytes are not protobuf's wire format as this walk follows it."""
+
+
+_KINDS: dict[Any, dict[int, Any]] = {}
+
+
 def _kinds(descriptor: Any) -> dict[int, Any]:
-    """Field number -> the message descriptor to enter, a fixed width (a packed run of
-    fixed-width numbers), 0 (a packed run of varints) or None (bytes, a string)."""
-    kinds: dict[int, Any] = {}
+    """Field number -> the kinds of the message to enter (a dict), the width of a
+    packed run's numbers (0 for varints), or None (bytes, a string). Made once per
+    message type, its message fields resolved to their own kinds (a dict lookup per
+    field entered, not a call)."""
+    kinds = _KINDS.get(descriptor)
+    if kinds is not None:
+        return kinds
+    kinds = _KINDS[descriptor] = {}  # before the fields: a type may contain itself
     for field in descriptor.fields:
         if field.type == _MESSAGE:
-            kinds[field.number] = field.message_type
+            kinds[field.number] = _kinds(field.message_type)
         elif field.type in _LENGTH_DELIMITED:
             kinds[field.number] = None
         else:
@@ -66,16 +80,6 @@ def _too_many(limit: int) -> TooManyFieldsError:
     )
 
 
-_KINDS: dict[Any, dict[int, Any]] = {}
-
-
-def _kinds_of(descriptor: Any) -> dict[int, Any]:
-    kinds = _KINDS.get(descriptor)
-    if kinds is None:
-        kinds = _KINDS[descriptor] = _kinds(descriptor)
-    return kinds
-
-
 def check_field_count(
     data: bytes | memoryview, descriptor: Any, limit: int = MAX_REQUEST_FIELDS
 ) -> None:
@@ -87,76 +91,88 @@ def check_field_count(
 
 def count_fields(data: bytes | memoryview, descriptor: Any, limit: int = MAX_REQUEST_FIELDS) -> int:
     """The fields of ``data``, a serialized message of ``descriptor``'s type, at every
-    depth; raises ``TooManyFieldsError`` as soon as they pass ``limit``. Stops at
-    malformed data (counting what it saw): the parser refuses it."""
-    view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
+    depth; raises ``TooManyFieldsError`` as soon as they pass ``limit``, and
+    ``MalformedError`` for data the walk cannot follow to its end (a count that
+    stopped there would let the parser read the rest unseen)."""
+    view = data if isinstance(data, bytes) else memoryview(data).cast("B")
     count = 0
-    stack = [(_kinds_of(descriptor), 0, len(view))]
+    stack = [(_kinds(descriptor), 0, len(view))]
     while stack:
         kinds, pos, end = stack.pop()
         while pos < end:
-            # The key: a varint.
-            byte = view[pos]
+            key = view[pos]
             pos += 1
-            key = byte & 0x7F
-            shift = 7
-            while byte & 0x80:
-                if pos >= end or shift > 63:
-                    return count
-                byte = view[pos]
-                pos += 1
-                key |= (byte & 0x7F) << shift
-                shift += 7
+            if key & 0x80:
+                key, pos = _varint_rest(view, pos, end, key, 5)
             count += 1
             if count > limit:
                 raise _too_many(limit)
             wire_type = key & 7
-            if wire_type == 0:
-                while pos < end and view[pos] & 0x80:
-                    pos += 1
+            if wire_type == 2 and key > 7:
+                if pos >= end:
+                    raise MalformedError("a length cut short")
+                length = view[pos]
                 pos += 1
-            elif wire_type == 1:
-                pos += 8
-            elif wire_type == 5:
-                pos += 4
-            elif wire_type == 2:
-                byte = view[pos] if pos < end else 0
-                pos += 1
-                length = byte & 0x7F
-                shift = 7
-                while byte & 0x80:
-                    if pos >= end or shift > 63:
-                        return count
-                    byte = view[pos]
-                    pos += 1
-                    length |= (byte & 0x7F) << shift
-                    shift += 7
+                if length & 0x80:
+                    length, pos = _varint_rest(view, pos, end, length, 5)
                 stop = pos + length
                 if stop > end:
-                    return count
+                    raise MalformedError("a length past the end of its message")
                 kind = kinds.get(key >> 3)
                 if kind is None or not length:
                     pass  # bytes, a string, a field this version does not know, empty
-                elif isinstance(kind, int):
+                elif kind.__class__ is dict:
+                    stack.append((kind, pos, stop))
+                else:
                     # A packed run of numbers, each an element: fixed-width ones, or
-                    # varints, of 1 to 10 bytes each, each ending in a byte below 0x80.
+                    # varints of 1 to 10 bytes, each ending in a byte below 0x80.
                     if kind:
                         count += length // kind
                     elif length > 10 * (limit - count):
-                        count += length // 10
+                        count += -(-length // 10)  # at least this many: over the limit
                     else:
                         run = np.frombuffer(view, np.uint8, length, pos)
                         count += int(np.count_nonzero(run < 0x80))
                     if count > limit:
                         raise _too_many(limit)
-                else:
-                    stack.append((_kinds_of(kind), pos, stop))
                 pos = stop
-            else:
-                return count  # groups: none in our protocol; the parser decides
-        if pos > end:
-            return count
+            elif key < 8:
+                raise MalformedError("field number 0")
+            elif wire_type == 0:
+                if pos >= end:
+                    raise MalformedError("a varint cut short")
+                byte = view[pos]
+                pos += 1
+                if byte & 0x80:
+                    _, pos = _varint_rest(view, pos, end, byte, 10)
+            elif wire_type == 1 or wire_type == 5:
+                pos += 8 if wire_type == 1 else 4
+                if pos > end:
+                    raise MalformedError("a fixed-width number cut short")
+            else:  # groups (none in our protocol: protobuf reads unknown ones), 6, 7
+                raise MalformedError(f"wire type {wire_type}")
     return count
+
+
+def _varint_rest(
+    view: bytes | memoryview, pos: int, end: int, first: int, most: int
+) -> tuple[int, int]:
+    """A varint of at most ``most`` bytes whose first byte, ``first``, was read; its
+    value and where it ends. Keys and lengths take 5 bytes at most (protobuf refuses
+    longer ones, and a walk of 10-byte keys took twice as long), numbers 10."""
+    value = first & 0x7F
+    shift = 7
+    while True:
+        if pos >= end:
+            raise MalformedError("a varint cut short")
+        if shift >= 7 * most:
+            raise MalformedError(f"a varint of more than {most} bytes")
+        byte = view[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
 
 
 def message_fields(message: Any) -> int:

@@ -218,7 +218,9 @@ def service_handler(servicer: GradServeServicer) -> grpc.GenericRpcHandler:
         make = getattr(grpc, f"{kind}_rpc_method_handler")
         handlers[method.name] = make(
             getattr(servicer, method.name),
-            request_deserializer=boundary.lenient(parse, method.input_type, servicer.request_freed),
+            request_deserializer=boundary.lenient(
+                parse, method.input_type, servicer.request_freed, stream=method.client_streaming
+            ),
             # Messages, or bytes already serialized (GetTensor's chunks): as they are.
             response_serializer=codec.serialize,
         )

@@ -54,10 +54,51 @@ def test_refuses_past_the_limit_and_not_at_it():
 
 
 @pytest.mark.parametrize(
-    "data", [b"\xff", b"\x0a\x05ab", b"\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", b"\x0b"]
+    "data",
+    [
+        b"\xff",  # a key cut short
+        b"\x0a\x05ab",  # a length past the end
+        b"\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",  # a length of 11 bytes
+        b"\x08" + b"\xff" * 10 + b"\x01",  # a varint of 11 bytes
+        b"\x8a\x80\x80\x80\x80\x00\x00",  # a key of 6 bytes (protobuf refuses it too)
+        b"\x0a\x80\x80\x80\x80\x80\x00",  # a length of 6 bytes
+        b"\x09\x00\x00",  # a fixed64 cut short
+        b"\x00\x00",  # field number 0
+        b"\x0e\x00",  # wire type 6
+    ],
 )
-def test_malformed_data_is_left_to_the_parser(data):
-    wire_fields.count_fields(data * 3, service_pb2.BatchRequest.DESCRIPTOR, BIG)
+def test_malformed_data_is_refused(data):
+    with pytest.raises(wire_fields.MalformedError):
+        wire_fields.count_fields(data, service_pb2.BatchRequest.DESCRIPTOR, BIG)
+
+
+def test_a_group_is_refused_not_skipped():
+    # protobuf reads an unknown group (field 15 here, or a known field sent as one)
+    # and then everything behind it: a count that stopped at the group let it parse
+    # 20 million ids unseen (a review helper).
+    ids = b"\x0a\x01x" * 100
+    for group in (b"\x7b\x7c", b"\x0b\x0c"):
+        with pytest.raises(wire_fields.MalformedError, match="wire type 3"):
+            wire_fields.count_fields(group + ids, service_pb2.DeleteTensorRequest.DESCRIPTOR, 99)
+
+
+def test_a_malformed_step_is_refused_wherever_it_is():
+    # A later step's malformation once ended the whole walk before the earlier
+    # steps, still on the walk's stack, were counted (a review helper).
+    many = tape_pb2.GradientsRequest(targets=[tensor_pb2.TensorInput()] * 100)
+    request = service_pb2.BatchRequest(steps=[service_pb2.BatchStep(gradients=many)])
+    data = request.SerializeToString() + b"\x0a\x02\x09\x00"  # a step cut short inside
+    with pytest.raises(wire_fields.MalformedError):
+        wire_fields.count_fields(data, request.DESCRIPTOR, BIG)
+
+
+def test_a_packed_run_past_the_limit_is_refused_without_counting_it():
+    # 10 bytes a varint at most: a run longer than 10 per field left is over the
+    # limit, rounding up (rounding down let 655,359 one-byte dims pass as 65,536).
+    run = b"\x01" * (10 * 100 + 1)
+    data = b"\x12" + bytes([len(run) & 0x7F | 0x80, len(run) >> 7]) + run
+    with pytest.raises(wire_fields.TooManyFieldsError):
+        wire_fields.count_fields(data, tensor_pb2.Tensor.DESCRIPTOR, 101)
 
 
 _shapes = st.lists(st.integers(0, 3), max_size=4)

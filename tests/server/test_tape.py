@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import gradserve
+from gradserve import protocol
 from gradserve.client import TensorRef
 from gradserve.client._types import TapedArray
 from gradserve.errors import (
@@ -1341,3 +1342,17 @@ def test_another_tapes_output_is_an_intermediate_not_a_watched_variable(client, 
     # Under its own tape, z is an output of a recorded op: connected, not watched.
     np.testing.assert_array_equal(a.gradient(z, x), [1.0, 1.0])
     a.release()
+
+
+def test_watching_more_tensors_than_one_request_may_hold(client):
+    # The server refuses a request of more than MAX_REQUEST_FIELDS fields; the SDK
+    # watches in as many requests as that needs (a review helper: 70,000 in one
+    # call was refused).
+    x = client.put(np.array([1.0, 2.0], F32))
+    others = [client.put(np.zeros(1, F32))] * protocol.MAX_REQUEST_FIELDS
+    with client.gradient_tape(watch_accessed_variables=False) as tape:
+        tape.watch([*others, x])
+        h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=F32)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+        read = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+    np.testing.assert_array_equal(tape.gradient(read, x), [1.0, 1.0])

@@ -162,7 +162,7 @@ def test_a_put_of_too_many_dims_is_refused_and_the_server_serves_on(target, rpc,
                 client.get(reply.id), np.arange(2, dtype=np.float32).reshape(shape)
             )
         elif rank > protocol.MAX_REQUEST_FIELDS:  # refused before it is parsed
-            with pytest.raises(ResourceExhaustedError, match="more than 65536 fields"):
+            with pytest.raises(ResourceExhaustedError, match=r"more than \d+ fields"):
                 client._call(rpc, request)
         else:
             with pytest.raises(InvalidArgumentError, match=f"{rank} dimensions"):
