@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from gradserve.errors import DRAINING_REASON, ResourceExhaustedError, UnavailableError
 
@@ -37,7 +38,24 @@ class Admission:
     ``max_streams_per_principal``: a stalled stream costs no thread but holds a call,
     so streams — however many stall — never take the slots of small calls, and one
     principal's streams never take all of another's.
+
+    A unary call leaves its slot when its handler returns; its reply may then wait in
+    gRPC for a client that does not read it, for as long as the connection lives.
+    Such replies count apart, in bytes (``reply_waiting``, ``reply_taken``): once a
+    principal's waiting replies pass ``reply_allowance`` and the room its bytes
+    budget and the server's have left (``reply_room``), its calls are refused, but
+    those that free or keep what it has (``FREEING_CALLS``), until it reads them or
+    goes. Counting them as calls in flight (as a review helper proposed) let one
+    client without a token lock every other out with 256 unread replies of a few
+    bytes; not counting them let eight unread 32 MiB replies hold 512 MiB nothing saw.
     """
+
+    #: Calls admitted whatever replies their principal leaves unread: they free what
+    #: it holds, or keep its session from expiring.
+    FREEING_CALLS = frozenset(
+        {"KeepAlive", "CloseSession", "DeleteTensor", "ReleaseTape",
+         "UnregisterSharedMemory", "TensorArrayCloseV3"}
+    )  # fmt: skip
 
     #: A drain waits for this long after the last call it admitted before it stops the
     #: server: calls gRPC has received but not yet handed over are refused, not
@@ -54,8 +72,17 @@ class Admission:
         max_calls_per_principal: int | None = None,
         *,
         reserve_for_newcomers: bool = False,
+        reply_room: Callable[[str], tuple[int | None, int | None]] | None = None,
+        reply_allowance: int = 0,
     ) -> None:
         self.max_calls = max_calls
+        #: The bytes a principal's budget and the server's have left (None: no limit).
+        self.reply_room = reply_room
+        #: Bytes of waiting replies a principal may have whatever its room: one
+        #: large reply on its way is no reason to refuse the next call.
+        self.reply_allowance = reply_allowance
+        self.reply_bytes = 0
+        self._reply_bytes_of: dict[str, int] = {}
         self.max_calls_per_principal = max_calls_per_principal
         #: The last calls and streams of each limit that only a principal with none in
         #: flight may take (``reserve_for_newcomers``, with several principals).
@@ -71,13 +98,15 @@ class Admission:
         self._last_arrival = 0.0
         self._idle: asyncio.Event | None = None
 
-    def enter(self, principal: str, *, stream: bool = False) -> None:
-        """Admit a call, or refuse it (changing nothing)."""
+    def enter(self, principal: str, *, stream: bool = False, method: str = "") -> None:
+        """Admit a call of ``method``, or refuse it (changing nothing)."""
         if self.draining:
             raise UnavailableError(
                 "the server is shutting down: call another replica (or retry)",
                 reason=DRAINING_REASON,
             )
+        if method not in self.FREEING_CALLS:
+            self._check_replies(principal)
         if stream:
             owned = self._streams_of.get(principal, 0)
             if self.max_streams is not None and self.streams >= self.max_streams:
@@ -144,6 +173,44 @@ class Admission:
         self.in_flight -= 1
         if self.in_flight == 0:
             self._event().set()
+
+    def reply_waiting(self, principal: str, nbytes: int) -> None:
+        """A unary reply of ``nbytes`` was handed to gRPC; ``reply_taken`` once gRPC
+        is done with its call."""
+        self.reply_bytes += nbytes
+        self._reply_bytes_of[principal] = self._reply_bytes_of.get(principal, 0) + nbytes
+
+    def reply_taken(self, principal: str, nbytes: int) -> None:
+        self.reply_bytes -= nbytes
+        left = self._reply_bytes_of[principal] - nbytes
+        if left:
+            self._reply_bytes_of[principal] = left
+        else:
+            del self._reply_bytes_of[principal]
+
+    def replies_of(self, principal: str) -> int:
+        """Bytes of ``principal``'s replies gRPC has not finished with."""
+        return self._reply_bytes_of.get(principal, 0)
+
+    def _check_replies(self, principal: str) -> None:
+        waiting = self.replies_of(principal)
+        if waiting <= self.reply_allowance or self.reply_room is None:
+            return
+        principal_room, server_room = self.reply_room(principal)
+        if principal_room is not None and waiting > principal_room:
+            raise ResourceExhaustedError(
+                f"principal {principal!r} has {waiting} bytes of replies its clients have "
+                f"not read, more than its budget has left ({principal_room} bytes, "
+                "--max-principal-bytes): read or cancel them",
+                reason="REPLIES_UNREAD",
+            )
+        if server_room is not None and self.reply_bytes > server_room:
+            raise ResourceExhaustedError(
+                f"{self.reply_bytes} bytes of replies wait for clients that have not read "
+                f"them ({waiting} of them yours), more than the server's budget has left "
+                f"({server_room} bytes, --max-server-bytes): read or cancel them",
+                reason="REPLIES_UNREAD",
+            )
 
     async def drain(self, timeout: float) -> bool:
         """Refuse new calls; wait up to ``timeout`` s for those in flight to finish and

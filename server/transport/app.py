@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import pathlib
@@ -229,6 +230,16 @@ def service_handler(servicer: GradServeServicer) -> grpc.GenericRpcHandler:
     return boundary.TokenGate(servicer, handlers)
 
 
+def _room_left(store: SessionStore, principal: str) -> tuple[int | None, int | None]:
+    """The bytes ``principal``'s budget, and the server's, have left (None: no limit):
+    how much of its clients' unread replies the server takes (``Admission``)."""
+    mine, server = store.principal_budget(principal), store.budget
+    return (
+        None if mine.limit is None else mine.limit - mine.used,
+        None if server.limit is None else server.limit - server.used,
+    )
+
+
 def start(config: ServerConfig) -> Server:
     """Build, bind and start a server for ``config`` on its own event-loop thread;
     raises if it cannot."""
@@ -272,6 +283,8 @@ def start(config: ServerConfig) -> Server:
             config.streams_per_principal(),
             max_calls_per_principal=calls_per_principal,
             reserve_for_newcomers=several,
+            reply_room=functools.partial(_room_left, store),
+            reply_allowance=config.max_message_bytes,
         ),
         tokens=tokens,
         observer=Observer(metrics),

@@ -219,17 +219,14 @@ def guarded(handler: H) -> H:
         with self.observer.call(name, context) as record:
             try:
                 principal = self.principal(context)
-                self.admission.enter(principal, stream=stream)
+                self.admission.enter(principal, stream=stream, method=name)
             except GradserveError as exc:
                 error = exc
             else:
-                # In the limits until gRPC is done with the call, not only its handler:
-                # a reply waiting for a client that reads nothing holds its bytes in
-                # gRPC meanwhile (a review helper: eight unread 32 MiB replies held
-                # 512 MiB that no limit or budget counted).
-                context.add_done_callback(
-                    functools.partial(_exit, self.admission, principal, stream)
-                )
+                if stream:  # in the stream limits until gRPC is done with it
+                    context.add_done_callback(
+                        functools.partial(_exit, self.admission, principal, stream)
+                    )
                 try:
                     token = current_principal.set(principal)
                     try:
@@ -240,6 +237,10 @@ def guarded(handler: H) -> H:
                     finally:
                         current_principal.reset(token)
                         _let_go_of_session()  # the handler is done with it
+                        if not stream:
+                            self.admission.exit(principal)
+                    if not stream and response is not None:
+                        _count_reply(self.admission, principal, response, context)
                 except asyncio.CancelledError:
                     record.code, record.message = Code.CANCELLED, "cancelled by the client"
                     raise
@@ -286,6 +287,25 @@ def _let_go_of_session() -> None:
 
 def _exit(admission: Any, principal: str, stream: bool, _context: Any) -> None:
     admission.exit(principal, stream=stream)
+
+
+#: Unary replies at least this large count as waiting until gRPC is done with their
+#: call (``Admission.reply_waiting``): smaller ones cost less than their counting.
+REPLY_COUNTED_MIN_BYTES = 64 * 1024
+
+
+def _count_reply(admission: Any, principal: str, response: Any, context: Any) -> None:
+    """Count ``response``'s bytes as waiting for its client until gRPC is done with the
+    call: a client that never reads it leaves it in gRPC for as long as its
+    connection lives."""
+    nbytes = response.ByteSize()
+    if nbytes >= REPLY_COUNTED_MIN_BYTES:
+        admission.reply_waiting(principal, nbytes)
+        context.add_done_callback(functools.partial(_reply_taken, admission, principal, nbytes))
+
+
+def _reply_taken(admission: Any, principal: str, nbytes: int, _context: Any) -> None:
+    admission.reply_taken(principal, nbytes)
 
 
 def _size(request: Any) -> int:

@@ -243,30 +243,101 @@ def test_a_stalled_reader_does_not_keep_its_session_from_expiring():
                 assert wait_until(lambda: server.servicer.admission.streams == 0)
 
 
-def test_an_unread_unary_reply_counts_as_in_flight_and_its_session_expires():
+def _unread_gets(channel, session_id: str, tensor_id: str, count: int) -> list:
+    """``count`` GetTensorInline calls whose replies the client never reads (a unary
+    method called as a response stream that is never iterated)."""
+    get = channel.unary_stream(
+        "/gradserve.v1.GradServe/GetTensorInline",
+        request_serializer=lambda m: m.SerializeToString(),
+        response_deserializer=lambda b: b,
+    )
+    request = service_pb2.GetTensorRequest(id=tensor_id)
+    return [get(request, metadata=metadata(session_id)) for _ in range(count)]
+
+
+#: A channel whose receive window stays at HTTP/2's 64 KiB: gRPC's window probing
+#: would otherwise take in a whole unread reply of several MiB.
+SMALL_WINDOW = [("grpc.http2.bdp_probe", 0)]
+
+
+def test_an_unread_unary_reply_is_counted_and_its_session_expires():
     """A unary reply its client never reads waits in gRPC for flow control, holding its
-    bytes: the call counts against the call limits until gRPC is done with it (it left
-    them when the handler returned, and eight unread 32 MiB replies held 512 MiB that
-    nothing counted); its session is idle from the handler's return (it was busy until
-    gRPC finished sending, so it never expired). Found by a review helper."""
+    bytes, for as long as the connection lives: its bytes count as waiting until gRPC
+    is done with the call (eight unread 32 MiB replies held 512 MiB that nothing
+    counted); its session is idle from the handler's return (it was busy until gRPC
+    finished sending, so it never expired). Found by a review helper."""
     with run_server(device="cpu", session_ttl=0.5) as server:
         target = f"127.0.0.1:{server.port}"
         with gradserve.Client(target, keepalive=False, shared_memory=False) as client:
-            with grpc.insecure_channel(target) as channel:
+            with grpc.insecure_channel(target, options=SMALL_WINDOW) as channel:
                 ref = client.put(np.ones(8 * MIB, np.uint8))
-                get = channel.unary_stream(
-                    "/gradserve.v1.GradServe/GetTensorInline",
-                    request_serializer=lambda m: m.SerializeToString(),
-                    response_deserializer=lambda b: b,
-                )
-                call = get(
-                    service_pb2.GetTensorRequest(id=ref.id), metadata=metadata(client.session_id)
-                )  # never read
+                (call,) = _unread_gets(channel, client.session_id, ref.id, 1)
                 assert wait_until(lambda: server.store.expired == 1, 10)
                 assert server.store.budget.used == 0
-                assert server.servicer.admission.in_flight == 1
+                admission = server.servicer.admission
+                assert admission.in_flight == 0  # its slot is free for other calls
+                assert admission.replies_of("anonymous") > 8 * MIB
                 call.cancel()
-                assert wait_until(lambda: server.servicer.admission.in_flight == 0)
+                assert wait_until(lambda: admission.reply_bytes == 0)
+
+
+def test_unread_replies_past_the_budget_refuse_their_principals_calls_not_all():
+    """Unread replies count in bytes, not as calls in flight: counted as calls, 256
+    unread replies of 1 MiB from one client without a token locked every other client
+    out (a review helper). Past the room the byte budgets have left (and one
+    message's worth), the principal's calls are refused, but those that free what it
+    holds or keep its session; reading or cancelling them lets it in again."""
+    with run_server(
+        device="cpu", max_concurrent_rpcs=8, max_server_bytes=64 * MIB, max_message_bytes=20 * MIB
+    ) as server:
+        target = f"127.0.0.1:{server.port}"
+        with gradserve.Client(target, shared_memory=False) as client:
+            with grpc.insecure_channel(target, options=SMALL_WINDOW) as channel:
+                # More than the 64 KiB window each, 8 MiB in all: within the allowance.
+                small = client.put(np.ones(256 * 1024, np.uint8))
+                tiny = _unread_gets(channel, client.session_id, small.id, 32)  # 4x the slots
+                admission = server.servicer.admission
+                assert wait_until(lambda: admission.replies_of("anonymous") >= 32 * 256 * 1024)
+                np.testing.assert_array_equal(client.get(small)[:4], np.ones(4, np.uint8))
+                big = client.put(np.ones(16 * MIB, np.uint8))
+                unread = _unread_gets(channel, client.session_id, big.id, 4)  # 64 MiB
+                assert wait_until(lambda: admission.replies_of("anonymous") > 48 * MIB)
+                with pytest.raises(ResourceExhaustedError, match="not read") as info:
+                    client.stop_gradient(np.ones(3))
+                assert info.value.reason == "REPLIES_UNREAD"
+                client.keep_alive()  # still served: it keeps what the session has
+                for call in unread + tiny:
+                    call.cancel()
+                assert wait_until(lambda: admission.reply_bytes == 0)
+                np.testing.assert_array_equal(client.stop_gradient(np.ones(3)), np.ones(3))
+
+
+def test_one_principals_unread_replies_do_not_refuse_another(tokens):
+    with run_server(
+        device="cpu", token_file=tokens, max_server_bytes=64 * MIB, max_message_bytes=20 * MIB
+    ) as server:
+        target = f"127.0.0.1:{server.port}"
+        with (
+            gradserve.Client(target, token="token-alice", shared_memory=False) as alice,
+            gradserve.Client(target, token="token-bob", shared_memory=False) as bob,
+            grpc.insecure_channel(target, options=SMALL_WINDOW) as channel,
+        ):
+            big = alice.put(np.ones(16 * MIB, np.uint8))  # her budget: 32 MiB
+            get = channel.unary_stream(
+                "/gradserve.v1.GradServe/GetTensorInline",
+                request_serializer=lambda m: m.SerializeToString(),
+                response_deserializer=lambda b: b,
+            )
+            request = service_pb2.GetTensorRequest(id=big.id)
+            unread = [get(request, metadata=metadata(alice.session_id, "alice")) for _ in range(3)]
+            admission = server.servicer.admission
+            assert wait_until(lambda: admission.replies_of("alice") > 32 * MIB)
+            with pytest.raises(ResourceExhaustedError, match="--max-principal-bytes"):
+                alice.stop_gradient(np.ones(3))
+            np.testing.assert_array_equal(bob.stop_gradient(np.ones(3)), np.ones(3))
+            for call in unread:
+                call.cancel()
+            assert wait_until(lambda: admission.reply_bytes == 0)
 
 
 def test_a_trickling_upload_ends_below_the_minimum_rate():

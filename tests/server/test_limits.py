@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import threading
 import time
 
@@ -301,6 +302,45 @@ def test_a_session_with_a_call_running_is_not_idle(monkeypatch):
             with pytest.raises(gradserve.errors.NotFoundError):
                 client.keep_alive()
             assert server.store.expired == 1
+
+
+def test_a_call_ending_while_the_reaper_looks_does_not_expire_its_session():
+    """The reaper read a session's last use, then whether a call ran: a call that ran
+    past the TTL and ended between the two reads looked idle for its whole run, and
+    its session was expired at once, its reply's ids lost (a review helper: 14,336 of
+    8.3 million such ends). Both are now read together (``Session.idle_since``)."""
+    from gradserve.server.core.sessions import SessionStore
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads change hands between any two bytecodes
+    store = SessionStore(idle_timeout=10.0)
+    stop = threading.Event()
+
+    def reaper():
+        while not stop.is_set():
+            store.expire_idle()
+
+    thread = threading.Thread(target=reaper)
+    thread.start()
+    try:
+        expired = 0
+        for _ in range(20):
+            session = store.create()
+            for _ in range(2000):
+                end = session.call_started()
+                session.last_used -= 100.0  # it has run for 100 s, past the TTL
+                end()  # it ends now: idle for no time
+                if session.closed:
+                    break
+            try:
+                store.close(session.id)
+            except gradserve.errors.NotFoundError:
+                expired += 1  # the reaper closed it
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(switch)
+    assert expired == 0
 
 
 def test_tensor_arrays_of_nothing_fill_the_session_budget_too():
