@@ -245,6 +245,9 @@ def guarded(handler: H) -> H:
                     record.code, record.message = Code.CANCELLED, "cancelled by the client"
                     raise
                 except Exception as exc:  # noqa: BLE001 - the boundary: nothing escapes
+                    if _client_went(exc):
+                        record.code, record.message = Code.CANCELLED, "the client went"
+                        raise asyncio.CancelledError from None
                     error = as_gradserve_error(exc)
                     if streams.status_stuck(error):  # in the stream limits until it ends
                         try:
@@ -283,6 +286,14 @@ def _let_go_of_session() -> None:
     ended = SESSION_CALL.get()
     if ended is not None:
         ended()
+
+
+def _client_went(exc: BaseException) -> bool:
+    """gRPC's own error for a message written to a call that has ended (a stream's
+    client went, or its deadline passed, as the handler wrote): the client left, not an
+    internal failure to log with its traceback (a review helper saw one in ~190
+    streams ended so)."""
+    return type(exc).__name__ == "ExecuteBatchError" and type(exc).__module__.startswith("grpc")
 
 
 def _exit(admission: Any, principal: str, stream: bool, _context: Any) -> None:

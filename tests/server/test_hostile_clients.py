@@ -902,3 +902,31 @@ def test_without_principals_the_server_budget_is_not_halved():
         finally:
             for c in clients:
                 c.close()
+
+
+def test_a_write_to_a_call_that_ended_is_the_client_going_not_internal(caplog, monkeypatch):
+    """gRPC raises ExecuteBatchError where a handler writes to a call whose client
+    went or whose deadline passed: it was an INTERNAL error logged with its traceback
+    (a review helper: once in ~190 GetTensor streams ended so)."""
+    from grpc._cython import cygrpc
+
+    from gradserve.server.core.sessions import SessionStore
+
+    with run_server(device="cpu", metrics_port=0) as server:
+        target = f"127.0.0.1:{server.port}"
+        with gradserve.Client(target, timeout=1, shared_memory=False) as client:
+            ref = client.put(np.ones(4))
+
+            def gone(*args, **kwargs):
+                raise cygrpc.ExecuteBatchError("Failed 'execute_batch': (<grpc_call_error>)")
+
+            monkeypatch.setattr(SessionStore, "get", gone)
+            # The client, still there, takes the status as a call not made and repeats
+            # it until its deadline.
+            with caplog.at_level(logging.INFO), pytest.raises(gradserve.errors.GradserveError):
+                client.get(ref)
+            monkeypatch.undo()
+        assert not [r for r in caplog.records if r.exc_info]
+        count = server.metrics.registry.get_sample_value
+        assert count("gradserve_rpcs_total", {"method": "GetTensorInline", "code": "CANCELLED"})
+        assert not count("gradserve_rpcs_total", {"method": "GetTensorInline", "code": "INTERNAL"})
