@@ -56,7 +56,7 @@ def encoded_size(nbytes: int, ndim: int) -> int:
 
 #: Fields, at every depth (each element of a repeated or packed field one), that one
 #: request may hold; the server refuses one with more (RESOURCE_EXHAUSTED) before
-#: parsing it, and the SDK splits deletes and batches to stay under it: see
+#: parsing it, and the SDK splits deletes, watches and batches to stay under it: see
 #: ``gradserve/wire_fields.py``.
 MAX_REQUEST_FIELDS = 1 << 16
 

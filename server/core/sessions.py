@@ -1091,7 +1091,8 @@ class Session:
                 # A call running is not idle time: a restart gives it the whole TTL (a
                 # session busy past its TTL was saved with none left, and expired at
                 # once after a crash; a review helper).
-                idle = 0.0 if self.busy else now - self.last_used
+                since = self.idle_since()  # both read at once, as the reaper does
+                idle = 0.0 if since is None else now - since
                 remaining = max(0.0, idle_timeout - idle)
                 tapes = len(self._tapes) + len(self._spent_tapes)
                 # A spent tape's gradients have not reached the client yet: lost, as

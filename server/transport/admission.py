@@ -41,13 +41,14 @@ class Admission:
 
     A unary call leaves its slot when its handler returns; its reply may then wait in
     gRPC for a client that does not read it, for as long as the connection lives.
-    Such replies count apart, in bytes (``reply_waiting``, ``reply_taken``): once a
-    principal's waiting replies pass ``reply_allowance`` and the room its bytes
-    budget and the server's have left (``reply_room``), its calls are refused, but
+    Such replies count apart, in bytes, once gRPC has held them a second
+    (``reply_waiting``, ``reply_taken``; ``boundary._Reply``): once a principal's
+    waiting replies pass ``reply_allowance`` and the room its bytes budget has left,
+    or its share of the server's (``reply_room``), its calls are refused, but
     those that free or keep what it has (``FREEING_CALLS``), until it reads them or
-    goes. Counting them as calls in flight (as a review helper proposed) let one
-    client without a token lock every other out with 256 unread replies of a few
-    bytes; not counting them let eight unread 32 MiB replies hold 512 MiB nothing saw.
+    goes. Counting them as calls in flight (66bd133) let one
+    client without a token lock every other out with 256 unread replies of 1 MiB;
+    not counting them let eight unread 32 MiB replies hold 512 MiB nothing saw.
     """
 
     #: Calls admitted whatever replies their principal leaves unread: they free what
@@ -204,11 +205,17 @@ class Admission:
                 "--max-principal-bytes): read or cancel them",
                 reason="REPLIES_UNREAD",
             )
-        if server_room is not None and self.reply_bytes > server_room:
+        # Past the server's room, only a principal over its share of it is refused:
+        # one principal's unread replies do not refuse another's calls.
+        if server_room is None or self.reply_bytes <= server_room:
+            return
+        share = server_room // len(self._reply_bytes_of)
+        if waiting > share:
             raise ResourceExhaustedError(
                 f"{self.reply_bytes} bytes of replies wait for clients that have not read "
-                f"them ({waiting} of them yours), more than the server's budget has left "
-                f"({server_room} bytes, --max-server-bytes): read or cancel them",
+                f"them, {waiting} of them yours, more than your share of what the "
+                f"server's budget has left ({share} bytes, --max-server-bytes): read or "
+                "cancel them",
                 reason="REPLIES_UNREAD",
             )
 
