@@ -46,9 +46,9 @@ class Admission:
     waiting replies pass ``reply_allowance`` and the room its bytes budget has left,
     or its share of the server's (``reply_room``), its calls are refused, but
     those that free or keep what it has (``FREEING_CALLS``), until it reads them or
-    goes. Counting them as calls in flight (66bd133) let one
-    client without a token lock every other out with 256 unread replies of 1 MiB;
-    not counting them let eight unread 32 MiB replies hold 512 MiB nothing saw.
+    goes. Counting them as calls in flight (66bd133) let one client without a token
+    lock every other out with 256 unread replies of 1 MiB; not counting them let
+    eight unread 32 MiB replies hold 512 MiB nothing saw.
     """
 
     #: Calls admitted whatever replies their principal leaves unread: they free what
@@ -176,8 +176,8 @@ class Admission:
             self._event().set()
 
     def reply_waiting(self, principal: str, nbytes: int) -> None:
-        """A unary reply of ``nbytes`` was handed to gRPC; ``reply_taken`` once gRPC
-        is done with its call."""
+        """A unary reply of ``nbytes`` has waited in gRPC past the grace
+        (``boundary._Reply``); ``reply_taken`` once gRPC is done with its call."""
         self.reply_bytes += nbytes
         self._reply_bytes_of[principal] = self._reply_bytes_of.get(principal, 0) + nbytes
 

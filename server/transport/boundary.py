@@ -133,8 +133,8 @@ class Unparsed:
 #: sources, a hostile message) is counted to ``protocol.MAX_REQUEST_FIELDS`` and
 #: parsed after its call is admitted, on the light lane (``Deferred``): counting a
 #: Batch of 4,300 TensorArray writes (64,500 fields) takes ~27 ms, and protobuf's
-#: parse 1 ms, that every call of the server waited for on the loop. A streamed message (a PutTensor
-#: chunk, ~5 fields) may hold no more than this.
+#: parse 1 ms, that every call of the server waited for on the loop. A streamed
+#: message (a PutTensor chunk, ~5 fields) may hold no more than this.
 LOOP_FIELDS = 256
 
 
