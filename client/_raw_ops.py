@@ -47,12 +47,18 @@ class Staging(list):
 
 class TensorArrayV3Output(NamedTuple):
     handle: TensorArrayHandle
-    flow: float
+    flow: np.float32
 
 
 class TensorArrayGradV3Output(NamedTuple):
     grad_handle: TensorArrayHandle
-    flow_out: float
+    flow_out: np.float32
+
+
+def _flow(value: float) -> np.float32:
+    """A flow as TensorFlow gives it: a float32 scalar (``.numpy()`` of its tensor);
+    it was a Python float."""
+    return np.float32(value)
 
 
 # The LSTM ops return ``LSTMActivations`` (i, cs, f, o, ci, co, h) and ``LSTMGrads``
@@ -151,15 +157,18 @@ class RawOps:
         self._in(size, req.size, temps, np.int32)
         _set_shape(req, "element_shape", element_shape)
         return self._op(
-            "TensorArrayV3", req, lambda r: TensorArrayV3Output(_handle(r.handle), r.flow), temps
+            "TensorArrayV3",
+            req,
+            lambda r: TensorArrayV3Output(_handle(r.handle), _flow(r.flow)),
+            temps,
         )
 
-    def TensorArrayWriteV3(self, handle, index, value, flow_in, name=None) -> float:
+    def TensorArrayWriteV3(self, handle, index, value, flow_in, name=None) -> np.float32:
         temps = self._staging()
         req = pb.TensorArrayWriteV3Request(handle=_handle_msg(handle), flow_in=flow_in)
         self._in(index, req.index, temps, np.int32)
         self._in(value, req.value, temps)
-        return self._op("TensorArrayWriteV3", req, lambda r: r.flow_out, temps)
+        return self._op("TensorArrayWriteV3", req, lambda r: _flow(r.flow_out), temps)
 
     def TensorArrayReadV3(self, handle, index, flow_in, dtype, name=None, *, keep=False):
         temps = self._staging()
@@ -190,12 +199,12 @@ class RawOps:
         temps.output_dtype = dtype
         return self._op("TensorArrayGatherV3", req, lambda r: self._out(r.value), temps)
 
-    def TensorArrayScatterV3(self, handle, indices, value, flow_in, name=None) -> float:
+    def TensorArrayScatterV3(self, handle, indices, value, flow_in, name=None) -> np.float32:
         temps = self._staging()
         req = pb.TensorArrayScatterV3Request(handle=_handle_msg(handle), flow_in=flow_in)
         self._in(indices, req.indices, temps, np.int32)
         self._in(value, req.value, temps)
-        return self._op("TensorArrayScatterV3", req, lambda r: r.flow_out, temps)
+        return self._op("TensorArrayScatterV3", req, lambda r: _flow(r.flow_out), temps)
 
     def TensorArrayConcatV3(
         self, handle, flow_in, dtype, element_shape_except0=None, name=None, *, keep=False
@@ -217,12 +226,12 @@ class RawOps:
             temps,
         )
 
-    def TensorArraySplitV3(self, handle, value, lengths, flow_in, name=None) -> float:
+    def TensorArraySplitV3(self, handle, value, lengths, flow_in, name=None) -> np.float32:
         temps = self._staging()
         req = pb.TensorArraySplitV3Request(handle=_handle_msg(handle), flow_in=flow_in)
         self._in(value, req.value, temps)
         self._in(lengths, req.lengths, temps, np.int64)
-        return self._op("TensorArraySplitV3", req, lambda r: r.flow_out, temps)
+        return self._op("TensorArraySplitV3", req, lambda r: _flow(r.flow_out), temps)
 
     def TensorArraySizeV3(self, handle, flow_in, name=None) -> np.int32:
         req = pb.TensorArraySizeV3Request(handle=_handle_msg(handle), flow_in=flow_in)
@@ -243,7 +252,7 @@ class RawOps:
         return self._op(
             "TensorArrayGradV3",
             req,
-            lambda r: TensorArrayGradV3Output(_handle(r.grad_handle), r.flow_out),
+            lambda r: TensorArrayGradV3Output(_handle(r.grad_handle), _flow(r.flow_out)),
             self._staging(),  # no inputs to stage
         )
 
@@ -258,7 +267,7 @@ class RawOps:
         return self._op(
             "TensorArrayGradWithShape",
             req,
-            lambda r: TensorArrayGradV3Output(_handle(r.grad_handle), r.flow_out),
+            lambda r: TensorArrayGradV3Output(_handle(r.grad_handle), _flow(r.flow_out)),
             temps,
         )
 

@@ -58,7 +58,7 @@ F32 = np.float32
 
 def _flow(want: float):
     def check(got):
-        assert type(got) is float and got == want, got
+        assert type(got) is np.float32 and got == want, got  # TensorFlow's ``.numpy()``
 
     return check
 
