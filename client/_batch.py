@@ -143,10 +143,11 @@ class Batch:
         replies: list[Message] = []  # each step's typed result, for later requests
         failure: BaseException | None = None
         spent: set[int] = set()  # tapes this run's Gradients steps released
+        earlier = _Earlier(self._client, results, temps)
         try:
             start = 0
             while start < len(steps):
-                request = self._request(steps, start, replies, results, temps)
+                request = self._request(steps, start, replies, earlier)
                 try:
                     # Without the tapes an earlier request's Gradients step released
                     # (one the caller released before is still named: refused).
@@ -186,24 +187,29 @@ class Batch:
         return results
 
     def _request(
-        self, steps: list, start: int, replies: list[Message], results: list, temps: list
+        self, steps: list, start: int, replies: list[Message], earlier: _Earlier
     ) -> service_pb2.BatchRequest:
         """The steps from ``start`` that fit in one request (at least one), in bytes
         and in the server's field limit, and record on the same tapes, their step
-        references made relative to the request."""
+        references made relative to the request. A step is measured once its
+        references to earlier requests are values: a reference is a few bytes, the
+        value an earlier reply carried up to a message's worth. Such a value goes
+        inline where it fits the step alone in a request (one that does not fit
+        this one begins the next), uploaded only where it does not."""
         request = service_pb2.BatchRequest()
         left = self._client.request_budget
         fields_left = protocol.MAX_REQUEST_FIELDS
         for rpc, op_request, _, tapes in steps[start:]:
-            size = op_request.ByteSize() + 16
-            if request.steps and (size > left or tapes != steps[start][3]):
+            if request.steps and tapes != steps[start][3]:
                 break
             step = getattr(request.steps.add(), BATCH_FIELDS[rpc])
             step.CopyFrom(op_request)
             if start:
-                _rebase(step, start, replies, _Earlier(self._client, results, temps))
+                room = Staging(max(0, self._client.request_budget - op_request.ByteSize() - 16))
+                _rebase(step, start, replies, earlier, room)
+            size = step.ByteSize() + 16
             fields = wire_fields.message_fields(step) + 2  # with the step and its op's key
-            if len(request.steps) > 1 and fields > fields_left:
+            if len(request.steps) > 1 and (size > left or fields > fields_left):
                 del request.steps[-1]  # the next request begins with it
                 break
             left -= size
@@ -231,25 +237,41 @@ class _Earlier:
 
     def __init__(self, client, results: list, temps: list) -> None:
         self.client, self.results, self.temps = client, results, temps
+        #: The upload that carries an earlier output, by (step, field): a step that
+        #: goes in a later request after all (the field or byte limit, a full
+        #: response), or another step that names the same output, names it again
+        #: instead of uploading it twice. Deleted with the batch's other uploads.
+        self.uploads: dict[tuple[int, str], str] = {}
 
-    def encode(self, step: int, field: str, msg: tensor_pb2.TensorInput) -> None:
+    def encode(self, step: int, field: str, msg: tensor_pb2.TensorInput, room: Staging) -> None:
         """The value of ``field`` of step ``step`` into ``msg`` (a transient output was
-        fetched and deleted when its reply was parsed: it goes by value again)."""
+        fetched and deleted when its reply was parsed: it goes by value again): inline
+        where it fits ``room`` (what a request of the step alone has left), else
+        uploaded."""
+        if (uploaded := self.uploads.get((step, field))) is not None:
+            msg.ref = uploaded
+            return
         parsed = self.results[step]
         name, _, index = field.partition("[")
         if index:  # a gradients step's result may be in its sources' structure
             parsed = nest.flatten(parsed)[int(index.rstrip("]"))]
         elif isinstance(parsed, tuple) and hasattr(parsed, name):
             parsed = getattr(parsed, name)
-        staging = self.client._staging()
+        staging = Staging(room.inline_left)
         self.client.encode_input(parsed, msg, staging)
+        room.inline_left = staging.inline_left
+        if msg.WhichOneof("source") == "ref":
+            self.uploads[(step, field)] = msg.ref
         self.temps.extend(staging)
 
 
-def _rebase(message: Message, start: int, replies: list[Message], earlier: _Earlier) -> None:
+def _rebase(
+    message: Message, start: int, replies: list[Message], earlier: _Earlier, room: Staging
+) -> None:
     """Make the step references in ``message`` relative to a request that begins at
     step ``start``; one naming a step of an earlier request becomes what that
-    step's reply carried (a tensor id, or the value the SDK received)."""
+    step's reply carried (a tensor id, or the value the SDK received, inline within
+    ``room``)."""
     for field, value in message.ListFields():
         if field.message_type is None:
             continue
@@ -265,7 +287,7 @@ def _rebase(message: Message, start: int, replies: list[Message], earlier: _Earl
                 elif out.WhichOneof("result") == "ref" and not out.ref.transient:
                     item.ref = out.ref.id
                 else:
-                    earlier.encode(ref.step, ref.field, item)
+                    earlier.encode(ref.step, ref.field, item, room)
             elif isinstance(item, tensor_array_pb2.TensorArrayHandle) and item.HasField(
                 "from_step"
             ):
@@ -277,7 +299,7 @@ def _rebase(message: Message, start: int, replies: list[Message], earlier: _Earl
                 item.ClearField("from_step")
                 item.id, item.name = made.id, made.name
             else:
-                _rebase(item, start, replies, earlier)
+                _rebase(item, start, replies, earlier, room)
 
 
 def _output(reply: Message, field: str) -> Any:

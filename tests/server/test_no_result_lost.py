@@ -116,6 +116,50 @@ def test_batch_whose_inputs_together_pass_the_limit_uploads_what_does_not_fit(
         np.testing.assert_array_equal(ta.stack(), np.stack(written))
 
 
+def test_batch_steps_naming_outputs_of_earlier_requests_fit_their_requests(
+    small_messages,
+):
+    # Six copies of 300 kB go in two requests; six more steps name their outputs,
+    # which go back by value. Measured as references (a few bytes each), those six
+    # went in one request of 1.8 MB that gRPC refused (RESOURCE_EXHAUSTED).
+    written = values(6, 75_000)
+    with connect(small_messages, max_message_bytes=MIB, shared_memory=False) as client:
+        batch = client.batch()
+        copies = [batch.raw_ops.StopGradient(value) for value in written]
+        for copy in copies:
+            batch.raw_ops.StopGradient(copy)
+        got = batch.run()
+    for want, first, second in zip(written, got[:6], got[6:]):
+        np.testing.assert_array_equal(first, want)
+        np.testing.assert_array_equal(second, want)
+
+
+def test_an_earlier_output_named_by_later_requests_is_uploaded_once(small_messages):
+    # A gathered output over the stream threshold goes to later requests as an
+    # upload: two steps in two later requests that name it name one upload.
+    parts = values(2, 75_000)  # gathered: 600 kB, over the threshold
+    inline = values(6, 100_000)  # 400 kB each, under it: two fill a request
+    with connect(
+        small_messages, max_message_bytes=MIB, stream_threshold=512 * 1024, shared_memory=False
+    ) as client:
+        ta = client.tensor_array(np.float32, size=2)
+        for index, part in enumerate(parts):
+            ta.write(index, part)
+        uploads = []
+        put = client.put
+        client.put = lambda array: uploads.append(array.nbytes) or put(array)
+        batch = client.batch()
+        gathered = batch.raw_ops.TensorArrayGatherV3(ta.handle, [0, 1], ta.flow, np.float32)
+        for pair in (inline[:2], inline[2:4], inline[4:]):
+            for value in pair:
+                batch.raw_ops.StopGradient(value)
+            batch.raw_ops.StopGradient(gathered)
+        got = batch.run()
+    assert uploads == [600_000]  # was one per step of a later request naming it
+    for step in (3, 6, 9):
+        np.testing.assert_array_equal(got[step], np.stack(parts))
+
+
 def test_the_server_keeps_to_the_clients_response_budget(server):
     # The server allows 256 MiB, the client's channel only 1 MiB: the response
     # still fits the client.
