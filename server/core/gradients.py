@@ -22,8 +22,8 @@ TensorFlow's (``python/ops/tensor_array_grad.py``, ``array_grad.py``,
 Where TensorFlow's registration is wrong this is right, and says so: the LSTM
 gradient masks cells the forward clipped (TensorFlow's kernels ignore
 ``cell_clip``); TensorFlow registers the V1 kernel for BlockLSTMV2; a gradient
-reaching an LSTM's ``i, f, o, ci, co`` outputs is UNIMPLEMENTED here, where
-TensorFlow silently returns zeros; a split or scatter into a size-0
+reaching an LSTM's ``i, f, o, ci, co`` outputs is UNIMPLEMENTED here (unless it
+is zeros), where TensorFlow silently drops it; a split or scatter into a size-0
 TensorArray has an empty gradient here, where TensorFlow raises.
 
 A failed computation changes nothing: the grad arrays it made are dropped and
@@ -161,14 +161,18 @@ def _split_grad(sweep: Sweep, record: Record, grads: list[Any]) -> list[Any]:
 
 def _lstm_grad(sweep: Sweep, record: Record, grads: list[Any]) -> list[Any]:
     """BlockLSTM(V2): the matching grad op with the forward's ``cell_clip`` (clipped
-    cells pass no gradient). Only ``cs`` and ``h`` take gradients, as in TensorFlow."""
+    cells pass no gradient). Only ``cs`` and ``h`` take gradients, as in TensorFlow.
+    A gate output's gradient of zeros adds nothing, and passes: a TensorArray holding
+    a gate beside ``h`` gives it one when only ``h``'s element is read (TensorFlow's
+    zeros for an element never read), and TensorFlow's answer is then exact."""
     outputs = LSTMActivations(*grads)
     for name in ("i", "f", "o", "ci", "co"):
-        if getattr(outputs, name) is not None:
+        gate_grad = getattr(outputs, name)
+        if gate_grad is not None and np.any(sweep.host(gate_grad)):
             raise UnimplementedError(
                 f"the gradient of {record.op}'s output '{name}' is not implemented: only "
                 "'cs' and 'h' carry gradients into the LSTM (TensorFlow's registered "
-                "gradient silently returns zeros for the others; gradserve refuses)",
+                "gradient silently drops the others'; gradserve refuses one that is not zeros)",
                 reason="GRADIENT_NOT_IMPLEMENTED",
             )
     held = record.saved["held"]

@@ -230,6 +230,28 @@ def test_lstm_gate_outputs_as_targets_are_unimplemented_not_zeros(client):
     tape.release()
 
 
+def test_a_gate_output_beside_h_in_a_tensor_array_passes_zeros_not_an_error(client):
+    """A gate written into a TensorArray beside ``h``, only ``h``'s element read: the
+    gate's gradient is the grad array's zeros, which add nothing (TensorFlow's answer,
+    from a graph, is exact there). It was UNIMPLEMENTED (a review helper)."""
+    args = _lstm_inputs(client, np.random.default_rng(11))
+    with client.gradient_tape(persistent=True) as tape:
+        acts = client.raw_ops.BlockLSTMV2(*args)
+        h, flow = client.raw_ops.TensorArrayV3(size=2, dtype=np.float64)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, acts.i, flow)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 1, acts.h, flow)
+        y = client.raw_ops.TensorArrayReadV3(h, 1, flow, np.float64)
+        g, gflow = client.raw_ops.TensorArrayV3(size=2, dtype=np.float64)
+        gflow = client.raw_ops.TensorArrayWriteV3(g, 0, acts.i, gflow)
+        gflow = client.raw_ops.TensorArrayWriteV3(g, 1, acts.h, gflow)
+        both = client.raw_ops.TensorArrayGatherV3(g, [0, 1], gflow, np.float64)
+    through_h = tape.gradient(acts.h, args[4])
+    np.testing.assert_array_equal(tape.gradient(y, args[4]), through_h)
+    with pytest.raises(UnimplementedError, match="output 'i'"):  # i's element read: ones
+        tape.gradient(both, args[4])
+    tape.release()
+
+
 def test_lstm_clipped_cells_get_the_true_gradient(client):
     """TensorFlow's kernels pass gradient straight through a clipped cell; the tape's
     matches central finite differences (float64), for V1 and V2."""
