@@ -331,7 +331,7 @@ class TensorArray:
                     f"Max scatter index must be < array size ({max_index} vs. {size})"
                 )
             for i, index in enumerate(indices):
-                self._write_locked(int(index), _own_piece(value[i], value))
+                self._write_locked(int(index), _own_piece(value[i, ...], value))
 
     def split(
         self,

@@ -52,6 +52,16 @@ def test_resident_put_get_and_kept_outputs(client, dtype):
     assert client.delete(ref, kept) == 2
 
 
+@pytest.mark.parametrize("dtype", dtypes.SUPPORTED, ids=str)
+def test_a_rank_one_value_scatters_into_scalar_elements(client, dtype):
+    # Each element of a rank-1 value is a 0-d array: a string one was a bare bytes
+    # object, and the scatter failed INTERNAL (a review helper).
+    x = arbitrary_bits(dtype, (3,))
+    h, flow = client.raw_ops.TensorArrayV3(size=3, dtype=dtype)
+    flow = client.raw_ops.TensorArrayScatterV3(h, [2, 0, 1], x, flow)
+    assert same(client.raw_ops.TensorArrayGatherV3(h, [2, 0, 1], flow, dtype), x)
+
+
 def test_string_dtype_names(client):
     h, flow = client.raw_ops.TensorArrayV3(size=1, dtype="float64")
     client.raw_ops.TensorArrayWriteV3(h, 0, np.array([1.5]), flow)
