@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import math
@@ -46,7 +47,7 @@ from gradserve.errors import (
     UnavailableError,
     UnimplementedError,
 )
-from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_pb2
+from gradserve.v1 import service_pb2, service_pb2_grpc, tape_pb2, tensor_pb2
 from gradserve.warm_buffers import WarmBuffers
 
 ArrayLike = Any  # np.ndarray, anything np.asarray takes, or a TensorRef
@@ -262,6 +263,9 @@ class Client:
         self._unary_tensors = True
         #: The gradient tapes recording on each thread (``gradient_tape``).
         self._recording = Recording()
+        #: Ids of tapes garbage collected unreleased (``_tape._dropped``): released
+        #: by the next call (``_release_dropped``).
+        self._dropped_tapes: collections.deque[str] = collections.deque()
         if session_id is None:
             reply = self._call("CreateSession", service_pb2.CreateSessionRequest(), session=False)
             self.session_id: str = reply.session_id
@@ -393,6 +397,8 @@ class Client:
         output region: see ``_run_op``). So may ``request``, which a request stream
         must be: an attempt consumes its iterator, and a repeat needs the whole stream
         again."""
+        if self._dropped_tapes and session and rpc != "ReleaseTape":
+            self._release_dropped()
         default = self._metadata if session else self._auth
         if tapes is None:
             tapes = self._recording.tapes if session and rpc in _RECORDED else ()
@@ -762,6 +768,22 @@ class Client:
         """A gradient tape recording on the server: ``with client.gradient_tape() as
         tape: ...`` then ``tape.gradient(target, sources)`` (``tf.GradientTape``)."""
         return GradientTape(self, persistent, watch_accessed_variables)
+
+    def _release_dropped(self) -> None:
+        """Release the tapes garbage collected unreleased, before the call that found
+        them: TensorFlow frees a tape its program drops, and a loop that never called
+        ``release()`` ran into the session's 64 tapes (a review helper). Each is one
+        ReleaseTape; one that fails (the tape or session already gone) is logged."""
+        while True:
+            try:
+                tape_id = self._dropped_tapes.popleft()
+            except IndexError:
+                return
+            try:
+                request = tape_pb2.ReleaseTapeRequest(tape_id=tape_id)
+                self._call("ReleaseTape", request, once=True)
+            except GradserveError as e:
+                log.info("could not release a dropped gradient tape: %s", e)
 
     def batch(self):
         """Collect ops (``b.raw_ops.X(...)``) and run them in one round trip with ``b.run()``."""

@@ -11,8 +11,10 @@ tape are watched, as ``tf.Variable``s are.
 
 from __future__ import annotations
 
+import collections
 import secrets
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -43,13 +45,33 @@ class Recording(threading.local):
         return ",".join(dict.fromkeys(t.header() for t in tapes))
 
 
+class _Life:
+    """A tape's state as its finalizer reads it (the tape itself is gone by then)."""
+
+    __slots__ = ("released", "started", "tape_id")
+
+    def __init__(self) -> None:
+        self.tape_id: str | None = None
+        self.released = False
+        self.started = False
+
+
+def _dropped(queue: collections.deque[str], life: _Life) -> None:
+    """A tape's finalizer (any thread, any time: it only appends): a tape the server
+    holds goes to the client's queue of tapes to release (``Client._release_dropped``)."""
+    if life.started and not life.released and life.tape_id is not None:
+        queue.append(life.tape_id)
+
+
 class GradientTape:
     """A gradient tape in the client's session, used the way ``tf.GradientTape`` is.
 
     ``persistent=False`` (the default): one ``gradient`` call, after which the server
     releases everything the tape held. ``persistent=True``: any number, until
-    ``release()`` (or the session ends). Everything a tape holds counts against the
-    session's byte budget.
+    ``release()``, or until the tape is garbage collected (as TensorFlow frees one; the
+    client's next call releases it), or the session ends. An output computed under a
+    tape (``TapedArray``) keeps it alive. Everything a tape holds counts against the
+    session's byte budget, and a session holds at most 64 tapes.
     """
 
     def __init__(
@@ -59,9 +81,25 @@ class GradientTape:
         self.persistent = persistent
         self.watch_accessed_variables = watch_accessed_variables
         self.id: str | None = None
-        self.released = False
-        #: A call naming this tape succeeded: the server has it (``header``).
-        self.started = False
+        self._life = _Life()
+
+    @property
+    def released(self) -> bool:
+        """Released: by ``release()``, or (non-persistent) by its gradient call."""
+        return self._life.released
+
+    @released.setter
+    def released(self, value: bool) -> None:
+        self._life.released = value
+
+    @property
+    def started(self) -> bool:
+        """A call naming this tape succeeded: the server has it (``header``)."""
+        return self._life.started
+
+    @started.setter
+    def started(self, value: bool) -> None:
+        self._life.started = value
 
     # ---------------------------------------------------------------- recording
     def done(self) -> None:
@@ -77,7 +115,8 @@ class GradientTape:
         if self.id is None:
             # Proposed here and started by the server with the first call that names
             # it (``header``): a tape costs no round trip of its own.
-            self.id = secrets.token_urlsafe(16)
+            self.id = self._life.tape_id = secrets.token_urlsafe(16)
+            weakref.finalize(self, _dropped, self._client._dropped_tapes, self._life)
         self._client._recording.tapes.append(self)
         return self
 

@@ -9,6 +9,7 @@ replays are in ``test_tape_golden.py``.
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import numpy as np
 import pytest
@@ -26,7 +27,7 @@ from gradserve.errors import (
 )
 from gradserve.server import run_server
 from gradserve.server.core.sessions import TENSOR_RECORD_BYTES
-from gradserve.server.core.tape import RECORD_BYTES
+from gradserve.server.core.tape import MAX_TAPES_PER_SESSION, RECORD_BYTES
 
 F32 = np.float32
 
@@ -307,6 +308,31 @@ def recorded(client):
     yield tape, x, n, r, h
     if not tape.released:
         tape.release()
+
+
+def test_tapes_dropped_unreleased_are_released_by_the_next_call(client, server):
+    """TensorFlow frees a tape its program drops; a loop of persistent tapes never
+    released (and of non-persistent ones never asked) failed at the 65th with
+    RESOURCE_EXHAUSTED, the session's tape limit (a review helper)."""
+    x = client.put(np.ones(3, F32))
+    for step in range(MAX_TAPES_PER_SESSION + 6):
+        with client.gradient_tape(persistent=step % 2 == 0) as tape:
+            h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=F32)
+            flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+            r = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+        if step % 2 == 0:
+            np.testing.assert_array_equal(tape.gradient(r, x), np.ones(3, F32))
+        del tape, r
+        gc.collect()
+    with client.gradient_tape(persistent=True) as tape:
+        h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=F32)
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+        kept = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+    del tape  # its output lives: so does it
+    gc.collect()
+    client.keep_alive()
+    assert len(session_of(server, client)._tapes) <= 2  # (the last call's tapes, and kept's)
+    assert kept.held
 
 
 def _state(server, client):
