@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from gradserve import dtypes
+from gradserve.errors import InvalidArgumentError
 
 #: TensorFlow's ``DataType`` enum values (``types.proto``) of the dtypes the service
 #: supports: ``dtype=1`` is float32 to ``tf.raw_ops``.
@@ -39,6 +40,44 @@ TF_DATA_TYPES: dict[int, Any] = {
     22: np.uint32,
     23: np.uint64,
 }
+#: TensorFlow's dtypes the service does not serve, by number and name: refused as
+#: unsupported (``UnsupportedDTypeError``), where a value TensorFlow takes for no dtype
+#: is a ``TypeError``.
+_TF_UNSUPPORTED: dict[int, str] = {
+    11: "qint8", 12: "quint8", 13: "qint32", 15: "qint16", 16: "quint16", 20: "resource",
+    21: "variant", 24: "float8_e5m2", 25: "float8_e4m3fn", 26: "float8_e4m3fnuz",
+    27: "float8_e4m3b11fnuz", 28: "float8_e5m2fnuz", 29: "int4", 30: "uint4", 31: "int2",
+    32: "uint2", 33: "float4_e2m1fn",
+}  # fmt: skip
+_REF = 100  # a reference dtype's number: its base's + 100 (``DType.base_dtype``)
+_UNSUPPORTED = object()
+
+
+def _tf_dtype_table() -> dict[Any, Any]:
+    """What ``tf.as_dtype`` looks a value up in (``_ANY_TO_TF`` in TensorFlow 2.21's
+    ``dtypes.py``): DataType numbers (reference ones too), TensorFlow's type names
+    (with ``_ref`` and the aliases ``half``, ``float``, ``double``), Python's ``float``,
+    ``bool`` and ``object``, and NumPy's scalar types."""
+    table: dict[Any, Any] = {}
+    for number, dtype in TF_DATA_TYPES.items():
+        dt = dtypes.normalize(dtype)
+        table[number] = table[number + _REF] = dt
+        name = dtypes.name(dt)
+        table[name] = table[name + "_ref"] = dt
+        table[np.dtype(dt).type] = dt
+    for number, name in _TF_UNSUPPORTED.items():
+        table[number] = table[number + _REF] = _UNSUPPORTED
+        table[name] = table[name + "_ref"] = _UNSUPPORTED
+    for alias, dtype in (("half", np.float16), ("float", np.float32), ("double", np.float64)):
+        table[alias] = table[alias + "_ref"] = np.dtype(dtype)
+    table.update({float: np.dtype(np.float32), bool: np.dtype(np.bool_)})
+    for string_type in (object, np.bytes_, np.str_):
+        table[string_type] = dtypes.STRING
+    table[np.longlong], table[np.ulonglong] = np.dtype(np.int64), np.dtype(np.uint64)
+    return table
+
+
+_TF_DTYPES = _tf_dtype_table()
 
 
 def make_bool(value: Any, arg_name: str) -> bool:
@@ -65,16 +104,62 @@ def make_float(value: Any, arg_name: str) -> float:
     return float(value)
 
 
-def make_type(value: Any, arg_name: str) -> Any:
-    """A ``type`` attribute: what ``dtypes.normalize`` takes, or one of TensorFlow's
-    ``DataType`` numbers (``dtype=1`` is float32)."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
-        if int(value) not in TF_DATA_TYPES:
-            raise dtypes.UnsupportedDTypeError(
-                f"'{arg_name}': DataType {int(value)} is not a dtype the service supports"
-            )
-        return dtypes.normalize(TF_DATA_TYPES[int(value)])
-    return value
+def make_type(value: Any, arg_name: str) -> np.dtype[Any]:
+    """A ``type`` attribute as ``tf.as_dtype`` reads it: a TensorFlow ``DType``, a NumPy
+    dtype or scalar type, one of TensorFlow's names ("float32", "float", "half",
+    "string", ...), a ``DataType`` number (``dtype=1`` is float32, and so is ``True``),
+    or Python's ``float`` (float32), ``bool`` or ``object`` (string). Anything else is
+    TensorFlow's ``TypeError`` (``int``, ``str``, ``"f4"``, ``None``); a TensorFlow dtype
+    the service does not serve is ``UnsupportedDTypeError``. A Python ``int`` (or
+    ``bool``) is taken as a number as it is, as TensorFlow's eager fast path takes it:
+    a reference type's number (101) or no type's (0, ``False``, 200) is TensorFlow's
+    ``InvalidArgumentError``."""
+    if type(value) in (int, bool):
+        _check_number(value)
+    found = _lookup(value)
+    if found is None:
+        raise TypeError(f"Expected DataType for argument '{arg_name}' not {value!r}.")
+    if found is _UNSUPPORTED:
+        raise dtypes.UnsupportedDTypeError(
+            f"'{arg_name}': {value!r} is a TensorFlow dtype the service does not support"
+        )
+    return found  # type: ignore[no-any-return]
+
+
+def _check_number(number: int) -> None:
+    name = _TF_DTYPES.get(number - _REF)
+    if name is not None and name is not _UNSUPPORTED:
+        ref_name = "string" if name == dtypes.STRING else dtypes.tf_name(name)
+        raise InvalidArgumentError(
+            f"AttrValue must not have reference type value of {ref_name}_ref"
+        )
+    if number not in _TF_DTYPES:
+        raise InvalidArgumentError(
+            "AttrValue has invalid DataType" + (f" enum: {number}" if number else "")
+        )
+
+
+def _lookup(value: Any) -> Any:
+    """``tf.as_dtype``'s steps in its order; None where TensorFlow raises."""
+    number = getattr(value, "as_datatype_enum", None)  # a tf.DType (TensorFlow unimported)
+    if isinstance(number, int):
+        return _TF_DTYPES.get(number)
+    if isinstance(value, np.dtype):
+        if value.kind == "T":  # NumPy's StringDType
+            return dtypes.STRING
+        if (found := _TF_DTYPES.get(value.type)) is not None:
+            return found
+    try:
+        if (found := _TF_DTYPES.get(value)) is not None:
+            return found
+    except TypeError:  # unhashable
+        pass
+    if hasattr(value, "dtype"):  # an array, or anything with a dtype
+        try:
+            return _TF_DTYPES.get(np.dtype(value.dtype).type)
+        except TypeError:
+            return None
+    return None
 
 
 def make_shape(value: Any, arg_name: str) -> list[int | None] | None:

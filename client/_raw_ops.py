@@ -95,7 +95,7 @@ def _set_shape(msg: Message, field: str, shape) -> None:
 
 def _dtype(value: Any, arg_name: str = "dtype") -> np.dtype:
     """A ``type`` attribute (``attrs.make_type``) as a supported NumPy dtype."""
-    return dtypes.normalize(attrs.make_type(value, arg_name))
+    return attrs.make_type(value, arg_name)
 
 
 class RawOps:

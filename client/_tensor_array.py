@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from gradserve import dtypes
+from gradserve.client import _attrs as attrs
 from gradserve.client._types import TensorArrayHandle, TensorRef
 
 
@@ -35,7 +36,7 @@ class TensorArray:
         flow: float = 0.0,
     ) -> None:
         self._client = client
-        self.dtype = dtypes.normalize(dtype)
+        self.dtype = attrs.make_type(dtype, "dtype")  # as tf.TensorArray reads it
         self.element_shape = None if element_shape is None else tuple(element_shape)
         if handle is None:
             handle, flow = client.raw_ops.TensorArrayV3(

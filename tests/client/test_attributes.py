@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from gradserve.dtypes import UnsupportedDTypeError
+from gradserve.errors import InvalidArgumentError
 
 F32 = np.float32
 
@@ -34,6 +35,19 @@ TENSOR_ARRAY_CASES = [
     ({"dtype": 7}, None, None),  # DT_STRING
     ({"dtype": "float32"}, None, None),
     ({"dtype": float}, None, None),
+    ({"dtype": True}, None, None),  # DataType 1
+    ({"dtype": 1.0}, None, None),
+    ({"dtype": "float32_ref"}, None, None),
+    ({"dtype": np.dtype(">f4")}, None, None),
+    ({"dtype": int}, TypeError, "Expected DataType for argument 'dtype' not <class 'int'>."),
+    ({"dtype": str}, TypeError, "Expected DataType for argument 'dtype' not <class 'str'>."),
+    ({"dtype": "f4"}, TypeError, "Expected DataType for argument 'dtype' not 'f4'."),
+    ({"dtype": "int"}, TypeError, "Expected DataType for argument 'dtype' not 'int'."),
+    ({"dtype": None}, TypeError, "Expected DataType for argument 'dtype' not None."),
+    ({"dtype": 101}, InvalidArgumentError,
+     "AttrValue must not have reference type value of float_ref"),
+    ({"dtype": 200}, InvalidArgumentError, "AttrValue has invalid DataType enum: 200"),
+    ({"dtype": False}, InvalidArgumentError, "AttrValue has invalid DataType"),
     ({"dynamic_size": 1}, TypeError, "Expected bool for argument 'dynamic_size' not 1."),
     ({"dynamic_size": np.True_}, TypeError,
      "Expected bool for argument 'dynamic_size' not np.True_."),
@@ -64,8 +78,17 @@ def test_an_element_shape_and_dtype_given_as_tf_gives_them_reach_the_array(clien
         client.raw_ops.TensorArrayWriteV3(h, 1, np.ones(4), flow)
     value = client.raw_ops.TensorArrayReadV3(h, 0, flow, dtype=2)
     assert value.dtype == np.float64 and value.shape == (3,)
-    with pytest.raises(UnsupportedDTypeError, match="DataType 101"):  # float_ref
-        client.raw_ops.TensorArrayV3(size=2, dtype=101)
+    with pytest.raises(UnsupportedDTypeError, match="'qint8' is a TensorFlow dtype"):
+        client.raw_ops.TensorArrayV3(size=2, dtype="qint8")
+
+
+def test_python_float_as_a_dtype_is_float32(client):
+    # TensorFlow's as_dtype maps Python's float to float32 (NumPy's np.dtype(float) is
+    # float64, which the SDK gave before: a write of [1.0, 2.0] was then refused).
+    h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=float)
+    flow = client.raw_ops.TensorArrayWriteV3(h, 0, [1.0, 2.0], flow)
+    assert client.raw_ops.TensorArrayReadV3(h, 0, flow, dtype=float).dtype == np.float32
+    assert client.tensor_array(float, size=1).dtype == np.float32
 
 
 def test_other_ops_attributes_and_integer_inputs(client):
