@@ -123,7 +123,7 @@ def make_type(value: Any, arg_name: str) -> np.dtype[Any]:
         raise dtypes.UnsupportedDTypeError(
             f"'{arg_name}': {value!r} is a TensorFlow dtype the service does not support"
         )
-    return found  # type: ignore[no-any-return]
+    return found
 
 
 def _check_number(number: int) -> None:
