@@ -80,15 +80,21 @@ def _tf_dtype_table() -> dict[Any, Any]:
 _TF_DTYPES = _tf_dtype_table()
 
 
-def make_bool(value: Any, arg_name: str) -> bool:
-    """A ``bool`` attribute: only ``True`` or ``False`` (not 1, not ``np.True_``)."""
+def make_bool(value: Any, arg_name: str, default: bool | None = None) -> bool:
+    """A ``bool`` attribute: only ``True`` or ``False`` (not 1, not ``np.True_``); None
+    is the attribute's ``default`` where it has one (as TensorFlow's op wrappers
+    read None)."""
+    if value is None and default is not None:
+        return default
     if not isinstance(value, bool):
         raise TypeError(f"Expected bool for argument '{arg_name}' not {value!r}.")
     return value
 
 
-def make_str(value: Any, arg_name: str) -> str:
-    """A ``string`` attribute: ``str`` or ``bytes`` (UTF-8)."""
+def make_str(value: Any, arg_name: str, default: str | None = None) -> str:
+    """A ``string`` attribute: ``str`` or ``bytes`` (UTF-8); None is ``default``."""
+    if value is None and default is not None:
+        return default
     if isinstance(value, bytes):
         return value.decode("utf-8")
     if not isinstance(value, str):
@@ -96,9 +102,11 @@ def make_str(value: Any, arg_name: str) -> str:
     return value
 
 
-def make_float(value: Any, arg_name: str) -> float:
+def make_float(value: Any, arg_name: str, default: float | None = None) -> float:
     """A ``float`` attribute: any real number (an int too, a NumPy scalar), not a
-    string."""
+    string; None is ``default``."""
+    if value is None and default is not None:
+        return default
     if not isinstance(value, (numbers.Real, np.integer, np.floating)):
         raise TypeError(f"Expected float for argument '{arg_name}' not {value!r}.")
     return float(value)

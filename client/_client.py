@@ -19,7 +19,7 @@ from google.protobuf.message import Message
 
 from gradserve import codec, dtypes, heap, protocol, warm_buffers
 from gradserve.client import _shm
-from gradserve.client._convert import is_plain_python, to_array
+from gradserve.client._convert import cannot_convert, is_plain_python, to_array
 from gradserve.client._errors import (
     CHANNEL_GONE,
     answered,
@@ -583,12 +583,11 @@ class Client:
             return
         array = to_array(value, dtype)  # as tf.convert_to_tensor converts it
         if dtype is not None:
-            if array.dtype.kind in "fc" and is_plain_python(value):
-                # tf.raw_ops refuses a Python float for an integer input (it truncates
-                # a NumPy one, which the server refuses: see _as_integer_input).
-                raise TypeError(
-                    f"Cannot convert {value!r} to EagerTensor of dtype {np.dtype(dtype)}"
-                )
+            if array.size and array.dtype.kind in "fcUS" and is_plain_python(value):
+                # tf.raw_ops refuses a Python float or string for an integer input (it
+                # truncates a NumPy float, which the server refuses: _as_integer_input);
+                # an empty list is the input's type.
+                raise TypeError(cannot_convert(value, dtype))
             array = _as_integer_input(array, dtypes.normalize(dtype))
         nbytes = dtypes.nbytes(array)
         size = protocol.encoded_size(nbytes, array.ndim)

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from gradserve import dtypes
-from gradserve.errors import InvalidArgumentError, UnsupportedDTypeError
+from gradserve.errors import ConversionError, InvalidArgumentError, UnsupportedDTypeError
 
 __all__ = ["to_array"]
 
@@ -84,8 +84,22 @@ def to_array(value: Any, dtype: dtypes.DTypeLike | None = None) -> np.ndarray:
     if array is not None:
         return _from_ndarray(array)
     if dtype is not None:
+        if value is None:
+            raise ConversionError(unsupported_type(value))
         return np.asarray(value)
     return _from_python(value)
+
+
+def cannot_convert(value: Any, dtype: dtypes.DTypeLike | str) -> str:
+    """TensorFlow's message for a value it will not convert to a tensor of ``dtype``
+    (a dtype, or the name of one the service has no NumPy type for: "resource")."""
+    name = dtype if isinstance(dtype, str) else dtypes.tf_name(dtypes.normalize(dtype))
+    return f"Cannot convert {value!r} to EagerTensor of dtype {name}"
+
+
+def unsupported_type(value: Any) -> str:
+    """TensorFlow's message for a value it cannot convert to a tensor at all."""
+    return f"Attempt to convert a value ({value!r}) with an unsupported type ({type(value)!r}) to a Tensor."
 
 
 def is_plain_python(value: Any) -> bool:
@@ -188,7 +202,7 @@ def _numpy_refusal(detail: str) -> str:
 def _object_string(item: Any) -> Any:
     if isinstance(item, bytes | str):
         return item
-    raise InvalidArgumentError(_numpy_refusal(f"Unsupported object type {_tp_name(item)}"))
+    raise ConversionError(_numpy_refusal(f"Unsupported object type {_tp_name(item)}"))
 
 
 def _strings(array: np.ndarray, check: Callable[[Any], Any]) -> np.ndarray:
@@ -201,7 +215,7 @@ def _strings(array: np.ndarray, check: Callable[[Any], Any]) -> np.ndarray:
             try:
                 item = item.encode("utf-8")
             except UnicodeEncodeError:
-                raise InvalidArgumentError(
+                raise ConversionError(
                     _numpy_refusal("Unable to convert element to UTF-8")
                 ) from None
         flat[i] = bytes(item)
@@ -248,7 +262,7 @@ def _from_python(value: Any) -> np.ndarray:
         result_dtype = np.dtype(_OTHER[kind][0])
         values, error = run(_OTHER[kind][1])
     if error is not None or values is None:
-        raise InvalidArgumentError(error or RECTANGULAR)
+        raise ConversionError(error or RECTANGULAR)
     if result_dtype == dtypes.STRING:
         out = np.empty(len(values), dtype=dtypes.STRING)
         out[:] = values
@@ -283,7 +297,7 @@ def _infer(value: Any) -> tuple[tuple[int, ...], str | None]:
             try:
                 length = len(obj)
             except TypeError as e:
-                raise InvalidArgumentError(str(e)) from None
+                raise ConversionError(str(e)) from None
             shape.append(length)
             if length == 0:
                 return tuple(shape), None
@@ -291,10 +305,7 @@ def _infer(value: Any) -> tuple[tuple[int, ...], str | None]:
             continue
         kind = _leaf_kind(obj)
         if kind is None:
-            raise InvalidArgumentError(
-                f"Attempt to convert a value ({obj!r}) with an unsupported type "
-                f"({type(obj)!r}) to a Tensor."
-            )
+            raise ConversionError(unsupported_type(obj))
         return tuple(shape), kind
 
 
@@ -308,11 +319,11 @@ def _first(seq: Any) -> Any:
     try:
         return next(iter(seq))
     except StopIteration:
-        raise InvalidArgumentError(
+        raise ConversionError(
             f"Cannot infer dtype of a {name} object since it is an empty sequence"
         ) from None
     except TypeError as e:
-        raise InvalidArgumentError(f"Cannot infer dtype of a {name} object: {e}") from None
+        raise ConversionError(f"Cannot infer dtype of a {name} object: {e}") from None
 
 
 def _leaf_kind(obj: Any) -> str | None:

@@ -18,8 +18,9 @@ from google.protobuf.message import Message
 
 from gradserve import codec, dtypes, shapes
 from gradserve.client import _attrs as attrs
-from gradserve.client._convert import is_plain_python, to_array
+from gradserve.client._convert import cannot_convert, is_plain_python, to_array, unsupported_type
 from gradserve.client._types import StepOutput, TapedArray, TensorArrayHandle, TensorRef
+from gradserve.errors import ConversionError
 from gradserve.lstm_signature import GRAD_ARGUMENTS, LSTMActivations, LSTMGrads, LSTMInputs
 from gradserve.v1 import lstm_pb2
 from gradserve.v1 import tensor_array_pb2 as pb
@@ -72,12 +73,34 @@ class TensorArrayConcatV3Output(NamedTuple):
     lengths: np.ndarray
 
 
+def _flow_in(value: Any) -> float:
+    """A ``flow_in`` input, converted as TensorFlow converts a float tensor (None and
+    strings refused as it refuses them; an array or a list taken). Its value only
+    orders ops (``dummy``, as in TensorFlow): its first element goes, or 0.0 where it
+    has none, and the flow returned is a float32 scalar where TensorFlow passes a
+    flow of another shape through."""
+    if isinstance(value, float):
+        return value  # the hot path: a flow this SDK returned
+    array = to_array(value, np.float32)
+    if array.size and array.dtype.kind in "US":
+        raise TypeError(cannot_convert(value, "float"))
+    return float(np.asarray(array, np.float32).flat[0]) if array.size else 0.0
+
+
 def _handle_msg(handle: Any) -> pb.TensorArrayHandle:
     handle = getattr(handle, "handle", handle)  # a gradserve.TensorArray
     if isinstance(handle, StepOutput):  # made by an earlier step of a batch
         msg = pb.TensorArrayHandle()
         msg.from_step.step, msg.from_step.field = handle.step, handle.field
         return msg
+    if not isinstance(handle, TensorArrayHandle):  # as TensorFlow converts a resource
+        if handle is None:
+            raise ConversionError(unsupported_type(handle))
+        if isinstance(handle, (np.ndarray, np.generic)):  # a flow passed as the handle
+            raise ConversionError(
+                "Failed to convert a NumPy array to a Tensor (Unexpected numpy data type)."
+            )
+        raise TypeError(cannot_convert(handle, "resource"))
     return pb.TensorArrayHandle(id=handle.id, name=handle.name)
 
 
@@ -147,12 +170,12 @@ class RawOps:
         temps = self._staging()
         req = pb.TensorArrayV3Request(
             dtype=codec.dtype_to_enum(_dtype(dtype)),
-            dynamic_size=attrs.make_bool(dynamic_size, "dynamic_size"),
-            clear_after_read=attrs.make_bool(clear_after_read, "clear_after_read"),
+            dynamic_size=attrs.make_bool(dynamic_size, "dynamic_size", False),
+            clear_after_read=attrs.make_bool(clear_after_read, "clear_after_read", True),
             identical_element_shapes=attrs.make_bool(
-                identical_element_shapes, "identical_element_shapes"
+                identical_element_shapes, "identical_element_shapes", False
             ),
-            tensor_array_name=attrs.make_str(tensor_array_name, "tensor_array_name"),
+            tensor_array_name=attrs.make_str(tensor_array_name, "tensor_array_name", ""),
         )
         self._in(size, req.size, temps, np.int32)
         _set_shape(req, "element_shape", element_shape)
@@ -165,7 +188,7 @@ class RawOps:
 
     def TensorArrayWriteV3(self, handle, index, value, flow_in, name=None) -> np.float32:
         temps = self._staging()
-        req = pb.TensorArrayWriteV3Request(handle=_handle_msg(handle), flow_in=flow_in)
+        req = pb.TensorArrayWriteV3Request(handle=_handle_msg(handle), flow_in=_flow_in(flow_in))
         self._in(index, req.index, temps, np.int32)
         self._in(value, req.value, temps)
         return self._op("TensorArrayWriteV3", req, lambda r: _flow(r.flow_out), temps)
@@ -175,7 +198,7 @@ class RawOps:
         dtype = _dtype(dtype)
         req = pb.TensorArrayReadV3Request(
             handle=_handle_msg(handle),
-            flow_in=flow_in,
+            flow_in=_flow_in(flow_in),
             dtype=codec.dtype_to_enum(dtype),
             keep_outputs=keep,
         )
@@ -190,7 +213,7 @@ class RawOps:
         dtype = _dtype(dtype)
         req = pb.TensorArrayGatherV3Request(
             handle=_handle_msg(handle),
-            flow_in=flow_in,
+            flow_in=_flow_in(flow_in),
             dtype=codec.dtype_to_enum(dtype),
             keep_outputs=keep,
         )
@@ -201,7 +224,7 @@ class RawOps:
 
     def TensorArrayScatterV3(self, handle, indices, value, flow_in, name=None) -> np.float32:
         temps = self._staging()
-        req = pb.TensorArrayScatterV3Request(handle=_handle_msg(handle), flow_in=flow_in)
+        req = pb.TensorArrayScatterV3Request(handle=_handle_msg(handle), flow_in=_flow_in(flow_in))
         self._in(indices, req.indices, temps, np.int32)
         self._in(value, req.value, temps)
         return self._op("TensorArrayScatterV3", req, lambda r: _flow(r.flow_out), temps)
@@ -212,7 +235,7 @@ class RawOps:
         dtype = _dtype(dtype)
         req = pb.TensorArrayConcatV3Request(
             handle=_handle_msg(handle),
-            flow_in=flow_in,
+            flow_in=_flow_in(flow_in),
             dtype=codec.dtype_to_enum(dtype),
             keep_outputs=keep,
         )
@@ -228,13 +251,13 @@ class RawOps:
 
     def TensorArraySplitV3(self, handle, value, lengths, flow_in, name=None) -> np.float32:
         temps = self._staging()
-        req = pb.TensorArraySplitV3Request(handle=_handle_msg(handle), flow_in=flow_in)
+        req = pb.TensorArraySplitV3Request(handle=_handle_msg(handle), flow_in=_flow_in(flow_in))
         self._in(value, req.value, temps)
         self._in(lengths, req.lengths, temps, np.int64)
         return self._op("TensorArraySplitV3", req, lambda r: _flow(r.flow_out), temps)
 
     def TensorArraySizeV3(self, handle, flow_in, name=None) -> np.int32:
-        req = pb.TensorArraySizeV3Request(handle=_handle_msg(handle), flow_in=flow_in)
+        req = pb.TensorArraySizeV3Request(handle=_handle_msg(handle), flow_in=_flow_in(flow_in))
         return self._op(
             "TensorArraySizeV3", req, lambda r: self._out(r.size)[()], self._staging()
         )  # no inputs to stage
@@ -247,7 +270,9 @@ class RawOps:
 
     def TensorArrayGradV3(self, handle, flow_in, source, name=None) -> TensorArrayGradV3Output:
         req = pb.TensorArrayGradV3Request(
-            handle=_handle_msg(handle), flow_in=flow_in, source=attrs.make_str(source, "source")
+            handle=_handle_msg(handle),
+            flow_in=_flow_in(flow_in),
+            source=attrs.make_str(source, "source"),
         )
         return self._op(
             "TensorArrayGradV3",
@@ -261,7 +286,9 @@ class RawOps:
     ) -> TensorArrayGradV3Output:
         temps = self._staging()
         req = pb.TensorArrayGradWithShapeRequest(
-            handle=_handle_msg(handle), flow_in=flow_in, source=attrs.make_str(source, "source")
+            handle=_handle_msg(handle),
+            flow_in=_flow_in(flow_in),
+            source=attrs.make_str(source, "source"),
         )
         self._in(shape_to_prepend, req.shape_to_prepend, temps, np.int32)
         return self._op(
@@ -306,8 +333,8 @@ class RawOps:
         """Gate layout IFCO; ``keep=True`` keeps the seven outputs on the server."""
         values = dict(locals())
         req = lstm_pb2.BlockLSTMV2Request(
-            cell_clip=attrs.make_float(cell_clip, "cell_clip"),
-            use_peephole=attrs.make_bool(use_peephole, "use_peephole"),
+            cell_clip=attrs.make_float(cell_clip, "cell_clip", 0.0),
+            use_peephole=attrs.make_bool(use_peephole, "use_peephole", False),
             keep_outputs=keep,
         )
         return self._lstm("BlockLSTMV2", req, values, _LSTM_INPUTS, self._lstm_out)
@@ -319,9 +346,9 @@ class RawOps:
         """The V1 op: gate layout ICFO, with forget bias."""
         values = dict(locals())
         req = lstm_pb2.BlockLSTMRequest(
-            forget_bias=attrs.make_float(forget_bias, "forget_bias"),
-            cell_clip=attrs.make_float(cell_clip, "cell_clip"),
-            use_peephole=attrs.make_bool(use_peephole, "use_peephole"),
+            forget_bias=attrs.make_float(forget_bias, "forget_bias", 1.0),
+            cell_clip=attrs.make_float(cell_clip, "cell_clip", 3.0),
+            use_peephole=attrs.make_bool(use_peephole, "use_peephole", False),
             keep_outputs=keep,
         )
         return self._lstm("BlockLSTM", req, values, _LSTM_INPUTS, self._lstm_out)

@@ -30,6 +30,7 @@ __all__ = [
     "DataLossError",
     "UnauthenticatedError",
     "UnsupportedDTypeError",
+    "ConversionError",
     "SessionLostError",
     "Code",
     "error_class_for",
@@ -192,6 +193,13 @@ class UnauthenticatedError(GradserveError):
 
 class UnsupportedDTypeError(InvalidArgumentError, ValueError):
     """A dtype (or wire dtype number) gradserve does not carry."""
+
+
+class ConversionError(InvalidArgumentError, ValueError):
+    """A Python value TensorFlow does not convert to a tensor (``None``, a ragged list,
+    an int past int64): TensorFlow's ``ValueError``, so that a program moved from
+    ``tf.raw_ops`` catches it where it did, and an ``InvalidArgumentError`` as the
+    service's other refusals of a value."""
 
 
 class SessionLostError(NotFoundError):

@@ -108,3 +108,86 @@ def test_other_ops_attributes_and_integer_inputs(client):
     with pytest.raises(TypeError, match="^Cannot convert 1.0 to EagerTensor of dtype int64"):
         client.raw_ops.BlockLSTMV2(1.0, *lstm[1:])
     assert client.raw_ops.BlockLSTMV2(*lstm, cell_clip=1).h.shape == (1, 1, 1)  # int: a float
+
+
+def test_none_for_an_attribute_with_a_default_is_the_default(client):
+    # TensorFlow's op wrappers read None as the attribute's default; the SDK raised
+    # TypeError (a review helper's comparison, TensorFlow 2.21).
+    none = dict.fromkeys(
+        ("dynamic_size", "clear_after_read", "identical_element_shapes", "tensor_array_name")
+    )
+    h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=F32, **none)
+    flow = client.raw_ops.TensorArrayWriteV3(h, 0, [1.0], flow)
+    with pytest.raises(InvalidArgumentError, match="array is not resizeable"):
+        client.raw_ops.TensorArrayWriteV3(h, 1, [1.0], flow)  # dynamic_size: False
+    client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+    with pytest.raises(InvalidArgumentError, match="cleared after a previous read"):
+        client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)  # clear_after_read: True
+    rng = np.random.default_rng(0)
+    r = lambda *s: rng.standard_normal(s).astype(F32)  # noqa: E731
+    lstm = (np.int64(2), r(2, 1, 2), r(1, 2), r(1, 2), r(4, 8), r(2), r(2), r(2), r(8))
+    defaults = client.raw_ops.BlockLSTM(*lstm)
+    nones = client.raw_ops.BlockLSTM(*lstm, forget_bias=None, cell_clip=None, use_peephole=None)
+    np.testing.assert_array_equal(nones.h, defaults.h)
+    v2 = client.raw_ops.BlockLSTMV2(*lstm, cell_clip=None, use_peephole=None)
+    np.testing.assert_array_equal(v2.h, client.raw_ops.BlockLSTMV2(*lstm).h)
+    with pytest.raises(TypeError, match="^Expected bool for argument 'use_peephole' not None."):
+        client.raw_ops.BlockLSTMGradV2(*lstm, *v2, v2.cs, v2.h, use_peephole=None)  # no default
+
+
+def test_empty_lists_for_integer_inputs_take_the_inputs_type(client):
+    # TensorFlow converts [] to the input's int32 (int64 for lengths); the SDK refused
+    # it as a Python float (NumPy's [] is float64).
+    h, flow = client.raw_ops.TensorArrayV3(size=2, dtype=F32, element_shape=[2])
+    flow = client.raw_ops.TensorArrayScatterV3(h, [], np.zeros((0, 2), F32), flow)
+    got = client.raw_ops.TensorArrayGatherV3(h, [], flow, F32, element_shape=[2])
+    assert got.shape == (0, 2) and got.dtype == F32
+    g, gflow = client.raw_ops.TensorArrayGradWithShape(h, flow, [], source="s")
+    assert client.raw_ops.TensorArraySizeV3(g, gflow) == 2
+    e, eflow = client.raw_ops.TensorArrayV3(size=0, dtype=F32)
+    eflow = client.raw_ops.TensorArraySplitV3(e, np.zeros((0,), F32), [], eflow)
+    assert client.raw_ops.TensorArraySizeV3(e, eflow) == 0
+
+
+# (call on an array `h` with flow `flow`, TensorFlow 2.21's exception class, its message)
+MALFORMED_CASES = [
+    (lambda r, h, f: r.TensorArraySizeV3(h, None), ValueError,
+     "Attempt to convert a value (None) with an unsupported type (<class 'NoneType'>) to a "
+     "Tensor."),
+    (lambda r, h, f: r.TensorArraySizeV3(h, "0"), TypeError,
+     "Cannot convert '0' to EagerTensor of dtype float"),
+    (lambda r, h, f: r.TensorArrayReadV3(None, 0, f, F32), ValueError,
+     "Attempt to convert a value (None) with an unsupported type (<class 'NoneType'>) to a "
+     "Tensor."),
+    (lambda r, h, f: r.TensorArrayReadV3("abc", 0, f, F32), TypeError,
+     "Cannot convert 'abc' to EagerTensor of dtype resource"),
+    (lambda r, h, f: r.TensorArraySizeV3(f, h), ValueError,  # swapped
+     "Failed to convert a NumPy array to a Tensor (Unexpected numpy data type)."),
+    (lambda r, h, f: r.TensorArrayWriteV3(h, None, [1.0], f), ValueError,
+     "Attempt to convert a value (None) with an unsupported type (<class 'NoneType'>) to a "
+     "Tensor."),
+    (lambda r, h, f: r.TensorArrayReadV3(h, "0", f, F32), TypeError,
+     "Cannot convert '0' to EagerTensor of dtype int32"),
+    (lambda r, h, f: r.TensorArrayV3(size=None, dtype=F32), ValueError,
+     "Attempt to convert a value (None) with an unsupported type (<class 'NoneType'>) to a "
+     "Tensor."),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("call", "error", "message"), MALFORMED_CASES)
+def test_malformed_arguments_raise_tensorflows_classes(client, call, error, message):
+    # They raised AttributeError, TypeError("object of type 'NoneType' has no len()"),
+    # or the server's INVALID_ARGUMENT (a review helper's comparison).
+    h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=F32)
+    with pytest.raises(error) as info:
+        call(client.raw_ops, h, flow)
+    assert str(info.value) == message
+
+
+def test_a_flow_converts_as_a_float_tensor(client):
+    # TensorFlow takes any float tensor as a flow (an array, a list, a NumPy float64);
+    # the SDK took Python floats only.
+    h, flow = client.raw_ops.TensorArrayV3(size=3, dtype=F32)
+    for index, given in enumerate((np.array(0.0), [0.0], np.float64(1.5))):
+        out = client.raw_ops.TensorArrayWriteV3(h, index, [1.0], given)
+        assert type(out) is np.float32

@@ -4,7 +4,7 @@ The replay holds ``gradserve.client._convert.to_array`` to the table that
 ``golden/record_python_conversions.py`` recorded from ``tf.convert_to_tensor``: each
 case's dtype (TensorFlow's "string" is an object array of ``bytes``), shape and values,
 or TensorFlow's refusal message (TensorFlow raises ``ValueError``; the SDK raises
-``InvalidArgumentError``). The behaviour tests send such values to a real server.
+``ConversionError``, an ``InvalidArgumentError`` and a ``ValueError``). The behaviour tests send such values to a real server.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ def test_converts_as_tensorflow(case):
         with pytest.raises(InvalidArgumentError) as info:
             to_array(value)
         assert str(info.value) == expect["message"]
+        assert isinstance(info.value, ValueError)  # TensorFlow's class
         return
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no overflow warnings leak to the caller
