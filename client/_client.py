@@ -602,8 +602,10 @@ class Client:
             codec.encode(array, msg.value)
 
     def decode_output(self, msg: tensor_pb2.TensorOutput) -> np.ndarray | TensorRef:
-        """An array for inline or transient outputs; a ``TensorRef`` for kept ones. An
-        output computed under a gradient tape comes as a ``TapedArray``."""
+        """An array for inline or transient outputs (a scalar one as a NumPy scalar, a
+        string one as ``bytes``, as TensorFlow's ``.numpy()`` gives them); a
+        ``TensorRef`` for kept ones. An output computed under a gradient tape comes as
+        a ``TapedArray`` (a 0-d one too: it carries the tape's id)."""
         if msg.WhichOneof("result") == "value":
             value = codec.decode(msg.value, field="output")
         elif msg.WhichOneof("result") == "shared" and self._shm is not None:
@@ -618,6 +620,8 @@ class Client:
             return TensorRef(self, ref.id, codec.dtype_from_enum(ref.dtype), tuple(ref.shape))
         if msg.tape_id:
             return TapedArray.wrap(value, msg.tape_id, self._recording.call_tapes)
+        if value.ndim == 0:  # as TensorFlow's .numpy(): np.float32(1.5), b"ab"
+            return value[()]
         return value
 
     def put(self, array: ArrayLike) -> TensorRef:

@@ -30,8 +30,25 @@ def arbitrary_bits(dtype: np.dtype, shape) -> np.ndarray:
 def test_stop_gradient_is_bit_exact(client, dtype, shape):
     x = arbitrary_bits(dtype, shape)
     y = client.raw_ops.StopGradient(input=x)
+    if x.ndim == 0:  # as TensorFlow's .numpy() gives it: a NumPy scalar, or bytes
+        assert type(y) is (bytes if x.dtype == dtypes.STRING else x.dtype.type)
+        y = np.array(y, dtype=x.dtype)
     assert y.dtype == x.dtype and y.shape == x.shape and same(y, x)
-    assert same(client.stop_gradient(x), x)
+    assert same(np.array(client.stop_gradient(x), dtype=x.dtype), x)
+
+
+def test_scalar_outputs_come_as_tensorflows_numpy_gives_them(client):
+    # np.float32(1.5) and b"ab", as TensorFlow's .numpy(); they were 0-d arrays: a
+    # string one had no .decode(), none could be a dict key (a review helper).
+    h, flow = client.raw_ops.TensorArrayV3(size=1, dtype="string")
+    flow = client.raw_ops.TensorArrayWriteV3(h, 0, b"ab", flow)
+    read = client.raw_ops.TensorArrayReadV3(h, 0, flow, "string")
+    assert type(read) is bytes and read.decode() == "ab"
+    value = client.raw_ops.StopGradient(np.float32(1.5))
+    assert type(value) is np.float32 and {value: 1}[np.float32(1.5)] == 1
+    with client.gradient_tape():  # a tape's output keeps its id: a 0-d TapedArray
+        taped = client.raw_ops.StopGradient(np.float32(1.5))
+    assert taped.ndim == 0 and taped.tape_id is not None
 
 
 def same(y: np.ndarray, x: np.ndarray) -> bool:
