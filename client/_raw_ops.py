@@ -79,8 +79,8 @@ def _flow_in(value: Any) -> float:
     orders ops (``dummy``, as in TensorFlow): its first element goes, or 0.0 where it
     has none, and the flow returned is a float32 scalar where TensorFlow passes a
     flow of another shape through."""
-    if isinstance(value, float):
-        return value  # the hot path: a flow this SDK returned
+    if type(value) is np.float32 or isinstance(value, float):
+        return float(value)  # the hot path: a flow this SDK returned (or 0.0)
     array = to_array(value, np.float32)
     if array.size and array.dtype.kind in "US":
         raise TypeError(cannot_convert(value, "float"))
