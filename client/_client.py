@@ -9,6 +9,7 @@ import math
 import os
 import random
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -428,7 +429,7 @@ class Client:
                     # its outputs, nested in this one, set it to none, and its outputs
                     # came back tied to no tape (found by a review helper: an input of
                     # 4 MiB or more over TCP made ``tape.gradient`` silently None).
-                    self._recording.call_tapes = tapes
+                    self._recording.call_tapes = tuple(weakref.ref(t) for t in tapes)
                 body = request() if callable(request) else request
                 sent_before = True
                 reply = method(body, metadata=sent, timeout=timeout)

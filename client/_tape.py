@@ -36,8 +36,9 @@ class Recording(threading.local):
 
     def __init__(self) -> None:
         self.tapes: list[GradientTape] = []
-        #: The tapes the last call on this thread named (its outputs belong to them).
-        self.call_tapes: tuple[GradientTape, ...] = ()
+        #: The tapes the last call on this thread named (its outputs belong to them),
+        #: weakly: they pin no tape the program dropped.
+        self.call_tapes: tuple[weakref.ref[GradientTape], ...] = ()
 
     @staticmethod
     def ids(tapes: Any) -> str:
@@ -69,9 +70,9 @@ class GradientTape:
     ``persistent=False`` (the default): one ``gradient`` call, after which the server
     releases everything the tape held. ``persistent=True``: any number, until
     ``release()``, or until the tape is garbage collected (as TensorFlow frees one; the
-    client's next call releases it), or the session ends. An output computed under a
-    tape (``TapedArray``) keeps it alive. Everything a tape holds counts against the
-    session's byte budget, and a session holds at most 64 tapes.
+    client's next call releases it), or the session ends. Its outputs (``TapedArray``)
+    do not keep it alive. Everything a tape holds counts against the session's byte
+    budget, and a session holds at most 64 tapes.
     """
 
     def __init__(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -58,10 +59,15 @@ class TapedArray(np.ndarray):
     """
 
     tape_id: str | None = None
-    _tapes: tuple[Any, ...] = ()
+    #: Weak references to the tapes that recorded it: an output keeps no tape alive
+    #: (as in TensorFlow), so a tape the program dropped is released even while its
+    #: outputs, or slices of them, are kept (``GradientTape``'s finalizer).
+    _tapes: tuple[weakref.ref[Any], ...] = ()
 
     @classmethod
-    def wrap(cls, value: np.ndarray, tape_id: str, tapes: tuple[Any, ...]) -> TapedArray:
+    def wrap(
+        cls, value: np.ndarray, tape_id: str, tapes: tuple[weakref.ref[Any], ...]
+    ) -> TapedArray:
         out = np.asarray(value).view(cls)
         out.tape_id = tape_id
         out._tapes = tapes
@@ -81,7 +87,9 @@ class TapedArray(np.ndarray):
     @property
     def held(self) -> bool:
         """True while a tape that recorded it still holds it on the server."""
-        return self.tape_id is not None and any(not t.released for t in self._tapes)
+        if self.tape_id is None:
+            return False
+        return any(t is not None and not t.released for t in (ref() for ref in self._tapes))
 
 
 class StepOutput(NamedTuple):
