@@ -237,19 +237,20 @@ class _Earlier:
 
     def __init__(self, client, results: list, temps: list) -> None:
         self.client, self.results, self.temps = client, results, temps
-        #: The upload that carries an earlier output, by (step, field): a step that
-        #: goes in a later request after all (the field or byte limit, a full
-        #: response), or another step that names the same output, names it again
-        #: instead of uploading it twice. Deleted with the batch's other uploads.
-        self.uploads: dict[tuple[int, str], str] = {}
+        #: The upload (or shared-memory copy) that carries an earlier output, by
+        #: (step, field): a step that goes in a later request after all (the field or
+        #: byte limit, a full response), or another step that names the same output,
+        #: names it again instead of copying it twice. Freed with the batch's other
+        #: uploads and leases.
+        self.copies: dict[tuple[int, str], tensor_pb2.TensorInput] = {}
 
     def encode(self, step: int, field: str, msg: tensor_pb2.TensorInput, room: Staging) -> None:
         """The value of ``field`` of step ``step`` into ``msg`` (a transient output was
         fetched and deleted when its reply was parsed: it goes by value again): inline
         where it fits ``room`` (what a request of the step alone has left), else
         uploaded."""
-        if (uploaded := self.uploads.get((step, field))) is not None:
-            msg.ref = uploaded
+        if (copy := self.copies.get((step, field))) is not None:
+            msg.CopyFrom(copy)
             return
         parsed = self.results[step]
         name, _, index = field.partition("[")
@@ -260,8 +261,9 @@ class _Earlier:
         staging = Staging(room.inline_left)
         self.client.encode_input(parsed, msg, staging)
         room.inline_left = staging.inline_left
-        if msg.WhichOneof("source") == "ref":
-            self.uploads[(step, field)] = msg.ref
+        if msg.WhichOneof("source") != "value":  # uploaded, or copied into a region
+            self.copies[(step, field)] = tensor_pb2.TensorInput()
+            self.copies[(step, field)].CopyFrom(msg)
         self.temps.extend(staging)
 
 

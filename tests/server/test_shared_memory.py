@@ -1268,3 +1268,30 @@ def test_an_lstm_call_leases_a_region_for_its_outputs_up_front(target, wire_clie
             *args.values(), *outs, grad, grad, use_peephole=True
         )
         assert all(same_bits(a, b) for a, b in zip(grads, want))
+
+
+def test_a_batch_copies_an_earlier_requests_output_once_however_many_steps_name_it(
+    shm_client,
+):
+    # A resident input, its copy (one request), then eight steps under a tape (the
+    # next request) naming that copy: it goes into shared memory once, where it went
+    # once per step, all eight held until the batch ended (a review helper).
+    x = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)
+    ref = shm_client.put(x)
+    copies = []
+    encode = shm_client._shm.encode_input
+
+    def counting(array, msg, temps):
+        placed = encode(array, msg, temps)
+        copies.extend([array.nbytes] if placed else [])
+        return placed
+
+    shm_client._shm.encode_input = counting
+    batch = shm_client.batch()
+    copy = batch.raw_ops.StopGradient(ref)
+    with shm_client.gradient_tape():  # other tapes: another request
+        for _ in range(8):
+            batch.raw_ops.StopGradient(copy)
+    got = batch.run()
+    assert copies == [x.nbytes]
+    assert all(np.array_equal(value, x) for value in got)
