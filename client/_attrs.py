@@ -15,6 +15,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from gradserve import dtypes
@@ -74,6 +75,9 @@ def _tf_dtype_table() -> dict[Any, Any]:
     for string_type in (object, np.bytes_, np.str_):
         table[string_type] = dtypes.STRING
     table[np.longlong], table[np.ulonglong] = np.dtype(np.int64), np.dtype(np.uint64)
+    for name in _TF_UNSUPPORTED.values():  # ml_dtypes' float8, int4, ...: TensorFlow's too
+        if (numpy_type := getattr(ml_dtypes, name, None)) is not None:
+            table[numpy_type] = _UNSUPPORTED
     return table
 
 

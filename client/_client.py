@@ -20,7 +20,7 @@ from google.protobuf.message import Message
 
 from gradserve import codec, dtypes, heap, protocol, warm_buffers
 from gradserve.client import _shm
-from gradserve.client._convert import cannot_convert, is_plain_python, to_array
+from gradserve.client._convert import OUT_OF_RANGE, cannot_convert, is_plain_python, to_array
 from gradserve.client._errors import (
     CHANNEL_GONE,
     answered,
@@ -40,6 +40,7 @@ from gradserve.errors import (
     NOT_CONNECTED_REASON,
     UNRUN_REASONS,
     CancelledError,
+    ConversionError,
     DataLossError,
     GradserveError,
     InvalidArgumentError,
@@ -323,6 +324,7 @@ class Client:
             if not self.owns_session:  # the session stays: free what this client fetched
                 self._fetched.flush()
             else:
+                self._dropped_tapes.clear()  # the session's close frees them
                 try:  # once (``_closing``): a server that is down frees it when idle
                     self._call("CloseSession", service_pb2.CloseSessionRequest())
                 except NotFoundError:
@@ -584,11 +586,16 @@ class Client:
             return
         array = to_array(value, dtype)  # as tf.convert_to_tensor converts it
         if dtype is not None:
-            if array.size and array.dtype.kind in "fcUS" and is_plain_python(value):
-                # tf.raw_ops refuses a Python float or string for an integer input (it
-                # truncates a NumPy float, which the server refuses: _as_integer_input);
-                # an empty list is the input's type.
-                raise TypeError(cannot_convert(value, dtype))
+            if array.size and is_plain_python(value):
+                if array.dtype.kind in "fcUS":
+                    # tf.raw_ops refuses a Python float or string for an integer input
+                    # (it truncates a NumPy float, which the server refuses:
+                    # _as_integer_input); an empty list is the input's type.
+                    raise TypeError(cannot_convert(value, dtype))
+                if array.dtype.kind == "u" or (
+                    array.dtype == object and any(type(v) is int for v in array.flat)
+                ):  # NumPy's reading of an int past int64
+                    raise ConversionError(OUT_OF_RANGE)
             array = _as_integer_input(array, dtypes.normalize(dtype))
         nbytes = dtypes.nbytes(array)
         size = protocol.encoded_size(nbytes, array.ndim)
@@ -892,7 +899,8 @@ def _as_integer_input(array: np.ndarray, target: np.dtype) -> np.ndarray:
     Anything else is sent as it is, for the server to reject with the op's message.
     """
     if array.dtype == object and any(isinstance(v, int) for v in array.flat):
-        raise InvalidArgumentError(f"{array.tolist()!r} does not fit in {target}")  # past int64
+        # Past int64: TensorFlow's ValueError too.
+        raise ConversionError(f"{array.tolist()!r} does not fit in {target}")
     if array.dtype == target or not (array.size == 0 or array.dtype.kind in "iub"):
         return array
     converted = array.astype(target)

@@ -82,7 +82,7 @@ def _flow_in(value: Any) -> float:
     if type(value) is np.float32 or isinstance(value, float):
         return float(value)  # the hot path: a flow this SDK returned (or 0.0)
     array = to_array(value, np.float32)
-    if array.size and array.dtype.kind in "US":
+    if array.size and array.dtype.kind in "USc":
         raise TypeError(cannot_convert(value, "float"))
     return float(np.asarray(array, np.float32).flat[0]) if array.size else 0.0
 

@@ -56,7 +56,9 @@ class TensorArray:
         return self._client.raw_ops
 
     def _value(self, value):
-        if isinstance(value, (np.ndarray, TensorRef)):
+        # An op's output (an array, a 0-d one a NumPy scalar) goes as it is, and one of
+        # another dtype is refused, as TensorFlow refuses a tensor of another dtype.
+        if isinstance(value, (np.ndarray, np.generic, TensorRef)):
             return value
         return np.asarray(value, dtype=self.dtype)
 

@@ -37,8 +37,11 @@ class TensorRef:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize  # not np.prod: 10 us a call
 
-    def numpy(self) -> np.ndarray:
-        return self._client.get(self)
+    def numpy(self) -> Any:
+        """The tensor's value, as TensorFlow's ``.numpy()`` gives it: an array, a 0-d
+        one as a NumPy scalar (a string one as ``bytes``)."""
+        value = self._client.get(self)
+        return value[()] if value.ndim == 0 else value
 
     def delete(self) -> None:
         self._client.delete(self)

@@ -11,6 +11,7 @@ server's INVALID_ARGUMENT for a Python float index.
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -80,6 +81,8 @@ def test_an_element_shape_and_dtype_given_as_tf_gives_them_reach_the_array(clien
     assert value.dtype == np.float64 and value.shape == (3,)
     with pytest.raises(UnsupportedDTypeError, match="'qint8' is a TensorFlow dtype"):
         client.raw_ops.TensorArrayV3(size=2, dtype="qint8")
+    with pytest.raises(UnsupportedDTypeError, match="float8_e4m3fn'> is a TensorFlow dtype"):
+        client.raw_ops.TensorArrayV3(size=2, dtype=ml_dtypes.float8_e4m3fn)
 
 
 def test_python_float_as_a_dtype_is_float32(client):
@@ -168,6 +171,8 @@ MALFORMED_CASES = [
      "Tensor."),
     (lambda r, h, f: r.TensorArrayReadV3(h, "0", f, F32), TypeError,
      "Cannot convert '0' to EagerTensor of dtype int32"),
+    (lambda r, h, f: r.TensorArraySizeV3(h, 0j), TypeError,
+     "Cannot convert 0j to EagerTensor of dtype float"),
     (lambda r, h, f: r.TensorArrayV3(size=None, dtype=F32), ValueError,
      "Attempt to convert a value (None) with an unsupported type (<class 'NoneType'>) to a "
      "Tensor."),

@@ -7,6 +7,7 @@ import pytest
 
 import gradserve
 from gradserve import dtypes
+from gradserve.errors import InvalidArgumentError
 from gradserve.server.core.sessions import TENSOR_RECORD_BYTES
 
 
@@ -49,6 +50,18 @@ def test_scalar_outputs_come_as_tensorflows_numpy_gives_them(client):
     with client.gradient_tape():  # a tape's output keeps its id: a 0-d TapedArray
         taped = client.raw_ops.StopGradient(np.float32(1.5))
     assert taped.ndim == 0 and taped.tape_id is not None
+    kept = client.raw_ops.StopGradient(b"ab", keep=True).numpy()  # TensorFlow's name
+    assert type(kept) is bytes and kept == b"ab"
+    assert type(client.put(np.float32(2.0)).numpy()) is np.float32
+
+
+def test_a_scalar_read_of_another_dtype_is_refused_by_the_tensor_array_layer(client):
+    # As an array read is (TensorFlow refuses a tensor of another dtype); the scalar
+    # one, now a NumPy scalar, was cast to the array's dtype silently (a review helper).
+    source = client.tensor_array(np.float64, size=2).unstack(np.array([1.1, 2.2]))
+    target = client.tensor_array(np.float32, size=1)
+    with pytest.raises(InvalidArgumentError, match="trying to write dtype double"):
+        target.write(0, source.read(0))
 
 
 def same(y: np.ndarray, x: np.ndarray) -> bool:
