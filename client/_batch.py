@@ -32,17 +32,24 @@ from gradserve.protocol import BATCH_FIELDS
 from gradserve.v1 import service_pb2, tensor_array_pb2, tensor_pb2
 
 _METHODS = service_pb2.DESCRIPTOR.services_by_name["GradServe"].methods_by_name
+#: The ops whose flow output is their flow input (the others' is 0.0).
+_FLOW_THROUGH = frozenset({"TensorArrayWriteV3", "TensorArrayScatterV3", "TensorArraySplitV3"})
 _NAMED_OUTPUTS = (tensor_pb2.TensorOutput.DESCRIPTOR, tensor_array_pb2.TensorArrayHandle.DESCRIPTOR)
 
 
-def placeholders(rpc: str, step: int, dtype: np.dtype | None = None) -> Any:
+def placeholders(
+    rpc: str, step: int, dtype: np.dtype | None = None, request: Message | None = None
+) -> Any:
     """What recording ``rpc`` as step ``step`` returns: its outputs as ``StepOutput``s
     in the order the typed call returns them (one output: the output itself).
-    ``dtype``: that of its tensor outputs, where known (a concat's lengths: int64)."""
+    ``dtype``: that of its tensor outputs, where known (a concat's lengths: int64).
+    A flow is the value the op returns (its ``flow_in``, or 0.0), as the call gives
+    it, not a placeholder: it orders nothing on the server."""
     fields = _METHODS[rpc].output_type.fields
+    flow = np.float32(getattr(request, "flow_in", 0.0) if rpc in _FLOW_THROUGH else 0.0)
     outs = [
         StepOutput(step, f.name, _output_dtype(f, dtype)) if f.message_type in _NAMED_OUTPUTS
-        else 0.0
+        else flow
         for f in fields
     ]  # fmt: skip
     if rpc in ("BlockLSTMV2", "BlockLSTM"):
@@ -50,6 +57,13 @@ def placeholders(rpc: str, step: int, dtype: np.dtype | None = None) -> Any:
     if rpc in ("BlockLSTMGradV2", "BlockLSTMGrad"):
         return LSTMGrads(*outs)
     return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _known_dtype(value: Any) -> np.dtype | None:
+    """The dtype of a tensor the SDK knows it of (an array, a ``TensorRef``, a
+    placeholder that carries one), else None."""
+    dtype = getattr(value, "dtype", None)
+    return np.dtype(dtype) if dtype is not None else None
 
 
 def _output_dtype(field: Any, dtype: np.dtype | None) -> np.dtype | None:
@@ -82,7 +96,7 @@ class Batch:
     def _record(self, rpc: str, request: Message, parse, temps: Staging) -> Any:
         self._steps.append((rpc, request, parse, tuple(self._client._recording.tapes)))
         self._temps.extend(temps)
-        return placeholders(rpc, len(self._steps) - 1, temps.output_dtype)
+        return placeholders(rpc, len(self._steps) - 1, temps.output_dtype, request)
 
     def gradient(
         self,
@@ -120,7 +134,9 @@ class Batch:
         )
         step = len(self._steps) - 1
         self._releases.append((step, tape))
-        return shaped([StepOutput(step, f"gradients[{n}]") for n in range(len(request.sources))])
+        # A gradient has its source's dtype (an LSTM step given one takes its T).
+        dtypes_ = [_known_dtype(source) for source in nest.flatten(sources)]
+        return shaped([StepOutput(step, f"gradients[{n}]", d) for n, d in enumerate(dtypes_)])
 
     def __len__(self) -> int:
         return len(self._steps)
@@ -143,23 +159,26 @@ class Batch:
         replies: list[Message] = []  # each step's typed result, for later requests
         failure: BaseException | None = None
         spent: set[int] = set()  # tapes this run's Gradients steps released
-        earlier = _Earlier(self._client, results, temps)
+        earlier = _Earlier(self._client, steps, results, temps)
         try:
             start = 0
             while start < len(steps):
-                request = self._request(steps, start, replies, earlier)
                 try:
+                    # A step that names an earlier request's output may fail here, as
+                    # the op would on its own (ConversionError) or its upload would.
+                    request = self._request(steps, start, replies, earlier)
                     # Without the tapes an earlier request's Gradients step released
                     # (one the caller released before is still named: refused).
                     tapes = [t for t in steps[start][3] if id(t) not in spent]
                     reply = self._client._call("Batch", request, tapes=tapes)
                 except BaseException as e:
                     failure = e
-                    if isinstance(e, GradserveError) and results and e.step is None:
+                    if isinstance(e, GradserveError) and results:
                         # The requests before this one ran: their results (kept
                         # tensors' ids among them) are the caller's, as a failed
                         # step's are; they were dropped, held until the session ended.
-                        e.step, e.results = start, results
+                        e.step = start if e.step is None else e.step
+                        e.results = results
                     raise
                 parsers = [parse for _, _, parse, _ in steps[start:]]
                 results += self._client._parse(
@@ -176,7 +195,7 @@ class Batch:
                     continue
                 raise typed_error(
                     reply.error.code,
-                    reply.error.message,
+                    _renumbered(reply.error.message, reply.failed_step, start),
                     reason=reply.error.reason,
                     step=start + reply.failed_step,
                     results=results,
@@ -206,7 +225,14 @@ class Batch:
             step.CopyFrom(op_request)
             if start:
                 room = Staging(max(0, self._client.request_budget - op_request.ByteSize() - 16))
-                _rebase(step, start, replies, earlier, room)
+                try:
+                    _rebase(step, start, replies, earlier, room)
+                except GradserveError as e:
+                    if len(request.steps) > 1:  # the steps before it run first, as alone
+                        del request.steps[-1]
+                        break
+                    e.step = start if e.step is None else e.step
+                    raise
             size = step.ByteSize() + 16
             fields = wire_fields.message_fields(step) + 2  # with the step and its op's key
             if len(request.steps) > 1 and (size > left or fields > fields_left):
@@ -235,14 +261,21 @@ def _release_ran(releases: list[tuple[int, Any]], ran: int) -> list[tuple[int, A
 class _Earlier:
     """Outputs of steps sent in earlier requests, as the SDK parsed them."""
 
-    def __init__(self, client, results: list, temps: list) -> None:
-        self.client, self.results, self.temps = client, results, temps
+    def __init__(self, client, steps: list, results: list, temps: list) -> None:
+        self.client, self.steps, self.results, self.temps = client, steps, results, temps
         #: The upload (or shared-memory copy) that carries an earlier output, by
         #: (step, field): a step that goes in a later request after all (the field or
         #: byte limit, a full response), or another step that names the same output,
         #: names it again instead of copying it twice. Freed with the batch's other
         #: uploads and leases.
         self.copies: dict[tuple[int, str], tensor_pb2.TensorInput] = {}
+
+    def tape_holds(self, step: int) -> bool:
+        """Whether a tape that recorded step ``step`` still holds its outputs (one
+        whose gradient step ran in an earlier request released them: they go by
+        value, as a released tape's ``TapedArray`` does; by id the server had them no
+        more, a batch fuzzer found)."""
+        return any(not tape.released for tape in self.steps[step][3])
 
     def encode(self, step: int, field: str, msg: tensor_pb2.TensorInput, room: Staging) -> None:
         """The value of ``field`` of step ``step`` into ``msg`` (a transient output was
@@ -284,7 +317,7 @@ def _rebase(
                     ref.step -= start
                     continue
                 out = _output(replies[ref.step], ref.field)
-                if out.tape_id:
+                if out.tape_id and earlier.tape_holds(ref.step):
                     item.ref = out.tape_id  # held by the tape: differentiable onwards
                 elif out.WhichOneof("result") == "ref" and not out.ref.transient:
                     item.ref = out.ref.id
@@ -302,6 +335,15 @@ def _rebase(
                 item.id, item.name = made.id, made.name
             else:
                 _rebase(item, start, replies, earlier, room)
+
+
+def _renumbered(message: str, failed: int, start: int) -> str:
+    """The server's "Batch step N (Op): ..." of a request that began at step ``start``,
+    numbered in the whole batch, as the error's ``step`` is."""
+    prefix = f"Batch step {failed} "
+    if start and message.startswith(prefix):
+        return f"Batch step {start + failed} " + message[len(prefix) :]
+    return message
 
 
 def _output(reply: Message, field: str) -> Any:

@@ -15,6 +15,7 @@ import pytest
 
 import gradserve
 from gradserve import protocol
+from gradserve.errors import ConversionError, InvalidArgumentError
 from gradserve.kernels import backend_numpy
 from gradserve.lstm_signature import LSTMActivations
 from gradserve.server import run_server
@@ -158,6 +159,97 @@ def test_an_earlier_output_named_by_later_requests_is_uploaded_once(small_messag
     assert uploads == [600_000]  # was one per step of a later request naming it
     for step in (3, 6, 9):
         np.testing.assert_array_equal(got[step], np.stack(parts))
+
+
+def test_a_later_request_sends_by_value_what_a_spent_tape_held(small_messages):
+    # The gradient step released the tape; the copy, in the next request, named the
+    # read by its tape id, which the server no longer had (NOT_FOUND; a batch fuzzer).
+    # One by one, the read's TapedArray is no longer held and goes by value.
+    big = np.ones(200_000, np.float32)  # 800 kB: one a request
+    with connect(small_messages, max_message_bytes=MIB, shared_memory=False) as client:
+        w = client.put(np.array([1.0, 2.0], np.float32))
+        batch = client.batch()
+        with client.gradient_tape() as tape:
+            h, f = batch.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
+            batch.raw_ops.TensorArrayWriteV3(h, 0, w, f)
+            x = batch.raw_ops.TensorArrayReadV3(h, 0, f, np.float32)
+            batch.gradient(tape, x, [w])
+            h2, f2 = batch.raw_ops.TensorArrayV3(size=2, dtype=np.float32)
+            batch.raw_ops.TensorArrayWriteV3(h2, 0, big, f2)
+            batch.raw_ops.TensorArrayWriteV3(h2, 1, big, f2)  # the next request
+            batch.raw_ops.StopGradient(x)
+        got = batch.run()
+    np.testing.assert_array_equal(got[-1], [1.0, 2.0])
+
+
+def test_a_step_that_fails_as_its_request_is_built_reports_its_step(small_messages):
+    # A step naming an earlier request's None gradient fails in the SDK, as the op
+    # does alone (ConversionError); it had no .step and no .results, though the steps
+    # of the earlier request ran, and the step before it in its own request ran not.
+    big = np.ones(200_000, np.float32)
+    with connect(small_messages, max_message_bytes=MIB, shared_memory=False) as client:
+        w = client.put(np.array([1.0, 2.0], np.float32))
+        u = client.put(np.array([3.0], np.float32))  # not connected: a None gradient
+        batch = client.batch()
+        with client.gradient_tape() as tape:
+            h, f = batch.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
+            batch.raw_ops.TensorArrayWriteV3(h, 0, w, f)
+            x = batch.raw_ops.TensorArrayReadV3(h, 0, f, np.float32)
+        _, none = batch.gradient(tape, x, [w, u])
+        h2, f2 = batch.raw_ops.TensorArrayV3(size=2, dtype=np.float32)
+        batch.raw_ops.TensorArrayWriteV3(h2, 0, big, f2)
+        batch.raw_ops.TensorArrayWriteV3(h2, 1, big, f2)  # the next request
+        batch.raw_ops.StopGradient(none)
+        with pytest.raises(ConversionError) as info:
+            batch.run()
+    assert info.value.step == 7 and len(info.value.results) == 7
+
+
+def test_a_failed_step_of_a_later_request_is_numbered_in_the_batch(small_messages):
+    # The server numbers steps in its request: the message said "Batch step 2" where
+    # .step was 3 (a batch fuzzer).
+    big = np.ones(200_000, np.float32)
+    with connect(small_messages, max_message_bytes=MIB, shared_memory=False) as client:
+        h, f = client.raw_ops.TensorArrayV3(size=2, dtype=np.float32)
+        batch = client.batch()
+        batch.raw_ops.TensorArrayWriteV3(h, 0, big, f)
+        batch.raw_ops.TensorArrayWriteV3(h, 1, big, f)  # the next request
+        batch.raw_ops.TensorArraySizeV3(h, f)
+        batch.raw_ops.TensorArrayReadV3(h, 5, f, np.float32)
+        with pytest.raises(InvalidArgumentError) as info:
+            batch.run()
+    assert info.value.step == 3 and str(info.value).startswith("Batch step 3 (")
+
+
+def test_a_gradient_placeholder_has_its_sources_dtype(client):
+    # An LSTM step given a gradient as x takes T from it, as from the float32 array it
+    # is one by one: the float64 arrays beside it were left float64 and refused.
+    T, B, I, H = 2, 1, 2, 2  # noqa: N806, E741
+    z, p = np.zeros((B, H)), np.zeros(H)
+    w, b = np.full((I + H, 4 * H), 0.1), np.zeros(4 * H)
+    x = client.put(np.ones((T, B, I), np.float32))
+    batch = client.batch()
+    with client.gradient_tape(persistent=True) as tape:
+        h, f = batch.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
+        batch.raw_ops.TensorArrayWriteV3(h, 0, x, f)
+        read = batch.raw_ops.TensorArrayReadV3(h, 0, f, np.float32)
+        (grad,) = batch.gradient(tape, read, [x])
+        batch.raw_ops.BlockLSTMV2(np.int64(T), grad, z, z, w, p, p, p, b)
+    got = batch.run()[-1]
+    tape.release()
+    want = client.raw_ops.BlockLSTMV2(
+        np.int64(T), np.ones((T, B, I), np.float32), z, z, w, p, p, p, b
+    )
+    assert got.h.dtype == np.float32
+    np.testing.assert_array_equal(got.h, want.h)
+
+
+def test_a_batch_steps_flow_is_the_value_the_op_returns(client):
+    h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
+    batch = client.batch()
+    placeholder = batch.raw_ops.TensorArrayWriteV3(h, 0, [1.0], 1.5)
+    assert placeholder == np.float32(1.5)  # was 0.0; the call returns its flow_in
+    assert batch.run() == [np.float32(1.5)]
 
 
 def test_the_server_keeps_to_the_clients_response_budget(server):
