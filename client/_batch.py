@@ -26,7 +26,7 @@ from gradserve.client import _nest as nest
 from gradserve.client._errors import typed_error
 from gradserve.client._raw_ops import RawOps, Staging
 from gradserve.client._types import StepOutput
-from gradserve.errors import GradserveError
+from gradserve.errors import GradserveError, InvalidArgumentError
 from gradserve.lstm_signature import LSTMActivations, LSTMGrads
 from gradserve.protocol import BATCH_FIELDS
 from gradserve.v1 import service_pb2, tensor_array_pb2, tensor_pb2
@@ -89,6 +89,8 @@ class Batch:
         #: added, wherever ``run()`` is called).
         self._steps: list[tuple[str, Message, Callable[[Any], Any], tuple[Any, ...]]] = []
         self._temps: list[str] = []
+        #: The tapes holding inputs its steps name by tape id (``Staging.tapes_named``).
+        self._tapes_named: list[Any] = []
         #: Non-persistent tapes released by a Gradients step, once that step ran.
         self._releases: list[tuple[int, Any]] = []
         self.raw_ops = RawOps(client, self._record, client._staging)
@@ -96,6 +98,7 @@ class Batch:
     def _record(self, rpc: str, request: Message, parse, temps: Staging) -> Any:
         self._steps.append((rpc, request, parse, tuple(self._client._recording.tapes)))
         self._temps.extend(temps)
+        self._tapes_named += temps.tapes_named
         return placeholders(rpc, len(self._steps) - 1, temps.output_dtype, request)
 
     def gradient(
@@ -118,6 +121,7 @@ class Batch:
             target, sources, output_gradients, unconnected_gradients, keep=keep
         )
         self._temps.extend(built["temps"])
+        self._tapes_named += built["tapes_named"]
         request = built["message"]
         tapes = (tape, *(t for t in self._client._recording.tapes if t is not tape))
 
@@ -154,6 +158,7 @@ class Batch:
         """Run every recorded op; returns their results in order (like the typed calls)."""
         steps, self._steps = self._steps, []
         temps, self._temps = self._temps, []
+        tapes_named, self._tapes_named = self._tapes_named, []  # noqa: F841 - alive till the end
         releases, self._releases = self._releases, []
         results: list[Any] = []
         replies: list[Message] = []  # each step's typed result, for later requests
@@ -317,6 +322,11 @@ def _rebase(
                     ref.step -= start
                     continue
                 out = _output(replies[ref.step], ref.field)
+                if not isinstance(out, tensor_pb2.TensorOutput):  # as the server says it
+                    raise InvalidArgumentError(
+                        f"input '{field.name}' names step {ref.step}'s '{ref.field}', a "
+                        "TensorArray handle, not a tensor"
+                    )
                 if out.tape_id and earlier.tape_holds(ref.step):
                     item.ref = out.tape_id  # held by the tape: differentiable onwards
                 elif out.WhichOneof("result") == "ref" and not out.ref.transient:

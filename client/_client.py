@@ -583,6 +583,7 @@ class Client:
             return
         if isinstance(value, TapedArray) and value.tape_id is not None and value.held:
             msg.ref = value.tape_id  # the tensor the tape holds: differentiable onwards
+            temps.tapes_named += value.live_tapes()
             return
         array = to_array(value, dtype)  # as tf.convert_to_tensor converts it
         if dtype is not None:

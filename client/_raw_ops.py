@@ -44,6 +44,10 @@ class Staging(list):
         #: The dtype of the op's tensor outputs where known before the call: a
         #: batch's placeholders carry it (``StepOutput.dtype``).
         self.output_dtype: np.dtype | None = None
+        #: The tapes that hold the inputs named by their tape ids: alive until the
+        #: request has been sent (a batch's: until ``run()``), so that none of them is
+        #: dropped and released in between (``GradientTape``'s finalizer).
+        self.tapes_named: list[Any] = []
 
 
 class TensorArrayV3Output(NamedTuple):

@@ -232,7 +232,10 @@ class GradientTape:
                 entry = msg.output_gradients.add()  # left unset for None
                 if seed is not None:
                     self._client.encode_input(seed, entry, temps)
-        return {"message": msg, "temps": list(temps)}
+        named = [
+            t for v in (*targets, *source_list) if isinstance(v, TapedArray) for t in v.live_tapes()
+        ]
+        return {"message": msg, "temps": list(temps), "tapes_named": temps.tapes_named + named}
 
     def decode(self, out: tensor_pb2.TensorOutput) -> Any:
         if out.WhichOneof("result") is None:
@@ -285,7 +288,12 @@ def _is_list(value: Any) -> bool:
 
 def _tensor_id(value: Any, what: str) -> str:
     if isinstance(value, TapedArray) and value.tape_id is not None:
-        return value.tape_id
+        if value.held:
+            return value.tape_id
+        raise TypeError(
+            f"{what}: the tapes that computed it were released or dropped, and the server "
+            "holds it no more; put it in the session with client.put first"
+        )
     if isinstance(value, TensorRef):
         return value.id
     raise TypeError(

@@ -9,7 +9,7 @@ import numpy as np
 
 from gradserve import dtypes
 from gradserve.client import _attrs as attrs
-from gradserve.client._types import TensorArrayHandle, TensorRef
+from gradserve.client._types import TapedArray, TensorArrayHandle, TensorRef
 
 
 class TensorArray:
@@ -56,10 +56,18 @@ class TensorArray:
         return self._client.raw_ops
 
     def _value(self, value):
-        # An op's output (an array, a 0-d one a NumPy scalar) goes as it is, and one of
-        # another dtype is refused, as TensorFlow refuses a tensor of another dtype.
-        if isinstance(value, (np.ndarray, np.generic, TensorRef)):
+        """A value to write as ``tf.TensorArray.write`` takes it: a tensor the server
+        holds (``TensorRef``, a tape's output) as it is, refused if of another dtype;
+        NumPy and Python values cast to the array's dtype, as NumPy casts (TensorFlow
+        2.21 writes ``np.float64(1.5)`` into an int32 array as 1), but strings and
+        numbers never into each other."""
+        if isinstance(value, TensorRef) or (isinstance(value, TapedArray) and value.held):
             return value
+        array = np.asarray(value)
+        if (array.dtype == dtypes.STRING or array.dtype.kind in "SU") != (
+            self.dtype == dtypes.STRING
+        ):
+            return value  # refused by the op, with TensorFlow's message
         return np.asarray(value, dtype=self.dtype)
 
     def write(self, index: int, value) -> TensorArray:

@@ -87,12 +87,14 @@ class TapedArray(np.ndarray):
     def __reduce__(self) -> Any:  # pickles as a plain array
         return np.asarray(self).__reduce__()
 
+    def live_tapes(self) -> list[Any]:
+        """The tapes that recorded it and are still alive (unreleased or not)."""
+        return [tape for tape in (ref() for ref in self._tapes) if tape is not None]
+
     @property
     def held(self) -> bool:
         """True while a tape that recorded it still holds it on the server."""
-        if self.tape_id is None:
-            return False
-        return any(t is not None and not t.released for t in (ref() for ref in self._tapes))
+        return self.tape_id is not None and any(not t.released for t in self.live_tapes())
 
 
 class StepOutput(NamedTuple):

@@ -55,13 +55,18 @@ def test_scalar_outputs_come_as_tensorflows_numpy_gives_them(client):
     assert type(client.put(np.float32(2.0)).numpy()) is np.float32
 
 
-def test_a_scalar_read_of_another_dtype_is_refused_by_the_tensor_array_layer(client):
-    # As an array read is (TensorFlow refuses a tensor of another dtype); the scalar
-    # one, now a NumPy scalar, was cast to the array's dtype silently (a review helper).
-    source = client.tensor_array(np.float64, size=2).unstack(np.array([1.1, 2.2]))
-    target = client.tensor_array(np.float32, size=1)
+def test_the_tensor_array_layer_casts_numpy_values_as_tensorflow_does(client):
+    # tf.TensorArray.write (TensorFlow 2.21) casts NumPy values as NumPy casts them
+    # (np.float64(1.5) into int32 is 1), strings and numbers never into each other, and
+    # refuses a tensor of another dtype; the layer refused NumPy scalars of another
+    # dtype once op outputs became NumPy scalars (a review helper).
+    target = client.tensor_array(np.int32, size=3)
+    target.write(0, np.float64(1.5)).write(1, np.array(2.7)).write(2, np.True_)
+    assert target.stack().tolist() == [1, 2, 1]
     with pytest.raises(InvalidArgumentError, match="trying to write dtype double"):
-        target.write(0, source.read(0))
+        client.tensor_array(np.float32, size=1).write(0, client.put(np.float64(1.5)))
+    with pytest.raises(InvalidArgumentError, match="trying to write dtype float"):
+        client.tensor_array("string", size=1).write(0, np.float32(1.5))
 
 
 def same(y: np.ndarray, x: np.ndarray) -> bool:

@@ -221,6 +221,25 @@ def test_a_failed_step_of_a_later_request_is_numbered_in_the_batch(small_message
     assert info.value.step == 3 and str(info.value).startswith("Batch step 3 (")
 
 
+def test_a_handle_named_as_a_tensor_by_a_later_request_is_refused_at_its_step(
+    small_messages,
+):
+    # It was an AttributeError ('tape_id') with no .step; in one request the server
+    # refuses it with this message.
+    big = np.ones(200_000, np.float32)
+    with connect(small_messages, max_message_bytes=MIB, shared_memory=False) as client:
+        batch = client.batch()
+        h, f = batch.raw_ops.TensorArrayV3(size=2, dtype=np.float32)
+        batch.raw_ops.TensorArrayWriteV3(h, 0, big, f)
+        batch.raw_ops.TensorArrayWriteV3(h, 1, big, f)  # the next request
+        batch.raw_ops.StopGradient(h)
+        with pytest.raises(
+            InvalidArgumentError, match="a TensorArray handle, not a tensor"
+        ) as info:
+            batch.run()
+    assert info.value.step == 3 and len(info.value.results) == 3
+
+
 def test_a_gradient_placeholder_has_its_sources_dtype(client):
     # An LSTM step given a gradient as x takes T from it, as from the float32 array it
     # is one by one: the float64 arrays beside it were left float64 and refused.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -333,6 +334,39 @@ def test_tapes_dropped_unreleased_are_released_by_the_next_call(client, server):
     assert all(np.array_equal(k, np.ones(len(k), F32)) for k in kept)
 
 
+def test_a_tape_dropped_after_a_batch_named_its_output_lives_until_the_batch_ran(client):
+    # The step named the output by its tape's id; the tape, dropped before run(), was
+    # released by run()'s own call first, and the step failed NOT_FOUND (a review
+    # helper). The batch keeps the tapes its steps name until it has run.
+    w = client.put(np.array([1.0, 2.0], F32))
+    h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=F32)
+    with client.gradient_tape(persistent=True) as tape:
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, w, flow)
+        y = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+    batch = client.batch()
+    batch.raw_ops.StopGradient(y)
+    del tape
+    gc.collect()
+    np.testing.assert_array_equal(batch.run()[0], [1.0, 2.0])
+    gc.collect()
+    assert not y.held  # and then it goes
+    np.testing.assert_array_equal(client.raw_ops.StopGradient(y), [1.0, 2.0])  # by value
+
+
+def test_watching_an_output_of_a_dropped_tape_says_what_to_do(client):
+    # Its id named a tensor the server had freed with the tape: NOT_FOUND.
+    w = client.put(np.array([1.0, 2.0], F32))
+    h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=F32)
+    with client.gradient_tape() as tape:
+        flow = client.raw_ops.TensorArrayWriteV3(h, 0, w, flow)
+        y = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+    del tape
+    gc.collect()
+    with client.gradient_tape() as other:
+        with pytest.raises(TypeError, match="released or dropped.*client.put first"):
+            other.watch(y)
+
+
 def _state(server, client):
     s = session_of(server, client)
     return used(server, client), s._grads.as_dict(), len(s._resident), len(s._tapes)
@@ -366,6 +400,7 @@ def test_a_released_tape_is_a_failed_precondition(client, server):
     with gradserve.Client(f"127.0.0.1:{server.port}", session_id=client.session_id) as other:
         stale = other.gradient_tape()
         stale.id = tape.id
+        r = TapedArray.wrap(np.asarray(r), r.tape_id, (weakref.ref(stale),))  # its own
         with pytest.raises(FailedPreconditionError, match="was released"):
             stale.gradient(r, x)
 
@@ -1147,7 +1182,7 @@ def test_a_tape_named_twice_in_the_header_is_one_tape(client, server):
     reply = client._stub.TensorArrayReadV3(
         request, metadata=(*client._metadata, (protocol.TAPE_METADATA_KEY, twice))
     )
-    r = TapedArray.wrap(np.ones(3, F32), reply.value.tape_id, (tape,))
+    r = TapedArray.wrap(np.ones(3, F32), reply.value.tape_id, (weakref.ref(tape),))
     np.testing.assert_array_equal(tape.gradient(r, x), np.ones(3, F32))
     # x (the read cleared the element; r let go of), and the records
     assert (
