@@ -237,6 +237,9 @@ class Batch:
                         del request.steps[-1]
                         break
                     e.step = start if e.step is None else e.step
+                    if not e.message.startswith("Batch step "):  # as the server says it
+                        e.message = f"Batch step {e.step} ({rpc}): {e.message}"
+                        e.args = (e.message,)
                     raise
             size = step.ByteSize() + 16
             fields = wire_fields.message_fields(step) + 2  # with the step and its op's key

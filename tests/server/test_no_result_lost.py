@@ -238,6 +238,7 @@ def test_a_handle_named_as_a_tensor_by_a_later_request_is_refused_at_its_step(
         ) as info:
             batch.run()
     assert info.value.step == 3 and len(info.value.results) == 3
+    assert str(info.value).startswith("Batch step 3 (StopGradient): input 'input' names step 0")
 
 
 def test_a_gradient_placeholder_has_its_sources_dtype(client):
