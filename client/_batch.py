@@ -344,6 +344,11 @@ def _rebase(
                     ref.step -= start
                     continue
                 made = _output(replies[ref.step], ref.field)
+                if not isinstance(made, tensor_array_pb2.TensorArrayHandle):  # as the server
+                    raise InvalidArgumentError(
+                        f"'{field.name}' names step {ref.step}'s '{ref.field}', a tensor, not "
+                        "a TensorArray handle"
+                    )
                 item.ClearField("from_step")
                 item.id, item.name = made.id, made.name
             else:

@@ -544,6 +544,7 @@ class Client:
                 failure = e
                 raise
             finally:
+                temps.tapes_named.clear()  # sent: an exception's frames must not pin them
                 self._clean_up(temps, failure=failure)
             if shm is None or out is None:
                 return self._parse(reply, parse)

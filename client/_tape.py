@@ -157,11 +157,15 @@ class GradientTape:
         a nested structure of them: they become sources one can differentiate with
         respect to."""
         self._require_id()
-        ids = [_tensor_id(t, "watch") for t in nest.flatten(tensor)]
+        tensors = nest.flatten(tensor)
+        ids = [_tensor_id(t, "watch") for t in tensors]
         part = protocol.MAX_REQUEST_FIELDS - 1  # ids a request may hold beside the tape's
         for start in range(0, max(len(ids), 1), part):
             request = tape_pb2.WatchTensorsRequest(tape_id=self.id, ids=ids[start : start + part])
             self._client._call("WatchTensors", request, tapes=[self])
+        for t in tensors:  # this tape holds it too now, whatever becomes of its own
+            if isinstance(t, TapedArray) and all(ref() is not self for ref in t._tapes):
+                t._tapes += (weakref.ref(self),)
 
     # ---------------------------------------------------------------- gradients
     def gradient(

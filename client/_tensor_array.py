@@ -9,6 +9,7 @@ import numpy as np
 
 from gradserve import dtypes
 from gradserve.client import _attrs as attrs
+from gradserve.client._convert import to_array
 from gradserve.client._types import TapedArray, TensorArrayHandle, TensorRef
 
 
@@ -56,19 +57,22 @@ class TensorArray:
         return self._client.raw_ops
 
     def _value(self, value):
-        """A value to write as ``tf.TensorArray.write`` takes it: a tensor the server
-        holds (``TensorRef``, a tape's output) as it is, refused if of another dtype;
-        NumPy and Python values cast to the array's dtype, as NumPy casts (TensorFlow
-        2.21 writes ``np.float64(1.5)`` into an int32 array as 1), but strings and
-        numbers never into each other."""
+        """A value to write as ``tf.TensorArray.write`` converts it (TensorFlow 2.21,
+        recorded): a tensor the server holds (``TensorRef``, a live tape's output) as
+        it is, refused if of another dtype; a NumPy value cast to the array's dtype as
+        NumPy casts (``np.float64(1.5)`` into int32 is 1); a Python value converted as
+        a tensor of the array's dtype where TensorFlow's preferred dtype takes it (ints
+        into floats, floats into complex), else as TensorFlow converts it alone, and
+        refused (``1.5`` into int32). Strings and numbers never go into each other."""
         if isinstance(value, TensorRef) or (isinstance(value, TapedArray) and value.held):
             return value
-        array = np.asarray(value)
-        if (array.dtype == dtypes.STRING or array.dtype.kind in "SU") != (
-            self.dtype == dtypes.STRING
-        ):
-            return value  # refused by the op, with TensorFlow's message
-        return np.asarray(value, dtype=self.dtype)
+        numpy_value = isinstance(value, (np.ndarray, np.generic))
+        array = np.asarray(value) if numpy_value else to_array(value)
+        if _is_string(array.dtype) != (self.dtype == dtypes.STRING):
+            return array  # refused by the op, with TensorFlow's message
+        if numpy_value or _widens(array.dtype, self.dtype):
+            return array.astype(self.dtype, copy=False)
+        return array
 
     def write(self, index: int, value) -> TensorArray:
         self.flow = self._ops.TensorArrayWriteV3(self.handle, index, self._value(value), self.flow)
@@ -126,3 +130,19 @@ class TensorArray:
 
     def __repr__(self) -> str:
         return f"TensorArray(name={self.handle.name!r}, dtype={self.dtype})"
+
+
+def _is_string(dtype: np.dtype) -> bool:
+    return dtype == dtypes.STRING or dtype.kind in "SU"
+
+
+def _kind(dtype: np.dtype) -> str:
+    return "f" if dtype == dtypes.normalize("bfloat16") else dtype.kind
+
+
+def _widens(source: np.dtype, target: np.dtype) -> bool:
+    """Whether TensorFlow converts a Python value of ``source``'s kind to ``target``
+    as a preferred dtype: bools and ints to any number, floats to floats and
+    complex, complex to complex."""
+    allowed = {"b": "biufc", "i": "iufc", "f": "fc", "c": "c"}.get(_kind(source), "")
+    return _kind(target) in allowed

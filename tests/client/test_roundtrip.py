@@ -67,6 +67,14 @@ def test_the_tensor_array_layer_casts_numpy_values_as_tensorflow_does(client):
         client.tensor_array(np.float32, size=1).write(0, client.put(np.float64(1.5)))
     with pytest.raises(InvalidArgumentError, match="trying to write dtype float"):
         client.tensor_array("string", size=1).write(0, np.float32(1.5))
+    # Python values as a preferred dtype takes them: bools and ints into any number,
+    # floats into floats (TensorFlow refuses 1.5 into int32, and 2 into bool).
+    floats = client.tensor_array(np.float32, size=2).write(0, 2).write(1, True).stack()
+    assert floats.tolist() == [2.0, 1.0] and floats.dtype == np.float32
+    with pytest.raises(InvalidArgumentError, match="trying to write dtype float"):
+        client.tensor_array(np.int32, size=1).write(0, 1.5)
+    with pytest.raises(InvalidArgumentError, match="trying to write dtype int32"):
+        client.tensor_array(np.bool_, size=1).write(0, 2)
 
 
 def same(y: np.ndarray, x: np.ndarray) -> bool:

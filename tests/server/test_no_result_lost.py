@@ -241,6 +241,25 @@ def test_a_handle_named_as_a_tensor_by_a_later_request_is_refused_at_its_step(
     assert str(info.value).startswith("Batch step 3 (StopGradient): input 'input' names step 0")
 
 
+def test_a_tensor_named_as_a_handle_by_a_later_request_is_refused_at_its_step(
+    small_messages,
+):
+    # The mirror image of a handle named as a tensor: an AttributeError ('id').
+    big = np.ones(200_000, np.float32)
+    with connect(small_messages, max_message_bytes=MIB, shared_memory=False) as client:
+        h, f = client.raw_ops.TensorArrayV3(size=2, dtype=np.float32)
+        batch = client.batch()
+        copy = batch.raw_ops.StopGradient(np.ones(2, np.float32))
+        batch.raw_ops.TensorArrayWriteV3(h, 0, big, f)
+        batch.raw_ops.TensorArrayWriteV3(h, 1, big, f)  # the next request
+        batch.raw_ops.TensorArraySizeV3(copy, f)
+        with pytest.raises(
+            InvalidArgumentError, match="a tensor, not a TensorArray handle"
+        ) as info:
+            batch.run()
+    assert info.value.step == 3 and len(info.value.results) == 3
+
+
 def test_a_gradient_placeholder_has_its_sources_dtype(client):
     # An LSTM step given a gradient as x takes T from it, as from the float32 array it
     # is one by one: the float64 arrays beside it were left float64 and refused.

@@ -367,6 +367,49 @@ def test_watching_an_output_of_a_dropped_tape_says_what_to_do(client):
             other.watch(y)
 
 
+def _copy(client, value):
+    """A differentiable copy of ``value`` (a TensorArray written and read)."""
+    h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=F32)
+    flow = client.raw_ops.TensorArrayWriteV3(h, 0, value, flow)
+    return client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+
+
+def test_an_output_another_tape_watched_stays_a_source_after_its_own_tape_goes(client):
+    # B watched x, computed under A; A's gradient released A. The SDK took x for a
+    # value no tape held (a TypeError), though B held it (a review helper).
+    p = client.put(np.array([1.0, 2.0], F32))
+    with client.gradient_tape() as a:
+        x = _copy(client, p)
+    with client.gradient_tape(persistent=True) as b:
+        b.watch(x)
+        y = _copy(client, x)
+    np.testing.assert_array_equal(a.gradient(x, p), [1.0, 1.0])
+    assert x.held
+    np.testing.assert_array_equal(b.gradient(y, x), [1.0, 1.0])
+    b.release()
+
+
+def test_a_failed_call_naming_a_tapes_output_does_not_pin_the_tape(client, server):
+    # The call's staging kept the tapes it named alive; held by the exception's frames,
+    # it kept a dropped tape on the server until a garbage collection (a review helper).
+    p = client.put(np.array([1.0, 2.0], F32))
+    gc.collect()
+    gc.disable()
+    try:
+        with client.gradient_tape(persistent=True) as tape:
+            x = _copy(client, p)
+        h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=F32)
+        client.raw_ops.TensorArrayCloseV3(h)
+        with pytest.raises(InvalidArgumentError):
+            client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)  # closed: refused
+        del tape
+        client.keep_alive()
+        client.keep_alive()
+        assert not session_of(server, client)._tapes
+    finally:
+        gc.enable()
+
+
 def _state(server, client):
     s = session_of(server, client)
     return used(server, client), s._grads.as_dict(), len(s._resident), len(s._tapes)
