@@ -61,9 +61,10 @@ class TensorArray:
         recorded): a tensor the server holds (``TensorRef``, a live tape's output) as
         it is, refused if of another dtype; a NumPy value cast to the array's dtype as
         NumPy casts (``np.float64(1.5)`` into int32 is 1); a Python value converted as
-        a tensor of the array's dtype where TensorFlow's preferred dtype takes it (ints
-        into floats, floats into complex), else as TensorFlow converts it alone, and
-        refused (``1.5`` into int32). Strings and numbers never go into each other."""
+        a tensor of the array's dtype where TensorFlow's preferred dtype takes it (bools
+        and ints into any number, floats into floats and complex), else as TensorFlow
+        converts it alone, and refused (``1.5`` into int32, ``2`` into bool). Strings
+        and numbers never go into each other."""
         if isinstance(value, TensorRef) or (isinstance(value, TapedArray) and value.held):
             return value
         numpy_value = isinstance(value, (np.ndarray, np.generic))
