@@ -594,10 +594,8 @@ class Client:
                     # (it truncates a NumPy float, which the server refuses:
                     # _as_integer_input); an empty list is the input's type.
                     raise TypeError(cannot_convert(value, dtype))
-                if array.dtype.kind == "u" or (
-                    array.dtype == object and any(type(v) is int for v in array.flat)
-                ):  # NumPy's reading of an int past int64
-                    raise ConversionError(OUT_OF_RANGE)
+                if array.dtype.kind == "u":  # NumPy's reading of an int past int64
+                    raise ConversionError(OUT_OF_RANGE)  # (past uint64: _as_integer_input)
             array = _as_integer_input(array, dtypes.normalize(dtype))
         nbytes = dtypes.nbytes(array)
         size = protocol.encoded_size(nbytes, array.ndim)
@@ -901,8 +899,7 @@ def _as_integer_input(array: np.ndarray, target: np.dtype) -> np.ndarray:
     Anything else is sent as it is, for the server to reject with the op's message.
     """
     if array.dtype == object and any(isinstance(v, int) for v in array.flat):
-        # Past int64: TensorFlow's ValueError too.
-        raise ConversionError(f"{array.tolist()!r} does not fit in {target}")
+        raise ConversionError(OUT_OF_RANGE)  # past int64 (and uint64): TensorFlow's
     if array.dtype == target or not (array.size == 0 or array.dtype.kind in "iub"):
         return array
     converted = array.astype(target)

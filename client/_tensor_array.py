@@ -137,8 +137,11 @@ def _is_string(dtype: np.dtype) -> bool:
     return dtype == dtypes.STRING or dtype.kind in "SU"
 
 
+_BFLOAT16 = dtypes.normalize("bfloat16")
+
+
 def _kind(dtype: np.dtype) -> str:
-    return "f" if dtype == dtypes.normalize("bfloat16") else dtype.kind
+    return "f" if dtype == _BFLOAT16 else dtype.kind
 
 
 def _widens(source: np.dtype, target: np.dtype) -> bool:
