@@ -247,11 +247,6 @@ class Session:
 
         return end
 
-    @property
-    def busy(self) -> bool:
-        """A call on it is still running."""
-        return self._calls > 0
-
     def idle_since(self) -> float | None:
         """When it was last used, or None while a call on it runs: read together, so
         that a call ending between the two reads (its long run past the TTL seen, and

@@ -217,6 +217,7 @@ def guarded(handler: H) -> H:
     async def call(self: Any, request: Any, context: Any) -> Any:
         error: GradserveError | None = None
         response = None
+        reply_bytes = 0  # a unary reply's size, measured once (ByteSize walks it)
         with self.observer.call(name, context) as record:
             try:
                 principal = self.principal(context)
@@ -244,7 +245,8 @@ def guarded(handler: H) -> H:
                         if not stream:
                             self.admission.exit(principal)
                     if not stream and response is not None:
-                        reply.made(response)
+                        reply_bytes = response.ByteSize()
+                        reply.made(reply_bytes)
                 except asyncio.CancelledError:
                     record.code, record.message = Code.CANCELLED, "cancelled by the client"
                     raise
@@ -266,7 +268,7 @@ def guarded(handler: H) -> H:
             elif self.observer.counts_bytes:
                 record.bytes_in += _size(request)
                 if response is not None:
-                    record.bytes_out = response.ByteSize()
+                    record.bytes_out = reply_bytes or response.ByteSize()
         if error is not None:  # counted and logged above, before the client can see it
             if streams.status_stuck(error):
                 raise asyncio.CancelledError  # (no status can pass its unread message)
@@ -329,11 +331,10 @@ class _Reply:
         self._done = False
         self._timer: asyncio.TimerHandle | None = None
 
-    def made(self, response: Any) -> None:
-        """The handler returned ``response`` (on the event loop)."""
+    def made(self, nbytes: int) -> None:
+        """The handler returned a reply of ``nbytes`` (on the event loop)."""
         if self._done:
             return
-        nbytes = response.ByteSize()
         if nbytes >= REPLY_COUNTED_MIN_BYTES:
             self._nbytes = nbytes
             self._timer = asyncio.get_running_loop().call_later(REPLY_GRACE_SECONDS, self._wait)
