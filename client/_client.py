@@ -9,7 +9,6 @@ import math
 import os
 import random
 import threading
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -35,7 +34,7 @@ from gradserve.client._fetched import Fetched
 from gradserve.client._prefetch import Prefetcher
 from gradserve.client._raw_ops import RawOps, Staging
 from gradserve.client._tape import GradientTape, Recording
-from gradserve.client._types import StepOutput, TapedArray, TensorRef
+from gradserve.client._types import StepOutput, TapedArray, TensorRef, tape_refs
 from gradserve.errors import (
     NOT_CONNECTED_REASON,
     UNRUN_REASONS,
@@ -431,7 +430,7 @@ class Client:
                     # its outputs, nested in this one, set it to none, and its outputs
                     # came back tied to no tape (found by a review helper: an input of
                     # 4 MiB or more over TCP made ``tape.gradient`` silently None).
-                    self._recording.call_tapes = tuple(weakref.ref(t) for t in tapes)
+                    self._recording.call_tapes = tape_refs(tapes)
                 body = request() if callable(request) else request
                 sent_before = True
                 reply = method(body, metadata=sent, timeout=timeout)

@@ -11,9 +11,11 @@ from grpc_status import rpc_status
 from gradserve.errors import (
     NOT_CONNECTED_REASON,
     Code,
+    FailedPreconditionError,
     GradserveError,
     NotFoundError,
     SessionLostError,
+    TapeReleasedError,
     UnavailableError,
     error_class_for,
 )
@@ -148,8 +150,11 @@ def from_rpc_error(error: grpc.RpcError, *, unsent_is_known: bool = False) -> Gr
 def typed_error(code: Code | int, message: str, *, reason: str, **details: Any) -> GradserveError:
     """The error for a status the server sent (a call's, or a Batch step's): the
     class of its code, and ``SessionLostError``, with what it means, for a NOT_FOUND
-    of the session itself."""
+    of the session itself, ``TapeReleasedError`` (also TensorFlow's ``RuntimeError``)
+    for a released tape."""
     cls = error_class_for(code)
     if cls is NotFoundError and reason == SESSION_LOST_REASON:
         cls, message = SessionLostError, SessionLostError.EXPLANATION + message
+    elif cls is FailedPreconditionError and reason == TapeReleasedError.REASON:
+        cls = TapeReleasedError
     return cls(message, reason=reason, **details)

@@ -21,8 +21,8 @@ from typing import Any
 
 from gradserve import protocol
 from gradserve.client import _nest as nest
-from gradserve.client._types import StepOutput, TapedArray, TensorRef
-from gradserve.errors import FailedPreconditionError
+from gradserve.client._types import StepOutput, TapedArray, TapeRefs, TensorRef, tape_refs
+from gradserve.errors import TapeReleasedError
 from gradserve.v1 import tape_pb2, tensor_pb2
 
 _UNCONNECTED = {
@@ -38,7 +38,7 @@ class Recording(threading.local):
         self.tapes: list[GradientTape] = []
         #: The tapes the last call on this thread named (its outputs belong to them),
         #: weakly: they pin no tape the program dropped.
-        self.call_tapes: tuple[weakref.ref[GradientTape], ...] = ()
+        self.call_tapes: TapeRefs = ()
 
     @staticmethod
     def ids(tapes: Any) -> str:
@@ -83,6 +83,7 @@ class GradientTape:
         self.watch_accessed_variables = watch_accessed_variables
         self.id: str | None = None
         self._life = _Life()
+        self._finalizer: weakref.finalize | None = None
 
     @property
     def released(self) -> bool:
@@ -111,13 +112,28 @@ class GradientTape:
             self._stop()
 
     def __enter__(self) -> GradientTape:
+        if self in self._client._recording.tapes:
+            raise ValueError(  # TensorFlow's words and class
+                "Tape is still recording, This can happen if you try to re-enter an "
+                "already-active tape."
+            )
         if self.released:
-            raise FailedPreconditionError("this gradient tape was released; start a new one")
+            # As ``tf.GradientTape``: a tape entered again after its (non-persistent)
+            # gradient call records afresh (a training loop may reuse one tape object).
+            # A new id, so that the outputs of the last recording, which the server no
+            # longer holds, stay released (``TapedArray.live_tapes``); the released
+            # recording's finalizer has nothing to do and goes (one per loop would pile).
+            if self._finalizer is not None:
+                self._finalizer.detach()
+            self._life = _Life()
+            self.id = None
         if self.id is None:
             # Proposed here and started by the server with the first call that names
             # it (``header``): a tape costs no round trip of its own.
             self.id = self._life.tape_id = secrets.token_urlsafe(16)
-            weakref.finalize(self, _dropped, self._client._dropped_tapes, self._life)
+            self._finalizer = weakref.finalize(
+                self, _dropped, self._client._dropped_tapes, self._life
+            )
         self._client._recording.tapes.append(self)
         return self
 
@@ -164,8 +180,8 @@ class GradientTape:
             request = tape_pb2.WatchTensorsRequest(tape_id=self.id, ids=ids[start : start + part])
             self._client._call("WatchTensors", request, tapes=[self])
         for t in tensors:  # this tape holds it too now, whatever becomes of its own
-            if isinstance(t, TapedArray) and all(ref() is not self for ref in t._tapes):
-                t._tapes += (weakref.ref(self),)
+            if isinstance(t, TapedArray) and self not in t.live_tapes():
+                t._tapes += tape_refs([self])
 
     # ---------------------------------------------------------------- gradients
     def gradient(
@@ -262,9 +278,10 @@ class GradientTape:
         if self.id is None:
             raise RuntimeError("use the tape in a 'with client.gradient_tape() as tape:' block")
         if self.released:
-            raise FailedPreconditionError(
-                "this gradient tape was released: a non-persistent tape allows one gradient "
-                "call (use persistent=True for several)"
+            raise TapeReleasedError(
+                "this gradient tape was released: a non-persistent GradientTape can only be "
+                "used to compute one set of gradients (use persistent=True for several, or "
+                "enter it again to record afresh)"
             )
 
     def __repr__(self) -> str:

@@ -50,6 +50,18 @@ class TensorRef:
         return f"TensorRef(id={self.id[:8]}…, dtype={self.dtype}, shape={self.shape})"
 
 
+#: The tapes an output belongs to: each weakly (an output keeps no tape alive, as in
+#: TensorFlow), with the id it had when the output was recorded: a non-persistent tape
+#: entered again after its gradient call records under a new id, and the outputs of
+#: its last recording are no longer its own.
+TapeRefs = tuple[tuple[weakref.ref[Any], str], ...]
+
+
+def tape_refs(tapes: Any) -> TapeRefs:
+    """``TapeRefs`` for ``tapes`` (started: they have ids) as they are now."""
+    return tuple((weakref.ref(t), t.id) for t in tapes)
+
+
 class TapedArray(np.ndarray):
     """An op output computed under a gradient tape: the value, plus the id by which
     the tape holds it (``tape_id``).
@@ -65,12 +77,10 @@ class TapedArray(np.ndarray):
     #: Weak references to the tapes that recorded it: an output keeps no tape alive
     #: (as in TensorFlow), so a tape the program dropped is released even while its
     #: outputs, or slices of them, are kept (``GradientTape``'s finalizer).
-    _tapes: tuple[weakref.ref[Any], ...] = ()
+    _tapes: TapeRefs = ()
 
     @classmethod
-    def wrap(
-        cls, value: np.ndarray, tape_id: str, tapes: tuple[weakref.ref[Any], ...]
-    ) -> TapedArray:
+    def wrap(cls, value: np.ndarray, tape_id: str, tapes: TapeRefs) -> TapedArray:
         out = np.asarray(value).view(cls)
         out.tape_id = tape_id
         out._tapes = tapes
@@ -89,7 +99,8 @@ class TapedArray(np.ndarray):
 
     def live_tapes(self) -> list[Any]:
         """The tapes that recorded it and are still alive (unreleased or not)."""
-        return [tape for tape in (ref() for ref in self._tapes) if tape is not None]
+        live = ((ref(), tape_id) for ref, tape_id in self._tapes)
+        return [tape for tape, tape_id in live if tape is not None and tape.id == tape_id]
 
     @property
     def held(self) -> bool:

@@ -32,6 +32,7 @@ __all__ = [
     "UnsupportedDTypeError",
     "ConversionError",
     "SessionLostError",
+    "TapeReleasedError",
     "Code",
     "error_class_for",
     "DRAINING_REASON",
@@ -220,6 +221,20 @@ class SessionLostError(NotFoundError):
         "replica that does not hold it (a stale proxy map). Open a new session and redo "
         "the work since its start. Server said: "
     )
+
+
+class TapeReleasedError(FailedPreconditionError, RuntimeError):
+    """A gradient tape asked for gradients (or to watch) after it was released: a
+    non-persistent tape by its one ``gradient`` call, any tape by ``release()``
+    (reason ``TAPE_RELEASED``). TensorFlow raises ``RuntimeError`` for the first ("A
+    non-persistent GradientTape can only be used to compute one set of gradients"), so
+    a program moved from ``tf.GradientTape`` catches it where it did."""
+
+    REASON = "TAPE_RELEASED"
+
+    def __init__(self, message: str, **details: Any) -> None:
+        details.setdefault("reason", self.REASON)
+        super().__init__(message, **details)
 
 
 _BY_CODE: dict[Code, type[GradserveError]] = {

@@ -30,10 +30,10 @@ import numpy as np
 from gradserve import dtypes
 from gradserve.errors import (
     DRAINING_REASON,
-    FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
+    TapeReleasedError,
     UnavailableError,
 )
 from gradserve.server.core.budget import MemoryBudget
@@ -693,11 +693,10 @@ class Session:
                 field="tape_id",
             )
         if released:
-            raise FailedPreconditionError(
+            raise TapeReleasedError(
                 f"gradient tape {tape_id!r} was released: a non-persistent tape is released "
                 "by its first gradient call (use persistent=True for several), a persistent "
                 "one when it is released or its session ends",
-                reason="TAPE_RELEASED",
                 field="tape_id",
             )
         raise NotFoundError(
@@ -1056,10 +1055,7 @@ class Session:
         """(caller holds ``_lock``)"""
         self._check_open()
         if tape.released:
-            raise FailedPreconditionError(
-                f"gradient tape {tape.id!r} was released while the op ran",
-                reason="TAPE_RELEASED",
-            )
+            raise TapeReleasedError(f"gradient tape {tape.id!r} was released while the op ran")
 
     # ---------------------------------------------------------------- snapshots
     def changing(self) -> contextlib.AbstractContextManager[None]:

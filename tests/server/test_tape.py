@@ -18,12 +18,13 @@ import pytest
 import gradserve
 from gradserve import protocol
 from gradserve.client import TensorRef
-from gradserve.client._types import TapedArray
+from gradserve.client._types import TapedArray, tape_refs
 from gradserve.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
+    TapeReleasedError,
     UnimplementedError,
 )
 from gradserve.server import run_server
@@ -430,22 +431,86 @@ def test_errors_name_the_tensor_and_change_nothing(client, server, recorded):
     np.testing.assert_array_equal(tape.gradient(r, x), [1.0, 1.0])  # still usable
 
 
-def test_a_released_tape_is_a_failed_precondition(client, server):
+def test_a_released_tape_is_a_failed_precondition_and_tensorflows_runtime_error(client, server):
+    """TensorFlow raises RuntimeError for a non-persistent tape's second gradient call:
+    the error is that too (TapeReleasedError), from the SDK and from the server."""
     x = client.put(np.array([1.0], F32))
     with client.gradient_tape() as tape:
         h, flow = _ta(client, element_shape=[1])
         flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
         r = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
     tape.gradient(r, x)
-    with pytest.raises(FailedPreconditionError, match="released"):
-        tape.gradient(r, x)
+    for err in (FailedPreconditionError, RuntimeError, TapeReleasedError):
+        with pytest.raises(err, match="released"):
+            tape.gradient(r, x)
     # Also when the SDK does not know (another client of the same session).
     with gradserve.Client(f"127.0.0.1:{server.port}", session_id=client.session_id) as other:
         stale = other.gradient_tape()
         stale.id = tape.id
-        r = TapedArray.wrap(np.asarray(r), r.tape_id, (weakref.ref(stale),))  # its own
-        with pytest.raises(FailedPreconditionError, match="was released"):
+        r = TapedArray.wrap(np.asarray(r), r.tape_id, tape_refs([stale]))  # its own
+        with pytest.raises(TapeReleasedError, match="was released") as caught:
             stale.gradient(r, x)
+        assert isinstance(caught.value, RuntimeError)
+        assert caught.value.reason == "TAPE_RELEASED" and caught.value.field == "tape_id"
+
+
+def test_a_tape_entered_again_after_its_gradient_records_afresh(client):
+    """As tf.GradientTape: one non-persistent tape object reused by a training loop,
+    entered again after each gradient call (TensorFlow 2.21 starts a new recording;
+    it was refused here). The outputs of the last recording stay released: by value
+    to later ops, not watchable."""
+    tape = client.gradient_tape()
+    x = client.put(np.array([1.0, 2.0], F32))
+    grads, outs = [], []
+    for scale in (1.0, 3.0):
+        with tape:
+            tape.watch(x)
+            h, flow = _ta(client, element_shape=[2])
+            flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+            r = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+        outs.append(r)
+        grads.append(tape.gradient(r, x, output_gradients=np.full(2, scale, F32)))
+        assert tape.released
+    np.testing.assert_array_equal(grads[0], [1.0, 1.0])
+    np.testing.assert_array_equal(grads[1], [3.0, 3.0])
+    assert not outs[0].held and not outs[1].held
+    with tape:  # a third recording: the first outputs are not its own
+        with pytest.raises(TypeError, match="released or dropped"):
+            tape.watch(outs[0])
+        y = client.raw_ops.StopGradient(input=outs[1])  # goes by value
+    np.testing.assert_array_equal(y, [1.0, 2.0])
+    assert y.live_tapes() == [tape] and y.held and not outs[1].held
+
+
+def test_a_reused_tape_leaves_one_finalizer_and_is_released_when_dropped(client, server):
+    """Each recording of a reused tape registers its finalizer; a spent recording's
+    goes (a loop of a million steps would have kept a million), and the last one
+    still releases the tape once the program drops it."""
+    x = client.put(np.array([1.0], F32))
+    tape = client.gradient_tape()
+    before = len(weakref.finalize._registry)
+    for _ in range(5):
+        with tape:
+            tape.watch(x)
+            r = client.raw_ops.StopGradient(input=x)
+        tape.gradient(r, x)
+    with tape:
+        client.raw_ops.StopGradient(input=x)
+    assert len(weakref.finalize._registry) == before + 1
+    live = tape.id
+    assert live in session_of(server, client)._tapes
+    del tape, r
+    gc.collect()
+    client.put(np.zeros(1, F32))  # the next call releases it
+    assert live not in session_of(server, client)._tapes
+
+
+def test_entering_a_recording_tape_again_is_tensorflows_value_error(client):
+    with client.gradient_tape() as tape:
+        with pytest.raises(ValueError, match="already-active tape"):
+            with tape:
+                pass
+        assert client._recording.tapes == [tape]
 
 
 def test_a_failed_gradient_rolls_back_its_grad_arrays_and_the_freeze(client, server):
@@ -1225,7 +1290,7 @@ def test_a_tape_named_twice_in_the_header_is_one_tape(client, server):
     reply = client._stub.TensorArrayReadV3(
         request, metadata=(*client._metadata, (protocol.TAPE_METADATA_KEY, twice))
     )
-    r = TapedArray.wrap(np.ones(3, F32), reply.value.tape_id, (weakref.ref(tape),))
+    r = TapedArray.wrap(np.ones(3, F32), reply.value.tape_id, tape_refs([tape]))
     np.testing.assert_array_equal(tape.gradient(r, x), np.ones(3, F32))
     # x (the read cleared the element; r let go of), and the records
     assert (
