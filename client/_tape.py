@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
+
 from gradserve import protocol
 from gradserve.client import _nest as nest
 from gradserve.client._types import StepOutput, TapedArray, TapeRefs, TensorRef, tape_refs
@@ -171,9 +173,13 @@ class GradientTape:
     def watch(self, tensor: Any) -> None:
         """Watch resident tensors (``TensorRef``) or tape outputs (``TapedArray``), one or
         a nested structure of them: they become sources one can differentiate with
-        respect to."""
+        respect to. An output whose tapes were released or dropped is held by this
+        tape from now on (``_adopt``), as TensorFlow watches any tensor."""
         self._require_id()
         tensors = nest.flatten(tensor)
+        for t in tensors:
+            if isinstance(t, TapedArray) and t.tape_id is not None and not t.held:
+                self._adopt(t)
         ids = [_tensor_id(t, "watch") for t in tensors]
         part = protocol.MAX_REQUEST_FIELDS - 1  # ids a request may hold beside the tape's
         for start in range(0, max(len(ids), 1), part):
@@ -182,6 +188,21 @@ class GradientTape:
         for t in tensors:  # this tape holds it too now, whatever becomes of its own
             if isinstance(t, TapedArray) and self not in t.live_tapes():
                 t._tapes += tape_refs([self])
+
+    def _adopt(self, output: TapedArray) -> None:
+        """Give ``output``, an output the server no longer holds (its tapes were
+        released or dropped), to this tape: its value goes to the server once more, as
+        the output of a ``StopGradient`` recorded on this tape alone, and ``output``
+        takes that output's id. Later ops then name it by id, so this tape sees it flow
+        on, and it is held while this tape is (TensorFlow watches such a tensor as any
+        other; it was a ``TypeError`` here)."""
+        recording = self._client._recording
+        recording.tapes, others = [self], recording.tapes
+        try:
+            held = self._client.raw_ops.StopGradient(input=np.asarray(output))
+        finally:
+            recording.tapes = others
+        output.tape_id, output._tapes = held.tape_id, held._tapes
 
     # ---------------------------------------------------------------- gradients
     def gradient(
@@ -313,7 +334,8 @@ def _tensor_id(value: Any, what: str) -> str:
             return value.tape_id
         raise TypeError(
             f"{what}: the tapes that computed it were released or dropped, and the server "
-            "holds it no more; put it in the session with client.put first"
+            "holds it no more; watch it on a live tape first (tape.watch), or put it in "
+            "the session with client.put"
         )
     if isinstance(value, TensorRef):
         return value.id

@@ -354,18 +354,31 @@ def test_a_tape_dropped_after_a_batch_named_its_output_lives_until_the_batch_ran
     np.testing.assert_array_equal(client.raw_ops.StopGradient(y), [1.0, 2.0])  # by value
 
 
-def test_watching_an_output_of_a_dropped_tape_says_what_to_do(client):
-    # Its id named a tensor the server had freed with the tape: NOT_FOUND.
+def test_an_output_of_a_dropped_tape_is_watched_as_tensorflow_watches_it(client, server):
+    """Its tape gone, the server no longer holds it (watching its id was NOT_FOUND,
+    then a TypeError): watched, it is held by the watching tape (only: another tape
+    recording beside it does not hold it), goes to later ops by id, and is a source
+    with its true gradient, as a TensorFlow tensor of a freed tape is."""
     w = client.put(np.array([1.0, 2.0], F32))
-    h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=F32)
+    h, flow = client.raw_ops.TensorArrayV3(size=2, dtype=F32)
     with client.gradient_tape() as tape:
         flow = client.raw_ops.TensorArrayWriteV3(h, 0, w, flow)
         y = client.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
     del tape
     gc.collect()
-    with client.gradient_tape() as other:
-        with pytest.raises(TypeError, match="released or dropped.*client.put first"):
-            other.watch(y)
+    client.keep_alive()
+    assert not y.held
+    with client.gradient_tape() as beside, client.gradient_tape() as other:
+        other.watch(y)
+        assert y.held and y.live_tapes() == [other]
+        flow = client.raw_ops.TensorArrayWriteV3(h, 1, y, flow)
+        z = client.raw_ops.TensorArrayReadV3(h, 1, flow, F32)
+    assert y.tape_id in session_of(server, client).tape(other.id).held
+    np.testing.assert_array_equal(y, [1.0, 2.0])
+    np.testing.assert_array_equal(z, [1.0, 2.0])
+    assert beside.gradient(z, y) is None  # it did not watch y (TensorFlow: None)
+    grad = other.gradient(z, y, output_gradients=np.array([3.0, 5.0], F32))
+    np.testing.assert_array_equal(grad, [3.0, 5.0])  # d(read(write(y)))/dy = seed
 
 
 def _copy(client, value):
@@ -475,8 +488,6 @@ def test_a_tape_entered_again_after_its_gradient_records_afresh(client):
     np.testing.assert_array_equal(grads[1], [3.0, 3.0])
     assert not outs[0].held and not outs[1].held
     with tape:  # a third recording: the first outputs are not its own
-        with pytest.raises(TypeError, match="released or dropped"):
-            tape.watch(outs[0])
         y = client.raw_ops.StopGradient(input=outs[1])  # goes by value
     np.testing.assert_array_equal(y, [1.0, 2.0])
     assert y.live_tapes() == [tape] and y.held and not outs[1].held
