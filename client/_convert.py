@@ -86,7 +86,12 @@ def to_array(value: Any, dtype: dtypes.DTypeLike | None = None) -> np.ndarray:
     if dtype is not None:
         if value is None:
             raise ConversionError(unsupported_type(value))
-        return np.asarray(value)
+        array = np.asarray(value)
+        if array.dtype == object:  # ints past int64 are the caller's; nothing else is
+            for item in array.flat:  # a Decimal, a Fraction, a None in a list
+                if not isinstance(item, int):
+                    raise ConversionError(unsupported_type(item))
+        return array
     return _from_python(value)
 
 

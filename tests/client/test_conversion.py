@@ -13,6 +13,8 @@ import json
 import math
 import pathlib
 import warnings
+from decimal import Decimal
+from fractions import Fraction
 from typing import Any
 
 import ml_dtypes
@@ -20,7 +22,7 @@ import numpy as np
 import pytest
 
 from gradserve.client._convert import to_array
-from gradserve.errors import InvalidArgumentError
+from gradserve.errors import ConversionError, InvalidArgumentError
 
 SCOPE = {"np": np, "ml_dtypes": ml_dtypes}  # what a case's source may name
 TABLE = json.loads(
@@ -177,6 +179,24 @@ def test_integer_index_path_unchanged():
     range-checked cast (``_as_integer_input``) does the rest, as before."""
     assert to_array(5, np.int32).dtype == np.int64
     assert to_array(HasArray(np.array(3, np.int16)), np.int32).dtype == np.int16
+
+
+@pytest.mark.parametrize(
+    "value",
+    [Decimal(2), Fraction(5, 2), [Decimal(1)], [1, None]],
+    ids=["dec", "frac", "list", "none"],
+)
+def test_an_integer_input_refuses_what_tensorflow_cannot_convert(client, value):
+    """TensorFlow 2.21's ValueError "Attempt to convert a value (Decimal('2')) with an
+    unsupported type" for a size or index (recorded under /tmp/tf; "Can't convert
+    Python sequence with mixed types" for [1, None]); it was a TypeError from the
+    encoder here ("object of type 'decimal.Decimal' has no len()")."""
+    with pytest.raises(ConversionError, match="with an unsupported type") as info:
+        client.raw_ops.TensorArrayV3(size=value, dtype=np.float32)
+    assert isinstance(info.value, ValueError)
+    handle, flow = client.raw_ops.TensorArrayV3(size=2, dtype=np.float32)
+    with pytest.raises(ConversionError, match="with an unsupported type"):
+        client.raw_ops.TensorArrayWriteV3(handle, value, np.ones(1, np.float32), flow)
 
 
 def test_large_nested_lists_convert_in_bulk():
