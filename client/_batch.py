@@ -15,6 +15,7 @@ steps.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +25,7 @@ from google.protobuf.message import Message
 from gradserve import protocol, wire_fields
 from gradserve.client import _nest as nest
 from gradserve.client._errors import typed_error
-from gradserve.client._raw_ops import RawOps, Staging
+from gradserve.client._raw_ops import RawOps, Staging, Submit
 from gradserve.client._types import StepOutput
 from gradserve.errors import GradserveError, InvalidArgumentError
 from gradserve.lstm_signature import LSTMActivations, LSTMGrads
@@ -72,6 +73,30 @@ def _output_dtype(field: Any, dtype: np.dtype | None) -> np.dtype | None:
     return np.dtype(np.int64) if field.name == "lengths" else dtype
 
 
+def _recorder(batch: Batch) -> Submit:
+    """``batch._record``, held weakly. The batch holds its ``raw_ops``, and so do the
+    parse functions of its steps; a strong reference back made a cycle, so a batch
+    dropped without ``run()`` kept what its steps name (the tapes of their inputs,
+    their shared-memory leases) until Python's cycle collector ran, where TensorFlow
+    frees at once. A ``raw_ops`` kept without its batch records nothing: nothing could
+    run it."""
+    record = weakref.WeakMethod(batch._record)
+    client = batch._client
+
+    def submit(rpc: str, request: Message, parse: Callable[[Any], Any], temps: Staging) -> Any:
+        method = record()
+        if method is None:
+            if client._shm is not None:
+                client._shm.release_temps(list(temps))
+            raise ReferenceError(
+                "this batch was dropped: keep the Batch that client.batch() returned, to "
+                "run() the ops recorded on its raw_ops"
+            )
+        return method(rpc, request, parse, temps)
+
+    return submit
+
+
 class Batch:
     """A list of ops to run with as few ``Batch`` RPCs as the message limits allow.
 
@@ -93,7 +118,7 @@ class Batch:
         self._tapes_named: list[Any] = []
         #: Non-persistent tapes released by a Gradients step, once that step ran.
         self._releases: list[tuple[int, Any]] = []
-        self.raw_ops = RawOps(client, self._record, client._staging)
+        self.raw_ops = RawOps(client, _recorder(self), client._staging)
 
     def _record(self, rpc: str, request: Message, parse, temps: Staging) -> Any:
         self._steps.append((rpc, request, parse, tuple(self._client._recording.tapes)))

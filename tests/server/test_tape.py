@@ -354,6 +354,29 @@ def test_a_tape_dropped_after_a_batch_named_its_output_lives_until_the_batch_ran
     np.testing.assert_array_equal(client.raw_ops.StopGradient(y), [1.0, 2.0])  # by value
 
 
+def test_a_batch_dropped_unrun_lets_go_of_its_tapes_at_once(client, server):
+    """A batch recorded and dropped without run() is freed by reference counting, and
+    with it the tapes its steps named: the client's next call releases them (it was in
+    a reference cycle through its raw_ops, and kept them until a garbage collection)."""
+    w = client.put(np.array([1.0, 2.0], F32))
+    with client.gradient_tape(persistent=True) as tape:
+        y = _copy(client, w)
+    batch = client.batch()
+    ops = batch.raw_ops
+    ops.StopGradient(y)
+    gone, tape_id = weakref.ref(batch), tape.id
+    gc.disable()
+    try:
+        del tape, batch
+        assert gone() is None
+        client.keep_alive()  # the next call releases the dropped tape
+        assert tape_id not in session_of(server, client)._tapes
+        with pytest.raises(ReferenceError, match="keep the Batch"):
+            ops.StopGradient(np.ones(2, F32))
+    finally:
+        gc.enable()
+
+
 def test_an_output_of_a_dropped_tape_is_watched_as_tensorflow_watches_it(client, server):
     """Its tape gone, the server no longer holds it (watching its id was NOT_FOUND,
     then a TypeError): watched, it is held by the watching tape (only: another tape
