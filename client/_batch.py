@@ -245,9 +245,9 @@ class Batch:
         value an earlier reply carried up to a message's worth. Such a value goes
         inline where it fits the step alone in a request (one that does not fit
         this one begins the next), uploaded only where it does not."""
-        request = service_pb2.BatchRequest()
-        left = self._client.request_budget
-        fields_left = protocol.MAX_REQUEST_FIELDS
+        request = service_pb2.BatchRequest(first_step=start)
+        left = self._client.request_budget - request.ByteSize()
+        fields_left = protocol.MAX_REQUEST_FIELDS - 1
         for rpc, op_request, _, tapes in steps[start:]:
             if request.steps and tapes != steps[start][3]:
                 break
@@ -382,7 +382,9 @@ def _rebase(
 
 def _renumbered(message: str, failed: int, start: int) -> str:
     """The server's "Batch step N (Op): ..." of a request that began at step ``start``,
-    numbered in the whole batch, as the error's ``step`` is."""
+    numbered in the whole batch, as the error's ``step`` is: a server that predates
+    ``BatchRequest.first_step`` numbers it in the request (one that reads it has,
+    and its N is never ``failed`` then)."""
     prefix = f"Batch step {failed} "
     if start and message.startswith(prefix):
         return f"Batch step {start + failed} " + message[len(prefix) :]

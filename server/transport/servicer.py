@@ -308,6 +308,7 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         ``RESPONSE_FULL``; the SDK sends the rest in another Batch), so no result of a
         step that ran is lost to the message limit."""
         io = self._io(context)
+        io.first_step = max(0, request.first_step)
         response = service_pb2.BatchResponse()
         for index, step in enumerate(request.steps):
             which = step.WhichOneof("op")
@@ -315,7 +316,7 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
             try:
                 io.check_alive()
                 if which is None:
-                    raise InvalidArgumentError(f"Batch step {index} names no op")
+                    raise InvalidArgumentError(f"Batch step {io.step_shown(index)} names no op")
                 if index and io.response_left < RESPONSE_RESERVE_BYTES:
                     raise ResourceExhaustedError(
                         "not run: the response holds all it may (--max-message-bytes); "
@@ -333,7 +334,7 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
                 response.failed_step = index
                 response.error.code = int(err.code)
                 response.error.message = boundary.bounded(
-                    f"Batch step {index} ({name}): {err.message}"
+                    f"Batch step {io.step_shown(index)} ({name}): {err.message}"
                 )
                 response.error.reason = err.reason
                 break

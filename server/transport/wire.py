@@ -172,6 +172,9 @@ class CallIO:
         #: op argument, or a TensorArray handle id).
         self.step: int | None = None
         self.produced: dict[int, dict[str, TensorArg | str]] = {}
+        #: What messages add to a step's index: the batch-wide index of the request's
+        #: first step (``BatchRequest.first_step``).
+        self.first_step = 0
         #: Region copies made for op inputs, by ``id``: (copy, reservation, the Batch
         #: step that made it).
         self._copies: dict[int, tuple[np.ndarray, TensorReservation, int | None]] = {}
@@ -502,7 +505,7 @@ class CallIO:
             value = self._step_output(msg.step_output, field)
             if isinstance(value, str):
                 raise InvalidArgumentError(
-                    f"input '{field}' names step {msg.step_output.step}'s "
+                    f"input '{field}' names step {self.step_shown(msg.step_output.step)}'s "
                     f"'{msg.step_output.field}', a TensorArray handle, not a tensor",
                     field=field,
                 )
@@ -598,6 +601,10 @@ class CallIO:
             return reservation.keep(array)
         return self.session.put(array, nbytes, paid=self._paid_outputs.take(array))
 
+    def step_shown(self, step: int) -> int:
+        """A step of this request as messages number it: in the caller's whole batch."""
+        return self.first_step + step
+
     def _step_output(self, ref: tensor_pb2.StepOutput, field: str) -> TensorArg | str:
         """What an earlier step of this Batch produced as ``ref.field``."""
         if self.step is None:
@@ -607,16 +614,16 @@ class CallIO:
             )
         if not 0 <= ref.step < self.step:
             raise InvalidArgumentError(
-                f"input '{field}' names step {ref.step}: a step may name only earlier steps "
-                f"(this is step {self.step})",
+                f"input '{field}' names step {self.step_shown(ref.step)}: a step may name "
+                f"only earlier steps (this is step {self.step_shown(self.step)})",
                 field=field,
             )
         outputs = self.produced.get(ref.step, {})
         if ref.field not in outputs:
             names = ", ".join(sorted(outputs)) or "none"
             raise InvalidArgumentError(
-                f"input '{field}' names output '{ref.field}' of step {ref.step}, which has "
-                f"no such output (its outputs: {names})",
+                f"input '{field}' names output '{ref.field}' of step "
+                f"{self.step_shown(ref.step)}, which has no such output (its outputs: {names})",
                 field=field,
             )
         return outputs[ref.field]
@@ -631,8 +638,8 @@ class CallIO:
             value = self._step_output(msg.from_step, field)
             if not isinstance(value, str):
                 raise InvalidArgumentError(
-                    f"'{field}' names step {msg.from_step.step}'s '{msg.from_step.field}', "
-                    "a tensor, not a TensorArray handle",
+                    f"'{field}' names step {self.step_shown(msg.from_step.step)}'s "
+                    f"'{msg.from_step.field}', a tensor, not a TensorArray handle",
                     field=field,
                 )
             return value

@@ -154,10 +154,12 @@ class StepError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class BatchRequest(_message.Message):
-    __slots__ = ("steps",)
+    __slots__ = ("steps", "first_step")
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
     steps: _containers.RepeatedCompositeFieldContainer[BatchStep]
-    def __init__(self, steps: _Optional[_Iterable[_Union[BatchStep, _Mapping]]] = ...) -> None: ...
+    first_step: int
+    def __init__(self, steps: _Optional[_Iterable[_Union[BatchStep, _Mapping]]] = ..., first_step: _Optional[int] = ...) -> None: ...
 
 class BatchResponse(_message.Message):
     __slots__ = ("results", "failed_step", "error")
