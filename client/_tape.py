@@ -119,25 +119,34 @@ class GradientTape:
                 "Tape is still recording, This can happen if you try to re-enter an "
                 "already-active tape."
             )
-        if self.released:
-            # As ``tf.GradientTape``: a tape entered again after its (non-persistent)
-            # gradient call records afresh (a training loop may reuse one tape object).
-            # A new id, so that the outputs of the last recording, which the server no
-            # longer holds, stay released (``TapedArray.live_tapes``); the released
-            # recording's finalizer has nothing to do and goes (one per loop would pile).
-            if self._finalizer is not None:
-                self._finalizer.detach()
-            self._life = _Life()
-            self.id = None
-        if self.id is None:
-            # Proposed here and started by the server with the first call that names
-            # it (``header``): a tape costs no round trip of its own.
-            self.id = self._life.tape_id = secrets.token_urlsafe(16)
-            self._finalizer = weakref.finalize(
-                self, _dropped, self._client._dropped_tapes, self._life
-            )
+        if self.released or self.id is None:
+            # Entered again after its (non-persistent) gradient call, it records afresh,
+            # as ``tf.GradientTape`` does: a training loop may reuse one tape object.
+            self._record_afresh()
         self._client._recording.tapes.append(self)
         return self
+
+    def reset(self) -> None:
+        """Forget what was recorded and go on recording afresh, as
+        ``tf.GradientTape.reset`` (inside the ``with`` block; TensorFlow's ValueError
+        outside). What the tape held is released before the client's next call, and
+        its outputs so far go to later ops by value."""
+        if self not in self._client._recording.tapes:
+            raise ValueError("Tape is not recording.")
+        self._record_afresh()
+
+    def _record_afresh(self) -> None:
+        """A new recording under a new id, proposed here and started by the server
+        with the first call that names it (``header``: a tape costs no round trip of
+        its own). The id is new so that the outputs of the last recording stay its
+        own (``TapedArray.live_tapes``); that recording's finalizer runs now, queueing
+        it for release if the server holds it unreleased (one finalizer per recording
+        kept until the tape went would pile up in a loop)."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self._life = _Life()
+        self.id = self._life.tape_id = secrets.token_urlsafe(16)
+        self._finalizer = weakref.finalize(self, _dropped, self._client._dropped_tapes, self._life)
 
     def header(self) -> str:
         """This tape's entry in ``x-gradserve-tape``: "+ID.PW" starts it if the server

@@ -539,6 +539,26 @@ def test_a_reused_tape_leaves_one_finalizer_and_is_released_when_dropped(client,
     assert live not in session_of(server, client)._tapes
 
 
+def test_reset_forgets_the_recording_and_records_afresh(client, server):
+    """tf.GradientTape.reset: inside the block, what was recorded is forgotten (the
+    server releases it before the next call) and recording goes on; outside, ValueError."""
+    x = client.put(np.array([1.0, 2.0], F32))
+    with client.gradient_tape(watch_accessed_variables=False) as tape:
+        tape.watch(x)
+        before = _copy(client, x)
+        first = tape.id
+        tape.reset()
+        assert tape.id != first and not before.held
+        tape.watch(x)
+        assert first not in session_of(server, client)._tapes  # released before that call
+        after = _copy(client, x)
+        y = _copy(client, before)  # by value: a constant now
+    # Only `after` depends on x (kept, the first recording would give y's ones too).
+    np.testing.assert_array_equal(tape.gradient([after, y], x), [1.0, 1.0])
+    with pytest.raises(ValueError, match="not recording"):
+        tape.reset()
+
+
 def test_entering_a_recording_tape_again_is_tensorflows_value_error(client):
     with client.gradient_tape() as tape:
         with pytest.raises(ValueError, match="already-active tape"):
