@@ -27,7 +27,7 @@ from gradserve.client import _nest as nest
 from gradserve.client._errors import typed_error
 from gradserve.client._raw_ops import RawOps, Staging, Submit
 from gradserve.client._types import StepOutput
-from gradserve.errors import GradserveError, InvalidArgumentError
+from gradserve.errors import GradserveError, InvalidArgumentError, NotFoundError
 from gradserve.lstm_signature import LSTMActivations, LSTMGrads
 from gradserve.protocol import BATCH_FIELDS
 from gradserve.v1 import service_pb2, tensor_array_pb2, tensor_pb2
@@ -190,6 +190,7 @@ class Batch:
         failure: BaseException | None = None
         spent: set[int] = set()  # tapes this run's Gradients steps released
         earlier = _Earlier(self._client, steps, results, temps)
+        recovered_at = -1  # the step last repeated with the regions registered again
         try:
             start = 0
             while start < len(steps):
@@ -223,17 +224,30 @@ class Batch:
                 if reply.error.reason == "RESPONSE_FULL" and reply.failed_step > 0:
                     start += reply.failed_step  # not run: goes in the next request
                     continue
-                raise typed_error(
+                failed = start + reply.failed_step
+                error = typed_error(
                     reply.error.code,
                     _renumbered(reply.error.message, reply.failed_step, start),
                     reason=reply.error.reason,
-                    step=start + reply.failed_step,
+                    step=failed,
                     results=results,
                 )
+                if failed != recovered_at and self._recover(error):
+                    # The server lost the regions its inputs are in (it restarted, or
+                    # took the session over): the step changed nothing; from it again.
+                    start = recovered_at = failed
+                    continue
+                raise error
         finally:
             _release_ran(releases, len(results))
             self._client._clean_up(temps, failure=failure)
         return results
+
+    def _recover(self, error: GradserveError) -> bool:
+        """Whether ``error`` says the server does not know a region the step's inputs
+        are in, and the client registered its regions again (``_call_recovering``)."""
+        shm = self._client._shm
+        return isinstance(error, NotFoundError) and shm is not None and shm.recover(error)
 
     def _request(
         self, steps: list, start: int, replies: list[Message], earlier: _Earlier

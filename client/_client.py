@@ -286,7 +286,7 @@ class Client:
         self.raw_ops = RawOps(self, self._run_op, self._staging)
         try:
             self._shm = _shm.ClientSharedMemory.connect(
-                self._call,
+                self._call_recovering,
                 shared_memory,
                 shared_memory_min_bytes,
                 housekeeping=functools.partial(self._call, once=True),
@@ -533,12 +533,7 @@ class Client:
 
         try:
             try:
-                try:
-                    reply = self._call(rpc, request, metadata=metadata)
-                except NotFoundError as e:  # regions lost (a restarted server): again
-                    if shm is None or not shm.recover(e):
-                        raise
-                    reply = self._call(rpc, request, metadata=metadata)
+                reply = self._call_recovering(rpc, request, metadata=metadata)
             except BaseException as e:
                 failure = e
                 raise
@@ -554,6 +549,18 @@ class Client:
         finally:
             if out is not None:
                 out.release() if server_done(failure) else out.discard()
+
+    def _call_recovering(self, rpc: str, request: Any, **options: Any) -> Any:
+        """``_call``, repeated once after the server said it does not know one of the
+        shared-memory regions the request names (it restarted, or took the session
+        over from another replica: nothing ran), with the regions registered again.
+        For every call that may send tensors through regions: ops, ``Gradients``."""
+        try:
+            return self._call(rpc, request, **options)
+        except NotFoundError as e:
+            if self._shm is None or not self._shm.recover(e):
+                raise
+            return self._call(rpc, request, **options)
 
     def _parse(self, reply: Message, parse: Callable[[Any], Any]) -> Any:
         """``parse(reply)``; if it fails (a transient output could not be fetched), the

@@ -537,7 +537,9 @@ class ClientSharedMemory:
     ) -> None:
         self.pool = pool
         self.min_bytes = min_bytes
-        #: Runs ``put``'s and ``get``'s RPCs (the pool's own calls may be tried once).
+        #: Runs ``put``'s and ``get``'s RPCs (the pool's own calls may be tried once):
+        #: the client's, which registers the regions again where a server lost them
+        #: (``recover``).
         self._call = call
 
     @classmethod
@@ -592,14 +594,6 @@ class ClientSharedMemory:
             log.warning("could not register shared memory again: %s", e)
             return False
         return True
-
-    def _call_recovering(self, rpc: str, request: Any) -> Any:
-        try:
-            return self._call(rpc, request)
-        except NotFoundError as e:
-            if not self.recover(e):
-                raise
-            return self._call(rpc, request)
 
     def output_lease(self) -> Lease:
         return Lease(self.pool)
@@ -657,7 +651,7 @@ class ClientSharedMemory:
             if not lease.place(array, request.tensor):
                 lease.release()
                 return None
-            reply = self._call_recovering("PutSharedTensor", request)
+            reply = self._call("PutSharedTensor", request)
         except BaseException as e:
             _end(lease, e)
             raise
@@ -682,7 +676,7 @@ class ClientSharedMemory:
                 region=region.name,
                 offset=SHM_RESERVED_BYTES,
             )
-            reply = self._call_recovering("GetSharedTensor", request)
+            reply = self._call("GetSharedTensor", request)
             out = self.pool.pin(region, reply.tensor)
             if out is None:
                 out = self.pool.read(reply.tensor)

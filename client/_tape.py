@@ -243,7 +243,7 @@ class GradientTape:
             # Named with the other tapes recording here: on those the call is recorded
             # (its results have no gradient there: tapes are first order).
             tapes = [self, *(t for t in self._client._recording.tapes if t is not self)]
-            reply = self._client._call("Gradients", request["message"], tapes=tapes)
+            reply = self._client._call_recovering("Gradients", request["message"], tapes=tapes)
         except BaseException as e:
             failure = e  # no reply: the server may still read its inputs
             raise

@@ -770,6 +770,30 @@ def test_regions_the_server_lost_are_registered_again(server, shm_client):
     assert same_bits(shm_client.get(shm_client.put(value)), value)
 
 
+def test_a_batch_and_a_gradient_register_the_regions_the_server_lost(server, shm_client):
+    """As an op: a Batch step whose input is in a region the server does not know
+    (restarted from a snapshot, or a session taken over) and a tape.gradient whose
+    output gradient is failed REGION_NOT_FOUND, and again on every try (a review
+    helper). The step changed nothing: the batch goes on from it."""
+    value = np.arange(1 << 16, dtype=np.float32)
+    table = server.store.get(shm_client.session_id).regions
+    w = shm_client.put(np.zeros_like(value))
+    h, flow = shm_client.raw_ops.TensorArrayV3(size=2, dtype=np.float32)
+    batch = shm_client.batch()
+    flow = batch.raw_ops.TensorArrayWriteV3(h, 0, np.ones(2, np.float32), flow)
+    batch.raw_ops.StopGradient(input=value)  # step 1: its input in a region
+    table.unregister()
+    results = batch.run()
+    assert results[0] == flow and same_bits(results[1], value)
+    assert len(table) >= 1
+    with shm_client.gradient_tape() as tape:
+        flow = shm_client.raw_ops.TensorArrayWriteV3(h, 1, w, flow)
+        r = shm_client.raw_ops.TensorArrayReadV3(h, 1, flow, np.float32)
+    table.unregister()
+    assert same_bits(tape.gradient(r, w, output_gradients=2 * value), 2 * value)
+    assert len(table) >= 1
+
+
 # ------------------------------------------------------------ review regressions
 def test_no_tensor_is_placed_over_a_regions_nonce(shm_client):
     """Data over the nonce would let anyone who guesses it register the region once
