@@ -372,6 +372,16 @@ def write_snapshot(
     return report
 
 
+def remove_session_file(directory: str | os.PathLike[str], session_id: str) -> None:
+    """Remove the file of session ``session_id`` from ``directory``, if there is one;
+    a failure is logged (the next snapshot removes the files of sessions not open)."""
+    path = pathlib.Path(directory) / file_name(session_id)
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:
+        log.warning("could not remove %s of an ended session: %s", path, e)
+
+
 def _fsync_dir(path: pathlib.Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -1324,6 +1324,8 @@ class SessionStore:
         #: replica that made it (``check_replica_id``); None: bare random ids.
         self.replica_id = check_replica_id(replica_id) if replica_id else None
         self.restored = 0  # sessions restored from snapshots (start or adoption), for metrics
+        #: Told the id of each session closed by its client or expired (``_ended``).
+        self.on_ended: Callable[[str], None] | None = None
         self.idle_timeout = idle_timeout
         self.max_tensor_bytes = max_tensor_bytes
         self.max_tensor_array_size = max_tensor_array_size
@@ -1426,6 +1428,7 @@ class SessionStore:
         with self._lock:
             self._sessions.pop(session_id, None)
         session.close()
+        self._ended(session_id)
 
     def expire_idle(self, now: float | None = None) -> int:
         """Close sessions unused for longer than the idle timeout, none with a call
@@ -1442,8 +1445,17 @@ class SessionStore:
             self.expired += len(stale)
         for s in stale:
             s.close()
+            self._ended(s.id)
         self.buffers.expire_idle(now)
         return len(stale)
+
+    def _ended(self, session_id: str) -> None:
+        """A session closed by its client or expired is gone for good: ``on_ended``
+        (the state keeper: its snapshot file goes, so that a restart after a crash
+        does not bring it back). Not at shutdown (``close_all``): the drain's snapshot
+        keeps the sessions."""
+        if self.on_ended is not None:
+            self.on_ended(session_id)
 
     def sessions(self) -> list[Session]:
         """The open sessions, now."""

@@ -259,6 +259,7 @@ def start(config: ServerConfig) -> Server:
         raise ConfigError(f"--replica-id: {e}") from None
     compute = _compute(config, device, store)
     keeper = StateKeeper(config, store, compute)
+    store.on_ended = keeper.forget  # a session closed or expired leaves no file behind
     try:
         keeper.restore()  # before serving: a restored session is never reported missing
     except persistence.DirectoryInUseError as e:

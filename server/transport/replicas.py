@@ -51,6 +51,22 @@ class StateKeeper:
     _directory_lock: int | None = None  # the state dir's lock file, held while serving
     _restored_files: list[pathlib.Path] = dataclasses.field(default_factory=list)  # set aside
     _finished: bool = False  # the final snapshot is written: no other after it
+    #: Sessions ended (closed, expired) since the running snapshot began: their files
+    #: go after it too, as it may have written them (``forget``).
+    _ended: set[str] = dataclasses.field(default_factory=set)
+    _ended_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def forget(self, session_id: str) -> None:
+        """A session its client closed, or that expired, is gone for good: its file
+        goes now, not at the next snapshot (with ``--snapshot-interval``, a crash
+        before that brought it back, holding its bytes and its principal's session
+        places until its TTL: helper-71). A snapshot running meanwhile may write it
+        again; it removes it once it has written (``snapshot``)."""
+        if self.config.state_dir is None:
+            return
+        with self._ended_lock:
+            self._ended.add(session_id)
+        persistence.remove_session_file(self.config.state_dir, session_id)
 
     def serving(self) -> None:
         """The server has started: set the restored files aside (``restore``)."""
@@ -200,8 +216,14 @@ class StateKeeper:
                 return None
             self._finished = final
             started = time.monotonic()
+            with self._ended_lock:
+                self._ended.clear()  # (closed before the export: not in it)
             states = self.store.export_states()  # (waits for TensorArray ops inside)
             report = persistence.write_snapshot(states, self.config.state_dir, self.compute.to_host)
+            with self._ended_lock:
+                ended, self._ended = self._ended, set()
+            for session_id in ended:  # ended while this snapshot ran
+                persistence.remove_session_file(self.config.state_dir, session_id)
             report.seconds = time.monotonic() - started  # the wait included
             self.last = report
             self.snapshots += 1

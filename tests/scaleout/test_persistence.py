@@ -861,3 +861,35 @@ def test_a_grad_map_entry_that_names_no_grad_array_is_refused():
             budget=back.budget,
         )
     assert back.budget.used == 0
+
+
+def test_a_session_ended_while_a_snapshot_runs_leaves_no_file(tmp_path, monkeypatch):
+    """The snapshot exported the session, which closed before its file was written:
+    the file it writes goes once it has written (``StateKeeper.forget``)."""
+    from gradserve.server.transport import replicas
+    from gradserve.server.transport.config import ServerConfig
+
+    store = SessionStore()
+    keeper = replicas.StateKeeper(
+        ServerConfig(state_dir=str(tmp_path), snapshot_interval=60.0), store, _HostCompute()
+    )
+    store.on_ended = keeper.forget
+    ending, staying = store.create(), store.create()
+    write_snapshot = persistence.write_snapshot
+
+    def closing_meanwhile(states, directory, to_host):
+        store.close(ending.id)  # after the export, before the write
+        return write_snapshot(states, directory, to_host)
+
+    monkeypatch.setattr(persistence, "write_snapshot", closing_meanwhile)
+    report = keeper.snapshot()
+    assert report.written == 2
+    assert sorted(p.name for p in tmp_path.glob("*.gss")) == [persistence.file_name(staying.id)]
+    store.close(staying.id)  # and between snapshots, at once
+    assert not list(tmp_path.glob("*.gss"))
+
+
+class _HostCompute:
+    @staticmethod
+    def to_host(array):
+        return np.asarray(array)

@@ -98,6 +98,35 @@ def test_a_crash_loses_only_what_came_after_the_last_periodic_snapshot(tmp_path)
     assert replica.stop() == 0
 
 
+def test_a_session_closed_or_expired_does_not_come_back_after_a_crash(tmp_path):
+    """With periodic snapshots, a session closed (or expired) after the last one came
+    back after a crash, holding its bytes and its principal's session places until
+    its TTL (helper-71: alice locked out by --max-sessions-per-principal). Its file
+    goes when it ends."""
+    replica = Replica("r0", tmp_path, "--snapshot-interval", "0.2", "--session-ttl", "2").start()
+    closed, expired, kept = (workload.client(replica.target) for _ in range(3))
+    for c in (closed, expired, kept):
+        c.put(np.ones(1000, np.float32))
+    seen = replica.metric("gradserve_snapshots_total")
+    end = time.monotonic() + 30
+    while replica.metric("gradserve_snapshots_total") < seen + 2 and time.monotonic() < end:
+        time.sleep(0.05)  # all three are in a snapshot
+    assert len(list(replica.state_dir.glob("*.gss"))) == 3
+    closed.close()
+    end = time.monotonic() + 30
+    while replica.metric("gradserve_sessions_open") > 1 and time.monotonic() < end:
+        kept.keep_alive()  # ``expired`` sits idle past its TTL
+        time.sleep(0.2)
+    assert replica.metric("gradserve_sessions_open") == 1
+    replica.stop(signal.SIGKILL)  # at once: no snapshot since
+    assert [p.name for p in replica.state_dir.glob("*.gss")] == [
+        persistence.file_name(kept.session_id)
+    ]
+    replica.start()
+    assert replica.metric("gradserve_sessions_restored_total") == 1
+    assert replica.stop() == 0
+
+
 def test_a_snapshot_that_does_not_fit_fails_cleanly(tmp_path):
     """SIGTERM with more to save than the state dir's filesystem holds (a 1 MiB tmpfs):
     the replica says so and exits 1, and leaves no partial file behind."""
