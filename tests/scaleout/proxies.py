@@ -109,9 +109,14 @@ NGINX_TEMPLATE = (
 )
 
 
-def template_part(name: str) -> str:
-    """The lines of the template between ``# BEGIN name`` and ``# END name``."""
-    text = NGINX_TEMPLATE.read_text()
+#: deploy/haproxy's config, whose marked part (how a call not forwarded is answered)
+#: the tests' config takes as it is.
+HAPROXY_CONFIG = pathlib.Path(__file__).resolve().parents[2] / "deploy/haproxy/haproxy.cfg"
+
+
+def template_part(name: str, path: pathlib.Path = NGINX_TEMPLATE) -> str:
+    """The lines of a shipped config between ``# BEGIN name`` and ``# END name``."""
+    text = path.read_text()
     begin, end = f"# BEGIN {name}\n", f"# END {name}"
     start = text.index(begin) + len(begin)
     return text[start : text.index(end, start)].rstrip(" ")
@@ -198,6 +203,8 @@ class HAProxy(Proxy):
     server given the adopter's address."""
 
     name = "haproxy"
+    #: How many times a call is tried again on a refused connection (one a second).
+    retries = 30
 
     def __init__(self, workdir: pathlib.Path) -> None:
         super().__init__(workdir)
@@ -234,9 +241,9 @@ defaults
     timeout server 1h
     # A replica restarting refuses connections: hold the call and try again (every
     # second, up to 30 times). A refused connection never carried the request.
-    retries 30
+    retries {self.retries}
     retry-on conn-failure
-frontend grpc
+{template_part("failed calls", HAPROXY_CONFIG)}frontend grpc
     bind 127.0.0.1:{self.port} proto h2
     # Route on the replica prefix of the session id; no session header, or a prefix
     # no replica serves: any replica.
