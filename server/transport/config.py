@@ -188,6 +188,11 @@ class ServerConfig:
             ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout * 1000)),
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1),
+            # gRPC sets SO_REUSEPORT by default: a second server on a taken port started
+            # and the kernel split connections between the two, so a session's calls
+            # met a server that does not hold it (found by a review helper). Off: the
+            # second one fails to start.
+            ("grpc.so_reuseport", 0),
         ]
         if self.max_connection_age is not None:
             options += [
