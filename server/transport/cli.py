@@ -206,18 +206,43 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--port", type=int, default=defaults.port)
     health.add_argument("--timeout", type=float, default=3.0)
     health.add_argument("--tls-ca", default=None, help="PEM CA of a TLS server")
+    health.add_argument(
+        "--tls-cert",
+        default=None,
+        help="PEM client certificate, for a server that requires one (--tls-client-ca)",
+    )
+    health.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     return parser
 
 
-def check_health(host: str, port: int, timeout: float, tls_ca: str | None = None) -> int:
-    """0 when the standard gRPC health service says SERVING, else 1 (for healthchecks)."""
+def check_health(
+    host: str,
+    port: int,
+    timeout: float,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+) -> int:
+    """0 when the standard gRPC health service says SERVING, else 1 (for healthchecks).
+    A server that requires client certificates (mutual TLS) is asked with ``tls_cert``
+    and ``tls_key`` (it refused the check without one: a review helper)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     target = f"{host}:{port}"
-    if tls_ca:
-        with open(tls_ca, "rb") as fh:
-            channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(fh.read()))
+    if (tls_cert is None) != (tls_key is None):
+        print("--tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    if tls_ca or tls_cert:
+
+        def read(path: str | None) -> bytes | None:
+            if path is None:
+                return None
+            with open(path, "rb") as fh:
+                return fh.read()
+
+        credentials = grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+        channel = grpc.secure_channel(target, credentials)
     else:
         channel = grpc.insecure_channel(target)
     with channel:
@@ -266,7 +291,9 @@ def _log_thread_exception(args: threading.ExceptHookArgs) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "health":
-        return check_health(args.host, args.port, args.timeout, args.tls_ca)
+        return check_health(
+            args.host, args.port, args.timeout, args.tls_ca, args.tls_cert, args.tls_key
+        )
     writer = configure_logging(args.log_level, args.log_format)
     fields = {f.name for f in dataclasses.fields(ServerConfig)}
     config = ServerConfig(**{k: v for k, v in vars(args).items() if k in fields})

@@ -12,6 +12,7 @@ from gradserve.errors import NotFoundError, UnauthenticatedError, UnavailableErr
 from gradserve.server import ServerConfig, run_server, start
 from gradserve.server.transport.app import ConfigError
 from gradserve.server.transport.auth import TokenTable
+from gradserve.server.transport.cli import check_health
 from tests.server.certs import make_pki
 from tests.server.h2_probe import unfinished_call
 
@@ -125,6 +126,11 @@ def test_mutual_tls(pki):
             certificate_chain=pems["client"].cert,
         ) as client:
             assert client.stop_gradient(np.ones(2)).sum() == 2
+        # ``gradserve health`` too: with a client certificate (it had no way to give one).
+        ask = (s.port, 5.0, paths["ca"][0])
+        assert check_health("127.0.0.1", *ask) == 1  # refused without one
+        assert check_health("127.0.0.1", *ask, *paths["client"]) == 0
+        assert check_health("127.0.0.1", *ask, paths["client"][0]) == 2  # no key
 
 
 def test_tls_with_tokens_together(pki, token_file):
