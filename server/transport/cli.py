@@ -24,6 +24,7 @@ def _optional(kind):
         return None if text.lower() in ("none", "off", "unlimited") else kind(text)
 
     parse.__name__ = kind.__name__
+    parse.takes_none = True  # type: ignore[attr-defined]
     return parse
 
 
@@ -196,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
             dest=field,
             type=kind,
             default=default,
-            help=f"{text} (default: {_shown(kind, default)})",
+            help=f"{text} (default: {_shown(kind, default)}"
+            + ("; none: unlimited)" if getattr(kind, "takes_none", False) else ")"),
             **extra,
         )
     serve.add_argument("--log-level", default="INFO", help="DEBUG logs one line per RPC")

@@ -86,6 +86,18 @@ def test_a_second_server_on_a_taken_port_fails_to_start(process):
     assert "listening" not in proc.stdout
 
 
+def test_help_says_which_limits_take_none():
+    """The README said every limit takes none; --max-message-bytes, --session-ttl and
+    others refuse it (a review helper). --help marks those that take it."""
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    marked = {a.dest for a in serve._actions if a.help and "none: unlimited" in a.help}
+    assert {"max_sessions", "max_tensor_bytes", "max_server_bytes", "max_streams"} <= marked
+    assert not marked & {"max_message_bytes", "session_ttl", "host_cache_bytes"}
+    for dest in marked:
+        flag = f"--{dest.replace('_', '-')}"
+        assert getattr(build_parser().parse_args(["serve", flag, "none"]), dest) is None
+
+
 def test_cuda_without_gpu_fails_fast():
     if gradserve.kernels.device.cuda_unavailable_reason() is None:
         pytest.skip("a GPU is present")
