@@ -71,19 +71,24 @@ def test_sigterm_exits_zero(process):
     assert proc.wait(timeout=30) == 0
 
 
-def test_a_second_server_on_a_taken_port_fails_to_start(process):
+def test_a_second_server_on_a_taken_port_fails_to_start():
     """gRPC's default SO_REUSEPORT let it start and share the port: the kernel split
     connections between the two servers, and a session's calls met the one that does
     not hold it (SessionLostError: a review helper)."""
-    port = process[1].rsplit(":", 1)[1]
-    proc = subprocess.run(
-        [sys.executable, "-m", "gradserve.server", "serve", "--port", port, "--device", "cpu"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert proc.returncode != 0 and f"127.0.0.1:{port}" in proc.stderr, proc.stderr
-    assert "listening" not in proc.stdout
+    first = ServerProcess()
+    try:
+        port = first.target.rsplit(":", 1)[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "gradserve.server", "serve", "--port", port, "--device", "cpu"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert proc.returncode != 0 and f"127.0.0.1:{port}" in proc.stderr, proc.stderr
+        assert "listening" not in proc.stdout
+        assert first.proc.poll() is None
+    finally:
+        first.stop()
 
 
 def test_help_says_which_limits_take_none():
