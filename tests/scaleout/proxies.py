@@ -6,6 +6,7 @@ replica's prefix to the survivor that adopted its sessions."""
 
 from __future__ import annotations
 
+import base64
 import os
 import pathlib
 import random
@@ -120,6 +121,23 @@ def template_part(name: str, path: pathlib.Path = NGINX_TEMPLATE) -> str:
     begin, end = f"# BEGIN {name}\n", f"# END {name}"
     start = text.index(begin) + len(begin)
     return text[start : text.index(end, start)].rstrip(" ")
+
+
+def assert_not_forwarded_details(message: str, blob: str) -> None:
+    """A proxy's answer to a call it did not forward: ``blob`` (grpc-status-details-bin)
+    is a google.rpc.Status of UNAVAILABLE with ``message`` (its grpc-message) and an
+    ErrorInfo the SDK reads as NOT_FORWARDED."""
+    from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+    from gradserve.errors import NOT_FORWARDED_REASON
+    from gradserve.protocol import ERROR_DOMAIN
+
+    status = status_pb2.Status.FromString(base64.b64decode(blob))
+    assert status.code == code_pb2.UNAVAILABLE and status.message == message
+    (detail,) = status.details
+    info = error_details_pb2.ErrorInfo()
+    assert detail.Unpack(info) and info.reason == NOT_FORWARDED_REASON
+    assert info.domain == ERROR_DOMAIN
 
 
 class Nginx(Proxy):

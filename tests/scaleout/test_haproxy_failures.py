@@ -7,16 +7,13 @@ restore, a rescheduled pod) was reported as "outcome unknown" (helper-71)."""
 
 from __future__ import annotations
 
-import base64
 import re
 
 import pytest
-from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from gradserve.errors import NOT_FORWARDED_REASON
-from gradserve.protocol import ERROR_DOMAIN
 from tests.scaleout import proxies, workload
-from tests.scaleout.proxies import HAPROXY_CONFIG, template_part
+from tests.scaleout.proxies import HAPROXY_CONFIG, assert_not_forwarded_details, template_part
 
 
 def test_the_configs_error_details_agree_with_its_message_and_the_sdk():
@@ -26,12 +23,7 @@ def test_the_configs_error_details_agree_with_its_message_and_the_sdk():
     message = re.search(r'hdr grpc-message "([^"]*)"', line).group(1)
     blob = re.search(r'hdr grpc-status-details-bin "([^"]*)"', line).group(1)
     assert re.search(r"hdr grpc-status 14\b", line)
-    status = status_pb2.Status.FromString(base64.b64decode(blob))
-    assert status.code == code_pb2.UNAVAILABLE and status.message == message
-    (detail,) = status.details
-    info = error_details_pb2.ErrorInfo()
-    assert detail.Unpack(info) and info.reason == NOT_FORWARDED_REASON
-    assert info.domain == ERROR_DOMAIN
+    assert_not_forwarded_details(message, blob)
 
 
 @pytest.mark.scaleout

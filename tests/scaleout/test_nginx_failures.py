@@ -6,7 +6,6 @@ SDK reports as outcome unknown for a write."""
 
 from __future__ import annotations
 
-import base64
 import re
 import socket
 import threading
@@ -14,26 +13,19 @@ import time
 
 import numpy as np
 import pytest
-from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 import gradserve
 from gradserve.client._client import OUTCOME_UNKNOWN
 from gradserve.errors import NOT_FORWARDED_REASON, UnavailableError
-from gradserve.protocol import ERROR_DOMAIN
 from tests.scaleout import workload
-from tests.scaleout.proxies import template_part
+from tests.scaleout.proxies import assert_not_forwarded_details, template_part
 
 
 def test_the_templates_error_details_agree_with_its_message_and_the_sdk():
     part = template_part("failed calls (server)")
     message = re.search(r'grpc-message "([^"]*)" always;', part).group(1)
     blob = re.search(r'grpc-status-details-bin "([^"]*)" always;', part).group(1)
-    status = status_pb2.Status.FromString(base64.b64decode(blob))
-    assert status.code == code_pb2.UNAVAILABLE and status.message == message
-    (detail,) = status.details
-    info = error_details_pb2.ErrorInfo()
-    assert detail.Unpack(info) and info.reason == NOT_FORWARDED_REASON
-    assert info.domain == ERROR_DOMAIN
+    assert_not_forwarded_details(message, blob)
 
 
 @pytest.mark.scaleout

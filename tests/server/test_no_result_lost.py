@@ -205,40 +205,37 @@ def test_a_step_that_fails_as_its_request_is_built_reports_its_step(small_messag
     assert info.value.step == 7 and len(info.value.results) == 7
 
 
-def test_a_failed_step_of_a_later_request_is_numbered_in_the_batch(small_messages):
-    # The server numbers steps in its request: the message said "Batch step 2" where
-    # .step was 3 (a batch fuzzer).
+@pytest.mark.parametrize(
+    "later, message",
+    [
+        ("read", "Batch step 3 (TensorArrayReadV3): "),
+        (
+            "handle",
+            "Batch step 3 (StopGradient): input 'input' names step 2's 'handle', a "
+            "TensorArray handle, not a tensor",
+        ),
+    ],
+)
+def test_a_failed_step_of_a_later_request_is_numbered_in_the_batch(small_messages, later, message):
+    # Steps 1 to 3 go in the second request. The server numbered steps in its request:
+    # the message said "Batch step 2" where .step was 3 (a batch fuzzer); and (handle)
+    # step 3's reference to step 2 was "step 1" (fixed by BatchRequest.first_step).
     big = np.ones(200_000, np.float32)
     with connect(small_messages, max_message_bytes=MIB, shared_memory=False) as client:
         h, f = client.raw_ops.TensorArrayV3(size=2, dtype=np.float32)
         batch = client.batch()
         batch.raw_ops.TensorArrayWriteV3(h, 0, big, f)
         batch.raw_ops.TensorArrayWriteV3(h, 1, big, f)  # the next request
-        batch.raw_ops.TensorArraySizeV3(h, f)
-        batch.raw_ops.TensorArrayReadV3(h, 5, f, np.float32)
-        with pytest.raises(InvalidArgumentError) as info:
-            batch.run()
-    assert info.value.step == 3 and str(info.value).startswith("Batch step 3 (")
-
-
-def test_steps_a_later_request_names_are_numbered_in_the_batch(small_messages):
-    # Steps 1 to 3 go in the second request; the server's message named step 3's
-    # reference to step 2 as "step 1" (its index in the request) under "Batch step 3".
-    big = np.ones(200_000, np.float32)
-    with connect(small_messages, max_message_bytes=MIB, shared_memory=False) as client:
-        h, f = client.raw_ops.TensorArrayV3(size=2, dtype=np.float32)
-        batch = client.batch()
-        batch.raw_ops.TensorArrayWriteV3(h, 0, big, f)
-        batch.raw_ops.TensorArrayWriteV3(h, 1, big, f)  # the next request
-        h2, _ = batch.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
-        batch.raw_ops.StopGradient(h2)
+        if later == "read":
+            batch.raw_ops.TensorArraySizeV3(h, f)
+            batch.raw_ops.TensorArrayReadV3(h, 5, f, np.float32)
+        else:
+            h2, _ = batch.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
+            batch.raw_ops.StopGradient(h2)
         with pytest.raises(InvalidArgumentError) as info:
             batch.run()
     assert info.value.step == 3 and len(info.value.results) == 3
-    assert str(info.value).startswith(
-        "Batch step 3 (StopGradient): input 'input' names step 2's 'handle', a TensorArray "
-        "handle, not a tensor"
-    ), str(info.value)
+    assert str(info.value).startswith(message), str(info.value)
 
 
 def test_a_handle_named_as_a_tensor_by_a_later_request_is_refused_at_its_step(
