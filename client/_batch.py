@@ -86,8 +86,7 @@ def _recorder(batch: Batch) -> Submit:
     def submit(rpc: str, request: Message, parse: Callable[[Any], Any], temps: Staging) -> Any:
         method = record()
         if method is None:
-            if client._shm is not None:
-                client._shm.release_temps(list(temps))
+            client._clean_up(list(temps))  # its uploads and leases (helper-72)
             raise ReferenceError(
                 "this batch was dropped: keep the Batch that client.batch() returned, to "
                 "run() the ops recorded on its raw_ops"
@@ -111,20 +110,37 @@ class Batch:
     def __init__(self, client) -> None:
         self._client = client
         #: (rpc, request, parse, the tapes it records on: those recording when it was
-        #: added, wherever ``run()`` is called).
+        #: added, in the recording they were in then (``Recorded``), wherever and
+        #: whenever ``run()`` is called).
         self._steps: list[tuple[str, Message, Callable[[Any], Any], tuple[Any, ...]]] = []
         self._temps: list[str] = []
-        #: The tapes holding inputs its steps name by tape id (``Staging.tapes_named``).
+        #: The tapes holding inputs its steps name by tape id (``Staging.tapes_named``),
+        #: and the ids of their recordings then.
         self._tapes_named: list[Any] = []
-        #: Non-persistent tapes released by a Gradients step, once that step ran.
+        self._named_recordings: set[str] = set()
+        #: The recordings a ``run()`` under way needs (``needs``).
+        self._running: set[str] = set()
+        #: Non-persistent recordings released by a Gradients step, once that step ran.
         self._releases: list[tuple[int, Any]] = []
         self.raw_ops = RawOps(client, _recorder(self), client._staging)
 
     def _record(self, rpc: str, request: Message, parse, temps: Staging) -> Any:
-        self._steps.append((rpc, request, parse, tuple(self._client._recording.tapes)))
+        tapes = tuple(t.recorded() for t in self._client._recording.tapes)
+        self._steps.append((rpc, request, parse, tapes))
         self._temps.extend(temps)
-        self._tapes_named += temps.tapes_named
+        self._name(temps.tapes_named)
         return placeholders(rpc, len(self._steps) - 1, temps.output_dtype, request)
+
+    def _name(self, tapes: list[Any]) -> None:
+        """Steps name outputs of ``tapes``' current recordings by id."""
+        self._tapes_named += tapes
+        self._named_recordings.update(t.id for t in tapes)
+
+    def needs(self) -> set[str]:
+        """The ids of the recordings its steps record on or name outputs of, until it
+        has run: the client releases none of them before (``_release_dropped``)."""
+        recorded = {r.id for *_, tapes in self._steps for r in tapes}
+        return recorded | self._named_recordings | self._running
 
     def gradient(
         self,
@@ -146,9 +162,11 @@ class Batch:
             target, sources, output_gradients, unconnected_gradients, keep=keep
         )
         self._temps.extend(built["temps"])
-        self._tapes_named += built["tapes_named"]
+        self._name(built["tapes_named"])
         request = built["message"]
-        tapes = (tape, *(t for t in self._client._recording.tapes if t is not tape))
+        others = (t.recorded() for t in self._client._recording.tapes if t is not tape)
+        recorded = tape.recorded()
+        tapes = (recorded, *others)
 
         def shaped(flat: list[Any]) -> Any:
             return nest.pack_like(sources, flat) if nest.is_nested(sources) else flat
@@ -162,7 +180,8 @@ class Batch:
             )
         )
         step = len(self._steps) - 1
-        self._releases.append((step, tape))
+        self._releases.append((step, recorded))
+        tape.end_in_batch()  # a non-persistent tape's recording ends here
         # A gradient has its source's dtype (an LSTM step given one takes its T).
         dtypes_ = [_known_dtype(source) for source in nest.flatten(sources)]
         return shaped([StepOutput(step, f"gradients[{n}]", d) for n, d in enumerate(dtypes_)])
@@ -181,14 +200,16 @@ class Batch:
 
     def run(self) -> list[Any]:
         """Run every recorded op; returns their results in order (like the typed calls)."""
+        self._running = self.needs()
         steps, self._steps = self._steps, []
         temps, self._temps = self._temps, []
         tapes_named, self._tapes_named = self._tapes_named, []  # noqa: F841 - alive till the end
+        self._named_recordings = set()
         releases, self._releases = self._releases, []
         results: list[Any] = []
         replies: list[Message] = []  # each step's typed result, for later requests
         failure: BaseException | None = None
-        spent: set[int] = set()  # tapes this run's Gradients steps released
+        spent: set[Any] = set()  # recordings this run's Gradients steps released
         earlier = _Earlier(self._client, steps, results, temps)
         recovered_at = -1  # the step last repeated with the regions registered again
         try:
@@ -200,7 +221,7 @@ class Batch:
                     request = self._request(steps, start, replies, earlier)
                     # Without the tapes an earlier request's Gradients step released
                     # (one the caller released before is still named: refused).
-                    tapes = [t for t in steps[start][3] if id(t) not in spent]
+                    tapes = [t for t in steps[start][3] if t not in spent]
                     reply = self._client._call("Batch", request, tapes=tapes)
                 except BaseException as e:
                     failure = e
@@ -216,7 +237,7 @@ class Batch:
                     reply, lambda r, ps=parsers: [self._one(p, x) for p, x in zip(ps, r.results)]
                 )
                 replies += [getattr(r, r.WhichOneof("op")) for r in reply.results]
-                spent |= {id(t) for s, t in releases if s < len(results) and not t.persistent}
+                spent |= {r for s, r in releases if s < len(results) and not r.persistent}
                 releases = _release_ran(releases, len(results))
                 if not reply.HasField("failed_step"):
                     start += len(request.steps)
@@ -239,8 +260,11 @@ class Batch:
                     continue
                 raise error
         finally:
-            _release_ran(releases, len(results))
+            for _, recorded in _release_ran(releases, len(results)):
+                recorded.life.ending = False  # its step did not run: the tape may ask again
             self._client._clean_up(temps, failure=failure)
+            self._running = set()
+            _release_left(steps, self._client._dropped_tapes)
         return results
 
     def _recover(self, error: GradserveError) -> bool:
@@ -296,13 +320,23 @@ class Batch:
 
 
 def _release_ran(releases: list[tuple[int, Any]], ran: int) -> list[tuple[int, Any]]:
-    """Mark the tapes of the Gradients steps that ran (``step < ran``) as their step
-    left them (a non-persistent one released: a later request of the same batch does
-    not name it, or the server would refuse it); returns the rest."""
-    for step, tape in releases:
+    """Mark the recordings of the Gradients steps that ran (``step < ran``) as their
+    step left them (a non-persistent one released: a later request of the same batch
+    does not name it, or the server would refuse it); returns the rest."""
+    for step, recorded in releases:
         if step < ran:
-            tape.done()
-    return [(step, tape) for step, tape in releases if step >= ran]
+            recorded.done()
+    return [(step, recorded) for step, recorded in releases if step >= ran]
+
+
+def _release_left(steps: list, queue: Any) -> None:
+    """Queue for release the recordings the steps were on that their tapes have left
+    since (reset, or entered again) and nothing released: their finalizers ran when
+    the tapes left them, before this run started them (or while it needed them)."""
+    for recorded in {r for *_, tapes in steps for r in tapes}:
+        life = recorded.life
+        if recorded.tape.life is not life and not life.released and life.proposed:
+            queue.append(life.tape_id)
 
 
 class _Earlier:
@@ -322,7 +356,7 @@ class _Earlier:
         whose gradient step ran in an earlier request released them: they go by
         value, as a released tape's ``TapedArray`` does; by id the server had them no
         more, a batch fuzzer found)."""
-        return any(not tape.released for tape in self.steps[step][3])
+        return any(not recorded.life.released for recorded in self.steps[step][3])
 
     def encode(self, step: int, field: str, msg: tensor_pb2.TensorInput, room: Staging) -> None:
         """The value of ``field`` of step ``step`` into ``msg`` (a transient output was

@@ -9,6 +9,7 @@ import math
 import os
 import random
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -267,6 +268,8 @@ class Client:
         #: Ids of tapes garbage collected unreleased (``_tape._dropped``): released
         #: by the next call (``_release_dropped``).
         self._dropped_tapes: collections.deque[str] = collections.deque()
+        #: Batches made and still referenced (``_needed_by_batches``).
+        self._batches: weakref.WeakSet[Any] = weakref.WeakSet()
         if session_id is None:
             reply = self._call("CreateSession", service_pb2.CreateSessionRequest(), session=False)
             self.session_id: str = reply.session_id
@@ -433,9 +436,11 @@ class Client:
                     self._recording.call_tapes = tape_refs(tapes)
                 body = request() if callable(request) else request
                 sent_before = True
+                for tape in tapes:  # the server may start it even if the call fails
+                    tape.life.proposed = True
                 reply = method(body, metadata=sent, timeout=timeout)
                 for tape in tapes:
-                    tape.started = True  # (see ``GradientTape.header``)
+                    tape.life.started = True  # (see ``GradientTape.header``)
                 return reply
             except BaseException as e:
                 if isinstance(e, grpc.RpcError) and self._own_channel and not_sent(e):
@@ -791,22 +796,39 @@ class Client:
         them: TensorFlow frees a tape its program drops, and a loop that never called
         ``release()`` ran into the session's 64 tapes (a review helper). Each is one
         ReleaseTape; one that fails (the tape or session already gone) is logged."""
-        while True:
-            try:
-                tape_id = self._dropped_tapes.popleft()
-            except IndexError:
-                return
-            try:
-                request = tape_pb2.ReleaseTapeRequest(tape_id=tape_id)
-                self._call("ReleaseTape", request, once=True)
-            except GradserveError as e:
-                log.info("could not release a dropped gradient tape: %s", e)
+        needed = self._needed_by_batches()
+        deferred: list[str] = []
+        try:
+            while True:
+                try:
+                    tape_id = self._dropped_tapes.popleft()
+                except IndexError:
+                    return
+                if tape_id in needed:
+                    deferred.append(tape_id)
+                    continue
+                try:
+                    request = tape_pb2.ReleaseTapeRequest(tape_id=tape_id)
+                    self._call("ReleaseTape", request, once=True)
+                except GradserveError as e:
+                    log.info("could not release a dropped gradient tape: %s", e)
+        finally:
+            self._dropped_tapes.extend(deferred)
+
+    def _needed_by_batches(self) -> set[str]:
+        """The recordings of tapes that batches not yet run (or running) record steps
+        on or name outputs of: a recording reset, or left by entering the tape again,
+        is released only once they have run (helper-72: the batch's own call released
+        it first, and its steps failed NOT_FOUND)."""
+        return {tape_id for batch in list(self._batches) for tape_id in batch.needs()}
 
     def batch(self):
         """Collect ops (``b.raw_ops.X(...)``) and run them in one round trip with ``b.run()``."""
         from gradserve.client._batch import Batch
 
-        return Batch(self)
+        batch = Batch(self)
+        self._batches.add(batch)
+        return batch
 
     def __repr__(self) -> str:
         return f"Client({self.target!r}, session_id={self.session_id[:8]}…)"

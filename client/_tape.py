@@ -49,21 +49,71 @@ class Recording(threading.local):
 
 
 class _Life:
-    """A tape's state as its finalizer reads it (the tape itself is gone by then)."""
+    """One recording of a tape, as its finalizer reads it (the tape itself is gone by
+    then): its id, whether the server started it (``started``: a call naming it
+    succeeded; ``proposed``: one was sent, and the server may have started it even
+    if the call failed), released it, or will when a batch runs (``ending``)."""
 
-    __slots__ = ("released", "started", "tape_id")
+    __slots__ = ("ending", "proposed", "released", "started", "tape_id")
 
     def __init__(self) -> None:
         self.tape_id: str | None = None
         self.released = False
         self.started = False
+        self.proposed = False
+        self.ending = False
+
+    def header(self, persistent: bool, watch_accessed_variables: bool) -> str:
+        """This recording's entry in ``x-gradserve-tape`` (``GradientTape.header``)."""
+        if self.started:
+            return str(self.tape_id)
+        return f"+{self.tape_id}.{int(persistent)}{int(watch_accessed_variables)}"
 
 
 def _dropped(queue: collections.deque[str], life: _Life) -> None:
-    """A tape's finalizer (any thread, any time: it only appends): a tape the server
-    holds goes to the client's queue of tapes to release (``Client._release_dropped``)."""
-    if life.started and not life.released and life.tape_id is not None:
+    """A recording's finalizer (any thread, any time: it only appends): one the server
+    may hold goes to the client's queue of tapes to release (``Client._release_dropped``;
+    a call that failed may have started it: releasing one it did not is NOT_FOUND,
+    logged)."""
+    if (life.started or life.proposed) and not life.released and life.tape_id is not None:
         queue.append(life.tape_id)
+
+
+class Recorded:
+    """A tape as a call names it: in the recording ``life`` of ``tape``. A batch's step
+    keeps the recording it was added in, whatever the tape does before ``run()``
+    (reset, entered again after its gradient): the step is recorded on that one, and
+    ops added after a reset are not (helper-72: they were all recorded on the tape's
+    current recording, and the gradient took in what TensorFlow forgets)."""
+
+    __slots__ = ("life", "tape")
+
+    def __init__(self, tape: GradientTape, life: _Life) -> None:
+        self.tape, self.life = tape, life
+
+    @property
+    def id(self) -> str | None:
+        return self.life.tape_id
+
+    @property
+    def persistent(self) -> bool:
+        return self.tape.persistent
+
+    def header(self) -> str:
+        return self.life.header(self.tape.persistent, self.tape.watch_accessed_variables)
+
+    def done(self) -> None:
+        """Its Gradients step ran: a non-persistent recording is released by it."""
+        if not self.tape.persistent:
+            self.life.released = True
+            if self.tape._life is self.life:
+                self.tape._stop()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Recorded) and other.tape is self.tape and other.life is self.life
+
+    def __hash__(self) -> int:
+        return hash((id(self.tape), id(self.life)))
 
 
 class GradientTape:
@@ -83,14 +133,34 @@ class GradientTape:
         self._client = client
         self.persistent = persistent
         self.watch_accessed_variables = watch_accessed_variables
-        self.id: str | None = None
         self._life = _Life()
         self._finalizer: weakref.finalize | None = None
+        #: In its ``with`` block (on some thread), not stopped by a gradient call.
+        self._entered = False
+
+    @property
+    def id(self) -> str | None:  # noqa: A003 - the SDK's name for it since the start
+        """The current recording's id (None before the tape is first entered)."""
+        return self._life.tape_id
+
+    @id.setter  # noqa: A003
+    def id(self, value: str | None) -> None:
+        self._life.tape_id = value
+
+    @property
+    def life(self) -> _Life:
+        """The current recording."""
+        return self._life
+
+    def recorded(self) -> Recorded:
+        """The tape in its current recording, as a batch's step keeps it."""
+        return Recorded(self, self._life)
 
     @property
     def released(self) -> bool:
-        """Released: by ``release()``, or (non-persistent) by its gradient call."""
-        return self._life.released
+        """Released: by ``release()``, or (non-persistent) by its gradient call, or
+        about to be by a batch's gradient step (``end_in_batch``)."""
+        return self._life.released or self._life.ending
 
     @released.setter
     def released(self, value: bool) -> None:
@@ -106,6 +176,16 @@ class GradientTape:
         self._life.started = value
 
     # ---------------------------------------------------------------- recording
+    def end_in_batch(self) -> None:
+        """A batch's gradient step on this tape ends a non-persistent recording, as
+        ``gradient`` does: nothing more is recorded on it, another gradient is refused,
+        and the tape entered again records afresh (one loop's iterations in one batch:
+        helper-72). The server releases the recording when the batch runs that step;
+        until then it holds it for the batch (``Client._release_dropped``)."""
+        if not self.persistent:
+            self._life.ending = True
+            self._stop()
+
     def done(self) -> None:
         """The server ran a gradient computation on this tape: a non-persistent tape
         is released by it."""
@@ -114,7 +194,7 @@ class GradientTape:
             self._stop()
 
     def __enter__(self) -> GradientTape:
-        if self in self._client._recording.tapes:
+        if self._entered:  # on this thread or another (TensorFlow's flag is the tape's)
             raise ValueError(  # TensorFlow's words and class
                 "Tape is still recording, This can happen if you try to re-enter an "
                 "already-active tape."
@@ -124,6 +204,7 @@ class GradientTape:
             # as ``tf.GradientTape`` does: a training loop may reuse one tape object.
             self._record_afresh()
         self._client._recording.tapes.append(self)
+        self._entered = True
         return self
 
     def reset(self) -> None:
@@ -131,7 +212,7 @@ class GradientTape:
         ``tf.GradientTape.reset`` (inside the ``with`` block; TensorFlow's ValueError
         outside). What the tape held is released before the client's next call, and
         its outputs so far go to later ops by value."""
-        if self not in self._client._recording.tapes:
+        if self not in self._client._recording.tapes:  # (inside stop_recording too)
             raise ValueError("Tape is not recording.")
         self._record_afresh()
 
@@ -145,7 +226,7 @@ class GradientTape:
         if self._finalizer is not None:
             self._finalizer()
         self._life = _Life()
-        self.id = self._life.tape_id = secrets.token_urlsafe(16)
+        self._life.tape_id = secrets.token_urlsafe(16)
         self._finalizer = weakref.finalize(self, _dropped, self._client._dropped_tapes, self._life)
 
     def header(self) -> str:
@@ -155,14 +236,13 @@ class GradientTape:
         has it (restarted without it, or another replica) refuses. Proposed every
         time, a tape lost that way was started again empty under its id, and gave
         the gradients of what came after alone."""
-        if self.started:
-            return str(self.id)
-        return f"+{self.id}.{int(self.persistent)}{int(self.watch_accessed_variables)}"
+        return self._life.header(self.persistent, self.watch_accessed_variables)
 
     def __exit__(self, *exc: object) -> None:
         self._stop()
 
     def _stop(self) -> None:
+        self._entered = False
         tapes = self._client._recording.tapes
         if self in tapes:
             tapes.remove(self)
@@ -296,7 +376,8 @@ class GradientTape:
         """Free everything the tape holds on the server; returns the bytes freed."""
         self._stop()
         if self.released or self.id is None:
-            self.released = True
+            if not self._life.ending:  # (else the batch's gradient step releases it)
+                self._life.released = True
             return 0
         self.released = True
         reply = self._client._call(

@@ -58,8 +58,10 @@ TapeRefs = tuple[tuple[weakref.ref[Any], str], ...]
 
 
 def tape_refs(tapes: Any) -> TapeRefs:
-    """``TapeRefs`` for ``tapes`` (started: they have ids) as they are now."""
-    return tuple((weakref.ref(t), t.id) for t in tapes)
+    """``TapeRefs`` for ``tapes`` as they are now: tapes (entered: they have ids), or
+    tapes in a recording of theirs (``_tape.Recorded``, a batch step's: its ``tape``
+    and that recording's id)."""
+    return tuple((weakref.ref(getattr(t, "tape", t)), t.id) for t in tapes)
 
 
 class TapedArray(np.ndarray):

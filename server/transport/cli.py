@@ -17,14 +17,15 @@ from gradserve.server.transport.log_writer import LogWriter
 LOG_DRAIN_SECONDS = 5.0
 
 
-def _optional(kind):
-    """A flag value of ``kind``, or None for "none"/"off"/"unlimited"."""
+def _optional(kind, none: str = "unlimited"):
+    """A flag value of ``kind``, or None for "none"/"off"/"unlimited"; ``none`` says
+    what None means, for ``--help``."""
 
     def parse(text: str):
         return None if text.lower() in ("none", "off", "unlimited") else kind(text)
 
     parse.__name__ = kind.__name__
-    parse.takes_none = True  # type: ignore[attr-defined]
+    parse.none_is = none  # type: ignore[attr-defined]
     return parse
 
 
@@ -144,24 +145,44 @@ SERVE_FLAGS = [
         "same bits)",
     ),
     ("max_queued_compute", int, "heavy ops waiting for a slot; more get RESOURCE_EXHAUSTED"),
-    ("stream_idle_timeout", _optional(float), "end a stream after this many idle seconds"),
-    ("stream_min_rate", _optional(float), "bytes/s a stream must average after the grace"),
+    ("stream_idle_timeout", _optional(float, "never"), "end a stream after this many idle seconds"),
+    (
+        "stream_min_rate",
+        _optional(float, "no minimum"),
+        "bytes/s a stream must average after the grace",
+    ),
     ("stream_rate_grace", float, "seconds before --stream-min-rate applies"),
     ("keepalive_time", float, "seconds between keepalive pings"),
     ("keepalive_timeout", float, "seconds to wait for a keepalive ack"),
-    ("max_connection_age", _optional(float), "recycle connections after this many seconds"),
+    (
+        "max_connection_age",
+        _optional(float, "never"),
+        "recycle connections after this many seconds",
+    ),
     ("max_connection_age_grace", float, "grace for in-flight RPCs when a connection is recycled"),
     ("grace", float, "seconds in-flight RPCs get on SIGTERM/SIGINT"),
-    ("metrics_port", _optional(int), "serve Prometheus metrics on this port"),
+    ("metrics_port", _optional(int, "no metrics"), "serve Prometheus metrics on this port"),
     (
         "replica_id",
-        _optional(str),
+        _optional(str, "bare random session ids"),
         "this replica's identity (a DNS label), stamped into its session ids for a proxy "
         "to route on; default: $GRADSERVE_REPLICA_ID, else $HOSTNAME's first label",
     ),
-    ("state_dir", _optional(str), "write sessions here on SIGTERM, restore them on start"),
-    ("snapshot_interval", _optional(float), "also snapshot every this many seconds"),
-    ("adopt_dir", _optional(str), "on SIGHUP adopt the session files here (<state-dir>/adopt)"),
+    (
+        "state_dir",
+        _optional(str, "sessions are not saved"),
+        "write sessions here on SIGTERM, restore them on start",
+    ),
+    (
+        "snapshot_interval",
+        _optional(float, "on SIGTERM only"),
+        "also snapshot every this many seconds",
+    ),
+    (
+        "adopt_dir",
+        _optional(str, "<state-dir>/adopt"),
+        "on SIGHUP adopt the session files here (<state-dir>/adopt)",
+    ),
 ]
 
 
@@ -198,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
             type=kind,
             default=default,
             help=f"{text} (default: {_shown(kind, default)}"
-            + ("; none: unlimited)" if getattr(kind, "takes_none", False) else ")"),
+            + (f"; none: {kind.none_is})" if hasattr(kind, "none_is") else ")"),
             **extra,
         )
     serve.add_argument("--log-level", default="INFO", help="DEBUG logs one line per RPC")

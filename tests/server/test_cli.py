@@ -98,6 +98,7 @@ def test_help_says_which_limits_take_none():
     marked = {a.dest for a in serve._actions if a.help and "none: unlimited" in a.help}
     assert {"max_sessions", "max_tensor_bytes", "max_server_bytes", "max_streams"} <= marked
     assert not marked & {"max_message_bytes", "session_ttl", "host_cache_bytes"}
+    assert not marked & {"metrics_port", "state_dir", "stream_min_rate"}  # none: off
     for dest in marked:
         flag = f"--{dest.replace('_', '-')}"
         assert getattr(build_parser().parse_args(["serve", flag, "none"]), dest) is None

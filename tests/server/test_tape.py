@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 import weakref
 
 import numpy as np
@@ -375,6 +376,15 @@ def test_a_batch_dropped_unrun_lets_go_of_its_tapes_at_once(client, server):
             ops.StopGradient(np.ones(2, F32))
     finally:
         gc.enable()
+    # An input it uploaded first (past the request limit) is deleted (helper-72).
+    with gradserve.Client(
+        f"127.0.0.1:{server.port}", max_message_bytes=1 << 20, shared_memory=False
+    ) as small:
+        ops = small.batch().raw_ops
+        with pytest.raises(ReferenceError):
+            ops.StopGradient(np.ones(1 << 20, F32))
+        small.keep_alive()
+        assert server.store.get(small.session_id).budget.used == 0
 
 
 def test_an_output_of_a_dropped_tape_is_watched_as_tensorflow_watches_it(client, server):
@@ -557,6 +567,91 @@ def test_reset_forgets_the_recording_and_records_afresh(client, server):
     np.testing.assert_array_equal(tape.gradient([after, y], x), [1.0, 1.0])
     with pytest.raises(ValueError, match="not recording"):
         tape.reset()
+
+
+def _batch_copy(batch, value):
+    h, flow = batch.raw_ops.TensorArrayV3(size=1, dtype=F32)
+    flow = batch.raw_ops.TensorArrayWriteV3(h, 0, value, flow)
+    return batch.raw_ops.TensorArrayReadV3(h, 0, flow, F32)
+
+
+def test_a_batch_step_records_on_the_recording_it_was_added_in(client):
+    """helper-72: steps added before a reset were recorded on the recording after it
+    (the tape's id at run()), so the gradient took in what TensorFlow forgets; and a
+    loop reusing one tape, its iterations in one batch, failed TapeReleasedError."""
+    x = client.put(np.array([1.0, 2.0], F32))
+    with client.gradient_tape(persistent=True, watch_accessed_variables=False) as tape:
+        tape.watch(x)
+        batch = client.batch()
+        first = _batch_copy(batch, x)  # before the reset: forgotten
+        tape.reset()
+        tape.watch(x)
+        _batch_copy(batch, first)  # after it, from `first`: no path to x
+        _batch_copy(batch, x)  # after it, from x
+        results = batch.run()
+    assert tape.gradient(results[5], x) is None  # [1, 1] when `first` was recorded
+    np.testing.assert_array_equal(tape.gradient(results[8], x), [1.0, 1.0])
+
+    tape = client.gradient_tape()  # two iterations of a loop, one batch
+    batch = client.batch()
+    grads = []
+    for scale in (1.0, 2.0):
+        with tape:
+            tape.watch(x)
+            r = _batch_copy(batch, x)
+            grads.append(batch.gradient(tape, r, x, output_gradients=np.full(2, scale, F32)))
+    results = batch.run()
+    np.testing.assert_array_equal(results[3][0], [1.0, 1.0])
+    np.testing.assert_array_equal(results[7][0], [2.0, 2.0])
+    with pytest.raises(TapeReleasedError):  # each recording asked once, as TensorFlow
+        batch.gradient(tape, r, x)
+
+
+def test_a_reset_recording_lives_until_the_batches_naming_it_have_run(client, server):
+    """helper-72: reset() queued the recording's release, and the batch's own call made
+    it first: a step naming its output by id failed NOT_FOUND. Released after."""
+    with client.gradient_tape(persistent=True) as tape:
+        y = _copy(client, np.array([1.0, 2.0], F32))
+        batch = client.batch()
+        batch.raw_ops.StopGradient(y)
+        old = tape.id
+        tape.reset()
+    np.testing.assert_array_equal(batch.run()[0], [1.0, 2.0])
+    client.keep_alive()
+    assert old not in session_of(server, client)._tapes
+
+
+def test_recordings_whose_calls_failed_are_released_too(client, server):
+    """A failed call started the tape it proposed on the server, while the SDK counted
+    it started only on success: a reset (or a dropped tape) left it there, and 64
+    resets locked the session's tapes (helper-72)."""
+    h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=F32)
+    tape = client.gradient_tape()
+    with tape:
+        for _ in range(MAX_TAPES_PER_SESSION + 6):
+            with pytest.raises(InvalidArgumentError):
+                client.raw_ops.TensorArrayReadV3(h, 5, flow, F32)
+            tape.reset()
+    client.keep_alive()
+    assert len(session_of(server, client)._tapes) <= 1
+
+
+def test_entering_a_tape_another_thread_records_on_is_a_value_error(client):
+    """TensorFlow's flag is the tape's, not the thread's (helper-72)."""
+    errors = []
+    with client.gradient_tape() as tape:
+
+        def enter():
+            try:
+                with tape:
+                    pass
+            except ValueError as e:
+                errors.append(e)
+
+        worker = threading.Thread(target=enter)
+        worker.start()
+        worker.join()
+    assert len(errors) == 1 and "still recording" in str(errors[0])
 
 
 def test_entering_a_recording_tape_again_is_tensorflows_value_error(client):
