@@ -114,13 +114,17 @@ class Batch:
         #: whenever ``run()`` is called).
         self._steps: list[tuple[str, Message, Callable[[Any], Any], tuple[Any, ...]]] = []
         self._temps: list[str] = []
-        #: The tapes holding inputs its steps name by tape id (``Staging.tapes_named``),
-        #: and the ids of their recordings then.
+        #: The tapes holding inputs its steps name by tape id (``Staging.tapes_named``).
         self._tapes_named: list[Any] = []
-        self._named_recordings: set[str] = set()
-        #: The recordings a ``run()`` under way needs (``needs``).
-        self._running: set[str] = set()
-        #: Non-persistent recordings released by a Gradients step, once that step ran.
+        #: The recordings the batch needs alive when it runs, by id: the last step that
+        #: names an output of one, or asks one for gradients (``needs``).
+        self._last_need: dict[str, int] = {}
+        #: While ``run()`` goes: the same of the steps it runs, and the first step of
+        #: the request it is at.
+        self._running_need: dict[str, int] = {}
+        self._run_from = 0
+        #: The Gradients steps, each with the recording it asks (a non-persistent one is
+        #: released by it, once it ran).
         self._releases: list[tuple[int, Any]] = []
         self.raw_ops = RawOps(client, _recorder(self), client._staging)
 
@@ -128,19 +132,34 @@ class Batch:
         tapes = tuple(t.recorded() for t in self._client._recording.tapes)
         self._steps.append((rpc, request, parse, tapes))
         self._temps.extend(temps)
-        self._name(temps.tapes_named)
+        self._name(temps.tapes_named, len(self._steps) - 1)
         return placeholders(rpc, len(self._steps) - 1, temps.output_dtype, request)
 
-    def _name(self, tapes: list[Any]) -> None:
-        """Steps name outputs of ``tapes``' current recordings by id."""
+    def _name(self, tapes: list[Any], step: int) -> None:
+        """Step ``step`` names outputs of ``tapes``' current recordings by id."""
         self._tapes_named += tapes
-        self._named_recordings.update(t.id for t in tapes)
+        for tape in tapes:
+            self._last_need[tape.id] = step
 
     def needs(self) -> set[str]:
-        """The ids of the recordings its steps record on or name outputs of, until it
-        has run: the client releases none of them before (``_release_dropped``)."""
-        recorded = {r.id for *_, tapes in self._steps for r in tapes}
-        return recorded | self._named_recordings | self._running
+        """The ids of the recordings that steps not yet run ask for gradients or name
+        outputs of: the client releases none of them (reset, left by entering the tape
+        again) before (``_release_dropped``). A recording its tape has left is not
+        needed for steps merely recorded on it: nothing could ask it for their
+        gradients (``_recorded_on``)."""
+        later = {i for i, last in self._running_need.items() if last >= self._run_from}
+        return later | self._last_need.keys()
+
+    def _recorded_on(self, tapes: tuple[Any, ...], start: int) -> list[Any]:
+        """The recordings a request from step ``start`` records on: of the step's
+        tapes, those still in the recording it was added in, and those that left it
+        whose recording a step from here needs (a reset's, or one a non-persistent
+        tape's gradient step ended). Recording on one nothing will ask started it on
+        the server for nothing: a loop of resets in one batch ran into the session's
+        64 tapes (helper-73)."""
+        return [
+            r for r in tapes if r.tape.life is r.life or self._running_need.get(r.id, -1) >= start
+        ]
 
     def gradient(
         self,
@@ -162,7 +181,7 @@ class Batch:
             target, sources, output_gradients, unconnected_gradients, keep=keep
         )
         self._temps.extend(built["temps"])
-        self._name(built["tapes_named"])
+        self._name(built["tapes_named"], len(self._steps))
         request = built["message"]
         others = (t.recorded() for t in self._client._recording.tapes if t is not tape)
         recorded = tape.recorded()
@@ -181,6 +200,7 @@ class Batch:
         )
         step = len(self._steps) - 1
         self._releases.append((step, recorded))
+        self._last_need[recorded.id] = step
         tape.end_in_batch()  # a non-persistent tape's recording ends here
         # A gradient has its source's dtype (an LSTM step given one takes its T).
         dtypes_ = [_known_dtype(source) for source in nest.flatten(sources)]
@@ -192,7 +212,9 @@ class Batch:
     def __del__(self) -> None:
         """A batch dropped without ``run()``: its inputs' shared-memory leases go back
         to the client's pool (local, no RPC here; its uploads, if any, go with the
-        session)."""
+        session), and the tapes its gradient steps would have ended may ask again."""
+        for _, recorded in getattr(self, "_releases", ()):
+            recorded.life.ending = False
         shm = getattr(getattr(self, "_client", None), "_shm", None)
         temps = getattr(self, "_temps", None)
         if shm is not None and temps:
@@ -200,11 +222,10 @@ class Batch:
 
     def run(self) -> list[Any]:
         """Run every recorded op; returns their results in order (like the typed calls)."""
-        self._running = self.needs()
         steps, self._steps = self._steps, []
         temps, self._temps = self._temps, []
         tapes_named, self._tapes_named = self._tapes_named, []  # noqa: F841 - alive till the end
-        self._named_recordings = set()
+        self._running_need, self._last_need, self._run_from = self._last_need, {}, 0
         releases, self._releases = self._releases, []
         results: list[Any] = []
         replies: list[Message] = []  # each step's typed result, for later requests
@@ -221,7 +242,7 @@ class Batch:
                     request = self._request(steps, start, replies, earlier)
                     # Without the tapes an earlier request's Gradients step released
                     # (one the caller released before is still named: refused).
-                    tapes = [t for t in steps[start][3] if t not in spent]
+                    tapes = [t for t in self._recorded_on(steps[start][3], start) if t not in spent]
                     reply = self._client._call("Batch", request, tapes=tapes)
                 except BaseException as e:
                     failure = e
@@ -239,6 +260,9 @@ class Batch:
                 replies += [getattr(r, r.WhichOneof("op")) for r in reply.results]
                 spent |= {r for s, r in releases if s < len(results) and not r.persistent}
                 releases = _release_ran(releases, len(results))
+                # What the steps run so far alone needed goes now, not at the end.
+                self._run_from = len(results)
+                _release_left(steps[: len(results)], self.needs(), self._client._dropped_tapes)
                 if not reply.HasField("failed_step"):
                     start += len(request.steps)
                     continue
@@ -263,8 +287,8 @@ class Batch:
             for _, recorded in _release_ran(releases, len(results)):
                 recorded.life.ending = False  # its step did not run: the tape may ask again
             self._client._clean_up(temps, failure=failure)
-            self._running = set()
-            _release_left(steps, self._client._dropped_tapes)
+            self._running_need, self._run_from = {}, 0
+            _release_left(steps, self.needs(), self._client._dropped_tapes)
         return results
 
     def _recover(self, error: GradserveError) -> bool:
@@ -329,14 +353,23 @@ def _release_ran(releases: list[tuple[int, Any]], ran: int) -> list[tuple[int, A
     return [(step, recorded) for step, recorded in releases if step >= ran]
 
 
-def _release_left(steps: list, queue: Any) -> None:
-    """Queue for release the recordings the steps were on that their tapes have left
-    since (reset, or entered again) and nothing released: their finalizers ran when
-    the tapes left them, before this run started them (or while it needed them)."""
+def _release_left(steps: list, needed: set[str], queue: Any) -> None:
+    """Queue for release the recordings ``steps`` were on that their tapes have left
+    since (reset, or entered again), that nothing released and nothing ``needed``:
+    their finalizers ran when the tapes left them, before this run started them (or
+    while it needed them). Each once."""
     for recorded in {r for *_, tapes in steps for r in tapes}:
         life = recorded.life
-        if recorded.tape.life is not life and not life.released and life.proposed:
-            queue.append(life.tape_id)
+        if (
+            recorded.tape.life is not life
+            and not life.released
+            and life.proposed
+            and life.tape_id not in needed
+        ):
+            if not life.queued:  # (its finalizer may have queued it when the tape left)
+                life.queued = True
+                queue.append(life.tape_id)
+            life.released = True  # as far as later steps go: its outputs go by value
 
 
 class _Earlier:

@@ -270,6 +270,7 @@ class Client:
         self._dropped_tapes: collections.deque[str] = collections.deque()
         #: Batches made and still referenced (``_needed_by_batches``).
         self._batches: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._batches_lock = threading.Lock()
         if session_id is None:
             reply = self._call("CreateSession", service_pb2.CreateSessionRequest(), session=False)
             self.session_id: str = reply.session_id
@@ -820,14 +821,17 @@ class Client:
         on or name outputs of: a recording reset, or left by entering the tape again,
         is released only once they have run (helper-72: the batch's own call released
         it first, and its steps failed NOT_FOUND)."""
-        return {tape_id for batch in list(self._batches) for tape_id in batch.needs()}
+        with self._batches_lock:  # (a WeakSet changed while iterated raises)
+            batches = list(self._batches)
+        return {tape_id for batch in batches for tape_id in batch.needs()}
 
     def batch(self):
         """Collect ops (``b.raw_ops.X(...)``) and run them in one round trip with ``b.run()``."""
         from gradserve.client._batch import Batch
 
         batch = Batch(self)
-        self._batches.add(batch)
+        with self._batches_lock:
+            self._batches.add(batch)
         return batch
 
     def __repr__(self) -> str:

@@ -54,7 +54,7 @@ class _Life:
     succeeded; ``proposed``: one was sent, and the server may have started it even
     if the call failed), released it, or will when a batch runs (``ending``)."""
 
-    __slots__ = ("ending", "proposed", "released", "started", "tape_id")
+    __slots__ = ("ending", "proposed", "queued", "released", "started", "tape_id")
 
     def __init__(self) -> None:
         self.tape_id: str | None = None
@@ -62,6 +62,8 @@ class _Life:
         self.started = False
         self.proposed = False
         self.ending = False
+        #: In the client's queue of tapes to release (once is enough).
+        self.queued = False
 
     def header(self, persistent: bool, watch_accessed_variables: bool) -> str:
         """This recording's entry in ``x-gradserve-tape`` (``GradientTape.header``)."""
@@ -76,6 +78,7 @@ def _dropped(queue: collections.deque[str], life: _Life) -> None:
     a call that failed may have started it: releasing one it did not is NOT_FOUND,
     logged)."""
     if (life.started or life.proposed) and not life.released and life.tape_id is not None:
+        life.queued = True
         queue.append(life.tape_id)
 
 
@@ -375,11 +378,11 @@ class GradientTape:
     def release(self) -> int:
         """Free everything the tape holds on the server; returns the bytes freed."""
         self._stop()
-        if self.released or self.id is None:
-            if not self._life.ending:  # (else the batch's gradient step releases it)
-                self._life.released = True
+        life = self._life
+        if life.released or self.id is None:
+            life.released = True
             return 0
-        self.released = True
+        life.released, life.ending = True, False  # (a batch's gradient step: refused)
         reply = self._client._call(
             "ReleaseTape", tape_pb2.ReleaseTapeRequest(tape_id=self.id), tapes=[self]
         )

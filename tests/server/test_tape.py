@@ -607,6 +607,55 @@ def test_a_batch_step_records_on_the_recording_it_was_added_in(client):
         batch.gradient(tape, r, x)
 
 
+def test_a_loop_of_resets_in_one_batch_holds_only_what_it_needs(client, server):
+    """helper-73: every recording a batch's steps were on was started when it ran and
+    held to its end: 70 resets in one batch ran into the session's 64 tapes. One that
+    nothing asks for gradients or names outputs of is not recorded on; one a gradient
+    step asks is released once the run is past that step; each is released once."""
+    x = client.put(np.array([1.0, 2.0], F32))
+    steps = MAX_TAPES_PER_SESSION + 6
+    with client.gradient_tape(persistent=True) as tape:
+        batch = client.batch()
+        for _ in range(steps):
+            batch.raw_ops.StopGradient(x)
+            tape.reset()
+    assert len(batch.run()) == steps
+    with client.gradient_tape(persistent=True) as tape:  # x read: watched
+        batch = client.batch()
+        for _ in range(steps):
+            batch.gradient(tape, _batch_copy(batch, x), x)
+            tape.reset()
+    results = batch.run()
+    np.testing.assert_array_equal(results[-1][0], [1.0, 1.0])
+    assert len(client._dropped_tapes) == len(set(client._dropped_tapes))
+    client.keep_alive()
+    assert len(session_of(server, client)._tapes) <= 1  # (the last, persistent)
+
+
+def test_a_batch_gradient_not_run_leaves_the_tape_to_ask(client, server):
+    """helper-73: a non-persistent tape's batch.gradient ended its recording when
+    recorded; the batch dropped unrun, the tape refused its own gradient and release()
+    freed nothing."""
+    x = client.put(np.array([1.0, 2.0], F32))
+    with client.gradient_tape() as tape:
+        y = _copy(client, x)
+    batch = client.batch()
+    batch.gradient(tape, y, x)
+    assert tape.released
+    del batch
+    assert not tape.released
+    np.testing.assert_array_equal(tape.gradient(y, x), [1.0, 1.0])
+    with client.gradient_tape() as tape:
+        y = _copy(client, x)
+    batch = client.batch()
+    batch.gradient(tape, y, x)
+    assert tape.release() > 0  # it frees what it holds; the batch's step is refused
+    with pytest.raises(TapeReleasedError):
+        batch.run()
+    client.keep_alive()
+    assert not session_of(server, client)._tapes
+
+
 def test_a_reset_recording_lives_until_the_batches_naming_it_have_run(client, server):
     """helper-72: reset() queued the recording's release, and the batch's own call made
     it first: a step naming its output by id failed NOT_FOUND. Released after."""
