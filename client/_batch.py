@@ -150,15 +150,18 @@ class Batch:
         later = {i for i, last in self._running_need.items() if last >= self._run_from}
         return later | self._last_need.keys()
 
-    def _recorded_on(self, tapes: tuple[Any, ...], start: int) -> list[Any]:
-        """The recordings a request from step ``start`` records on: of the step's
-        tapes, those still in the recording it was added in, and those that left it
-        whose recording a step from here needs (a reset's, or one a non-persistent
-        tape's gradient step ended). Recording on one nothing will ask started it on
-        the server for nothing: a loop of resets in one batch ran into the session's
-        64 tapes (helper-73)."""
+    @staticmethod
+    def _recorded_on(tapes: tuple[Any, ...], needed: set[str]) -> list[Any]:
+        """The recordings a request records on: of its first step's, those not
+        released, that are their tapes' current ones or that a step of a batch not yet
+        run (this one's from here included) needs (``needs``: a reset's, one a
+        non-persistent tape's gradient step ended). One its tape left that nothing will
+        ask was started on the server for nothing (a loop of resets in one batch ran
+        into the session's 64 tapes: helper-73), and one the caller released (by
+        ``release()`` or its gradient) cannot be asked: the steps run unrecorded, as
+        they would have run before that (they were refused: helper-74)."""
         return [
-            r for r in tapes if r.tape.life is r.life or self._running_need.get(r.id, -1) >= start
+            r for r in tapes if not r.life.released and (r.tape.life is r.life or r.id in needed)
         ]
 
     def gradient(
@@ -183,9 +186,12 @@ class Batch:
         self._temps.extend(built["temps"])
         self._name(built["tapes_named"], len(self._steps))
         request = built["message"]
-        others = (t.recorded() for t in self._client._recording.tapes if t is not tape)
         recorded = tape.recorded()
-        tapes = (recorded, *others)
+        # In the order op steps name them, so that a gradient step goes in their
+        # request (a nested tape's gradient began a request of its own: helper-74).
+        tapes = tuple(t.recorded() for t in self._client._recording.tapes)
+        if recorded not in tapes:
+            tapes = (recorded, *tapes)
 
         def shaped(flat: list[Any]) -> Any:
             return nest.pack_like(sources, flat) if nest.is_nested(sources) else flat
@@ -230,9 +236,9 @@ class Batch:
         results: list[Any] = []
         replies: list[Message] = []  # each step's typed result, for later requests
         failure: BaseException | None = None
-        spent: set[Any] = set()  # recordings this run's Gradients steps released
         earlier = _Earlier(self._client, steps, results, temps)
         recovered_at = -1  # the step last repeated with the regions registered again
+        error: GradserveError | None = None
         try:
             start = 0
             while start < len(steps):
@@ -240,9 +246,11 @@ class Batch:
                     # A step that names an earlier request's output may fail here, as
                     # the op would on its own (ConversionError) or its upload would.
                     request = self._request(steps, start, replies, earlier)
-                    # Without the tapes an earlier request's Gradients step released
-                    # (one the caller released before is still named: refused).
-                    tapes = [t for t in self._recorded_on(steps[start][3], start) if t not in spent]
+                    self._run_from = start
+                    needed = self._client._needed_by_batches()
+                    tapes = self._recorded_on(steps[start][3], needed)
+                    for step in range(start, start + len(request.steps)):
+                        earlier.recorded_on[step] = tapes
                     reply = self._client._call("Batch", request, tapes=tapes)
                 except BaseException as e:
                     failure = e
@@ -258,11 +266,11 @@ class Batch:
                     reply, lambda r, ps=parsers: [self._one(p, x) for p, x in zip(ps, r.results)]
                 )
                 replies += [getattr(r, r.WhichOneof("op")) for r in reply.results]
-                spent |= {r for s, r in releases if s < len(results) and not r.persistent}
                 releases = _release_ran(releases, len(results))
                 # What the steps run so far alone needed goes now, not at the end.
                 self._run_from = len(results)
-                _release_left(steps[: len(results)], self.needs(), self._client._dropped_tapes)
+                needed = self._client._needed_by_batches()
+                _release_left(steps[: len(results)], needed, self._client._dropped_tapes)
                 if not reply.HasField("failed_step"):
                     start += len(request.steps)
                     continue
@@ -288,7 +296,10 @@ class Batch:
                 recorded.life.ending = False  # its step did not run: the tape may ask again
             self._client._clean_up(temps, failure=failure)
             self._running_need, self._run_from = {}, 0
-            _release_left(steps, self.needs(), self._client._dropped_tapes)
+            needed = self._client._needed_by_batches()
+            _release_left(steps, needed, self._client._dropped_tapes)
+            # (a cycle through the frames of the error raised kept the tapes until a GC)
+            failure = error = None
         return results
 
     def _recover(self, error: GradserveError) -> bool:
@@ -383,13 +394,16 @@ class _Earlier:
         #: names it again instead of copying it twice. Freed with the batch's other
         #: uploads and leases.
         self.copies: dict[tuple[int, str], tensor_pb2.TensorInput] = {}
+        #: The recordings each step sent was recorded on (``Batch._recorded_on``).
+        self.recorded_on: dict[int, list[Any]] = {}
 
     def tape_holds(self, step: int) -> bool:
-        """Whether a tape that recorded step ``step`` still holds its outputs (one
-        whose gradient step ran in an earlier request released them: they go by
-        value, as a released tape's ``TapedArray`` does; by id the server had them no
-        more, a batch fuzzer found)."""
-        return any(not recorded.life.released for recorded in self.steps[step][3])
+        """Whether a recording that step ``step`` was recorded on still holds its
+        outputs (one whose gradient step ran in an earlier request released them: they
+        go by value, as a released tape's ``TapedArray`` does; by id the server had
+        them no more, a batch fuzzer found; nor may one the step was not recorded on
+        count: helper-74)."""
+        return any(not r.life.released for r in self.recorded_on.get(step, ()))
 
     def encode(self, step: int, field: str, msg: tensor_pb2.TensorInput, room: Staging) -> None:
         """The value of ``field`` of step ``step`` into ``msg`` (a transient output was

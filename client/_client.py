@@ -555,6 +555,7 @@ class Client:
         finally:
             if out is not None:
                 out.release() if server_done(failure) else out.discard()
+            failure = None  # (a cycle through its frames kept the call's tapes until a GC)
 
     def _call_recovering(self, rpc: str, request: Any, **options: Any) -> Any:
         """``_call``, repeated once after the server said it does not know one of the
@@ -796,17 +797,25 @@ class Client:
         """Release the tapes garbage collected unreleased, before the call that found
         them: TensorFlow frees a tape its program drops, and a loop that never called
         ``release()`` ran into the session's 64 tapes (a review helper). Each is one
-        ReleaseTape; one that fails (the tape or session already gone) is logged."""
+        ReleaseTape; one that fails (the tape or session already gone) is logged.
+
+        The ids queued now are taken first, and only then what batches need: a
+        recording is queued (a reset, a tape entered again) after the steps that name
+        it were added, so one taken here is either needed already or never will be
+        (needs read first, another thread's reset could release what its batch had
+        just named: helper-74)."""
+        pending: list[str] = []
+        while True:
+            try:
+                pending.append(self._dropped_tapes.popleft())
+            except IndexError:
+                break
         needed = self._needed_by_batches()
-        deferred: list[str] = []
         try:
-            while True:
-                try:
-                    tape_id = self._dropped_tapes.popleft()
-                except IndexError:
-                    return
+            while pending:
+                tape_id = pending.pop()
                 if tape_id in needed:
-                    deferred.append(tape_id)
+                    self._dropped_tapes.append(tape_id)  # after the batches that need it
                     continue
                 try:
                     request = tape_pb2.ReleaseTapeRequest(tape_id=tape_id)
@@ -814,7 +823,7 @@ class Client:
                 except GradserveError as e:
                     log.info("could not release a dropped gradient tape: %s", e)
         finally:
-            self._dropped_tapes.extend(deferred)
+            self._dropped_tapes.extend(pending)  # (an interrupt: the rest next time)
 
     def _needed_by_batches(self) -> set[str]:
         """The recordings of tapes that batches not yet run (or running) record steps

@@ -12,6 +12,7 @@ tape are watched, as ``tf.Variable``s are.
 from __future__ import annotations
 
 import collections
+import contextlib
 import secrets
 import threading
 import weakref
@@ -106,11 +107,16 @@ class Recorded:
         return self.life.header(self.tape.persistent, self.tape.watch_accessed_variables)
 
     def done(self) -> None:
-        """Its Gradients step ran: a non-persistent recording is released by it."""
+        """Its Gradients step ran: a non-persistent recording is released by it (and
+        no longer waits in the client's queue of tapes to release: its ReleaseTape
+        failed, logged, once per loop iteration: helper-74)."""
         if not self.tape.persistent:
             self.life.released = True
             if self.tape._life is self.life:
                 self.tape._stop()
+            if self.life.queued:
+                with contextlib.suppress(ValueError):
+                    self.tape._client._dropped_tapes.remove(self.life.tape_id)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Recorded) and other.tape is self.tape and other.life is self.life
@@ -332,6 +338,7 @@ class GradientTape:
             raise
         finally:
             self._client._clean_up(temps, failure=failure)
+            failure = None  # (a cycle through its frames kept this tape until a GC)
         self.done()
         grads = self._client._parse(reply, lambda r: [self.decode(g) for g in r.gradients])
         return nest.pack_like(sources, grads)
