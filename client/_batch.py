@@ -237,6 +237,7 @@ class Batch:
         replies: list[Message] = []  # each step's typed result, for later requests
         failure: BaseException | None = None
         earlier = _Earlier(self._client, steps, results, temps)
+        recordings = {r for *_, tapes in steps for r in tapes}  # (once: not per request)
         recovered_at = -1  # the step last repeated with the regions registered again
         error: GradserveError | None = None
         try:
@@ -270,7 +271,7 @@ class Batch:
                 # What the steps run so far alone needed goes now, not at the end.
                 self._run_from = len(results)
                 needed = self._client._needed_by_batches()
-                _release_left(steps[: len(results)], needed, self._client._dropped_tapes)
+                _release_left(recordings, needed, self._client._dropped_tapes)
                 if not reply.HasField("failed_step"):
                     start += len(request.steps)
                     continue
@@ -297,7 +298,7 @@ class Batch:
             self._client._clean_up(temps, failure=failure)
             self._running_need, self._run_from = {}, 0
             needed = self._client._needed_by_batches()
-            _release_left(steps, needed, self._client._dropped_tapes)
+            _release_left(recordings, needed, self._client._dropped_tapes)
             # (a cycle through the frames of the error raised kept the tapes until a GC)
             failure = error = None
         return results
@@ -364,12 +365,12 @@ def _release_ran(releases: list[tuple[int, Any]], ran: int) -> list[tuple[int, A
     return [(step, recorded) for step, recorded in releases if step >= ran]
 
 
-def _release_left(steps: list, needed: set[str], queue: Any) -> None:
-    """Queue for release the recordings ``steps`` were on that their tapes have left
-    since (reset, or entered again), that nothing released and nothing ``needed``:
-    their finalizers ran when the tapes left them, before this run started them (or
-    while it needed them). Each once."""
-    for recorded in {r for *_, tapes in steps for r in tapes}:
+def _release_left(recordings: set[Any], needed: set[str], queue: Any) -> None:
+    """Queue for release the ``recordings`` a run's steps were on that their tapes
+    have left since (reset, or entered again), that nothing released and nothing
+    ``needed``: their finalizers ran when the tapes left them, before this run started
+    them (or while it needed them). Each once."""
+    for recorded in recordings:
         life = recorded.life
         if (
             recorded.tape.life is not life
