@@ -99,10 +99,6 @@ class Recorded:
     def id(self) -> str | None:
         return self.life.tape_id
 
-    @property
-    def persistent(self) -> bool:
-        return self.tape.persistent
-
     def header(self) -> str:
         return self.life.header(self.tape.persistent, self.tape.watch_accessed_variables)
 
@@ -171,19 +167,6 @@ class GradientTape:
         about to be by a batch's gradient step (``end_in_batch``)."""
         return self._life.released or self._life.ending
 
-    @released.setter
-    def released(self, value: bool) -> None:
-        self._life.released = value
-
-    @property
-    def started(self) -> bool:
-        """A call naming this tape succeeded: the server has it (``header``)."""
-        return self._life.started
-
-    @started.setter
-    def started(self, value: bool) -> None:
-        self._life.started = value
-
     # ---------------------------------------------------------------- recording
     def end_in_batch(self) -> None:
         """A batch's gradient step on this tape ends a non-persistent recording, as
@@ -197,10 +180,8 @@ class GradientTape:
 
     def done(self) -> None:
         """The server ran a gradient computation on this tape: a non-persistent tape
-        is released by it."""
-        if not self.persistent:
-            self.released = True
-            self._stop()
+        is released by it (as a batch's gradient step releases its recording)."""
+        self.recorded().done()
 
     def __enter__(self) -> GradientTape:
         if self._entered:  # on this thread or another (TensorFlow's flag is the tape's)
