@@ -217,14 +217,19 @@ class Batch:
 
     def __del__(self) -> None:
         """A batch dropped without ``run()``: its inputs' shared-memory leases go back
-        to the client's pool (local, no RPC here; its uploads, if any, go with the
-        session), and the tapes its gradient steps would have ended may ask again."""
+        to the client's pool, its uploads (inputs past the request limit) to the
+        client's queue of ids to delete, which its next call empties (no RPC here: a
+        garbage collection runs this inside whatever call it interrupts), and the
+        tapes its gradient steps would have ended may ask again."""
         for _, recorded in getattr(self, "_releases", ()):
             recorded.life.ending = False
-        shm = getattr(getattr(self, "_client", None), "_shm", None)
+        client = getattr(self, "_client", None)
         temps = getattr(self, "_temps", None)
-        if shm is not None and temps:
-            shm.release_temps(temps)
+        if client is None or not temps:
+            return
+        shm = client._shm
+        uploads = shm.release_temps(temps) if shm is not None else temps
+        client._dropped_uploads.extend(uploads)
 
     def run(self) -> list[Any]:
         """Run every recorded op; returns their results in order (like the typed calls)."""

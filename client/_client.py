@@ -268,6 +268,10 @@ class Client:
         #: Ids of tapes garbage collected unreleased (``_tape._dropped``): released
         #: by the next call (``_release_dropped``).
         self._dropped_tapes: collections.deque[str] = collections.deque()
+        #: Ids of the uploads of batches dropped without ``run()`` (``Batch.__del__``,
+        #: which runs inside whatever call a garbage collection interrupts, so it only
+        #: appends): deleted by the next call (``_delete_dropped_uploads``).
+        self._dropped_uploads: collections.deque[str] = collections.deque()
         #: Batches made and still referenced (``_needed_by_batches``).
         self._batches: weakref.WeakSet[Any] = weakref.WeakSet()
         self._batches_lock = threading.Lock()
@@ -325,9 +329,11 @@ class Client:
             if self._shm is not None:  # the session's close unregisters its regions
                 self._shm.close(unregister=not self.owns_session)
             if not self.owns_session:  # the session stays: free what this client fetched
+                self._delete_dropped_uploads()
                 self._fetched.flush()
             else:
                 self._dropped_tapes.clear()  # the session's close frees them
+                self._dropped_uploads.clear()
                 try:  # once (``_closing``): a server that is down frees it when idle
                     self._call("CloseSession", service_pb2.CloseSessionRequest())
                 except NotFoundError:
@@ -405,6 +411,8 @@ class Client:
         again."""
         if self._dropped_tapes and session and rpc != "ReleaseTape":
             self._release_dropped()
+        if self._dropped_uploads and session and rpc != "DeleteTensor":
+            self._delete_dropped_uploads()
         default = self._metadata if session else self._auth
         if tapes is None:
             tapes = self._recording.tapes if session and rpc in _RECORDED else ()
@@ -824,6 +832,30 @@ class Client:
                     log.info("could not release a dropped gradient tape: %s", e)
         finally:
             self._dropped_tapes.extend(pending)  # (an interrupt: the rest next time)
+
+    def _delete_dropped_uploads(self) -> None:
+        """Delete the uploads of batches dropped unrun: they held the session's bytes
+        until it ended (a worker whose loop raised between recording and ``run()``
+        leaked one batch's inputs per failure). A server that deletes the ids a call
+        names (``x-gradserve-fetched``) does so before the call that found them, at no
+        round trip of its own; an older one gets a DeleteTensor (tried once; what
+        fails waits for the next call)."""
+        ids: list[str] = []
+        while True:
+            try:
+                ids.append(self._dropped_uploads.popleft())
+            except IndexError:
+                break
+        if not ids:
+            return
+        if self._server_deletes_fetched:
+            self._fetched.add(*ids)
+            return
+        try:
+            self._delete_ids(ids, once=True)
+        except GradserveError as e:
+            log.warning("could not delete %d upload(s) of a dropped batch yet: %s", len(ids), e)
+            self._dropped_uploads.extend(ids)
 
     def _needed_by_batches(self) -> set[str]:
         """The recordings of tapes that batches not yet run (or running) record steps

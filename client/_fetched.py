@@ -15,6 +15,9 @@ same session may: until this one makes a call, or for ``FLUSH_SECONDS``.) Ids th
 no call carried within ``FLUSH_SECONDS`` (the worker went on computing on its own)
 are deleted with DeleteTensor. A call or a DeleteTensor that fails gives its ids back
 for the next call: deleting twice is harmless, since an id is never reused.
+
+The uploads of a batch dropped without ``run()`` take the same way
+(``Client._delete_dropped_uploads``): no other call needs them either.
 """
 
 from __future__ import annotations
@@ -49,9 +52,9 @@ class Fetched:
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def add(self, tensor_id: str) -> None:
+    def add(self, *tensor_ids: str) -> None:
         with self._lock:
-            self._ids.append(tensor_id)
+            self._ids.extend(tensor_ids)
             if self._thread is None and not self._closed.is_set():
                 self._thread = threading.Thread(
                     target=self._flush_when_idle, name="gradserve-fetched", daemon=True

@@ -117,6 +117,35 @@ def test_batch_whose_inputs_together_pass_the_limit_uploads_what_does_not_fit(
         np.testing.assert_array_equal(ta.stack(), np.stack(written))
 
 
+@pytest.mark.parametrize("server_deletes_named_ids", [True, False], ids=["named", "DeleteTensor"])
+def test_a_batch_dropped_unrun_has_its_uploads_deleted_by_the_next_call(
+    small_messages, server_deletes_named_ids
+):
+    # Inputs past the request limit are uploaded as they are recorded; a batch dropped
+    # before run() (the worker's loop raised between the two) held their bytes in the
+    # session until it ended. The next call deletes them: named in its metadata, or,
+    # to a server that does not delete named ids (an older one), by a DeleteTensor.
+    with connect(small_messages, max_message_bytes=MIB, shared_memory=False) as client:
+        client._server_deletes_fetched = server_deletes_named_ids
+        budget = small_messages.store.get(client.session_id).budget
+        for _ in range(3):
+            batch = client.batch()
+            for value in values(3, 300_000):  # 1.2 MB each: each one uploaded
+                batch.raw_ops.StopGradient(value)
+            assert budget.used >= 3 * 1_200_000
+            del batch  # (reference counting: no garbage collection needed)
+            client.keep_alive()
+            assert budget.used == 0
+        # One still referenced keeps its uploads, and runs.
+        batch = client.batch()
+        kept = values(1, 300_000)[0]
+        batch.raw_ops.StopGradient(kept)
+        client.keep_alive()
+        np.testing.assert_array_equal(batch.run()[0], kept)
+        client.keep_alive()
+        assert budget.used == 0
+
+
 def test_batch_steps_naming_outputs_of_earlier_requests_fit_their_requests(
     small_messages,
 ):
