@@ -367,8 +367,11 @@ class GradientTape:
         """Free everything the tape holds on the server; returns the bytes freed."""
         self._stop()
         life = self._life
-        if life.released or self.id is None:
-            life.released = True
+        if life.released or self.id is None or not (life.proposed or life.started):
+            # Nothing on the server: no call named this recording (a ReleaseTape
+            # naming it "+ID" started it only to release it, and at the session's 64
+            # tapes was refused). A batch's steps recorded on it run unrecorded.
+            life.released, life.ending = True, False
             return 0
         life.released, life.ending = True, False  # (a batch's gradient step: refused)
         reply = self._client._call(

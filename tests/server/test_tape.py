@@ -1647,10 +1647,27 @@ def test_a_failed_batch_gradient_leaves_a_non_persistent_tape_usable(client, ser
     assert tape.released and not session_of(server, client)._tapes
 
 
-def test_a_tape_that_recorded_nothing_releases_cleanly(client):
+def test_a_tape_that_recorded_nothing_releases_cleanly(client, server):
     with client.gradient_tape(persistent=True) as tape:
         pass
     assert tape.release() == 0
+    # At the session's limit too: no call named it, so the server has nothing to
+    # release (its ReleaseTape started it only to release it, and was refused).
+    w = client.put(np.ones(2, F32))
+    held = []
+    for _ in range(MAX_TAPES_PER_SESSION):
+        held.append(client.gradient_tape(persistent=True))
+        with held[-1]:
+            client.raw_ops.StopGradient(w)
+    with client.gradient_tape(persistent=True) as idle:
+        batch = client.batch()
+        batch.raw_ops.StopGradient(w)  # recorded on it, not yet sent
+    assert idle.release() == 0
+    assert len(session_of(server, client)._tapes) == MAX_TAPES_PER_SESSION
+    assert not isinstance(batch.run()[0], TapedArray)  # ran unrecorded
+    for tape in held:
+        tape.release()
+    assert not session_of(server, client)._tapes
 
 
 def test_gradients_of_gradients_under_an_outer_tape_are_unimplemented(client):
