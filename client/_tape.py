@@ -257,6 +257,8 @@ class GradientTape:
         self._require_id()
         tensors = nest.flatten(tensor)
         for t in tensors:
+            _require_watchable(t)
+        for t in tensors:
             if isinstance(t, TapedArray) and t.tape_id is not None and not t.held:
                 self._adopt(t)
         ids = [_tensor_id(t, "watch") for t in tensors]
@@ -410,6 +412,19 @@ def _seeds(target: Any, output_gradients: Any) -> list[Any]:
 def _is_list(value: Any) -> bool:
     """A list or tuple of tensors (a ``StepOutput`` placeholder is one tensor)."""
     return isinstance(value, (list, tuple)) and not isinstance(value, StepOutput)
+
+
+def _require_watchable(value: Any) -> None:
+    """TensorFlow's ValueError for what ``tape.watch`` cannot watch: anything but a
+    tensor the server holds or held (a value the client has, a NumPy array or a
+    Python number, is TensorFlow's NumPy array or constant, not a tensor)."""
+    if isinstance(value, TensorRef) or (isinstance(value, TapedArray) and value.tape_id):
+        return
+    raise ValueError(
+        f"Passed in object {value!r} of type {type(value).__name__!r}, not tf.Tensor or "
+        "tf.Variable or ExtensionType. (gradserve: watch a TensorRef from client.put or "
+        "an op's keep=True, or an op output computed under a tape)"
+    )
 
 
 def _tensor_id(value: Any, what: str) -> str:

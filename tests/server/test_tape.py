@@ -389,6 +389,22 @@ def test_a_batch_dropped_unrun_lets_go_of_its_tapes_at_once(client, server):
         assert server.store.get(small.session_id).budget.used == 0
 
 
+@pytest.mark.parametrize(
+    "value", [np.ones(2, F32), 1.0, [1.0], None, "x"], ids=["numpy", "float", "list", "None", "str"]
+)
+def test_watching_what_is_not_a_tensor_is_tensorflows_value_error(client, server, value):
+    # tensorflow 2.21: ValueError "Passed in object ... not tf.Tensor or tf.Variable or
+    # ExtensionType." for each of these (it was a TypeError here). Nothing is sent.
+    x = client.put(np.ones(2, F32))
+    with client.gradient_tape() as tape:
+        with pytest.raises(ValueError, match="not tf.Tensor or tf.Variable"):
+            tape.watch(value)
+        with pytest.raises(ValueError, match="not tf.Tensor"):
+            tape.watch([x, value])  # x is not watched either
+    assert tape.id not in session_of(server, client)._tapes
+    np.testing.assert_array_equal(tape.gradient(x, x), [1.0, 1.0])
+
+
 def test_an_output_of_a_dropped_tape_is_watched_as_tensorflow_watches_it(client, server):
     """Its tape gone, the server no longer holds it (watching its id was NOT_FOUND,
     then a TypeError): watched, it is held by the watching tape (only: another tape
