@@ -181,10 +181,7 @@ http {{
     server {{
         listen 127.0.0.1:{self.port} http2;
         client_max_body_size 0;
-        client_body_timeout 3600s;
-        grpc_read_timeout 3600s;
-        grpc_send_timeout 3600s;
-        location / {{
+{textwrap.indent(template_part("timeouts"), "    ")}        location / {{
             grpc_pass grpc://$gs_upstream;
             grpc_next_upstream error timeout;
         }}

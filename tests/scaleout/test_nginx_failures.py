@@ -108,3 +108,41 @@ def test_a_write_whose_replica_vanished_mid_call_says_its_outcome_is_unknown(mak
         assert "may or may not have run" in str(lost.value)
     finally:
         vanishing.close()
+
+
+class _Blackhole:
+    """An address that neither takes a connection nor refuses one, as a pod's address
+    does once the pod is gone (packets dropped): a listener whose accept queue is full,
+    so that Linux drops the SYNs that come."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(0)
+        self.port = self.sock.getsockname()[1]
+        self.filler = socket.create_connection(("127.0.0.1", self.port), timeout=5)
+
+    def close(self) -> None:
+        self.filler.close()
+        self.sock.close()
+
+
+@pytest.mark.scaleout
+def test_a_replica_that_takes_no_connection_is_not_forwarded_within_seconds(make_cluster):
+    """nginx waited its default 60 s for the connection, and every call of the
+    replica's sessions with it; the template's 2 s end the call NOT_FORWARDED, which
+    the SDK repeats after its backoff (here: no repeats)."""
+    cluster = make_cluster("nginx", 1)
+    c = gradserve.Client(cluster.proxy.target, keepalive=False, retries=0, timeout=30)
+    ta = c.tensor_array(np.float32, size=2, element_shape=(3,))
+    hole = _Blackhole()
+    try:
+        cluster.routes["r0"] = hole.port
+        cluster.route()
+        started = time.monotonic()
+        with pytest.raises(UnavailableError) as refused:
+            ta.write(0, np.ones(3, np.float32))
+        assert time.monotonic() - started < 10
+        assert refused.value.reason == NOT_FORWARDED_REASON
+    finally:
+        hole.close()
