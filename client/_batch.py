@@ -116,6 +116,8 @@ class Batch:
         self._temps: list[str] = []
         #: The tapes holding inputs its steps name by tape id (``Staging.tapes_named``).
         self._tapes_named: list[Any] = []
+        #: Those inputs by id, with the recordings that held each (``_released_inputs``).
+        self._outputs_named: dict[str, tuple[Any, tuple[Any, ...]]] = {}
         #: The recordings the batch needs alive when it runs, by id: the last step that
         #: names an output of one, or asks one for gradients (``needs``).
         self._last_need: dict[str, int] = {}
@@ -133,6 +135,8 @@ class Batch:
         self._steps.append((rpc, request, parse, tapes))
         self._temps.extend(temps)
         self._name(temps.tapes_named, len(self._steps) - 1)
+        for value, lives in temps.outputs_named:
+            self._outputs_named[value.tape_id] = (value, lives)
         return placeholders(rpc, len(self._steps) - 1, temps.output_dtype, request)
 
     def _name(self, tapes: list[Any], step: int) -> None:
@@ -236,12 +240,14 @@ class Batch:
         steps, self._steps = self._steps, []
         temps, self._temps = self._temps, []
         tapes_named, self._tapes_named = self._tapes_named, []  # noqa: F841 - alive till the end
+        outputs_named, self._outputs_named = self._outputs_named, {}
         self._running_need, self._last_need, self._run_from = self._last_need, {}, 0
         releases, self._releases = self._releases, []
         results: list[Any] = []
         replies: list[Message] = []  # each step's typed result, for later requests
         failure: BaseException | None = None
         earlier = _Earlier(self._client, steps, results, temps)
+        earlier.released = _released_inputs(outputs_named)
         recordings = {r for *_, tapes in steps for r in tapes}  # (once: not per request)
         recovered_at = -1  # the step last repeated with the regions registered again
         error: GradserveError | None = None
@@ -332,7 +338,7 @@ class Batch:
                 break
             step = getattr(request.steps.add(), BATCH_FIELDS[rpc])
             step.CopyFrom(op_request)
-            if start:
+            if start or earlier.released:
                 room = Staging(max(0, self._client.request_budget - op_request.ByteSize() - 16))
                 try:
                     _rebase(step, start, replies, earlier, room)
@@ -358,6 +364,19 @@ class Batch:
     def _one(parse: Callable[[Any], Any], result: Any) -> Any:
         """``parse`` of a step's result (the oneof inside ``BatchResult``)."""
         return parse(getattr(result, result.WhichOneof("op")))
+
+
+def _released_inputs(named: dict[str, tuple[Any, tuple[Any, ...]]]) -> dict[str, Any]:
+    """Of the op outputs steps name by their tape ids, those whose recordings were all
+    released (by ``release()``, or a tape's own gradient) between the step's recording
+    and ``run()``: the server holds them no more, and they go by value, as the op run
+    at that time would have taken them (they were NOT_FOUND). A recording merely left
+    (a reset) is held for the batch, and still records what flows from them."""
+    return {
+        tape_id: value
+        for tape_id, (value, lives) in named.items()
+        if lives and all(life.released for life in lives)
+    }
 
 
 def _release_ran(releases: list[tuple[int, Any]], ran: int) -> list[tuple[int, Any]]:
@@ -402,6 +421,9 @@ class _Earlier:
         self.copies: dict[tuple[int, str], tensor_pb2.TensorInput] = {}
         #: The recordings each step sent was recorded on (``Batch._recorded_on``).
         self.recorded_on: dict[int, list[Any]] = {}
+        #: Outputs named by tape id whose recordings the caller released before the
+        #: run, by id: sent by value (``_released_inputs``).
+        self.released: dict[str, Any] = {}
 
     def tape_holds(self, step: int) -> bool:
         """Whether a recording that step ``step`` was recorded on still holds its
@@ -410,6 +432,14 @@ class _Earlier:
         them no more, a batch fuzzer found; nor may one the step was not recorded on
         count: helper-74)."""
         return any(not r.life.released for r in self.recorded_on.get(step, ()))
+
+    def encode_released(self, msg: tensor_pb2.TensorInput, room: Staging) -> None:
+        """The value of the released output ``msg`` names, into ``msg`` (inline within
+        ``room``, else uploaded)."""
+        staging = Staging(room.inline_left)
+        self.client.encode_input(np.asarray(self.released[msg.ref]), msg, staging)
+        room.inline_left = staging.inline_left
+        self.temps.extend(staging)
 
     def encode(self, step: int, field: str, msg: tensor_pb2.TensorInput, room: Staging) -> None:
         """The value of ``field`` of step ``step`` into ``msg`` (a transient output was
@@ -445,7 +475,10 @@ def _rebase(
         if field.message_type is None:
             continue
         for item in [value] if isinstance(value, Message) else value:
-            if isinstance(item, tensor_pb2.TensorInput) and item.HasField("step_output"):
+            if isinstance(item, tensor_pb2.TensorInput) and item.WhichOneof("source") == "ref":
+                if item.ref in earlier.released:
+                    earlier.encode_released(item, room)
+            elif isinstance(item, tensor_pb2.TensorInput) and item.HasField("step_output"):
                 ref = item.step_output
                 if ref.step >= start:
                     ref.step -= start

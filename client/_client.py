@@ -553,6 +553,7 @@ class Client:
                 raise
             finally:
                 temps.tapes_named.clear()  # sent: an exception's frames must not pin them
+                temps.outputs_named.clear()
                 self._clean_up(temps, failure=failure)
             if shm is None or out is None:
                 return self._parse(reply, parse)
@@ -605,7 +606,9 @@ class Client:
             return
         if isinstance(value, TapedArray) and value.tape_id is not None and value.held:
             msg.ref = value.tape_id  # the tensor the tape holds: differentiable onwards
-            temps.tapes_named += value.live_tapes()
+            tapes = value.live_tapes()
+            temps.tapes_named += tapes
+            temps.outputs_named.append((value, tuple(t.life for t in tapes)))
             return
         array = to_array(value, dtype)  # as tf.convert_to_tensor converts it
         if dtype is not None:

@@ -48,6 +48,9 @@ class Staging(list):
         #: request has been sent (a batch's: until ``run()``), so that none of them is
         #: dropped and released in between (``GradientTape``'s finalizer).
         self.tapes_named: list[Any] = []
+        #: The outputs named by their tape ids, each with the recordings that held it
+        #: then: a batch sends by value one that all of them released before it ran.
+        self.outputs_named: list[tuple[Any, tuple[Any, ...]]] = []
 
 
 class TensorArrayV3Output(NamedTuple):

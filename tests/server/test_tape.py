@@ -1767,6 +1767,51 @@ def test_a_batch_recorded_under_a_tape_released_before_it_runs_runs_unrecorded(c
     np.testing.assert_array_equal(batch.run()[-1], [1.0, 2.0])
 
 
+@pytest.mark.parametrize("how", ["release()", "its gradient"])
+def test_a_batch_takes_by_value_an_output_whose_recording_was_released_before_it_ran(server, how):
+    """A step named a tape output by id when it was added; the caller released its
+    recording before run() (``release()``, or a non-persistent tape's gradient): the
+    server holds it no more, and the step was NOT_FOUND, where the op run at that time
+    would have taken it. It goes by value now: inline, or uploaded where it does not fit
+    (a 1 MiB request limit), in a batch's first request and in a later one."""
+    with gradserve.Client(
+        f"127.0.0.1:{server.port}", max_message_bytes=1 << 20, shared_memory=False
+    ) as client:
+        big = np.arange(300_000, dtype=F32)  # 1.2 MB: uploaded
+        small = np.array([1.0, 2.0], F32)
+        x = client.put(small)
+        with client.gradient_tape(persistent=how == "release()") as tape:
+            tape.watch(x)
+            y, y_big = _copy(client, x), _copy(client, big)
+            batch = client.batch()
+            batch.raw_ops.StopGradient(y)
+            batch.raw_ops.StopGradient(y_big)
+            second = np.zeros(250_000, F32)  # fills a request: the rest go in the next
+            batch.raw_ops.StopGradient(second)
+            batch.raw_ops.StopGradient(y)
+            batch.raw_ops.StopGradient(y_big)
+        if how == "release()":
+            tape.release()
+        else:
+            np.testing.assert_array_equal(tape.gradient(y, x), [1.0, 1.0])
+        assert not session_of(server, client)._tapes  # released on the server
+        got = batch.run()
+        for out, want in zip(got, [small, big, second, small, big]):
+            np.testing.assert_array_equal(out, want)
+        client.keep_alive()
+        assert list(session_of(server, client)._resident) == [x.id]  # no upload left
+        # A recording merely left (a reset) is held for the batch: its outputs still go
+        # by id, and what flows from them is recorded on it.
+        with client.gradient_tape(persistent=True) as tape:
+            y = _copy(client, x)
+            batch = client.batch()
+            z = _batch_copy(batch, y)
+            batch.gradient(tape, z, y)
+            tape.reset()
+        np.testing.assert_array_equal(batch.run()[-1][0], [1.0, 1.0])
+        tape.release()
+
+
 def test_a_failed_op_takes_off_a_tape_only_the_holds_it_took(server):
     """Two ops under one tape hold the same resident tensor: the first (still running)
     holds it, the second finds it held and is recorded, then the first fails. Its
