@@ -369,12 +369,12 @@ class GradientTape:
         """Free everything the tape holds on the server; returns the bytes freed."""
         self._stop()
         life = self._life
-        if life.released or self.id is None or not (life.proposed or life.started):
-            # Nothing on the server: no call named this recording (a ReleaseTape
-            # naming it "+ID" started it only to release it, and at the session's 64
-            # tapes was refused). A batch's steps recorded on it run unrecorded.
-            life.released, life.ending = True, False
+        if life.released or self.id is None:
+            life.released = True
             return 0
+        # Sent even if no call named this recording yet ("+ID": the server marks it
+        # released without starting it): a call of another thread may be naming it
+        # now, and the server then refuses that call, as after any release.
         life.released, life.ending = True, False  # (a batch's gradient step: refused)
         reply = self._client._call(
             "ReleaseTape", tape_pb2.ReleaseTapeRequest(tape_id=self.id), tapes=[self]

@@ -705,12 +705,25 @@ class Session:
             field="tape_id",
         )
 
-    def release_tape(self, tape_id: str) -> int:
+    def release_tape(self, tape_id: str, *, proposed: bool = False) -> int:
         """Let go of everything the tape holds; returns the bytes that freed (0 for a
         tape a restore lost: it holds nothing, and a client's ``finally: release()``
-        must not fail on it, hiding the error that brought it there)."""
+        must not fail on it, hiding the error that brought it there).
+
+        ``proposed``: the client proposed the id and may not have started it (no call
+        naming it reached the session yet). One the session never had is marked
+        released without being started (a call proposing it later is refused, as
+        after any release): started only to be released, it counted against the
+        session's tapes, and at their limit the release was refused."""
+        if proposed:
+            _check_proposed_id(tape_id)
         with self._lock:
             if tape_id in self._lost_tapes:
+                return 0
+            known = tape_id in self._tapes or tape_id in self._spent_tapes
+            if proposed and not known and tape_id not in self._released_tapes:
+                self._check_open()
+                self._note_released_locked(tape_id)
                 return 0
             spent = self._spent_tapes.pop(tape_id, None)
         if spent is not None:  # (a client's release after a gradient it did not get)

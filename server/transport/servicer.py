@@ -289,12 +289,11 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
     @boundary.guarded
     async def ReleaseTape(self, request: Any, context: Any) -> Message:
         session = self._session(context)
-        try:
-            _tapes(session, _metadata(context))  # a proposed tape that never recorded starts
-        except NotFoundError as e:
-            if e.reason != "TAPE_LOST":  # (releasing a lost tape: nothing to release)
-                raise
-        return await self.light.run(functools.partial(tape_handlers.release_tape, session, request))
+        # A proposed tape is not started to be released (at the session's limit of
+        # tapes that failed): the session marks an id it never had released.
+        proposed = request.tape_id in _proposed_ids(_metadata(context))
+        release = functools.partial(tape_handlers.release_tape, proposed=proposed)
+        return await self.light.run(functools.partial(release, session, request))
 
     # ---------------------------------------------------------------- Batch
     @boundary.guarded
@@ -450,6 +449,12 @@ def _tapes(session: Session, metadata: dict[str, str]) -> list[Tape]:
             )
         )
     return tapes
+
+
+def _proposed_ids(metadata: dict[str, str]) -> set[str]:
+    """The ids the call's tape header proposes ("+ID.PW" entries)."""
+    raw = metadata.get(protocol.TAPE_METADATA_KEY) or ""
+    return {t[1:].partition(".")[0] for t in raw.split(",") if t.startswith("+")}
 
 
 def _int_metadata(metadata: dict[str, str], key: str) -> int | None:

@@ -85,6 +85,8 @@ def watch_tensors(
 
 
 def release_tape(
-    session: Session, req: tape_pb2.ReleaseTapeRequest
+    session: Session, req: tape_pb2.ReleaseTapeRequest, *, proposed: bool = False
 ) -> tape_pb2.ReleaseTapeResponse:
-    return tape_pb2.ReleaseTapeResponse(released_bytes=session.release_tape(req.tape_id))
+    """``proposed``: the call's tape header proposes the id ("+ID.PW")."""
+    released = session.release_tape(req.tape_id, proposed=proposed)
+    return tape_pb2.ReleaseTapeResponse(released_bytes=released)

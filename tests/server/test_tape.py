@@ -1681,6 +1681,25 @@ def test_a_tape_that_recorded_nothing_releases_cleanly(client, server):
     assert idle.release() == 0
     assert len(session_of(server, client)._tapes) == MAX_TAPES_PER_SESSION
     assert not isinstance(batch.run()[0], TapedArray)  # ran unrecorded
+    # Released all the same (a call of another thread may have been naming it): a
+    # gradient step asking it is refused as after any release, not NOT_FOUND.
+    with client.gradient_tape(persistent=True) as idle:
+        batch = client.batch()
+        batch.gradient(idle, w, w)
+    assert idle.release() == 0
+    with pytest.raises(TapeReleasedError):
+        batch.run()
+    assert len(session_of(server, client)._tapes) == MAX_TAPES_PER_SESSION
+    # Another thread's batch that read the recording as unreleased just before:
+    # refused, not started behind the release (helper-75: a tape no one released).
+    with client.gradient_tape(persistent=True) as racing:
+        batch = client.batch()
+        batch.raw_ops.StopGradient(w)
+    assert racing.release() == 0
+    racing.life.released = False  # (what the other thread read)
+    with pytest.raises(TapeReleasedError):
+        batch.run()
+    assert len(session_of(server, client)._tapes) == MAX_TAPES_PER_SESSION
     for tape in held:
         tape.release()
     assert not session_of(server, client)._tapes
