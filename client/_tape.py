@@ -256,8 +256,16 @@ class GradientTape:
         tape from now on (``_adopt``), as TensorFlow watches any tensor."""
         self._require_id()
         tensors = nest.flatten(tensor)
-        for t in tensors:
-            _require_watchable(t)
+        bad = next((n for n, t in enumerate(tensors) if not _watchable(t)), None)
+        if bad is not None:
+            # TensorFlow watches the tensors before the first that is none, then raises.
+            if bad:
+                self.watch(tensors[:bad])
+            raise ValueError(
+                f"Passed in object {tensors[bad]} of type {type(tensors[bad]).__name__!r}, not "
+                "tf.Tensor or tf.Variable or ExtensionType. (gradserve: watch a TensorRef "
+                "from client.put or an op's keep=True, or an op output computed under a tape)"
+            )
         for t in tensors:
             if isinstance(t, TapedArray) and t.tape_id is not None and not t.held:
                 self._adopt(t)
@@ -414,17 +422,11 @@ def _is_list(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and not isinstance(value, StepOutput)
 
 
-def _require_watchable(value: Any) -> None:
-    """TensorFlow's ValueError for what ``tape.watch`` cannot watch: anything but a
-    tensor the server holds or held (a value the client has, a NumPy array or a
-    Python number, is TensorFlow's NumPy array or constant, not a tensor)."""
-    if isinstance(value, TensorRef) or (isinstance(value, TapedArray) and value.tape_id):
-        return
-    raise ValueError(
-        f"Passed in object {value!r} of type {type(value).__name__!r}, not tf.Tensor or "
-        "tf.Variable or ExtensionType. (gradserve: watch a TensorRef from client.put or "
-        "an op's keep=True, or an op output computed under a tape)"
-    )
+def _watchable(value: Any) -> bool:
+    """What ``tape.watch`` takes: a tensor the server holds or held. A value the
+    client has (a NumPy array, a Python number) is TensorFlow's NumPy array or
+    constant, not a tensor: TensorFlow's ValueError."""
+    return isinstance(value, TensorRef) or (isinstance(value, TapedArray) and bool(value.tape_id))
 
 
 def _tensor_id(value: Any, what: str) -> str:
