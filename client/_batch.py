@@ -221,10 +221,11 @@ class Batch:
 
     def __del__(self) -> None:
         """A batch dropped without ``run()``: its inputs' shared-memory leases go back
-        to the client's pool, its uploads (inputs past the request limit) to the
-        client's queue of ids to delete, which its next call empties (no RPC here: a
-        garbage collection runs this inside whatever call it interrupts), and the
-        tapes its gradient steps would have ended may ask again."""
+        to the client's pool, its uploads (inputs past the request limit or the
+        stream threshold, not in shared memory) to the client's queue of ids to
+        delete, which its next call empties, and the tapes its gradient steps would
+        have ended may ask again. It takes no lock and makes no RPC: a garbage
+        collection runs it inside whatever call it interrupts."""
         for _, recorded in getattr(self, "_releases", ()):
             recorded.life.ending = False
         client = getattr(self, "_client", None)
@@ -232,8 +233,16 @@ class Batch:
         if client is None or not temps:
             return
         shm = client._shm
-        uploads = shm.release_temps(temps) if shm is not None else temps
+        uploads = shm.release_temps_later(temps) if shm is not None else temps
         client._dropped_uploads.extend(uploads)
+
+    def _abandon(self) -> list[str]:
+        """Its client is closing (a client of a session it does not own: the session
+        stays): nothing can run it any more. Its leases go back; returns its uploads'
+        ids, for the client to delete (they held the session's bytes)."""
+        temps, self._temps = self._temps, []
+        shm = self._client._shm
+        return shm.release_temps(temps) if shm is not None else temps
 
     def run(self) -> list[Any]:
         """Run every recorded op; returns their results in order (like the typed calls)."""

@@ -329,6 +329,10 @@ class Client:
             if self._shm is not None:  # the session's close unregisters its regions
                 self._shm.close(unregister=not self.owns_session)
             if not self.owns_session:  # the session stays: free what this client fetched
+                with self._batches_lock:  # and what its batches uploaded: none can run now
+                    batches = list(self._batches)
+                for batch in batches:
+                    self._dropped_uploads.extend(batch._abandon())
                 self._delete_dropped_uploads()
                 self._fetched.flush()
             else:

@@ -225,6 +225,12 @@ class Lease:
         self._inputs, self.out = [], None
         self.pool.give_back(regions)
 
+    def release_later(self) -> None:
+        """``release`` from a finalizer (``SharedMemoryPool.give_back_later``)."""
+        regions = [r for r, _ in self._inputs] + ([self.out] if self.out else [])
+        self._inputs, self.out = [], None
+        self.pool.give_back_later(regions)
+
     def discard(self) -> None:
         """The call ended without a reply (deadline, cancel, lost connection): the
         server may still read these regions or write outputs into them, so they are
@@ -255,6 +261,8 @@ class SharedMemoryPool:
         #: wherever the garbage collector does, maybe inside ``_lock``, so it only
         #: appends here (atomic) and ``_reclaim`` takes them back under the lock.
         self._returned: collections.deque[Region] = collections.deque()
+        #: Leased regions a finalizer gave back (``give_back_later``), likewise.
+        self._given_back: collections.deque[Region] = collections.deque()
         #: Regions whose call's outputs are being read as views (``pin_outputs``),
         #: by region name: a region is leased to one call, so calls never collide.
         self._open_pins: dict[str, _OpenPin] = {}
@@ -321,6 +329,14 @@ class SharedMemoryPool:
                 return
         for region in regions:
             region.destroy()
+
+    def give_back_later(self, regions: list[Region]) -> None:
+        """``give_back`` from a finalizer (a batch dropped unrun): it runs wherever the
+        garbage collector does, maybe inside ``_lock`` on this thread, where taking the
+        lock deadlocked (helper-75), so it only appends; ``_reclaim`` takes them back."""
+        self._given_back.extend(regions)
+        if self.closed:  # after ``close`` took what was given back before
+            _destroy_all(self._given_back)
 
     def region(self, name: str) -> Region:
         with self._lock:
@@ -429,8 +445,17 @@ class SharedMemoryPool:
             self._destroy_returned()
 
     def _reclaim(self) -> None:
-        """Regions whose arrays are gone go back to ``_free`` (caller holds ``_lock``;
-        the pool is open)."""
+        """Regions whose arrays are gone, or that a finalizer gave back, go back to
+        ``_free`` (caller holds ``_lock``; the pool is open)."""
+        while self._given_back:
+            try:
+                region = self._given_back.popleft()
+            except IndexError:  # taken meanwhile (a finalizer after ``close``)
+                break
+            if self._all.get(region.name) is region:
+                self._free.append(region)
+            else:
+                region.destroy()
         while self._returned:
             try:
                 region = self._returned.popleft()
@@ -444,12 +469,8 @@ class SharedMemoryPool:
                 region.destroy()
 
     def _destroy_returned(self) -> None:
-        while True:
-            try:
-                region = self._returned.popleft()
-            except IndexError:
-                return
-            region.destroy()
+        _destroy_all(self._returned)
+        _destroy_all(self._given_back)
 
     def reregister(self) -> None:
         """Register every region again (the server lost them: it restarted and
@@ -629,6 +650,17 @@ class ClientSharedMemory:
         self.pool.note_output_need(returned_bytes(reply))
 
     @staticmethod
+    def release_temps_later(temps: list) -> list:
+        """``release_temps`` from a finalizer (``Lease.release_later``)."""
+        rest = []
+        for item in temps:
+            if isinstance(item, Lease):
+                item.release_later()
+            else:
+                rest.append(item)
+        return rest
+
+    @staticmethod
     def release_temps(temps: list, discard: bool = False) -> list:
         """Release the leases among a request's temporaries (``discard``: the call got
         no reply, see ``Lease.discard``); returns the rest (ids)."""
@@ -690,6 +722,17 @@ class ClientSharedMemory:
 
     def close(self, unregister: bool) -> None:
         self.pool.close(unregister)
+
+
+def _destroy_all(regions: collections.deque[Region]) -> None:
+    """Destroy the regions in ``regions`` (taken one at a time: a finalizer may take
+    some at once)."""
+    while True:
+        try:
+            region = regions.popleft()
+        except IndexError:
+            return
+        region.destroy()
 
 
 def tensor_outputs(message: Any) -> Iterator[tensor_pb2.TensorOutput]:

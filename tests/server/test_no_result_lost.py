@@ -136,6 +136,19 @@ def test_a_batch_dropped_unrun_has_its_uploads_deleted_by_the_next_call(
             del batch  # (reference counting: no garbage collection needed)
             client.keep_alive()
             assert budget.used == 0
+        # A client of a session it did not create, closed with a batch still
+        # referenced: nothing can run that batch, and the session stays (helper-75:
+        # its uploads stayed with it).
+        with connect(
+            small_messages, session_id=client.session_id, max_message_bytes=MIB,
+            shared_memory=False,
+        ) as attached:  # fmt: skip
+            attached._server_deletes_fetched = server_deletes_named_ids
+            orphan = attached.batch()
+            orphan.raw_ops.StopGradient(values(1, 300_000)[0])
+            assert budget.used >= 1_200_000
+        assert budget.used == 0
+        del orphan
         # One still referenced keeps its uploads, and runs.
         batch = client.batch()
         kept = values(1, 300_000)[0]

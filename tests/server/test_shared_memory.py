@@ -860,6 +860,32 @@ def test_a_batch_dropped_unrun_gives_its_leases_back(shm_client):
     assert leased(pool)
     del batch
     gc.collect()
+    shm_client.raw_ops.StopGradient(input=np.ones(1 << 16, np.float32))  # takes them back
+    assert not leased(pool)
+
+
+def test_a_batch_collected_inside_the_pools_lock_does_not_deadlock(shm_client):
+    """A batch in a reference cycle goes when the cyclic collector runs, at any
+    allocation, so maybe inside the pool's lock on the same thread, where giving its
+    lease back took that lock again (helper-75: the client hung). It only appends
+    now; the next lease takes the region back."""
+    pool = shm_client._shm.pool
+    batch = shm_client.batch()
+    batch.raw_ops.StopGradient(input=np.ones(1 << 16, np.float32))
+    batch.cycle = batch  # only the cyclic collector frees it
+    del batch
+    collected = threading.Event()
+
+    def collect_inside_the_lock():
+        with pool._lock:
+            gc.collect()
+        collected.set()
+
+    threading.Thread(target=collect_inside_the_lock, daemon=True).start()
+    assert collected.wait(20), "deadlocked"
+    assert leased(pool)  # given back, not yet taken back
+    value = np.arange(1 << 16, dtype=np.float32)
+    np.testing.assert_array_equal(shm_client.raw_ops.StopGradient(input=value), value)
     assert not leased(pool)
 
 
