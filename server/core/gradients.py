@@ -339,52 +339,61 @@ def gradients(
         value = session.resolve(Resident(tensor_id))
         check_differentiable(value, "source", tensor_id)
         source_values.append(value)
-    # No targets: nothing to seed, whatever output gradients came (TensorFlow ignores
-    # them too, and gives None per source).
-    grads: dict[str, Any] = (
-        _seeds(session, targets, target_values, output_gradients, compute) if targets else {}
-    )
+    # Ones of each target's shape (no output gradients given) are memory the sweep
+    # holds until it ends: charged before they are made (helper-77: 2,000 targets of
+    # 2 MiB each, named in one small request, made 4 GB of ones past a 32 MiB budget).
+    with session.holding(_ones_bytes(targets, target_values) if not output_gradients else 0):
+        # No targets: nothing to seed, whatever output gradients came (TensorFlow ignores
+        # them too, and gives None per source).
+        grads: dict[str, Any] = (
+            _seeds(session, targets, target_values, output_gradients, compute) if targets else {}
+        )
 
-    between = _between(recorded(records, watched_at), differentiable, set(targets))
-    source = session.new_gradient_source()
-    sweep = Sweep(session, compute, source, check)
-    try:
-        for record in reversed(between):
-            if check is not None:
-                check()
-            out_grads = [grads.get(k) if k is not None else None for k in record.outputs]
-            if all(g is None for g in out_grads):
-                continue
-            fn = GRADIENTS.get(record.op)
-            if fn is None:
-                continue  # no differentiable inputs (its inputs are never reached)
-            for key, g in zip(record.inputs, fn(sweep, record, out_grads)):
-                if key is None or g is None:
+        between = _between(recorded(records, watched_at), differentiable, set(targets))
+        source = session.new_gradient_source()
+        sweep = Sweep(session, compute, source, check)
+        try:
+            for record in reversed(between):
+                if check is not None:
+                    check()
+                out_grads = [grads.get(k) if k is not None else None for k in record.outputs]
+                if all(g is None for g in out_grads):
                     continue
-                grads[key] = _add(grads[key], g, compute) if key in grads else g
-        results: list[Any] = []
-        for tensor_id, value in zip(sources, source_values):
-            g = grads.get(tensor_id) if tensor_id in differentiable else None
-            if g is None and unconnected_zero:
-                g = np.zeros(value.shape, value.dtype)
-            results.append(g)
-        # Host results as arrays (a sum of 0-d arrays is a NumPy scalar, which
-        # ``emit`` would make a new array of: a different object than was paid for).
-        results = [g if g is None or hasattr(g, "__cuda_array_interface__") else np.asarray(g)
-                   for g in results]  # fmt: skip
-        if hand_out is not None:
-            hand_out([g for g in results if g is not None], 0)
-    except BaseException:
-        session.gradient_ended(id(sweep), sweep.frozen, succeeded=False)
-        raise
-    finally:
-        session.drop_grad_arrays(source, sweep.grads)
-    session.gradient_ended(id(sweep), sweep.frozen, succeeded=True)
-    if spent is None or tape.persistent:
-        session.gradient_done(tape)
-    elif session.spend_tape(tape):
-        spent(tape)
-    return results, source
+                fn = GRADIENTS.get(record.op)
+                if fn is None:
+                    continue  # no differentiable inputs (its inputs are never reached)
+                for key, g in zip(record.inputs, fn(sweep, record, out_grads)):
+                    if key is None or g is None:
+                        continue
+                    grads[key] = _add(grads[key], g, compute) if key in grads else g
+            results: list[Any] = []
+            for tensor_id, value in zip(sources, source_values):
+                g = grads.get(tensor_id) if tensor_id in differentiable else None
+                if g is None and unconnected_zero:
+                    g = np.zeros(value.shape, value.dtype)
+                results.append(g)
+            # Host results as arrays (a sum of 0-d arrays is a NumPy scalar, which
+            # ``emit`` would make a new array of: a different object than was paid for).
+            results = [g if g is None or hasattr(g, "__cuda_array_interface__") else np.asarray(g)
+                       for g in results]  # fmt: skip
+            if hand_out is not None:
+                hand_out([g for g in results if g is not None], 0)
+        except BaseException:
+            session.gradient_ended(id(sweep), sweep.frozen, succeeded=False)
+            raise
+        finally:
+            session.drop_grad_arrays(source, sweep.grads)
+        session.gradient_ended(id(sweep), sweep.frozen, succeeded=True)
+        if spent is None or tape.persistent:
+            session.gradient_done(tape)
+        elif session.spend_tape(tape):
+            spent(tape)
+        return results, source
+
+
+def _ones_bytes(targets: Sequence[str], values: Sequence[Any]) -> int:
+    """The bytes of the ones ``_seeds`` makes: one array per distinct target."""
+    return sum(int(v.nbytes) for v in dict(zip(targets, values)).values())
 
 
 def _seeds(

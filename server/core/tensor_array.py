@@ -506,7 +506,8 @@ class TensorArray:
                     f"{shapes.debug_string(first)} but index {i} has shape: "
                     f"{shapes.debug_string(v.shape)}"
                 )
-        return np.stack(values)
+        with self._charged_while_made(values):
+            return np.stack(values)
 
     def concat(
         self,
@@ -564,7 +565,26 @@ class TensorArray:
                     f"has (excepting dimension 0) shape: {shapes.debug_string(v.shape[1:])}"
                 )
         lengths = np.array([v.shape[0] for v in values], dtype=np.int64)
-        return np.concatenate(values), lengths
+        with self._charged_while_made(values):
+            return np.concatenate(values), lengths
+
+    @contextlib.contextmanager
+    def _charged_while_made(self, values: Sequence[np.ndarray]) -> Iterator[None]:
+        """The bytes of an output joined from ``values`` (gather, concat), charged to
+        the budget while it is made: past the budget, refused before it is allocated.
+        Only the byte limit of one output bounded it: four gathers of one 1 MiB
+        element 1,000 times each took 4 GB at once of a server whose sessions had
+        32 MiB (helper-77), before each was refused. What keeps the output (a tape,
+        the session) charges it after."""
+        nbytes = sum(dtypes.nbytes(v) for v in values)
+        if self._budget is None or not nbytes:
+            yield
+            return
+        self._budget.reserve(nbytes)
+        try:
+            yield
+        finally:
+            self._budget.release(nbytes)
 
     def _note_cleared(self, cleared: list[Cleared] | None) -> None:
         """Within a read: what it cleared (the journal holds the slots before it)."""

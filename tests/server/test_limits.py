@@ -8,6 +8,8 @@ import contextlib
 import sys
 import threading
 import time
+import tracemalloc
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -543,3 +545,56 @@ def test_a_stream_whose_client_reads_nothing_is_cancelled_not_aborted(monkeypatc
     with pytest.raises(RuntimeError, match="aborted"):  # a status that can go: aborted
         asyncio.run(handler(asyncio.run(stuck(False)))(servicer, request, Context()))
     assert len(aborted) == 1
+
+
+@contextlib.contextmanager
+def _peak_allocated() -> Iterator[list[int]]:
+    """The most bytes Python and NumPy allocated at once in the block (this process:
+    the server runs in it), from when the block began."""
+    tracemalloc.start()
+    peak: list[int] = []
+    try:
+        yield peak
+    finally:
+        peak.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+
+
+def test_a_joined_output_is_charged_before_it_is_made():
+    """A gather or concat allocated its output before the budget saw it, bounded only
+    by one output's byte limit: four gathers of one 1 MiB element 1,000 times each
+    took 4 GB at once of a server whose sessions had 32 MiB (helper-77). Each is
+    refused before it allocates now, and one that fits is made."""
+    element = np.ones(64 * KIB, np.float32)  # 256 KiB
+    with run_server(port=0, device="cpu", max_session_bytes=4096 * KIB) as server:
+        with gradserve.Client(f"127.0.0.1:{server.port}", shared_memory=False) as client:
+            ta = client.tensor_array(np.float32, size=12, clear_after_read=False)
+            for index in range(12):  # 3 MiB held
+                ta.write(index, element)
+            used = server.store.get(client.session_id).budget.used
+            with _peak_allocated() as peak:
+                with pytest.raises(ResourceExhaustedError, match="max-session-bytes"):
+                    ta.gather([0] * 64)  # 16 MiB
+                with pytest.raises(ResourceExhaustedError, match="max-session-bytes"):
+                    ta.concat()  # 3 MiB more
+            assert peak[0] < 2048 * KIB
+            assert server.store.get(client.session_id).budget.used == used
+            np.testing.assert_array_equal(ta.gather([0, 11]), [element, element])
+
+
+def test_the_ones_a_gradient_seeds_its_targets_with_are_charged_before_they_are_made():
+    """Ones of each distinct target's shape, made before the sweep: 2,000 targets of
+    2 MiB (outputs of one tensor, a few bytes each in the budget), named in one small
+    request, made 4 GB of ones past a 32 MiB budget (helper-77)."""
+    x_value = np.ones(64 * KIB, np.float32)  # 256 KiB
+    with run_server(port=0, device="cpu", max_session_bytes=4096 * KIB) as server:
+        with gradserve.Client(f"127.0.0.1:{server.port}", shared_memory=False) as client:
+            x = client.put(x_value)
+            with client.gradient_tape() as tape:
+                copies = [client.raw_ops.StopGradient(x) for _ in range(64)]  # 16 MiB of ones
+                y = client.raw_ops.StopGradient(x)
+            with _peak_allocated() as peak:
+                with pytest.raises(ResourceExhaustedError, match="max-session-bytes"):
+                    tape.gradient(copies, x)
+            assert peak[0] < 2048 * KIB
+            assert tape.gradient(y, y).shape == x_value.shape  # (not released: asked again)
