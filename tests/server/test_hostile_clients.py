@@ -964,3 +964,34 @@ def test_a_write_to_a_call_that_ended_is_the_client_going_not_internal(caplog, m
             with pytest.raises(gradserve.errors.InternalError):
                 client.get(ref)
             monkeypatch.undo()
+
+
+def test_a_refusal_whose_client_went_first_ends_as_the_client_going():
+    """A call refused after its client's deadline passed (or it cancelled): sending its
+    status raised gRPC's ExecuteBatchError out of the handler, which gRPC logged at
+    ERROR with its traceback, once per call (helper-77: a client of 1 ms deadlines
+    wrote 104 in 20 s, ``/tmp/review85/abort_tb.py``). It ends as the client going;
+    on a call still live the error stays."""
+    from grpc._cython import cygrpc
+
+    from gradserve.errors import NotFoundError
+    from gradserve.server.transport import boundary
+
+    class Context:
+        def __init__(self, gone: bool) -> None:
+            self.gone = gone
+
+        async def abort(self, code, details, trailing):
+            raise cygrpc.ExecuteBatchError("Failed 'execute_batch': (<grpc_call_error>)")
+
+        def cancelled(self) -> bool:
+            return self.gone
+
+        def time_remaining(self) -> float:
+            return 10.0
+
+    refusal = NotFoundError("no such tensor", reason="TENSOR_NOT_FOUND")
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(boundary.abort(Context(gone=True), refusal, "request-1"))
+    with pytest.raises(cygrpc.ExecuteBatchError):
+        asyncio.run(boundary.abort(Context(gone=False), refusal, "request-2"))
