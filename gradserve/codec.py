@@ -210,7 +210,7 @@ def _with_data(head: bytes, data: memoryview) -> bytes:
     """``head`` followed by the serialized field ``data = data`` (``TensorChunk``'s 3)."""
     if not len(data):
         return head
-    return b"".join((head, _length_delimited(3, len(data)), data))
+    return b"".join((head, length_delimited(3, len(data)), data))
 
 
 def _varint_bytes(value: int) -> bytes:
@@ -223,7 +223,7 @@ def _varint_bytes(value: int) -> bytes:
     return bytes(out)
 
 
-def _length_delimited(number: int, size: int) -> bytes:
+def length_delimited(number: int, size: int) -> bytes:
     """The key and length of field ``number`` holding ``size`` bytes."""
     return _varint_bytes(number << 3 | 2) + _varint_bytes(size)
 
@@ -272,8 +272,8 @@ def serialize_with_values(message: Any, values: Sequence[tuple[int, np.ndarray]]
     for number, array in values:
 
         def wrap(tensor_size: int, number: int = number) -> list[bytes]:
-            value_field = _length_delimited(1, tensor_size)  # TensorOutput.value
-            return [_length_delimited(number, len(value_field) + tensor_size), value_field]
+            value_field = length_delimited(1, tensor_size)  # TensorOutput.value
+            return [length_delimited(number, len(value_field) + tensor_size), value_field]
 
         field = _tensor_parts(WireContent(array), offset, wrap)
         offset += sum(len(part) for part in field)
@@ -307,7 +307,7 @@ def _tensor_parts(
     aligned there, with the shortest ``padding`` that does it."""
     head = tensor_pb2.Tensor(dtype=content.dtype, shape=content.shape).SerializeToString()
     data = content.data
-    data_field = _length_delimited(3, len(data)) if len(data) else b""
+    data_field = length_delimited(3, len(data)) if len(data) else b""
     # The padding that aligns the content if the fields before it keep their size. A
     # padding can only make them longer, by a byte for each length that holds it and
     # crosses a varint boundary (``wrap``'s two at most), so the search starts two
@@ -751,7 +751,7 @@ def _split_values(data: bytes, names: dict[int, str]) -> tuple[bytes, dict[str, 
                 if found is not None and found is not _SMALL_VALUE:
                     output, value = found
                     values[names[number]] = value
-                    parts += (_length_delimited(number, len(output)), output)
+                    parts += (length_delimited(number, len(output)), output)
                     continue
             else:
                 raise _UnusualError
@@ -796,7 +796,7 @@ def _output_without_content(data: memoryview) -> tuple[bytes, WireTensor] | Any 
             enum: Any = dtype  # DType is an open enum: any value parses
             placeholder = tensor_pb2.Tensor(dtype=enum, shape=shape)
             head = placeholder.SerializeToString()
-            parts += (_length_delimited(1, len(head)), head)
+            parts += (length_delimited(1, len(head)), head)
         else:
             parts.append(data[start:stop])
         pos = stop

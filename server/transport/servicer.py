@@ -308,7 +308,8 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         step that ran is lost to the message limit."""
         io = self._io(context)
         io.first_step = max(0, request.first_step)
-        response = service_pb2.BatchResponse()
+        response = service_pb2.BatchResponse()  # the failure; the results go in by bytes
+        results: list[tuple[str, Message]] = []
         for index, step in enumerate(request.steps):
             which = step.WhichOneof("op")
             io.step = index
@@ -325,7 +326,7 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
                 op = OPS_BY_BATCH_FIELD[which]
                 before = io.response_left
                 result = await self._run(op, io, getattr(step, which))
-                getattr(response.results.add(), which).CopyFrom(result)
+                results.append((which, result))
                 io.settle(before, result.ByteSize())
             except Exception as exc:  # noqa: BLE001 - reported in the response
                 err = boundary.as_gradserve_error(exc)
@@ -337,12 +338,37 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
                 )
                 response.error.reason = err.reason
                 break
+        # Serialized off the event loop: copying the results into one message and
+        # serializing it there held every call of the server (helper-77: a session's
+        # 128 MiB Batch replies held another's KeepAlive 0.7 s a call).
+        loop = asyncio.get_running_loop()
+        reply = await loop.run_in_executor(None, _batch_reply, results, response)
         # A step stopped by the deadline (``check_alive``, or the op's own checks) ends
         # the call: its reply would reach no one (``check_reply_in_time``).
         check_reply_in_time(context)
         io.end()  # the steps' region copies: released before the client hears back
         io.reply_made()
-        return response
+        return reply  # type: ignore[return-value]
+
+
+#: The field numbers ``_batch_reply`` writes.
+_RESULTS_FIELD = service_pb2.BatchResponse.DESCRIPTOR.fields_by_name["results"].number
+_STEP_FIELDS = {f.name: f.number for f in service_pb2.BatchResult.DESCRIPTOR.fields}
+
+
+def _batch_reply(
+    results: list[tuple[str, Message]], failure: service_pb2.BatchResponse
+) -> codec.Serialized:
+    """The ``BatchResponse`` of ``results`` (each step's op field and result) and
+    ``failure`` (its ``failed_step`` and ``error``, if any), serialized: each result
+    once, joined, without the copy of every result into one message first."""
+    parts: list[bytes] = []
+    for which, result in results:
+        body = result.SerializeToString()
+        step = codec.length_delimited(_STEP_FIELDS[which], len(body))
+        parts += [codec.length_delimited(_RESULTS_FIELD, len(step) + len(body)), step, body]
+    parts.append(failure.SerializeToString())
+    return codec.Serialized(b"".join(parts))
 
 
 def _op_rpc(op: Op) -> Any:

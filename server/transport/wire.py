@@ -68,6 +68,11 @@ _UNLIMITED = 1 << 62
 REF_BYTES = 160
 
 
+#: Responses at least this large are serialized on the op's thread, not gRPC's event
+#: loop (``CallIO._serialized``); smaller ones cost less than the hand-over.
+SERIALIZED_ON_OP_THREAD_MIN_BYTES = 256 * 1024
+
+
 class Where(enum.Enum):
     """Where an op's output goes (``CallIO._placement``)."""
 
@@ -224,8 +229,8 @@ class CallIO:
             self._op_running = True
         try:
             response = handler(self, request)
-            if self.inline_values:
-                response = self._with_inline_values(response)
+            if self.inline_values is not None:  # a unary op's own response
+                response = self._serialized(response)
             if recorder is not None:
                 recorder.commit()
             with self._lock:
@@ -254,6 +259,20 @@ class CallIO:
                 self.inline_values.clear()
             self.recorder = None
             self._after_op()
+
+    def _serialized(self, response: Any) -> Any:
+        """A unary op's response, serialized here on the op's thread when it is
+        large: gRPC serializes what a handler returns on the event loop, where every
+        call of the server waits for it (helper-77: a session's 128 MiB gradients held
+        another's KeepAlive 0.8 s)."""
+        if self.inline_values:
+            return self._with_inline_values(response)
+        if response.ByteSize() < SERIALIZED_ON_OP_THREAD_MIN_BYTES:
+            return response
+        started = time.perf_counter()
+        serialized = codec.Serialized(response.SerializeToString())
+        observability.add_encode_time(time.perf_counter() - started)
+        return serialized
 
     def _with_inline_values(self, response: Any) -> codec.Serialized:
         """``response`` serialized with its deferred inline outputs, here on the op's

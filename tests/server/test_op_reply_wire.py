@@ -373,8 +373,8 @@ def test_the_padding_is_the_shortest_that_aligns(number):
     (the one that holds the output and the one that holds its value both may)."""
 
     def wrap(size: int) -> list[bytes]:
-        value = codec._length_delimited(1, size)
-        return [codec._length_delimited(number, len(value) + size), value]
+        value = codec.length_delimited(1, size)
+        return [codec.length_delimited(number, len(value) + size), value]
 
     for size in [*range(90, 130), *range(16_330, 16_390)]:
         content = codec.WireContent(np.zeros(size, np.uint8))
@@ -396,3 +396,46 @@ def test_the_padding_is_the_shortest_that_aligns(number):
                 == 0
             )
             assert chosen == shortest, (size, offset)
+
+
+def test_large_batch_and_gradients_replies_reach_grpc_serialized(monkeypatch):
+    """gRPC serializes a handler's reply on the event loop, where every call of the
+    server waits: a session pulling 128 MiB Batch or Gradients replies held another's
+    KeepAlive 0.7-0.9 s a call (helper-77). A large reply reaches gRPC's serializer
+    as bytes made on another thread (``codec.Serialized``); the values are those the
+    protobuf message would carry."""
+    from gradserve.server import run_server
+
+    seen: list[tuple[str, object]] = []
+    serialize = codec.serialize
+
+    def recording(message):
+        data = serialize(message)
+        if len(data) >= 256 * 1024:
+            seen.append((type(message).__name__, message))
+        return data
+
+    monkeypatch.setattr(codec, "serialize", recording)
+    value = np.arange(1 << 18, dtype=np.float32)  # 1 MiB
+    with run_server(device="cpu") as server:
+        with gradserve.Client(f"127.0.0.1:{server.port}", shared_memory=False) as client:
+            handle = client.tensor_array(np.float32, size=3).handle
+            batch = client.batch()
+            batch.raw_ops.StopGradient(value)
+            batch.raw_ops.TensorArraySizeV3(handle, 0.0)
+            batch.raw_ops.StopGradient(value[::-1])
+            batch.raw_ops.TensorArrayReadV3(handle, 0, 0.0, np.float32)  # unwritten: fails
+            with pytest.raises(gradserve.errors.InvalidArgumentError) as failed:
+                batch.run()
+            got = failed.value.results
+            assert same(got[0], value) and got[1] == 3 and same(got[2], value[::-1])
+            assert failed.value.step == 3
+            x = client.put(value)
+            with client.gradient_tape() as tape:
+                h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
+                flow = client.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+                y = client.raw_ops.TensorArrayReadV3(h, 0, flow, np.float32)
+            assert same(tape.gradient(y, x), np.ones_like(value))
+    kinds = [name for name, _ in seen]  # (bytes: a stream's chunks, serialized as made)
+    assert {"BatchResponse", "GradientsResponse"} & {type(m).__name__ for _, m in seen} == set()
+    assert kinds.count("Serialized") >= 3 and set(kinds) <= {"Serialized", "bytes"}, kinds
