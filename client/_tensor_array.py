@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from gradserve import dtypes
+from gradserve import dtypes, shapes
 from gradserve.client import _attrs as attrs
 from gradserve.client._convert import to_array
 from gradserve.client._types import TapedArray, TensorArrayHandle, TensorRef
+from gradserve.errors import InvalidArgumentError
 
 
 class TensorArray:
@@ -20,6 +21,13 @@ class TensorArray:
     reads like TensorFlow code). ``element_shape`` is passed to gather and
     concat as TensorFlow's wrapper does. Values that are not arrays are
     converted with the array's dtype.
+
+    As ``tf.TensorArray`` in eager mode: a write (or a scatter's elements) of a shape
+    incompatible with ``element_shape`` is a ``ValueError``, and with ``infer_shape``
+    (the default) each written shape is merged into ``element_shape``, so unwritten
+    elements read, stack and concat as zeros of it (they were refused: the element
+    shape was not fully defined). ``unstack`` and ``split`` neither check nor merge,
+    as TensorFlow's.
     """
 
     def __init__(
@@ -33,12 +41,19 @@ class TensorArray:
         element_shape: Sequence[int | None] | None = None,
         identical_element_shapes: bool = False,
         *,
+        infer_shape: bool = True,
         handle: TensorArrayHandle | None = None,
         flow: float = 0.0,
     ) -> None:
         self._client = client
         self.dtype = attrs.make_type(dtype, "dtype")  # as tf.TensorArray reads it
-        self.element_shape = None if element_shape is None else tuple(element_shape)
+        self.infer_shape = infer_shape
+        self.element_shape: shapes.PartialShape = (
+            None if element_shape is None else shapes.make(element_shape)
+        )
+        #: The element shape the server's array was last told (it knows the one it
+        #: was made with, and what gathers passed), for reads of unwritten elements.
+        self._shape_told = self.element_shape
         if handle is None:
             handle, flow = client.raw_ops.TensorArrayV3(
                 size=size,
@@ -76,33 +91,83 @@ class TensorArray:
         return array
 
     def write(self, index: int, value) -> TensorArray:
-        self.flow = self._ops.TensorArrayWriteV3(self.handle, index, self._value(value), self.flow)
+        value = self._value(value)
+        shape = self._checked_shape(np.shape(value) if not hasattr(value, "shape") else value.shape)
+        self.flow = self._ops.TensorArrayWriteV3(self.handle, index, value, self.flow)
+        self._merge_shape(shape)
         return self
 
+    def _checked_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """TensorFlow's ValueError for an element of a shape the array's element shape
+        does not take (its words, its shape spelling)."""
+        shape = tuple(int(d) for d in shape)
+        if not shapes.is_compatible(self.element_shape, shape):
+            raise ValueError(
+                f"Incompatible shape for value ({_tf_shape(shape)}), expected "
+                f"({_tf_shape(self.element_shape)})"
+            )
+        return shape
+
+    def _merge_shape(self, shape: tuple[int, ...]) -> None:
+        if self.infer_shape:
+            self.element_shape = shapes.merge(self.element_shape, shape)
+
     def read(self, index: int) -> np.ndarray:
-        return self._ops.TensorArrayReadV3(self.handle, index, self.flow, self.dtype)
+        return self._shape_known(
+            lambda: self._ops.TensorArrayReadV3(self.handle, index, self.flow, self.dtype)
+        )
+
+    def _shape_known(self, op: Callable[[], Any]) -> Any:
+        """``op()`` (a read, a concat: they pass no element shape). Refused for an
+        unwritten element whose shape the server does not know, while the inferred
+        element shape is fully defined: the server is told it, and ``op`` runs again
+        (it changed nothing), so the element reads as zeros of that shape."""
+        try:
+            return op()
+        except InvalidArgumentError as e:
+            known = self.element_shape
+            if (
+                "shape is not fully defined" not in str(e)
+                or not shapes.is_fully_defined(known)
+                or known == self._shape_told
+            ):
+                raise
+        self.gather(np.zeros(0, np.int32))  # a gather of nothing merges the shape there
+        return op()
 
     def gather(self, indices: Sequence[int] | np.ndarray[Any, Any]) -> np.ndarray:
-        return self._ops.TensorArrayGatherV3(
-            self.handle, np.asarray(indices, np.int32), self.flow, self.dtype, self.element_shape
+        told = self.element_shape
+        out = self._ops.TensorArrayGatherV3(
+            self.handle, np.asarray(indices, np.int32), self.flow, self.dtype, told
         )
+        self._shape_told = told
+        return out
 
     def stack(self) -> np.ndarray:
         return self.gather(np.arange(self.size(), dtype=np.int32))
 
     def scatter(self, indices: Sequence[int] | np.ndarray[Any, Any], value) -> TensorArray:
-        self.flow = self._ops.TensorArrayScatterV3(
-            self.handle, np.asarray(indices, np.int32), self._value(value), self.flow
-        )
+        indices = np.asarray(indices, np.int32)
+        value = self._value(value)
+        shape = np.shape(value) if not hasattr(value, "shape") else tuple(value.shape)
+        element = self._checked_shape(shape[1:]) if len(indices) and len(shape) else None
+        self.flow = self._ops.TensorArrayScatterV3(self.handle, indices, value, self.flow)
+        if element is not None:
+            self._merge_shape(element)
         return self
 
     def unstack(self, value) -> TensorArray:
         value = self._value(value)
-        return self.scatter(np.arange(value.shape[0], dtype=np.int32), value)
+        self.flow = self._ops.TensorArrayScatterV3(
+            self.handle, np.arange(value.shape[0], dtype=np.int32), value, self.flow
+        )
+        return self
 
     def concat(self) -> np.ndarray:
         except0 = None if self.element_shape is None else self.element_shape[1:]
-        return self._ops.TensorArrayConcatV3(self.handle, self.flow, self.dtype, except0).value
+        return self._shape_known(
+            lambda: self._ops.TensorArrayConcatV3(self.handle, self.flow, self.dtype, except0).value
+        )
 
     def split(self, value, lengths: Sequence[int]) -> TensorArray:
         self.flow = self._ops.TensorArraySplitV3(
@@ -125,12 +190,22 @@ class TensorArray:
             self._client,
             self.dtype,
             element_shape=self.element_shape,
+            infer_shape=self.infer_shape,
             handle=handle,
             flow=grad_flow,
         )
 
     def __repr__(self) -> str:
         return f"TensorArray(name={self.handle.name!r}, dtype={self.dtype})"
+
+
+def _tf_shape(shape: shapes.PartialShape) -> str:
+    """A shape as TensorFlow's ``TensorShape`` prints it: ``(2,)``, ``(None, 3)``,
+    ``<unknown>``."""
+    if shape is None:
+        return "<unknown>"
+    dims = ", ".join("None" if d is None else str(d) for d in shape)
+    return f"({dims},)" if len(shape) == 1 else f"({dims})"
 
 
 def _is_string(dtype: np.dtype) -> bool:

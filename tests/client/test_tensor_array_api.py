@@ -49,3 +49,39 @@ def test_grad_with_shape(client):
     flow = client.raw_ops.TensorArrayWriteV3(h, 0, np.ones(2, np.float32), flow)
     g, gflow = client.raw_ops.TensorArrayGradWithShape(h, flow, [3], "gradients")
     assert client.raw_ops.TensorArrayReadV3(g, 0, gflow, np.float32).shape == (3, 2)
+
+
+F32 = np.float32
+
+
+def test_written_shapes_are_inferred_as_tensorflows_eager_tensor_array_infers_them(client):
+    """``tf.TensorArray(infer_shape=True)``, the default (TensorFlow 2.21, eager): each
+    written shape is merged into the element shape, so unwritten elements stack, read
+    and concat as zeros of it (helper-76: they were refused, the element shape not
+    fully defined), and a write of another shape is its ValueError, worded as it
+    words it. ``unstack`` and ``split`` neither check nor merge, as TensorFlow's."""
+    ta = client.tensor_array(F32, size=2, clear_after_read=False).write(0, np.array([1, 2], F32))
+    assert ta.element_shape == (2,)
+    np.testing.assert_array_equal(ta.stack(), [[1, 2], [0, 0]])
+    with pytest.raises(
+        ValueError, match=r"^Incompatible shape for value \(\(3,\)\), expected \(\(2,\)\)$"
+    ):
+        ta.write(1, np.ones(3, F32))
+    ta = client.tensor_array(F32, size=2, clear_after_read=False).write(1, np.ones(2, F32))
+    np.testing.assert_array_equal(ta.read(0), [0, 0])
+    np.testing.assert_array_equal(ta.concat(), [0, 0, 1, 1])
+    ta = client.tensor_array(F32, size=2).write(1, np.ones(2, F32))
+    np.testing.assert_array_equal(ta.concat(), [0, 0, 1, 1])  # concat first: told there
+    ta = client.tensor_array(F32, size=2).scatter([0, 1], np.ones((2, 3), F32))
+    with pytest.raises(ValueError, match=r"\(\(2,\)\), expected \(\(3,\)\)"):
+        ta.write(0, np.ones(2, F32))
+    with pytest.raises(ValueError, match=r"\(\(2,\)\), expected \(\(None, 3\)\)"):
+        client.tensor_array(F32, size=2, element_shape=[None, 3]).write(0, np.ones(2, F32))
+    ta = client.tensor_array(F32, size=2, infer_shape=False, clear_after_read=False)
+    ta.write(0, np.ones(2, F32)).write(1, np.ones(3, F32))  # shapes not inferred: both taken
+    np.testing.assert_array_equal(ta.read(1), [1, 1, 1])
+    with pytest.raises(InvalidArgumentError, match="not fully defined"):
+        client.tensor_array(F32, size=1, infer_shape=False).read(0)  # no shape: as before
+    ta = client.tensor_array(F32, size=2).split(np.ones((5, 3), F32), [2, 3])
+    assert ta.element_shape is None
+    assert ta.concat().shape == (5, 3)

@@ -98,7 +98,8 @@ def test_tensor_size_limit(small):
 def test_session_bytes_limit_is_all_or_nothing(small):
     with connect(small) as client:
         client.put(f32(400))
-        ta = client.tensor_array(np.float32, size=3).write(0, f32(400))
+        # (infer_shape=False: an unwritten element is refused, not read as zeros)
+        ta = client.tensor_array(np.float32, size=3, infer_shape=False).write(0, f32(400))
         session = small.store.get(client.session_id, "a")
         before = session.budget.used
         with pytest.raises(ResourceExhaustedError, match="--max-session-bytes") as info:
