@@ -340,9 +340,12 @@ def gradients(
         check_differentiable(value, "source", tensor_id)
         source_values.append(value)
     # Ones of each target's shape (no output gradients given) are memory the sweep
-    # holds until it ends: charged before they are made (helper-77: 2,000 targets of
-    # 2 MiB each, named in one small request, made 4 GB of ones past a 32 MiB budget).
-    with session.holding(_ones_bytes(targets, target_values) if not output_gradients else 0):
+    # holds: charged before they are made, until the results are handed out, which
+    # pay for those that are results (helper-77: 2,000 targets of 2 MiB each, named in
+    # one small request, made 4 GB of ones past a 32 MiB budget).
+    seeds_held = _ones_bytes(targets, target_values) if targets and not output_gradients else 0
+    session.budget.reserve(seeds_held)
+    try:
         # No targets: nothing to seed, whatever output gradients came (TensorFlow ignores
         # them too, and gives None per source).
         grads: dict[str, Any] = (
@@ -376,6 +379,8 @@ def gradients(
             # ``emit`` would make a new array of: a different object than was paid for).
             results = [g if g is None or hasattr(g, "__cuda_array_interface__") else np.asarray(g)
                        for g in results]  # fmt: skip
+            session.budget.release(seeds_held)  # (those that are results: hand_out pays)
+            seeds_held = 0
             if hand_out is not None:
                 hand_out([g for g in results if g is not None], 0)
         except BaseException:
@@ -383,12 +388,14 @@ def gradients(
             raise
         finally:
             session.drop_grad_arrays(source, sweep.grads)
-        session.gradient_ended(id(sweep), sweep.frozen, succeeded=True)
-        if spent is None or tape.persistent:
-            session.gradient_done(tape)
-        elif session.spend_tape(tape):
-            spent(tape)
-        return results, source
+    finally:
+        session.budget.release(seeds_held)
+    session.gradient_ended(id(sweep), sweep.frozen, succeeded=True)
+    if spent is None or tape.persistent:
+        session.gradient_done(tape)
+    elif session.spend_tape(tape):
+        spent(tape)
+    return results, source
 
 
 def _ones_bytes(targets: Sequence[str], values: Sequence[Any]) -> int:
