@@ -18,7 +18,7 @@ class TensorArray:
     """A TensorArray in the client's session, used the way ``tf.TensorArray`` is.
 
     Methods that change the array return ``self`` (so ``ta = ta.write(i, x)``
-    reads like TensorFlow code). ``element_shape`` is passed to gather and
+    reads like TensorFlow code). The ``element_shape`` given is passed to gather and
     concat as TensorFlow's wrapper does. Values that are not arrays are
     converted with the array's dtype.
 
@@ -48,11 +48,16 @@ class TensorArray:
         self._client = client
         self.dtype = attrs.make_type(dtype, "dtype")  # as tf.TensorArray reads it
         self.infer_shape = infer_shape
-        self.element_shape: shapes.PartialShape = (
+        #: The element shape given, which gathers and concats pass (the inferred one
+        #: would hold the elements of an ``unstack`` or ``split`` to it there, which
+        #: TensorFlow does not: helper-78).
+        self._given_shape: shapes.PartialShape = (
             None if element_shape is None else shapes.make(element_shape)
         )
+        #: The element shape given, merged with those written (``infer_shape``).
+        self.element_shape = self._given_shape
         #: The element shape the server's array was last told (it knows the one it
-        #: was made with, and what gathers passed), for reads of unwritten elements.
+        #: was made with), for unwritten elements (``_shape_known``).
         self._shape_told = self.element_shape
         if handle is None:
             handle, flow = client.raw_ops.TensorArrayV3(
@@ -118,10 +123,10 @@ class TensorArray:
         )
 
     def _shape_known(self, op: Callable[[], Any]) -> Any:
-        """``op()`` (a read, a concat: they pass no element shape). Refused for an
-        unwritten element whose shape the server does not know, while the inferred
-        element shape is fully defined: the server is told it, and ``op`` runs again
-        (it changed nothing), so the element reads as zeros of that shape."""
+        """``op()`` (a read, gather or concat). Refused for an unwritten element whose
+        shape the server does not know, while the inferred element shape is fully
+        defined: the server is told it, and ``op`` runs again (it changed nothing), so
+        the element reads as zeros of that shape."""
         try:
             return op()
         except InvalidArgumentError as e:
@@ -132,16 +137,17 @@ class TensorArray:
                 or known == self._shape_told
             ):
                 raise
-        self.gather(np.zeros(0, np.int32))  # a gather of nothing merges the shape there
+        self._gather(np.zeros(0, np.int32), known)  # a gather of nothing merges it there
+        self._shape_told = known
         return op()
 
     def gather(self, indices: Sequence[int] | np.ndarray[Any, Any]) -> np.ndarray:
-        told = self.element_shape
-        out = self._ops.TensorArrayGatherV3(
-            self.handle, np.asarray(indices, np.int32), self.flow, self.dtype, told
+        return self._shape_known(lambda: self._gather(indices, self._given_shape))
+
+    def _gather(self, indices: Any, element_shape: shapes.PartialShape) -> np.ndarray:
+        return self._ops.TensorArrayGatherV3(
+            self.handle, np.asarray(indices, np.int32), self.flow, self.dtype, element_shape
         )
-        self._shape_told = told
-        return out
 
     def stack(self) -> np.ndarray:
         return self.gather(np.arange(self.size(), dtype=np.int32))
@@ -164,7 +170,7 @@ class TensorArray:
         return self
 
     def concat(self) -> np.ndarray:
-        except0 = None if self.element_shape is None else self.element_shape[1:]
+        except0 = None if self._given_shape is None else self._given_shape[1:]
         return self._shape_known(
             lambda: self._ops.TensorArrayConcatV3(self.handle, self.flow, self.dtype, except0).value
         )

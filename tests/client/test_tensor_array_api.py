@@ -85,3 +85,8 @@ def test_written_shapes_are_inferred_as_tensorflows_eager_tensor_array_infers_th
     ta = client.tensor_array(F32, size=2).split(np.ones((5, 3), F32), [2, 3])
     assert ta.element_shape is None
     assert ta.concat().shape == (5, 3)
+    # Nor does a gather hold what they wrote to the inferred shape (helper-78: it was
+    # passed to the server, which refused rows of another shape).
+    ta = client.tensor_array(F32, size=4, clear_after_read=False).write(3, np.ones(2, F32))
+    ta.unstack(np.ones((3, 5), F32))
+    assert ta.gather([0, 1]).shape == (2, 5)
