@@ -343,7 +343,8 @@ def gradients(
     # holds: charged before they are made, until the results are handed out, which
     # pay for those that are results (helper-77: 2,000 targets of 2 MiB each, named in
     # one small request, made 4 GB of ones past a 32 MiB budget).
-    seeds_held = _ones_bytes(targets, target_values) if targets and not output_gradients else 0
+    seed_bytes = _ones_bytes(targets, target_values) if targets and not output_gradients else {}
+    seeds_held = sum(seed_bytes.values())
     session.budget.reserve(seeds_held)
     try:
         # No targets: nothing to seed, whatever output gradients came (TensorFlow ignores
@@ -359,16 +360,14 @@ def gradients(
             for record in reversed(between):
                 if check is not None:
                     check()
-                out_grads = [grads.get(k) if k is not None else None for k in record.outputs]
-                if all(g is None for g in out_grads):
-                    continue
-                fn = GRADIENTS.get(record.op)
-                if fn is None:
-                    continue  # no differentiable inputs (its inputs are never reached)
-                for key, g in zip(record.inputs, fn(sweep, record, out_grads)):
-                    if key is None or g is None:
-                        continue
-                    grads[key] = _add(grads[key], g, compute) if key in grads else g
+                # The ones of its outputs go to its gradient function: what keeps them
+                # from now (a gradient array, the results) pays for them (charged through
+                # the whole sweep, they were charged twice: helper-78).
+                for key in record.outputs:
+                    held = seed_bytes.pop(key, 0) if key is not None else 0
+                    session.budget.release(held)
+                    seeds_held -= held
+                _backpropagate(record, grads, sweep, compute)
             results: list[Any] = []
             for tensor_id, value in zip(sources, source_values):
                 g = grads.get(tensor_id) if tensor_id in differentiable else None
@@ -398,9 +397,24 @@ def gradients(
     return results, source
 
 
-def _ones_bytes(targets: Sequence[str], values: Sequence[Any]) -> int:
-    """The bytes of the ones ``_seeds`` makes: one array per distinct target."""
-    return sum(int(v.nbytes) for v in dict(zip(targets, values)).values())
+def _backpropagate(record: Record, grads: dict[str, Any], sweep: Sweep, compute: Compute) -> None:
+    """One record's gradient function, given its outputs' gradients in ``grads``; adds
+    what it gives its inputs there."""
+    out_grads = [grads.get(k) if k is not None else None for k in record.outputs]
+    if all(g is None for g in out_grads):
+        return
+    fn = GRADIENTS.get(record.op)
+    if fn is None:
+        return  # no differentiable inputs (its inputs are never reached)
+    for key, g in zip(record.inputs, fn(sweep, record, out_grads)):
+        if key is None or g is None:
+            continue
+        grads[key] = _add(grads[key], g, compute) if key in grads else g
+
+
+def _ones_bytes(targets: Sequence[str], values: Sequence[Any]) -> dict[str, int]:
+    """The bytes of the ones ``_seeds`` makes, per distinct target."""
+    return {t: int(v.nbytes) for t, v in dict(zip(targets, values)).items()}
 
 
 def _seeds(

@@ -599,3 +599,25 @@ def test_the_ones_a_gradient_seeds_its_targets_with_are_charged_before_they_are_
                     tape.gradient(copies, x)
             assert peak[0] < 2048 * KIB
             assert tape.gradient(y, y).shape == x_value.shape  # (not released: asked again)
+
+
+def test_the_ones_of_a_gradient_are_charged_once():
+    """Charged through the whole sweep, the ones were charged twice where a gradient
+    array or the results took them: a gradient through one read of a 1 MiB element
+    needed 3.25 MiB of budget, 2.25 before they were charged at all (helper-78). They
+    are let go as their record's gradient takes them."""
+    element = np.ones(256 * KIB, np.float32)  # 1 MiB
+
+    def gradient_fits(limit: int) -> bool:
+        with run_server(port=0, device="cpu", max_session_bytes=limit) as server:
+            with gradserve.Client(f"127.0.0.1:{server.port}", shared_memory=False) as client:
+                x = client.put(element)
+                with client.gradient_tape() as tape:
+                    y = client.tensor_array(np.float32, size=1).write(0, x).read(0)
+                try:
+                    np.testing.assert_array_equal(tape.gradient(y, x), np.ones_like(element))
+                except ResourceExhaustedError:
+                    return False
+                return True
+
+    assert gradient_fits(2304 * KIB)  # 2.25 MiB
