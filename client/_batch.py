@@ -30,7 +30,7 @@ from gradserve.client._types import StepOutput
 from gradserve.errors import GradserveError, InvalidArgumentError, NotFoundError
 from gradserve.lstm_signature import LSTMActivations, LSTMGrads
 from gradserve.protocol import BATCH_FIELDS
-from gradserve.v1 import service_pb2, tensor_array_pb2, tensor_pb2
+from gradserve.v1 import service_pb2, tape_pb2, tensor_array_pb2, tensor_pb2
 
 _METHODS = service_pb2.DESCRIPTOR.services_by_name["GradServe"].methods_by_name
 #: The ops whose flow output is their flow input (the others' is 0.0).
@@ -423,11 +423,11 @@ class _Earlier:
     def __init__(self, client, steps: list, results: list, temps: list) -> None:
         self.client, self.steps, self.results, self.temps = client, steps, results, temps
         #: The upload (or shared-memory copy) that carries an earlier output, by
-        #: (step, field): a step that goes in a later request after all (the field or
-        #: byte limit, a full response), or another step that names the same output,
-        #: names it again instead of copying it twice. Freed with the batch's other
-        #: uploads and leases.
-        self.copies: dict[tuple[int, str], tensor_pb2.TensorInput] = {}
+        #: (step, field), or a released one (``released``), by its tape id: a step that
+        #: goes in a later request after all (the field or byte limit, a full
+        #: response), or another step that names the same output, names it again
+        #: instead of copying it twice. Freed with the batch's other uploads and leases.
+        self.copies: dict[Any, tensor_pb2.TensorInput] = {}
         #: The recordings each step sent was recorded on (``Batch._recorded_on``).
         self.recorded_on: dict[int, list[Any]] = {}
         #: Outputs named by tape id whose recordings the caller released before the
@@ -443,33 +443,41 @@ class _Earlier:
         return any(not r.life.released for r in self.recorded_on.get(step, ()))
 
     def encode_released(self, msg: tensor_pb2.TensorInput, room: Staging) -> None:
-        """The value of the released output ``msg`` names, into ``msg`` (inline within
-        ``room``, else uploaded)."""
-        staging = Staging(room.inline_left)
-        self.client.encode_input(np.asarray(self.released[msg.ref]), msg, staging)
-        room.inline_left = staging.inline_left
-        self.temps.extend(staging)
+        """The value of the released output ``msg`` names, into ``msg`` (once for all
+        the steps that name it: helper-78 saw one upload per step)."""
+        tape_id = msg.ref
+        self._encode_once(tape_id, lambda: np.asarray(self.released[tape_id]), msg, room)
 
     def encode(self, step: int, field: str, msg: tensor_pb2.TensorInput, room: Staging) -> None:
         """The value of ``field`` of step ``step`` into ``msg`` (a transient output was
-        fetched and deleted when its reply was parsed: it goes by value again): inline
-        where it fits ``room`` (what a request of the step alone has left), else
-        uploaded."""
-        if (copy := self.copies.get((step, field))) is not None:
+        fetched and deleted when its reply was parsed: it goes by value again)."""
+
+        def value() -> Any:
+            parsed = self.results[step]
+            name, _, index = field.partition("[")
+            if index:  # a gradients step's result may be in its sources' structure
+                return nest.flatten(parsed)[int(index.rstrip("]"))]
+            if isinstance(parsed, tuple) and hasattr(parsed, name):
+                return getattr(parsed, name)
+            return parsed
+
+        self._encode_once((step, field), value, msg, room)
+
+    def _encode_once(
+        self, key: Any, value: Callable[[], Any], msg: tensor_pb2.TensorInput, room: Staging
+    ) -> None:
+        """``value()`` into ``msg``: inline where it fits ``room`` (what a request of the
+        step alone has left), else uploaded, or copied into a region, once per ``key``
+        (later steps name that copy)."""
+        if (copy := self.copies.get(key)) is not None:
             msg.CopyFrom(copy)
             return
-        parsed = self.results[step]
-        name, _, index = field.partition("[")
-        if index:  # a gradients step's result may be in its sources' structure
-            parsed = nest.flatten(parsed)[int(index.rstrip("]"))]
-        elif isinstance(parsed, tuple) and hasattr(parsed, name):
-            parsed = getattr(parsed, name)
         staging = Staging(room.inline_left)
-        self.client.encode_input(parsed, msg, staging)
+        self.client.encode_input(value(), msg, staging)
         room.inline_left = staging.inline_left
         if msg.WhichOneof("source") != "value":  # uploaded, or copied into a region
-            self.copies[(step, field)] = tensor_pb2.TensorInput()
-            self.copies[(step, field)].CopyFrom(msg)
+            self.copies[key] = tensor_pb2.TensorInput()
+            self.copies[key].CopyFrom(msg)
         self.temps.extend(staging)
 
 
@@ -483,9 +491,14 @@ def _rebase(
     for field, value in message.ListFields():
         if field.message_type is None:
             continue
+        # A gradient's targets and sources must name tensors the server holds (by
+        # value, INVALID_ARGUMENT): one released goes as it is (NOT_FOUND).
+        named_only = isinstance(message, tape_pb2.GradientsRequest) and field.name != (
+            "output_gradients"
+        )
         for item in [value] if isinstance(value, Message) else value:
             if isinstance(item, tensor_pb2.TensorInput) and item.WhichOneof("source") == "ref":
-                if item.ref in earlier.released:
+                if item.ref in earlier.released and not named_only:
                     earlier.encode_released(item, room)
             elif isinstance(item, tensor_pb2.TensorInput) and item.HasField("step_output"):
                 ref = item.step_output

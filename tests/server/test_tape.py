@@ -1802,7 +1802,9 @@ def test_a_batch_takes_by_value_an_output_whose_recording_was_released_before_it
     recording before run() (``release()``, or a non-persistent tape's gradient): the
     server holds it no more, and the step was NOT_FOUND, where the op run at that time
     would have taken it. It goes by value now: inline, or uploaded where it does not fit
-    (a 1 MiB request limit), in a batch's first request and in a later one."""
+    (a 1 MiB request limit), in a batch's first request and in a later one, uploaded
+    once (helper-78: once per step). A gradient step's targets and sources are not
+    values: one released is NOT_FOUND, as before."""
     with gradserve.Client(
         f"127.0.0.1:{server.port}", max_message_bytes=1 << 20, shared_memory=False
     ) as client:
@@ -1824,9 +1826,16 @@ def test_a_batch_takes_by_value_an_output_whose_recording_was_released_before_it
         else:
             np.testing.assert_array_equal(tape.gradient(y, x), [1.0, 1.0])
         assert not session_of(server, client)._tapes  # released on the server
-        got = batch.run()
+        uploads: list[int] = []
+        put = client.put
+        client.put = lambda value: uploads.append(np.asarray(value).nbytes) or put(value)
+        try:
+            got = batch.run()
+        finally:
+            del client.put
         for out, want in zip(got, [small, big, second, small, big]):
             np.testing.assert_array_equal(out, want)
+        assert uploads == [big.nbytes]
         client.keep_alive()
         assert list(session_of(server, client)._resident) == [x.id]  # no upload left
         # A recording merely left (a reset) is held for the batch: its outputs still go
@@ -1838,6 +1847,16 @@ def test_a_batch_takes_by_value_an_output_whose_recording_was_released_before_it
             batch.gradient(tape, z, y)
             tape.reset()
         np.testing.assert_array_equal(batch.run()[-1][0], [1.0, 1.0])
+        tape.release()
+        with client.gradient_tape(persistent=True) as other:
+            y = _copy(client, x)
+        with client.gradient_tape(persistent=True) as tape:
+            batch = client.batch()
+            z = _batch_copy(batch, y)  # by value, once released
+            batch.gradient(tape, z, y)  # a source: named, or nothing
+        other.release()
+        with pytest.raises(NotFoundError, match="does not exist"):
+            batch.run()
         tape.release()
 
 
