@@ -377,7 +377,10 @@ class GradientTape:
         """Free everything the tape holds on the server; returns the bytes freed."""
         self._stop()
         life = self._life
-        if life.released or self.id is None:
+        if life.released or self.id is None or self._client._closed:
+            # (closed: its session is closed, or this client can reach it no more; a
+            # ``finally: tape.release()`` after ``close()`` raised CancelledError for a
+            # tape that recorded nothing: helper-78)
             life.released = True
             return 0
         # Sent even if no call named this recording yet ("+ID": the server marks it

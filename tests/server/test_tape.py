@@ -1677,6 +1677,10 @@ def test_a_tape_that_recorded_nothing_releases_cleanly(client, server):
     with client.gradient_tape(persistent=True) as tape:
         pass
     assert tape.release() == 0
+    with gradserve.Client(f"127.0.0.1:{server.port}") as closing:
+        with closing.gradient_tape(persistent=True) as tape:
+            pass
+    assert tape.release() == 0  # after close() too (helper-78: CancelledError)
     # At the session's limit too: no call named it, so the server has nothing to
     # release (its ReleaseTape started it only to release it, and was refused).
     w = client.put(np.ones(2, F32))
