@@ -102,6 +102,7 @@ class Server:
             self._thread.join(timeout=10)
         self.servicer.light.shutdown()
         self.servicer.heavy.shutdown()
+        self.servicer.replies.shutdown(wait=False)
         self._stop_snapshots.set()
         if self.keeper is not None and self.keeper.enabled:
             self.keeper.wait_for_adoption()  # the sessions it adopts are saved too

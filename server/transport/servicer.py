@@ -12,6 +12,7 @@ computes runs on a lane (``lanes.Lane``): light ops on ``light``, LSTM ops on
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -96,6 +97,12 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         #: but no session budget saw (a refused put, an op's inline inputs) is handed
         #: back once calls stop, as the trimmer waits for them to.
         self.request_freed = request_freed
+        #: Serializes Batch replies off the event loop (``_batch_reply``): threads of
+        #: their own, since the loop's default executor also runs undo work that may
+        #: wait for a TensorArray's lock (helper-78).
+        self.replies = concurrent.futures.ThreadPoolExecutor(
+            REPLY_THREADS, thread_name_prefix="gradserve-replies"
+        )
 
     # ---------------------------------------------------------------- helpers
     def principal(self, context: Any) -> str:
@@ -342,7 +349,7 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         # serializing it there held every call of the server (helper-77: a session's
         # 128 MiB Batch replies held another's KeepAlive 0.7 s a call).
         loop = asyncio.get_running_loop()
-        reply = await loop.run_in_executor(None, _batch_reply, results, response)
+        reply = await loop.run_in_executor(self.replies, _batch_reply, results, response)
         # A step stopped by the deadline (``check_alive``, or the op's own checks) ends
         # the call: its reply would reach no one (``check_reply_in_time``).
         check_reply_in_time(context)
@@ -351,6 +358,9 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         return reply  # type: ignore[return-value]
 
 
+#: Threads that serialize Batch replies: the work is a copy of bytes (each holding
+#: the GIL), so more would not make it faster.
+REPLY_THREADS = 2
 #: The field numbers ``_batch_reply`` writes.
 _RESULTS_FIELD = service_pb2.BatchResponse.DESCRIPTOR.fields_by_name["results"].number
 _STEP_FIELDS = {f.name: f.number for f in service_pb2.BatchResult.DESCRIPTOR.fields}
