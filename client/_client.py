@@ -819,12 +819,7 @@ class Client:
         it were added, so one taken here is either needed already or never will be
         (needs read first, another thread's reset could release what its batch had
         just named: helper-74)."""
-        pending: list[str] = []
-        while True:
-            try:
-                pending.append(self._dropped_tapes.popleft())
-            except IndexError:
-                break
+        pending = _take_all(self._dropped_tapes)
         needed = self._needed_by_batches()
         try:
             while pending:
@@ -847,12 +842,7 @@ class Client:
         names (``x-gradserve-fetched``) does so before the call that found them, at no
         round trip of its own; an older one gets a DeleteTensor (tried once; what
         fails waits for the next call)."""
-        ids: list[str] = []
-        while True:
-            try:
-                ids.append(self._dropped_uploads.popleft())
-            except IndexError:
-                break
+        ids = _take_all(self._dropped_uploads)
         if not ids:
             return
         if self._server_deletes_fetched:
@@ -940,6 +930,18 @@ _RECORDED = (set(protocol.BATCH_FIELDS) | {"Batch"}) - {"Gradients"}
 
 #: The smallest chunk ``put`` cuts (the server's floor as well).
 _MIN_CHUNK_BYTES = 64 * 1024
+
+
+def _take_all(queue: collections.deque[str]) -> list[str]:
+    """Every item of a queue that finalizers append to (on any thread, at any time:
+    taken one at a time, never by iterating it)."""
+    items: list[str] = []
+    while True:
+        try:
+            items.append(queue.popleft())
+        except IndexError:
+            return items
+
 
 #: RPCs that change nothing on the server, or change it the same way twice.
 _IDEMPOTENT = {"KeepAlive", "TensorArraySizeV3", "DeleteTensor", "GetTensorInline"}
