@@ -340,9 +340,10 @@ def gradients(
         check_differentiable(value, "source", tensor_id)
         source_values.append(value)
     # Ones of each target's shape (no output gradients given) are memory the sweep
-    # holds: charged before they are made, until the results are handed out, which
-    # pay for those that are results (helper-77: 2,000 targets of 2 MiB each, named in
-    # one small request, made 4 GB of ones past a 32 MiB budget).
+    # holds: charged before they are made (helper-77: 2,000 targets of 2 MiB each,
+    # named in one small request, made 4 GB of ones past a 32 MiB budget), each until
+    # its record's gradient takes it, the rest until the results are handed out (what
+    # keeps them from then pays for them).
     seed_bytes = _ones_bytes(targets, target_values) if targets and not output_gradients else {}
     seeds_held = sum(seed_bytes.values())
     session.budget.reserve(seeds_held)
