@@ -357,18 +357,27 @@ def gradients(
         between = _between(recorded(records, watched_at), differentiable, set(targets))
         source = session.new_gradient_source()
         sweep = Sweep(session, compute, source, check)
+        source_set = set(sources)
         try:
             for record in reversed(between):
                 if check is not None:
                     check()
-                # The ones of its outputs go to its gradient function: what keeps them
-                # from now (a gradient array, the results) pays for them (charged through
-                # the whole sweep, they were charged twice: helper-78).
-                for key in record.outputs:
-                    held = seed_bytes.pop(key, 0) if key is not None else 0
-                    session.budget.release(held)
-                    seeds_held -= held
+                # The ones of a record's outputs are let go as its gradient function
+                # takes them: before it runs where it keeps them as they are (a read's
+                # writes them into its gradient array, which pays for them: held until
+                # the sweep ended, they were charged twice, helper-78), after it where
+                # it copies them (held only until it began, they were charged to no
+                # one while it ran and the sweep kept them: helper-79); a gradient no
+                # later record needs goes then too.
+                kept = _keeps_its_gradient(record)
+                if kept:
+                    seeds_held -= _let_go(session, seed_bytes, record.outputs)
                 _backpropagate(record, grads, sweep, compute)
+                for key in record.outputs:
+                    if key is not None and key not in source_set:
+                        grads.pop(key, None)
+                if not kept:
+                    seeds_held -= _let_go(session, seed_bytes, record.outputs)
             results: list[Any] = []
             for tensor_id, value in zip(sources, source_values):
                 g = grads.get(tensor_id) if tensor_id in differentiable else None
@@ -411,6 +420,26 @@ def _backpropagate(record: Record, grads: dict[str, Any], sweep: Sweep, compute:
         if key is None or g is None:
             continue
         grads[key] = _add(grads[key], g, compute) if key in grads else g
+
+
+def _keeps_its_gradient(record: Record) -> bool:
+    """Whether the record's gradient function keeps its output's gradient itself, not
+    a copy: a read's writes it into the gradient array; a gather's scatter and a
+    concat's split do when it is one piece (``tensor_array._own_piece``)."""
+    if record.op == "TensorArrayReadV3":
+        return True
+    if record.op == "TensorArrayGatherV3":
+        return len(_index(record, "indices")) == 1
+    if record.op == "TensorArrayConcatV3":
+        return len(_index(record, "lengths")) == 1
+    return False
+
+
+def _let_go(session: Session, seed_bytes: dict[str, int], keys: Sequence[str | None]) -> int:
+    """Release the charge for the ones of ``keys``; returns the bytes released."""
+    released = sum(seed_bytes.pop(k, 0) for k in keys if k is not None)
+    session.budget.release(released)
+    return released
 
 
 def _ones_bytes(targets: Sequence[str], values: Sequence[Any]) -> dict[str, int]:

@@ -601,11 +601,15 @@ def test_the_ones_a_gradient_seeds_its_targets_with_are_charged_before_they_are_
             assert tape.gradient(y, y).shape == x_value.shape  # (not released: asked again)
 
 
-def test_the_ones_of_a_gradient_are_charged_once():
+@pytest.mark.parametrize("writes", [1, 4])
+def test_the_ones_of_a_gradient_are_charged_once_and_while_they_live(writes):
     """Charged through the whole sweep, the ones were charged twice where a gradient
     array or the results took them: a gradient through one read of a 1 MiB element
-    needed 3.25 MiB of budget, 2.25 before they were charged at all (helper-78). They
-    are let go as their record's gradient takes them."""
+    needed 3.25 MiB of budget, 2.25 before they were charged at all (helper-78). Let go
+    before the gradient function ran, they were charged to no one while a stack's
+    gradient copied them into its gradient array, and the sweep kept them to its end:
+    9 MiB of budget took the gradient of a stack of four (13 MiB in use, helper-79).
+    Each is let go as its record's gradient takes it, or once it has copied it."""
     element = np.ones(256 * KIB, np.float32)  # 1 MiB
 
     def gradient_fits(limit: int) -> bool:
@@ -613,11 +617,20 @@ def test_the_ones_of_a_gradient_are_charged_once():
             with gradserve.Client(f"127.0.0.1:{server.port}", shared_memory=False) as client:
                 x = client.put(element)
                 with client.gradient_tape() as tape:
-                    y = client.tensor_array(np.float32, size=1).write(0, x).read(0)
+                    ta = client.tensor_array(np.float32, size=writes)
+                    for index in range(writes):
+                        ta.write(index, x)
+                    y = ta.read(0) if writes == 1 else ta.stack()
                 try:
-                    np.testing.assert_array_equal(tape.gradient(y, x), np.ones_like(element))
+                    g = tape.gradient(y, x)
                 except ResourceExhaustedError:
                     return False
+                np.testing.assert_array_equal(g, np.full_like(element, writes))
                 return True
 
-    assert gradient_fits(2304 * KIB)  # 2.25 MiB
+    # What is in use: x, y (held by the tape) and, while the sweep runs, y's ones and
+    # its gradient array's copy of them (a read's keeps them as they are).
+    in_use = {1: 2304 * KIB, 4: 13 * 1024 * KIB + 16 * KIB}[writes]
+    assert gradient_fits(in_use)
+    if writes > 1:  # (one: less than 2.25 MiB leaves the forward no room)
+        assert not gradient_fits(in_use - 512 * KIB)
