@@ -90,3 +90,5 @@ def test_written_shapes_are_inferred_as_tensorflows_eager_tensor_array_infers_th
     ta = client.tensor_array(F32, size=4, clear_after_read=False).write(3, np.ones(2, F32))
     ta.unstack(np.ones((3, 5), F32))
     assert ta.gather([0, 1]).shape == (2, 5)
+    # A gather of nothing takes the inferred shape too (helper-79: UNIMPLEMENTED).
+    assert client.tensor_array(F32, size=2).write(0, np.ones(3, F32)).gather([]).shape == (0, 3)
