@@ -492,7 +492,8 @@ def _rebase(
         if field.message_type is None:
             continue
         # A gradient's targets and sources must name tensors the server holds (by
-        # value, INVALID_ARGUMENT): one released goes as it is (NOT_FOUND).
+        # value, INVALID_ARGUMENT): one released goes by its id all the same
+        # (NOT_FOUND, as a direct gradient's: helper-79).
         named_only = isinstance(message, tape_pb2.GradientsRequest) and field.name != (
             "output_gradients"
         )
@@ -511,7 +512,7 @@ def _rebase(
                         f"input '{field.name}' names step {ref.step}'s '{ref.field}', a "
                         "TensorArray handle, not a tensor"
                     )
-                if out.tape_id and earlier.tape_holds(ref.step):
+                if out.tape_id and (earlier.tape_holds(ref.step) or named_only):
                     item.ref = out.tape_id  # held by the tape: differentiable onwards
                 elif out.WhichOneof("result") == "ref" and not out.ref.transient:
                     item.ref = out.ref.id

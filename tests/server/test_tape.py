@@ -1864,6 +1864,29 @@ def test_a_batch_takes_by_value_an_output_whose_recording_was_released_before_it
         tape.release()
 
 
+@pytest.mark.parametrize("a_released_first", [False, True])
+def test_a_batch_gradients_sources_from_a_released_recording_are_named_not_sent(
+    client, a_released_first
+):
+    """A source that is an earlier step's output whose recording a gradient step of the
+    same batch released went by value, which a gradient's sources may not be
+    (INVALID_ARGUMENT, helper-79). It goes by its id: c never watched y nor saw x
+    flow into z, so both are None, as in TensorFlow's eager tape."""
+    x = client.put(np.array([1.0, 2.0], F32))
+    batch = client.batch()
+    with client.gradient_tape() as a:
+        a.watch(x)
+        y = _batch_copy(batch, x)
+    with client.gradient_tape(persistent=True) as c:
+        c.watch(x)
+        z = _batch_copy(batch, y)
+        if a_released_first:
+            batch.gradient(a, y, x)
+        batch.gradient(c, z, [y, x])
+    assert batch.run()[-1] == [None, None]
+    c.release()
+
+
 def test_a_failed_op_takes_off_a_tape_only_the_holds_it_took(server):
     """Two ops under one tape hold the same resident tensor: the first (still running)
     holds it, the second finds it held and is recorded, then the first fails. Its
