@@ -275,6 +275,10 @@ class Client:
         #: Batches made and still referenced (``_needed_by_batches``).
         self._batches: weakref.WeakSet[Any] = weakref.WeakSet()
         self._batches_lock = threading.Lock()
+        #: Gradient tapes made and still referenced: a client closing in a session it
+        #: did not create releases them (the session stays).
+        self._tapes: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._tapes_lock = threading.Lock()
         if session_id is None:
             reply = self._call("CreateSession", service_pb2.CreateSessionRequest(), session=False)
             self.session_id: str = reply.session_id
@@ -334,6 +338,7 @@ class Client:
                 for batch in batches:
                     self._dropped_uploads.extend(batch._abandon())
                 self._delete_dropped_uploads()
+                self._release_tapes_left()
                 self._fetched.flush()
             else:
                 self._dropped_tapes.clear()  # the session's close frees them
@@ -806,7 +811,10 @@ class Client:
     ) -> GradientTape:
         """A gradient tape recording on the server: ``with client.gradient_tape() as
         tape: ...`` then ``tape.gradient(target, sources)`` (``tf.GradientTape``)."""
-        return GradientTape(self, persistent, watch_accessed_variables)
+        tape = GradientTape(self, persistent, watch_accessed_variables)
+        with self._tapes_lock:
+            self._tapes.add(tape)
+        return tape
 
     def _release_dropped(self) -> None:
         """Release the tapes garbage collected unreleased, before the call that found
@@ -834,6 +842,26 @@ class Client:
                     log.info("could not release a dropped gradient tape: %s", e)
         finally:
             self._dropped_tapes.extend(pending)  # (an interrupt: the rest next time)
+
+    def _release_tapes_left(self) -> None:
+        """Closing in a session this client did not create: release the recordings its
+        tapes hold there, live or dropped (they held the session's bytes until it
+        ended; ``release()`` after ``close()`` has nothing to send: helper-79). Each
+        is tried once; a failure is logged."""
+        with self._tapes_lock:
+            tapes = list(self._tapes)
+        for tape in tapes:
+            life = tape.life
+            if (life.started or life.proposed) and not life.released:
+                try:
+                    tape.release_on_server()
+                except GradserveError as e:
+                    log.info("could not release a gradient tape on closing: %s", e)
+        for tape_id in _take_all(self._dropped_tapes):
+            try:
+                self._call("ReleaseTape", tape_pb2.ReleaseTapeRequest(tape_id=tape_id), once=True)
+            except GradserveError as e:
+                log.info("could not release a dropped gradient tape on closing: %s", e)
 
     def _delete_dropped_uploads(self) -> None:
         """Delete the uploads of batches dropped unrun: they held the session's bytes

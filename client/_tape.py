@@ -378,11 +378,17 @@ class GradientTape:
         self._stop()
         life = self._life
         if life.released or self.id is None or self._client._closed:
-            # (closed: its session is closed, or this client can reach it no more; a
-            # ``finally: tape.release()`` after ``close()`` raised CancelledError for a
-            # tape that recorded nothing: helper-78)
+            # (closed: the client's close released it, with its session or on its own;
+            # a ``finally: tape.release()`` after ``close()`` raised CancelledError for
+            # a tape that recorded nothing: helper-78)
             life.released = True
             return 0
+        return self.release_on_server()
+
+    def release_on_server(self) -> int:
+        """``release``'s call (also the closing client's, for the tapes it leaves in a
+        session it did not create)."""
+        life = self._life
         # Sent even if no call named this recording yet ("+ID": the server marks it
         # released without starting it): a call of another thread may be naming it
         # now, and the server then refuses that call, as after any release.

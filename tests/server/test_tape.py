@@ -1681,6 +1681,19 @@ def test_a_tape_that_recorded_nothing_releases_cleanly(client, server):
         with closing.gradient_tape(persistent=True) as tape:
             pass
     assert tape.release() == 0  # after close() too (helper-78: CancelledError)
+    # A client of a session it did not create releases its tapes as it closes: the
+    # session stays, and they held its bytes until it ended (helper-79).
+    w = client.put(np.ones(1 << 16, F32))
+    with gradserve.Client(f"127.0.0.1:{server.port}", session_id=client.session_id) as attached:
+        with attached.gradient_tape(persistent=True) as tape:
+            _copy(attached, w)
+        with attached.gradient_tape(persistent=True) as dropped:
+            _copy(attached, w)
+            first = dropped.id
+            dropped.reset()  # its first recording waits for a call to release it: none comes
+        assert {tape.id, first} <= set(session_of(server, client)._tapes)
+    assert not {tape.id, first} & set(session_of(server, client)._tapes)
+    assert tape.release() == 0
     # At the session's limit too: no call named it, so the server has nothing to
     # release (its ReleaseTape started it only to release it, and was refused).
     w = client.put(np.ones(2, F32))
