@@ -96,8 +96,8 @@ class TensorArray:
         return array
 
     def write(self, index: int, value) -> TensorArray:
-        value = self._value(value)
-        shape = self._checked_shape(np.shape(value) if not hasattr(value, "shape") else value.shape)
+        value = self._value(value)  # (an array, a TensorRef or a TapedArray: it has a shape)
+        shape = self._checked_shape(value.shape)
         self.flow = self._ops.TensorArrayWriteV3(self.handle, index, value, self.flow)
         self._merge_shape(shape)
         return self
@@ -157,7 +157,7 @@ class TensorArray:
     def scatter(self, indices: Sequence[int] | np.ndarray[Any, Any], value) -> TensorArray:
         indices = np.asarray(indices, np.int32)
         value = self._value(value)
-        shape = np.shape(value) if not hasattr(value, "shape") else tuple(value.shape)
+        shape = tuple(value.shape)
         element = self._checked_shape(shape[1:]) if len(indices) and len(shape) else None
         self.flow = self._ops.TensorArrayScatterV3(self.handle, indices, value, self.flow)
         if element is not None:
