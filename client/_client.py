@@ -811,10 +811,7 @@ class Client:
     ) -> GradientTape:
         """A gradient tape recording on the server: ``with client.gradient_tape() as
         tape: ...`` then ``tape.gradient(target, sources)`` (``tf.GradientTape``)."""
-        tape = GradientTape(self, persistent, watch_accessed_variables)
-        with self._tapes_lock:
-            self._tapes.add(tape)
-        return tape
+        return GradientTape(self, persistent, watch_accessed_variables)
 
     def _release_dropped(self) -> None:
         """Release the tapes garbage collected unreleased, before the call that found

@@ -138,6 +138,8 @@ class GradientTape:
         self._client = client
         self.persistent = persistent
         self.watch_accessed_variables = watch_accessed_variables
+        with client._tapes_lock:  # (made directly too: a closing client releases it)
+            client._tapes.add(self)
         self._life = _Life()
         self._finalizer: weakref.finalize | None = None
         #: In its ``with`` block (on some thread), not stopped by a gradient call.

@@ -1694,6 +1694,12 @@ def test_a_tape_that_recorded_nothing_releases_cleanly(client, server):
         assert {tape.id, first} <= set(session_of(server, client)._tapes)
     assert not {tape.id, first} & set(session_of(server, client)._tapes)
     assert tape.release() == 0
+    with gradserve.Client(f"127.0.0.1:{server.port}", session_id=client.session_id) as attached:
+        made = gradserve.GradientTape(attached, persistent=True)  # as tf.GradientTape()
+        with made:
+            _copy(attached, w)
+        assert made.id in session_of(server, client)._tapes
+    assert made.id not in session_of(server, client)._tapes  # (helper-80: it stayed)
     # At the session's limit too: no call named it, so the server has nothing to
     # release (its ReleaseTape started it only to release it, and was refused).
     w = client.put(np.ones(2, F32))
