@@ -491,9 +491,10 @@ def _rebase(
     for field, value in message.ListFields():
         if field.message_type is None:
             continue
-        # A gradient's targets and sources must name tensors the server holds (by
-        # value, INVALID_ARGUMENT): one released goes by its id all the same
-        # (NOT_FOUND, as a direct gradient's: helper-79).
+        # A gradient's targets and sources must name tensors (by value, INVALID_ARGUMENT:
+        # helper-79): one whose recording was released goes by its id all the same, and
+        # the server answers as for any tensor of that id (NOT_FOUND where none holds
+        # it; a source no tape here saw is None, as in TensorFlow).
         named_only = isinstance(message, tape_pb2.GradientsRequest) and field.name != (
             "output_gradients"
         )

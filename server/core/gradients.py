@@ -425,13 +425,15 @@ def _backpropagate(record: Record, grads: dict[str, Any], sweep: Sweep, compute:
 def _keeps_its_gradient(record: Record) -> bool:
     """Whether the record's gradient function keeps its output's gradient itself, not
     a copy: a read's writes it into the gradient array; a gather's scatter and a
-    concat's split do when it is one piece (``tensor_array._own_piece``)."""
+    concat's split do when it is one piece (``tensor_array._own_piece``). (Written
+    into a slot already written, it is summed into a new array instead: for that
+    while, charged to no one.)"""
     if record.op == "TensorArrayReadV3":
         return True
     if record.op == "TensorArrayGatherV3":
         return len(_index(record, "indices")) == 1
-    if record.op == "TensorArrayConcatV3":
-        return len(_index(record, "lengths")) == 1
+    if record.op == "TensorArrayConcatV3":  # (an empty piece takes none of it)
+        return int(np.count_nonzero(_index(record, "lengths"))) <= 1
     return False
 
 

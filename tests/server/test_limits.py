@@ -601,26 +601,33 @@ def test_the_ones_a_gradient_seeds_its_targets_with_are_charged_before_they_are_
             assert tape.gradient(y, y).shape == x_value.shape  # (not released: asked again)
 
 
-@pytest.mark.parametrize("writes", [1, 4])
-def test_the_ones_of_a_gradient_are_charged_once_and_while_they_live(writes):
+@pytest.mark.parametrize("program", ["read", "stack of four", "concat of [0, N]"])
+def test_the_ones_of_a_gradient_are_charged_once_and_while_they_live(program):
     """Charged through the whole sweep, the ones were charged twice where a gradient
     array or the results took them: a gradient through one read of a 1 MiB element
     needed 3.25 MiB of budget, 2.25 before they were charged at all (helper-78). Let go
     before the gradient function ran, they were charged to no one while a stack's
     gradient copied them into its gradient array, and the sweep kept them to its end:
     9 MiB of budget took the gradient of a stack of four (13 MiB in use, helper-79).
-    Each is let go as its record's gradient takes it, or once it has copied it."""
+    Each is let go as its record's gradient takes it (a concat's split of an empty
+    piece and the whole keeps the whole: helper-80 saw it charged twice), or once it
+    has copied it."""
     element = np.ones(256 * KIB, np.float32)  # 1 MiB
+    writes = 4 if program == "stack of four" else 1
 
     def gradient_fits(limit: int) -> bool:
         with run_server(port=0, device="cpu", max_session_bytes=limit) as server:
             with gradserve.Client(f"127.0.0.1:{server.port}", shared_memory=False) as client:
                 x = client.put(element)
                 with client.gradient_tape() as tape:
-                    ta = client.tensor_array(np.float32, size=writes)
-                    for index in range(writes):
-                        ta.write(index, x)
-                    y = ta.read(0) if writes == 1 else ta.stack()
+                    if program == "concat of [0, N]":
+                        ta = client.tensor_array(np.float32, size=2, infer_shape=False)
+                        y = ta.write(0, np.zeros(0, np.float32)).write(1, x).concat()
+                    else:
+                        ta = client.tensor_array(np.float32, size=writes)
+                        for index in range(writes):
+                            ta.write(index, x)
+                        y = ta.read(0) if writes == 1 else ta.stack()
                 try:
                     g = tape.gradient(y, x)
                 except ResourceExhaustedError:
@@ -630,7 +637,11 @@ def test_the_ones_of_a_gradient_are_charged_once_and_while_they_live(writes):
 
     # What is in use: x, y (held by the tape) and, while the sweep runs, y's ones and
     # its gradient array's copy of them (a read's keeps them as they are).
-    in_use = {1: 2304 * KIB, 4: 13 * 1024 * KIB + 16 * KIB}[writes]
+    in_use = {
+        "read": 2304 * KIB,
+        "stack of four": 13 * 1024 * KIB + 16 * KIB,
+        "concat of [0, N]": 3 * 1024 * KIB + 16 * KIB,
+    }[program]
     assert gradient_fits(in_use)
-    if writes > 1:  # (one: less than 2.25 MiB leaves the forward no room)
+    if program == "stack of four":  # (the others: less leaves the forward no room)
         assert not gradient_fits(in_use - 512 * KIB)
