@@ -233,7 +233,7 @@ class Batch:
         if client is None or not temps:
             return
         shm = client._shm
-        uploads = shm.release_temps_later(temps) if shm is not None else temps
+        uploads = shm.release_temps(temps, later=True) if shm is not None else temps
         client._dropped_uploads.extend(uploads)
 
     def _abandon(self) -> list[str]:

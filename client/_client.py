@@ -33,6 +33,7 @@ from gradserve.client._errors import (
 )
 from gradserve.client._fetched import Fetched
 from gradserve.client._prefetch import Prefetcher
+from gradserve.client._queues import take_all
 from gradserve.client._raw_ops import RawOps, Staging
 from gradserve.client._tape import GradientTape, Recording
 from gradserve.client._types import StepOutput, TapedArray, TensorRef, tape_refs
@@ -813,7 +814,7 @@ class Client:
         tape: ...`` then ``tape.gradient(target, sources)`` (``tf.GradientTape``)."""
         return GradientTape(self, persistent, watch_accessed_variables)
 
-    def _release_dropped(self) -> None:
+    def _release_dropped(self, *, closing: bool = False) -> None:
         """Release the tapes garbage collected unreleased, before the call that found
         them: TensorFlow frees a tape its program drops, and a loop that never called
         ``release()`` ran into the session's 64 tapes (a review helper). Each is one
@@ -823,9 +824,10 @@ class Client:
         recording is queued (a reset, a tape entered again) after the steps that name
         it were added, so one taken here is either needed already or never will be
         (needs read first, another thread's reset could release what its batch had
-        just named: helper-74)."""
-        pending = _take_all(self._dropped_tapes)
-        needed = self._needed_by_batches()
+        just named: helper-74). ``closing``: no batch of this client can run any more,
+        so none is held back."""
+        pending = take_all(self._dropped_tapes)
+        needed = set() if closing else self._needed_by_batches()
         try:
             while pending:
                 tape_id = pending.pop()
@@ -854,11 +856,7 @@ class Client:
                     tape.release_on_server()
                 except GradserveError as e:
                     log.info("could not release a gradient tape on closing: %s", e)
-        for tape_id in _take_all(self._dropped_tapes):
-            try:
-                self._call("ReleaseTape", tape_pb2.ReleaseTapeRequest(tape_id=tape_id), once=True)
-            except GradserveError as e:
-                log.info("could not release a dropped gradient tape on closing: %s", e)
+        self._release_dropped(closing=True)
 
     def _delete_dropped_uploads(self) -> None:
         """Delete the uploads of batches dropped unrun: they held the session's bytes
@@ -867,7 +865,7 @@ class Client:
         names (``x-gradserve-fetched``) does so before the call that found them, at no
         round trip of its own; an older one gets a DeleteTensor (tried once; what
         fails waits for the next call)."""
-        ids = _take_all(self._dropped_uploads)
+        ids = take_all(self._dropped_uploads)
         if not ids:
             return
         if self._server_deletes_fetched:
@@ -955,17 +953,6 @@ _RECORDED = (set(protocol.BATCH_FIELDS) | {"Batch"}) - {"Gradients"}
 
 #: The smallest chunk ``put`` cuts (the server's floor as well).
 _MIN_CHUNK_BYTES = 64 * 1024
-
-
-def _take_all(queue: collections.deque[str]) -> list[str]:
-    """Every item of a queue that finalizers append to (on any thread, at any time:
-    taken one at a time, never by iterating it)."""
-    items: list[str] = []
-    while True:
-        try:
-            items.append(queue.popleft())
-        except IndexError:
-            return items
 
 
 #: RPCs that change nothing on the server, or change it the same way twice.

@@ -43,6 +43,7 @@ from google.protobuf.message import Message
 
 from gradserve import codec, dtypes
 from gradserve.client._errors import server_done
+from gradserve.client._queues import take_all
 from gradserve.errors import AlreadyExistsError, GradserveError, NotFoundError
 from gradserve.protocol import OUTPUT_REGION_METADATA_KEY, SHM_RESERVED_BYTES
 from gradserve.v1 import shared_memory_pb2, tensor_pb2
@@ -221,23 +222,23 @@ class Lease:
             self.out = None
 
     def release(self) -> None:
-        regions = [r for r, _ in self._inputs] + ([self.out] if self.out else [])
-        self._inputs, self.out = [], None
-        self.pool.give_back(regions)
+        self.pool.give_back(self._taken())
 
     def release_later(self) -> None:
         """``release`` from a finalizer (``SharedMemoryPool.give_back_later``)."""
-        regions = [r for r, _ in self._inputs] + ([self.out] if self.out else [])
-        self._inputs, self.out = [], None
-        self.pool.give_back_later(regions)
+        self.pool.give_back_later(self._taken())
 
     def discard(self) -> None:
         """The call ended without a reply (deadline, cancel, lost connection): the
         server may still read these regions or write outputs into them, so they are
         never leased again: unregistered and unlinked instead."""
+        self.pool.discard(self._taken())
+
+    def _taken(self) -> list[Region]:
+        """Every region of the lease, which holds none from now on."""
         regions = [r for r, _ in self._inputs] + ([self.out] if self.out else [])
         self._inputs, self.out = [], None
-        self.pool.discard(regions)
+        return regions
 
 
 class SharedMemoryPool:
@@ -447,26 +448,20 @@ class SharedMemoryPool:
     def _reclaim(self) -> None:
         """Regions whose arrays are gone, or that a finalizer gave back, go back to
         ``_free`` (caller holds ``_lock``; the pool is open)."""
-        while self._given_back:
-            try:
-                region = self._given_back.popleft()
-            except IndexError:  # taken meanwhile (a finalizer after ``close``)
-                break
-            if self._all.get(region.name) is region:
-                self._free.append(region)
-            else:
-                region.destroy()
-        while self._returned:
-            try:
-                region = self._returned.popleft()
-            except IndexError:  # taken meanwhile (a finalizer after ``close``)
-                break
+        for region in take_all(self._returned):
             self._pinned.discard(region.name)
             self._pinned_bytes -= region.size
-            if self._all.get(region.name) is region:
-                self._free.append(region)
-            else:  # not ours any more (never happens while open): unmap it
-                region.destroy()
+            self._to_free(region)
+        for region in take_all(self._given_back):
+            self._to_free(region)
+
+    def _to_free(self, region: Region) -> None:
+        """(caller holds ``_lock``) A region back in ``_free``, or unmapped if it is
+        not ours any more (never happens while open)."""
+        if self._all.get(region.name) is region:
+            self._free.append(region)
+        else:
+            region.destroy()
 
     def _destroy_returned(self) -> None:
         _destroy_all(self._returned)
@@ -650,26 +645,18 @@ class ClientSharedMemory:
         self.pool.note_output_need(returned_bytes(reply))
 
     @staticmethod
-    def release_temps_later(temps: list) -> list:
-        """``release_temps`` from a finalizer (``Lease.release_later``)."""
-        rest = []
-        for item in temps:
-            if isinstance(item, Lease):
-                item.release_later()
-            else:
-                rest.append(item)
-        return rest
-
-    @staticmethod
-    def release_temps(temps: list, discard: bool = False) -> list:
+    def release_temps(temps: list, discard: bool = False, later: bool = False) -> list:
         """Release the leases among a request's temporaries (``discard``: the call got
-        no reply, see ``Lease.discard``); returns the rest (ids)."""
+        no reply, see ``Lease.discard``; ``later``: from a finalizer, see
+        ``Lease.release_later``); returns the rest (ids)."""
         rest = []
         for item in temps:
-            if isinstance(item, Lease):
-                item.discard() if discard else item.release()
-            else:
+            if not isinstance(item, Lease):
                 rest.append(item)
+            elif discard:
+                item.discard()
+            else:
+                item.release_later() if later else item.release()
         return rest
 
     # ---------------------------------------------------------------- put / get
@@ -725,13 +712,7 @@ class ClientSharedMemory:
 
 
 def _destroy_all(regions: collections.deque[Region]) -> None:
-    """Destroy the regions in ``regions`` (taken one at a time: a finalizer may take
-    some at once)."""
-    while True:
-        try:
-            region = regions.popleft()
-        except IndexError:
-            return
+    for region in take_all(regions):
         region.destroy()
 
 
