@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from gradserve import dtypes, shapes
+from gradserve import dtypes, pauses, shapes
 from gradserve.errors import (
     InvalidArgumentError,
     NotFoundError,
@@ -193,7 +193,8 @@ class TensorArray:
         On success the change in bytes held is charged to the memory budget;
         if that passes a limit, the whole operation is rolled back as well.
         """
-        with self._lock:
+        # (a check called under the lock must not pause: gradserve.pauses)
+        with self._lock, pauses.unpaused():
             saved = {f: getattr(self, f) for f in self._FIELDS}
             self._journal = {}
             self._op_start_nbytes, self._reserved_ahead, self._handed_over = self._nbytes, 0, 0

@@ -278,7 +278,12 @@ def start(config: ServerConfig) -> Server:
             reserve_last_thread=several,
             max_per_principal=light_ops_per_principal() if several else None,
         ),
-        heavy=Lane("compute", config.slots(device), config.max_queued_compute),
+        heavy=Lane(
+            "compute",
+            config.slots(device),
+            config.max_queued_compute,
+            quantum=config.compute_quantum,
+        ),
         admission=Admission(
             config.max_concurrent_rpcs,
             config.max_streams,

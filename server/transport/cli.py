@@ -145,6 +145,12 @@ SERVE_FLAGS = [
         "same bits)",
     ),
     ("max_queued_compute", int, "heavy ops waiting for a slot; more get RESOURCE_EXHAUSTED"),
+    (
+        "compute_quantum",
+        _optional(float, "never"),
+        "seconds a heavy op computes before it lends its slot to another principal's "
+        "waiting op, between its steps (it goes on at its next turn)",
+    ),
     ("stream_idle_timeout", _optional(float, "never"), "end a stream after this many idle seconds"),
     (
         "stream_min_rate",

@@ -97,6 +97,10 @@ class ServerConfig:
     #: otherwise, so replicas (or a restart) could differ in the last bits.
     lstm_formulation: str | None = None
     max_queued_compute: int = 64
+    #: A heavy op that has computed this long (seconds) gives its slot to another
+    #: principal's waiting op at its next step, and goes on when its turn comes again
+    #: (None: it keeps the slot until it ends; ``lanes.Lane``).
+    compute_quantum: float | None = 0.05
     #: A stream (PutTensor, GetTensor) ends when no chunk moves for this long, or when
     #: after ``stream_rate_grace`` seconds it averages under ``stream_min_rate`` bytes/s.
     stream_idle_timeout: float | None = 30.0

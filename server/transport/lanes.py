@@ -25,6 +25,19 @@ Two more rules keep one principal from taking a lane whole:
   of 64 MiB gathers took b's 4-float write from 1.1 ms to 143 ms at a median with 15
   of a's gathers running, 29 ms with 8 and 7 ms with 4, while a's own rate moved
   from 77 to 74 gathers/s (``tests/benchmarks/bench_hostile.py``, section fairness).
+
+And one so that a long op does not hold a thread for as long as it runs:
+
+- ``quantum`` (the compute lane's ``--compute-quantum``): a job that has computed that
+  long since its turn began, and finds another principal waiting, *pauses* at its
+  next check (``gradserve.pauses``): it gives its thread's turn to the next in turn
+  and blocks until its own comes again, ahead of its principal's new calls. An LSTM
+  of 300,000 steps held the only compute slot for 8.5 s while another tenant's small
+  one waited (a review helper). A paused job still occupies its executor thread, so
+  the lane's executor has ``max_paused`` threads more than turns; at most one job per
+  principal, and ``max_paused`` in all, are paused at once (past that a job computes
+  on), so a principal never starts a new job while one of its own is paused, and no
+  job waits for a slot held by a job that waits for a lock the paused one holds.
 """
 
 from __future__ import annotations
@@ -32,17 +45,59 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import contextvars
+import dataclasses
 import functools
+import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from gradserve.errors import ResourceExhaustedError
+from gradserve.errors import CancelledError, ResourceExhaustedError
 from gradserve.server.transport.auth import current_principal
 
 T = TypeVar("T")
 
 QUEUE_FULL_REASON = "COMPUTE_QUEUE_FULL"
+
+#: A paused job looks this often whether it should stop (its deadline, its client).
+PAUSED_POLL_SECONDS = 0.02
+
+
+@dataclasses.dataclass(eq=False)
+class _Job:
+    """One ``Lane.run`` call's work, as its thread and the loop see it."""
+
+    lane: Lane
+    who: str
+    loop: asyncio.AbstractEventLoop
+    #: Whether it holds one of the lane's turns (False while paused).
+    holds: bool = True
+    #: When it last began or resumed computing (its thread's monotonic clock).
+    since: float = 0.0
+    #: The thread computing it (a check on any other thread never pauses it).
+    thread: int | None = None
+    #: The lane's grant count when it last paused.
+    since_paused: int = -1
+    #: Whether the loop declined its last request to pause (it computed on).
+    declined: bool = False
+    #: Set by the loop when a pause ends (its turn came again, or it did not pause).
+    resumed: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+_current_job: contextvars.ContextVar[_Job | None] = contextvars.ContextVar(
+    "gradserve_lane_job", default=None
+)
+
+
+def pause_point(still_wanted: Callable[[], None]) -> bool:
+    """Called by a job's check between its steps: pause the job if its lane wants
+    its turn for another principal (``Lane`` docstring). ``still_wanted`` raises once
+    the job should stop; a paused job calls it while it waits, and the pause then
+    ends by raising that. Returns whether the job paused."""
+    job = _current_job.get()
+    return job is not None and job.lane._maybe_pause(job, still_wanted)
 
 
 class Lane:
@@ -62,6 +117,8 @@ class Lane:
         *,
         reserve_last_thread: bool = False,
         max_per_principal: int | None = None,
+        quantum: float | None = None,
+        max_paused: int | None = None,
     ) -> None:
         self.name = name
         self.threads = max(1, threads)
@@ -69,8 +126,12 @@ class Lane:
         self._reserve = 1 if reserve_last_thread and self.threads > 1 else 0
         #: Jobs one principal may run at once (None: as many as there are threads).
         self.max_per_principal = max_per_principal
+        #: Seconds a job computes before it pauses for another principal (None: never).
+        self.quantum = quantum if quantum is None or quantum > 0 else None
+        #: Jobs paused at once, at most (their threads are the executor's extra ones).
+        self.max_paused = 0 if self.quantum is None else max_paused or 2 * self.threads
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            self.threads, thread_name_prefix=f"gradserve-{name}"
+            self.threads + self.max_paused, thread_name_prefix=f"gradserve-{name}"
         )
         #: Threads not given to a job (a job given one and not yet started holds it).
         self.free = self.threads
@@ -84,6 +145,13 @@ class Lane:
         #: file's, so this stays small).
         self._served_at: dict[str, int] = {}
         self._grants = 0
+        #: Jobs paused now, by principal (one each at most), waiting for their turn.
+        self._paused: dict[str, _Job] = {}
+        #: Pauses so far (a job that took its turn straight back not counted).
+        self.pauses_total = 0
+        #: Principals with a job waiting or paused: a snapshot the jobs' threads read.
+        self._waiting_principals: frozenset[str] = frozenset()
+        self._closing = False
 
     async def run(self, fn: Callable[[], T], principal: str | None = None) -> T:
         """Run ``fn`` on a thread of the lane once the caller's turn comes."""
@@ -92,17 +160,24 @@ class Lane:
             self._take(who)
         else:
             await self._wait_turn(who)
+        loop = asyncio.get_running_loop()
+        job = _Job(self, who, loop)
         try:
             context = contextvars.copy_context()
-            future = asyncio.get_running_loop().run_in_executor(
-                self._executor, functools.partial(context.run, fn)
+            future = loop.run_in_executor(
+                self._executor, functools.partial(context.run, _as_job, job, fn)
             )
         except BaseException:
             self._give_back(who)
             raise
         self.running += 1
-        future.add_done_callback(functools.partial(self._finished, who))
+        future.add_done_callback(functools.partial(self._finished, job))
         return await asyncio.shield(future)
+
+    @property
+    def paused(self) -> int:
+        """Jobs paused now for another principal's turn."""
+        return len(self._paused)
 
     def holding(self, principal: str) -> int:
         """Threads ``principal``'s jobs hold now."""
@@ -113,7 +188,63 @@ class Lane:
         return len(self._queues.get(principal, ()))
 
     def shutdown(self) -> None:
+        self._closing = True  # (paused jobs end: CancelledError)
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # --- pauses (a job's thread asks; the loop decides)
+
+    def _maybe_pause(self, job: _Job, still_wanted: Callable[[], None]) -> bool:
+        """On ``job``'s thread: pause it if it has had its quantum and another
+        principal waits; return when its turn comes again."""
+        if (
+            self.quantum is None
+            or job.thread != threading.get_ident()
+            or time.monotonic() - job.since < self.quantum
+            or not self._waiting_principals - {job.who}
+        ):
+            return False
+        job.resumed.clear()
+        job.declined = False
+        try:
+            job.loop.call_soon_threadsafe(self._pause, job)
+        except RuntimeError:  # the loop is closed: the server is stopping
+            return False
+        while not job.resumed.wait(PAUSED_POLL_SECONDS):
+            try:
+                if self._closing:
+                    raise CancelledError("the server is stopping")
+                still_wanted()
+            except BaseException:
+                # (before the job's end reaches the loop: the loop runs both in order)
+                with contextlib.suppress(RuntimeError):  # (a closed loop)
+                    job.loop.call_soon_threadsafe(self._give_up, job)
+                raise
+        job.since = time.monotonic()
+        return not job.declined
+
+    def _pause(self, job: _Job) -> None:
+        """On the loop: give ``job``'s turn to the next in turn, unless nobody else
+        waits now or the pauses are at their limit (then it computes on)."""
+        others = self._waiting_principals - {job.who}
+        if not others or job.who in self._paused or len(self._paused) >= self.max_paused:
+            job.declined = True
+            job.resumed.set()
+            return
+        # Queued before the turn is given back: the job comes before its principal's
+        # new calls, and takes its turn straight back if it is still the next in turn.
+        job.holds = False
+        job.since_paused = self._grants
+        self._paused[job.who] = job
+        self._note_waiting()
+        self._give_back(job.who)
+
+    def _give_up(self, job: _Job) -> None:
+        """On the loop: a paused job stops waiting (its deadline passed, its client
+        went, the server stops). Given its turn meanwhile, it gives it back when it
+        ends (``_finished``)."""
+        if self._paused.get(job.who) is job:
+            del self._paused[job.who]
+            self._note_waiting()
 
     # --- turns
 
@@ -123,6 +254,7 @@ class Lane:
         ticket: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._queues.setdefault(who, collections.deque()).append(ticket)
         self.waiting += 1
+        self._note_waiting()
         try:
             await ticket
         except BaseException:
@@ -180,10 +312,20 @@ class Lane:
 
     def _hand_out(self) -> None:
         while self.free:
-            ready = [p for p in self._queues if self._may_take(p)]
+            waiting = [*self._queues, *(p for p in self._paused if p not in self._queues)]
+            ready = [p for p in waiting if self._may_take(p)]
             if not ready:
                 return
             turn = min(ready, key=lambda p: (self.holding(p), self._served_at.get(p, -1)))
+            paused = self._paused.pop(turn, None)
+            if paused is not None:  # before any new call of its principal
+                self._note_waiting()
+                if paused.since_paused != self._grants:
+                    self.pauses_total += 1  # (another job ran meanwhile)
+                self._take(turn)
+                paused.holds = True
+                paused.resumed.set()
+                continue
             ticket = self._queues[turn].popleft()
             self._count_out(turn)
             if ticket.done():  # cancelled; its waiter has not yet run to forget it
@@ -202,11 +344,25 @@ class Lane:
         self.waiting -= 1
         if not self._queues[who]:
             del self._queues[who]
+        self._note_waiting()
 
-    def _finished(self, who: str, future: asyncio.Future[Any]) -> None:
+    def _note_waiting(self) -> None:
+        """Renew the snapshot of who waits (read by jobs' threads without a lock)."""
+        self._waiting_principals = frozenset(self._queues.keys() | self._paused.keys())
+
+    def _finished(self, job: _Job, future: asyncio.Future[Any]) -> None:
         """Free the thread; read the outcome, which nobody awaits if the caller went
         away."""
         self.running -= 1
-        self._give_back(who)
+        if job.holds:  # (a job that gave up while paused holds no turn)
+            self._give_back(job.who)
         if not future.cancelled():
             future.exception()
+
+
+def _as_job(job: _Job, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on this thread as ``job`` (in the call's context copy)."""
+    job.thread = threading.get_ident()
+    job.since = time.monotonic()
+    _current_job.set(job)
+    return fn()

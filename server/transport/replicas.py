@@ -285,7 +285,19 @@ class _ReplicaCollector:
             "gradserve_compute_queue_depth", "LSTM ops waiting for a compute slot", heavy.waiting
         )
         yield gauge("gradserve_compute_slots", "--compute-slots", heavy.threads)
-        yield gauge("gradserve_compute_running", "LSTM ops computing now", heavy.running)
+        yield gauge(
+            "gradserve_compute_running", "LSTM ops computing now", heavy.running - heavy.paused
+        )
+        yield gauge(
+            "gradserve_compute_paused",
+            "LSTM ops paused for another principal's turn (--compute-quantum)",
+            heavy.paused,
+        )
+        yield counter(
+            "gradserve_compute_pauses",
+            "heavy ops paused for another principal's turn, and resumed",
+            heavy.pauses_total,
+        )
         yield gauge(
             "gradserve_draining", "1 while the replica drains (SIGTERM)", int(admission.draining)
         )

@@ -23,7 +23,7 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from gradserve import codec, protocol
+from gradserve import codec, pauses, protocol
 from gradserve.errors import (
     CancelledError,
     DeadlineExceededError,
@@ -35,7 +35,7 @@ from gradserve.errors import (
 from gradserve.kernels.compute import Compute
 from gradserve.server.core.sessions import ANONYMOUS, Session, SessionStore, TensorReservation
 from gradserve.server.core.tape import MAX_TAPES_PER_SESSION, Tape
-from gradserve.server.transport import boundary, shm_wire, tape_handlers
+from gradserve.server.transport import boundary, lanes, shm_wire, tape_handlers
 from gradserve.server.transport.admission import Admission
 from gradserve.server.transport.auth import REFUSAL, TokenTable, current_principal, principal_of
 from gradserve.server.transport.handlers import OPS, OPS_BY_BATCH_FIELD, Op
@@ -401,7 +401,11 @@ for _op in OPS:
 
 class Liveness:
     """A long op's ``check_alive``, callable from a lane's thread: raises once the
-    call's deadline has passed or the call has ended (its client cancelled)."""
+    call's deadline has passed or the call has ended (its client cancelled). Called
+    by the op between its steps on a lane that shares its turns (the compute lane's
+    ``--compute-quantum``), it may pause the op there for another principal's
+    (``lanes.pause_point``), unless the op holds what it must not pause with
+    (``gradserve.pauses``)."""
 
     def __init__(self, context: Any, session: Session) -> None:
         remaining = context.time_remaining()
@@ -411,6 +415,11 @@ class Liveness:
         context.add_done_callback(lambda _: self.ended.set())
 
     def __call__(self) -> None:
+        self._stop_if_over()
+        if pauses.may_pause() and lanes.pause_point(self._stop_if_over):
+            self._stop_if_over()
+
+    def _stop_if_over(self) -> None:
         if self.deadline is not None and time.monotonic() >= self.deadline:
             raise DeadlineExceededError("deadline exceeded")
         if self.ended.is_set():

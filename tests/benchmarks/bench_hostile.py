@@ -952,12 +952,66 @@ def bench_fairness(args: argparse.Namespace) -> None:
             f"  b's small calls while a and c flood LSTM calls (12 threads each, "
             f"--max-concurrent-rpcs 16): {len(served)} served, refused {dict(refused_slots)}"
         )
+        short_waits, pauses = _short_lstm_beside_long(tokens, args)
     summarize(
         "fairness",
         f"b's small op {light_ratio:.1f}x slower under a's light flood (target <= 10x); "
-        f"{sum(refused_slots.values())} refusals of b under a's and c's LSTM flood (target 0)",
-        light_ratio <= 10 and not refused_slots and not refused_light and bool(served),
+        f"{sum(refused_slots.values())} refusals of b under a's and c's LSTM flood (target 0); "
+        f"b's short LSTM beside a's long ones {np.median(short_waits) * 1e3:.0f} ms median "
+        f"(target <= 100 ms, --compute-quantum 0.05)",
+        light_ratio <= 10
+        and not refused_slots
+        and not refused_light
+        and bool(served)
+        and float(np.median(short_waits)) <= 0.100
+        and pauses > 0,
     )
+
+
+def _short_lstm_beside_long(tokens: str, args: argparse.Namespace) -> tuple[list[float], float]:
+    """b's short LSTM call while a loops long ones on the only compute slot, on two
+    servers at once, b's calls alternating between them: one with ``--compute-quantum
+    off`` (an op keeps the slot until it ends) and one with the default (the long op
+    pauses for b's). Returns the latter's latencies and its pauses."""
+    long_steps, rounds = (20_000, 8) if args.quick else (60_000, 16)
+    short = lstm_inputs(10)
+
+    def long_lstms(client: Any) -> Callable[[], None]:
+        inputs = lstm_inputs(long_steps)
+        return lambda: client.raw_ops.BlockLSTMV2(*inputs)
+
+    flags = ["--token-file", tokens, "--compute-slots", "1"]
+    with (
+        server_process(*flags, "--compute-quantum", "off") as keeps,
+        server_process(*flags) as lends,
+    ):
+        stops = [_flood(server.target, "token-a", 1, long_lstms) for server in (keeps, lends)]
+        waits: dict[str, list[float]] = {"off": [], "0.05": []}
+        try:
+            clients = {
+                key: gradserve.Client(server.target, token="token-b", timeout=120)
+                for key, server in (("off", keeps), ("0.05", lends))
+            }
+            for _ in range(rounds):
+                for key, client in clients.items():
+                    t0 = time.perf_counter()
+                    client.raw_ops.BlockLSTMV2(*short)
+                    waits[key].append(time.perf_counter() - t0)
+                    time.sleep(0.05)
+            for client in clients.values():
+                client.close()
+            pauses = lends.metric("gradserve_compute_pauses_total")
+        finally:
+            for stop in stops:
+                stop()
+    before, after = waits["off"], waits["0.05"]
+    print(
+        f"  b's LSTM (T=10) while a loops LSTMs of T={long_steps} on the one compute slot, "
+        f"{rounds} calls to each server, alternating: --compute-quantum off {ms(before)}; "
+        f"0.05 (default) {ms(after)}: median {np.median(before) / np.median(after):.0f}x "
+        f"shorter; {pauses:.0f} pauses of a's ops"
+    )
+    return after, pauses
 
 
 # ------------------------------------------------------------------ main

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import functools
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -20,12 +23,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradserve
-from gradserve.errors import ResourceExhaustedError
+from gradserve import pauses
+from gradserve.errors import DeadlineExceededError, ResourceExhaustedError
 from gradserve.server import run_server
 from gradserve.server.transport.admission import Admission
 from gradserve.server.transport.app import ConfigError, light_ops_per_principal
-from gradserve.server.transport.lanes import Lane
+from gradserve.server.transport.lanes import Lane, pause_point
 from tests.server.test_limits import lstm_args, wait_until
+from tests.server_process import ServerProcess
 
 
 class Jobs:
@@ -222,51 +227,220 @@ def test_a_call_cancelled_after_its_turn_came_passes_the_thread_on():
     max_waiting=st.one_of(st.none(), st.integers(0, 4)),
     reserve=st.booleans(),
     cap=st.one_of(st.none(), st.integers(1, 3)),
+    quantum=st.sampled_from([None, 0.002]),
     plan=st.lists(
-        st.tuples(st.sampled_from("abc"), st.sampled_from(["finish", "cancel", "leave"])),
+        st.tuples(st.sampled_from("abc"), st.sampled_from(["finish", "cancel", "leave", "stop"])),
         min_size=1,
         max_size=12,
     ),
 )
 def test_any_schedule_ends_with_every_thread_free_and_never_runs_more_than_threads(
-    threads, max_waiting, reserve, cap, plan
+    threads, max_waiting, reserve, cap, quantum, plan
 ):
+    """Jobs compute in steps with a check between them (which pauses them where the
+    lane has a quantum); "stop": the job's call ends (its deadline) at its next
+    check, paused or not."""
+
     async def scenario():
         lane = Lane(
-            "lane", threads, max_waiting, reserve_last_thread=reserve, max_per_principal=cap
+            "lane",
+            threads,
+            max_waiting,
+            reserve_last_thread=reserve,
+            max_per_principal=cap,
+            quantum=quantum,
         )
         running = []
         peak = [0]
-        release = threading.Event()
+        release, stop = threading.Event(), threading.Event()
 
-        def work():
-            running.append(1)
-            peak[0] = max(peak[0], len(running))
-            release.wait(10)
+        def work(fate):
+            def still_wanted():
+                if fate == "stop" and stop.is_set():
+                    raise DeadlineExceededError("deadline exceeded")
+
+            def computing():
+                running.append(1)
+                peak[0] = max(peak[0], len(running))
+
+            computing()
+            while not release.wait(0.001):
+                try:
+                    still_wanted()
+                finally:
+                    running.pop()  # (computing no more once paused, or stopped)
+                pause_point(still_wanted)  # (raises when it gives up its wait)
+                computing()
             running.pop()
 
         calls = []
         for principal, fate in plan:
-            call = asyncio.ensure_future(lane.run(work, principal))
+            call = asyncio.ensure_future(lane.run(functools.partial(work, fate), principal))
             calls.append((call, fate))
             await asyncio.sleep(0)
             if fate == "cancel":
                 call.cancel()
             assert lane.free >= 0 and lane.waiting >= 0
         await settle()
+        stop.set()
+        await settle()
         release.set()
         for call, _ in calls:
             try:
                 await call
-            except (asyncio.CancelledError, ResourceExhaustedError):
+            except (asyncio.CancelledError, ResourceExhaustedError, DeadlineExceededError):
                 pass
         await settle()
         assert peak[0] <= threads
-        assert (lane.free, lane.waiting, lane.running) == (threads, 0, 0)
-        assert not lane._holding and not lane._queues
+        assert (lane.free, lane.waiting, lane.running, lane.paused) == (threads, 0, 0, 0)
+        assert not lane._holding and not lane._queues and not lane._paused
         lane.shutdown()
 
     asyncio.run(scenario())
+
+
+# --- pauses: a long job lends its turn to another principal (--compute-quantum)
+
+
+class Steps:
+    """Jobs that compute in steps (a check between each, as the LSTM's), until the
+    test releases them; ``log`` says what ran, in order."""
+
+    def __init__(self, lane: Lane) -> None:
+        self.lane = lane
+        self.log: list[str] = []
+        self._release: dict[str, threading.Event] = {}
+
+    def submit(self, name, principal, steps=None, still_wanted=lambda: None, pausing=True):
+        release = self._release[name] = threading.Event()
+
+        def work():
+            self.log.append(f"{name} starts")
+            step = 0
+            while not release.is_set() if steps is None else step < steps:
+                time.sleep(0.001)
+                step += 1
+                still_wanted()  # (as servicer.Liveness: then, maybe, a pause)
+                if pausing and pause_point(still_wanted):
+                    self.log.append(f"{name} resumes")
+            self.log.append(f"{name} ends")
+            return name
+
+        return asyncio.ensure_future(self.lane.run(work, principal))
+
+    def release(self, name):
+        self._release[name].set()
+
+    def run(self, scenario):
+        """Run ``scenario(self)`` on a loop of its own; whatever it asserts, no job
+        is left computing after it."""
+
+        async def main():
+            try:
+                await scenario(self)
+            finally:
+                for event in self._release.values():
+                    event.set()
+                self.lane.shutdown()
+
+        asyncio.run(main())
+
+
+def test_a_long_job_lends_its_turn_to_another_principal_and_resumes_before_its_own():
+    async def scenario(jobs):
+        lane = jobs.lane
+        long = jobs.submit("a1", "a")
+        await settle()
+        own_next = jobs.submit("a2", "a", steps=1)
+        other = jobs.submit("b1", "b", steps=3)
+        assert await other == "b1"  # a1 runs until released: without a pause, never
+        assert not long.done()
+        jobs.release("a1")
+        assert await long == "a1" and await own_next == "a2"
+        assert jobs.log == [
+            "a1 starts", "b1 starts", "b1 ends", "a1 resumes", "a1 ends", "a2 starts", "a2 ends"
+        ]  # fmt: skip
+        assert lane.pauses_total == 1
+        assert (lane.free, lane.waiting, lane.running, lane.paused) == (1, 0, 0, 0)
+
+    Steps(Lane("compute", threads=1, quantum=0.01)).run(scenario)
+
+
+def test_without_a_quantum_a_long_job_keeps_its_turn():
+    async def scenario(jobs):
+        lane = jobs.lane
+        long = jobs.submit("a1", "a", steps=30)
+        await settle()
+        other = jobs.submit("b1", "b", steps=1)
+        assert await long == "a1" and await other == "b1"
+        assert jobs.log == ["a1 starts", "a1 ends", "b1 starts", "b1 ends"]
+        assert lane.pauses_total == 0
+
+    Steps(Lane("compute", threads=1, quantum=None)).run(scenario)
+
+
+def test_a_job_paused_whose_call_ends_gives_up_its_wait_and_holds_no_turn():
+    async def scenario(jobs):
+        lane = jobs.lane
+        over = threading.Event()
+
+        def still_wanted():
+            if over.is_set():
+                raise DeadlineExceededError("deadline exceeded")
+
+        long = jobs.submit("a1", "a", still_wanted=still_wanted)
+        await settle()
+        other = jobs.submit("b1", "b", pausing=False)  # (b1 keeps its turn)
+        while lane.paused != 1:
+            await asyncio.sleep(0.005)
+        over.set()  # a1's deadline passes while b1 computes
+        with pytest.raises(DeadlineExceededError):
+            await long
+        assert (lane.paused, lane.free, lane.running) == (0, 0, 1)
+        jobs.release("b1")
+        assert await other == "b1"
+        await settle()
+        assert (lane.free, lane.waiting, lane.running, lane.paused) == (1, 0, 0, 0)
+        assert jobs.log == ["a1 starts", "b1 starts", "b1 ends"]
+
+    Steps(Lane("compute", threads=1, quantum=0.01)).run(scenario)
+
+
+def test_a_job_does_not_pause_for_its_own_principal_nor_past_the_pause_limit():
+    async def scenario(jobs):
+        lane = jobs.lane
+        first = jobs.submit("a1", "a", steps=20)
+        await settle()
+        own = jobs.submit("a2", "a", steps=1)
+        assert await first == "a1" and await own == "a2"
+        assert jobs.log == ["a1 starts", "a1 ends", "a2 starts", "a2 ends"]
+        # b1 pauses for c; then c1, the one paused place taken, computes to its end.
+        b1 = jobs.submit("b1", "b")
+        await settle()
+        c1 = jobs.submit("c1", "c", steps=30)
+        d1 = jobs.submit("d1", "d", steps=1)
+        assert await c1 == "c1" and await d1 == "d1"
+        jobs.release("b1")
+        assert await b1 == "b1"
+        assert jobs.log[4:] == ["b1 starts", "c1 starts", "c1 ends", "d1 starts", "d1 ends",
+                                "b1 resumes", "b1 ends"]  # fmt: skip
+        assert lane.pauses_total == 1 and (lane.free, lane.running, lane.paused) == (1, 0, 0)
+
+    Steps(Lane("compute", threads=1, quantum=0.005, max_paused=1)).run(scenario)
+
+
+def test_a_tensor_arrays_check_under_its_lock_never_pauses():
+    """Paused holding the array's lock, the job would make another op of its session,
+    given the turn, wait for the lock while holding the turn (``gradserve.pauses``)."""
+    from gradserve.server.core.tensor_array import TensorArray
+
+    array = TensorArray(name="t", dtype=np.dtype(np.float32), size=4, clear_after_read=False)
+    for i in range(4):
+        array.write(i, np.ones(2, np.float32))
+    seen = []
+    array.gather(list(range(4)) * 300, (2,), check=lambda: seen.append(pauses.may_pause()))
+    assert seen and not any(seen)
+    assert pauses.may_pause()
 
 
 # --- over the real RPC path, with a token file
@@ -323,6 +497,77 @@ def test_one_principal_cannot_hold_every_rpc_slot(tokens):
             pool.shutdown()
         wait_until(lambda: admission.in_flight == 0)
         assert not admission._calls_of
+
+
+@contextlib.contextmanager
+def server_apart(*flags):
+    """A server in a process of its own: in this one, a compute thread stepping a tiny
+    LSTM in Python and the test's clients all contend for one GIL, and a call's
+    many hand-overs of it took seconds (b's call was not even queued after 5 s)."""
+    server = ServerProcess(*flags)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_long_lstm_lends_the_compute_slot_to_another_principals_call(tokens):
+    """An LSTM of 300,000 steps (a 163-byte request) held the only compute slot for
+    8.5 s while another tenant's small one waited (a review helper). Here a's op would
+    compute for many seconds; b's call is answered while it does, and a's ends at its
+    deadline with the slot free."""
+    flags = ("--token-file", tokens, "--compute-slots", "1", "--compute-quantum", "0.02")
+    with server_apart(*flags) as server:
+        with (
+            gradserve.Client(server.target, token="token-a", timeout=5) as a,
+            gradserve.Client(server.target, token="token-b", timeout=60) as b,
+        ):
+            alone = b.raw_ops.BlockLSTMV2(*lstm_args())  # nobody waits: no pause
+            pool = concurrent.futures.ThreadPoolExecutor(1)
+            long = pool.submit(a.raw_ops.BlockLSTMV2, *lstm_args(1_000_000))
+            wait_until(lambda: server.metric("gradserve_compute_running") == 1)
+            shared = b.raw_ops.BlockLSTMV2(*lstm_args())
+            assert not long.done(), "b's call waited for a's to end"
+            assert server.metric("gradserve_compute_pauses_total") >= 1
+            for got, expected in zip(shared, alone):
+                np.testing.assert_array_equal(got, expected)
+            with pytest.raises(DeadlineExceededError):
+                long.result(30)
+            pool.shutdown()
+        wait_until(lambda: server.metric("gradserve_compute_running") == 0)
+        assert server.metric("gradserve_compute_paused") == 0
+
+
+def test_the_compute_lane_lends_its_slots_by_default_and_never_with_the_quantum_off(tokens):
+    from gradserve.server.transport.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "--compute-quantum", "off"]).compute_quantum is None
+    with run_server(device="cpu", token_file=tokens) as server:
+        assert server.servicer.heavy.quantum == 0.05 and server.servicer.light.quantum is None
+    with run_server(device="cpu", token_file=tokens, compute_quantum=None) as server:
+        assert server.servicer.heavy.quantum is None and server.servicer.heavy.max_paused == 0
+
+
+def test_lstms_paused_many_times_compute_what_they_compute_alone(tokens):
+    flags = ("--token-file", tokens, "--compute-slots", "1", "--compute-quantum", "0.001")
+    with server_apart(*flags) as server:
+        with (
+            gradserve.Client(server.target, token="token-a", timeout=60) as a,
+            gradserve.Client(server.target, token="token-b", timeout=60) as b,
+        ):
+            inputs = lstm_args(20_000)
+            alone = [a.raw_ops.BlockLSTMV2(*inputs) for _ in range(2)]
+            assert server.metric("gradserve_compute_pauses_total") == 0
+            for got, expected in zip(*alone):
+                np.testing.assert_array_equal(got, expected)
+            pool = concurrent.futures.ThreadPoolExecutor(2)
+            calls = [pool.submit(c.raw_ops.BlockLSTMV2, *inputs) for c in (a, b)]
+            for call in calls:
+                for got, expected in zip(call.result(60), alone[0]):
+                    np.testing.assert_array_equal(got, expected)
+            pool.shutdown()
+            assert server.metric("gradserve_compute_pauses_total") >= 2
+            assert server.metric("gradserve_compute_running") == 0
 
 
 def test_another_principal_takes_a_place_in_a_full_compute_queue(tokens):
