@@ -47,7 +47,6 @@ import collections
 import concurrent.futures
 import contextlib
 import contextvars
-import dataclasses
 import functools
 import threading
 import time
@@ -65,25 +64,29 @@ QUEUE_FULL_REASON = "COMPUTE_QUEUE_FULL"
 PAUSED_POLL_SECONDS = 0.02
 
 
-@dataclasses.dataclass(eq=False)
 class _Job:
-    """One ``Lane.run`` call's work, as its thread and the loop see it."""
+    """One ``Lane.run`` call's work, as its thread and the loop see it (made for every
+    call of a lane: plain slots, and its event only once it asks to pause)."""
 
-    lane: Lane
-    who: str
-    loop: asyncio.AbstractEventLoop
-    #: Whether it holds one of the lane's turns (False while paused).
-    holds: bool = True
-    #: When it last began or resumed computing (its thread's monotonic clock).
-    since: float = 0.0
-    #: The thread computing it (a check on any other thread never pauses it).
-    thread: int | None = None
-    #: The lane's grant count when it last paused.
-    since_paused: int = -1
-    #: Whether the loop declined its last request to pause (it computed on).
-    declined: bool = False
-    #: Set by the loop when a pause ends (its turn came again, or it did not pause).
-    resumed: threading.Event = dataclasses.field(default_factory=threading.Event)
+    __slots__ = ("lane", "who", "loop", "holds", "since", "thread", "since_paused",
+                 "declined", "resumed")  # fmt: skip
+
+    def __init__(self, lane: Lane, who: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.lane = lane
+        self.who = who
+        self.loop = loop
+        #: Whether it holds one of the lane's turns (False while paused).
+        self.holds = True
+        #: When it last began or resumed computing (its thread's monotonic clock).
+        self.since = 0.0
+        #: The thread computing it (a check on any other thread never pauses it).
+        self.thread: int | None = None
+        #: The lane's grant count when it last paused.
+        self.since_paused = -1
+        #: Whether the loop declined its last request to pause (it computed on).
+        self.declined = False
+        #: Set by the loop when a pause ends (its turn came again, or it did not pause).
+        self.resumed: threading.Event | None = None
 
 
 _current_job: contextvars.ContextVar[_Job | None] = contextvars.ContextVar(
@@ -203,13 +206,13 @@ class Lane:
             or not self._waiting_principals - {job.who}
         ):
             return False
-        job.resumed.clear()
+        resumed = job.resumed = threading.Event()
         job.declined = False
         try:
             job.loop.call_soon_threadsafe(self._pause, job)
         except RuntimeError:  # the loop is closed: the server is stopping
             return False
-        while not job.resumed.wait(PAUSED_POLL_SECONDS):
+        while not resumed.wait(PAUSED_POLL_SECONDS):
             try:
                 if self._closing:
                     raise CancelledError("the server is stopping")
@@ -228,7 +231,7 @@ class Lane:
         others = self._waiting_principals - {job.who}
         if not others or job.who in self._paused or len(self._paused) >= self.max_paused:
             job.declined = True
-            job.resumed.set()
+            _wake(job)
             return
         # Queued before the turn is given back: the job comes before its principal's
         # new calls, and takes its turn straight back if it is still the next in turn.
@@ -324,7 +327,7 @@ class Lane:
                     self.pauses_total += 1  # (another job ran meanwhile)
                 self._take(turn)
                 paused.holds = True
-                paused.resumed.set()
+                _wake(paused)
                 continue
             ticket = self._queues[turn].popleft()
             self._count_out(turn)
@@ -358,6 +361,12 @@ class Lane:
             self._give_back(job.who)
         if not future.cancelled():
             future.exception()
+
+
+def _wake(job: _Job) -> None:
+    """End ``job``'s pause (or its request to pause)."""
+    assert job.resumed is not None  # (made before the request reached the loop)
+    job.resumed.set()
 
 
 def _as_job(job: _Job, fn: Callable[[], T]) -> T:
