@@ -35,6 +35,8 @@ from typing import Any
 import numpy
 import threadpoolctl
 
+from gradserve import pauses
+
 
 def _blas_libraries() -> list[Any]:
     """threadpoolctl's controllers of NumPy's BLAS: the one in NumPy's wheel
@@ -107,11 +109,20 @@ class BlasThreads:
                 self._running -= 1
                 raise
         try:
-            yield
+            with pauses.lent(self._leave, self._join):  # (a paused op computes nothing)
+                yield
         finally:
-            with self._lock:
-                self._running -= 1
-                self._divide()
+            self._leave()
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._running -= 1
+            self._divide()
+
+    def _join(self) -> None:
+        with self._lock:
+            self._running += 1
+            self._divide()
 
     def _divide(self) -> None:
         if not self._divisible():

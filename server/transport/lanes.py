@@ -53,6 +53,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from gradserve import pauses
 from gradserve.errors import CancelledError, ResourceExhaustedError
 from gradserve.server.transport.auth import current_principal
 
@@ -208,20 +209,21 @@ class Lane:
             return False
         resumed = job.resumed = threading.Event()
         job.declined = False
-        try:
-            job.loop.call_soon_threadsafe(self._pause, job)
-        except RuntimeError:  # the loop is closed: the server is stopping
-            return False
-        while not resumed.wait(PAUSED_POLL_SECONDS):
+        with pauses.paused():  # (what the op lends while it waits: its BLAS share)
             try:
-                if self._closing:
-                    raise CancelledError("the server is stopping")
-                still_wanted()
-            except BaseException:
-                # (before the job's end reaches the loop: the loop runs both in order)
-                with contextlib.suppress(RuntimeError):  # (a closed loop)
-                    job.loop.call_soon_threadsafe(self._give_up, job)
-                raise
+                job.loop.call_soon_threadsafe(self._pause, job)
+            except RuntimeError:  # the loop is closed: the server is stopping
+                return False
+            while not resumed.wait(PAUSED_POLL_SECONDS):
+                try:
+                    if self._closing:
+                        raise CancelledError("the server is stopping")
+                    still_wanted()
+                except BaseException:
+                    # (before the job's end reaches the loop: the loop runs both in order)
+                    with contextlib.suppress(RuntimeError):  # (a closed loop)
+                        job.loop.call_soon_threadsafe(self._give_up, job)
+                    raise
         job.since = time.monotonic()
         return not job.declined
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import threadpoolctl
 
+from gradserve import pauses
 from gradserve.kernels import backend_numpy, blas_threads, lstm, lstm_cpu
 from gradserve.kernels.blas_threads import BlasThreads
 from gradserve.kernels.compute import Compute, compute_for
@@ -53,6 +54,33 @@ def test_ops_divide_the_threads_and_the_last_one_restores_them():
     second.__exit__(None, None, None)
     assert lib.threads == 8
     assert lib.changes == [4, 2, 4, 8, 4, 8]  # only changes are set
+
+
+def test_a_paused_op_lends_its_share_to_those_computing():
+    """A paused op (``--compute-quantum``) computes nothing: the op computing in its
+    place gets its threads, and it takes its share again when it goes on, however
+    its pause ends (a deadline passing while it waits raises there)."""
+    lib = FakeLibrary(8)
+    blas = BlasThreads(lambda: [lib])
+    seen = []
+
+    def paused_op():  # (on a thread of its own, as on a lane: pauses are per thread)
+        with blas.share():
+            seen.append(lib.threads)
+            with pauses.paused():
+                seen.append(lib.threads)
+            seen.append(lib.threads)
+            with pytest.raises(TimeoutError), pauses.paused():
+                raise TimeoutError
+            seen.append(lib.threads)
+
+    with blas.share():
+        op = threading.Thread(target=paused_op)
+        op.start()
+        op.join()
+        assert seen == [4, 8, 4, 4]
+        assert lib.threads == 8
+    assert lib.threads == 8
 
 
 def test_at_least_one_thread_each():
