@@ -97,10 +97,17 @@ class TensorArray:
 
     def write(self, index: int, value) -> TensorArray:
         value = self._value(value)  # (an array, a TensorRef or a TapedArray: it has a shape)
-        shape = self._checked_shape(value.shape)
+        shape = self._checked_shape(value.shape) if self._dtype_matches(value) else None
         self.flow = self._ops.TensorArrayWriteV3(self.handle, index, value, self.flow)
-        self._merge_shape(shape)
+        if shape is not None:
+            self._merge_shape(shape)
         return self
+
+    def _dtype_matches(self, value) -> bool:
+        """Whether ``value`` (converted) has the array's dtype. TensorFlow checks the
+        dtype before the shape: a value wrong in both is its InvalidArgumentError,
+        which the op gives here, not the shape's ValueError (helper-76)."""
+        return bool(value.dtype == self.dtype)
 
     def _checked_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
         """TensorFlow's ValueError for an element of a shape the array's element shape
@@ -158,7 +165,8 @@ class TensorArray:
         indices = np.asarray(indices, np.int32)
         value = self._value(value)
         shape = tuple(value.shape)
-        element = self._checked_shape(shape[1:]) if len(indices) and len(shape) else None
+        checked = len(indices) and len(shape) and self._dtype_matches(value)
+        element = self._checked_shape(shape[1:]) if checked else None
         self.flow = self._ops.TensorArrayScatterV3(self.handle, indices, value, self.flow)
         if element is not None:
             self._merge_shape(element)

@@ -90,5 +90,16 @@ def test_written_shapes_are_inferred_as_tensorflows_eager_tensor_array_infers_th
     ta = client.tensor_array(F32, size=4, clear_after_read=False).write(3, np.ones(2, F32))
     ta.unstack(np.ones((3, 5), F32))
     assert ta.gather([0, 1]).shape == (2, 5)
+    # The dtype is checked first: a value wrong in both ways is TensorFlow's
+    # InvalidArgumentError ([1.5, 2, 3] converts to float32), not the shape's ValueError.
+    for wrong in (
+        lambda ta: ta.write(0, [1.5, 2, 3]),
+        lambda ta: ta.scatter([0], [[1.5, 2, 3]]),
+        lambda ta: ta.write(0, np.array([b"ab", b"c", b""], object)),
+    ):
+        ta = client.tensor_array(np.int32, size=2, element_shape=(2,))
+        with pytest.raises(InvalidArgumentError, match="^TensorArray dtype is int32 but Op is"):
+            wrong(ta)
+        assert ta.element_shape == (2,)
     # A gather of nothing takes the inferred shape too (helper-79: UNIMPLEMENTED).
     assert client.tensor_array(F32, size=2).write(0, np.ones(3, F32)).gather([]).shape == (0, 3)
