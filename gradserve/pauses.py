@@ -8,9 +8,10 @@ comes again (``server/transport/lanes.py``), so one long op does not hold a slot
 for as long as it runs. A pause is harmless where the op holds nothing another op
 needs. Code that calls a check while it holds a lock (a TensorArray's gather or
 concat, under the array's lock: another op of the session, given a slot, would wait
-for the lock while holding that slot) or while it times itself (the CPU forward
-measuring its formulations) does it inside ``unpaused()``: the check may still
-raise there, but never pauses.
+for the lock while holding that slot; the CUDA graph cache's build lock, which any
+op's first call of a shape takes) or while it times itself (a timed run of the CPU
+forward measuring its formulations) does it inside ``unpaused()``: the check may
+still raise there, but never pauses.
 
 What an op holds that others could use while it is paused it lends: code that holds
 such a thing registers how to give it back and take it again with ``lent()`` (the

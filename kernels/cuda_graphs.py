@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from gradserve import pauses
 from gradserve.kernels import lstm
 
 log = logging.getLogger(__name__)
@@ -200,7 +201,9 @@ class GraphCache:
     ) -> Any:
         """Build and keep the plan for ``key``; returns this call's result (its eager run)."""
         xp = self.xp
-        with self._build_lock:
+        # (a pause here would hold the lock another principal's op then waits for while
+        # it holds the slot the paused op waits for: helper-81)
+        with self._build_lock, pauses.unpaused():
             with self._lock:
                 built_meanwhile = key in self._plans or key in self._eager
             if built_meanwhile:  # by a concurrent call of the same shape

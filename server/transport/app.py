@@ -283,6 +283,7 @@ def start(config: ServerConfig) -> Server:
             config.slots(device),
             config.max_queued_compute,
             quantum=config.compute_quantum,
+            max_paused=paused_ops(tokens, config.slots(device)),
         ),
         admission=Admission(
             config.max_concurrent_rpcs,
@@ -359,6 +360,18 @@ async def _start(server: Server, credentials: grpc.ServerCredentials | None) -> 
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     server.port, server._grpc, server._health = port, grpc_server, health_servicer
     server._reaper = asyncio.ensure_future(_reap(server))
+
+
+#: Heavy ops paused at once for other principals' at most (each keeps a thread).
+MAX_PAUSED_OPS = 256
+
+
+def paused_ops(tokens: TokenTable | None, slots: int) -> int:
+    """Heavy ops that may be paused at once (``--compute-quantum``): one per principal
+    (one of each at most is), so that every principal's op takes its turn; a job
+    pauses past it only for a paused one (``lanes.Lane``). Two per slot at least."""
+    principals = len(tokens.principals) if tokens is not None else 1
+    return max(2 * slots, min(principals, MAX_PAUSED_OPS))
 
 
 def light_ops_per_principal() -> int:

@@ -149,7 +149,7 @@ SERVE_FLAGS = [
         "compute_quantum",
         _optional(float, "never"),
         "seconds a heavy op computes before it lends its slot to another principal's "
-        "waiting op, between its steps (it goes on at its next turn)",
+        "waiting op, between its steps (it goes on at its next turn); 0: never",
     ),
     ("stream_idle_timeout", _optional(float, "never"), "end a stream after this many idle seconds"),
     (

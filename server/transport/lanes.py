@@ -34,10 +34,12 @@ And one so that a long op does not hold a thread for as long as it runs:
   and blocks until its own comes again, ahead of its principal's new calls. An LSTM
   of 300,000 steps held the only compute slot for 8.5 s while another tenant's small
   one waited (a review helper). A paused job still occupies its executor thread, so
-  the lane's executor has ``max_paused`` threads more than turns; at most one job per
-  principal, and ``max_paused`` in all, are paused at once (past that a job computes
-  on), so a principal never starts a new job while one of its own is paused, and no
-  job waits for a slot held by a job that waits for a lock the paused one holds.
+  the lane's executor has ``max_paused`` threads more than turns, and ``running``
+  counts paused jobs too (the jobs computing are never more than ``threads``). At
+  most one job per principal is paused, so a principal never starts a new job while
+  one of its own is paused, and no job waits for a slot held by a job that waits for
+  a lock the paused one holds; with ``max_paused`` paused (the server's: one per
+  principal of its token file) a job pauses only if the turn goes to a paused one.
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ class Lane:
     The work runs in a copy of the caller's context (request id, principal). If the
     calling coroutine is cancelled (its client went away) the work still finishes —
     it checks the call's liveness between steps — and the lane counts it as busy until
-    it does, so a lane never runs more than its threads.
+    it does, so a lane never computes more jobs than its threads.
     """
 
     def __init__(
@@ -132,8 +134,12 @@ class Lane:
         self.max_per_principal = max_per_principal
         #: Seconds a job computes before it pauses for another principal (None: never).
         self.quantum = quantum if quantum is None or quantum > 0 else None
-        #: Jobs paused at once, at most (their threads are the executor's extra ones).
-        self.max_paused = 0 if self.quantum is None else max_paused or 2 * self.threads
+        #: Jobs paused at once, beyond which a job pauses only for a paused one (their
+        #: threads are the executor's extra ones; default: two per thread).
+        if self.quantum is None:
+            self.max_paused = 0
+        else:
+            self.max_paused = 2 * self.threads if max_paused is None else max(0, max_paused)
         self._executor = concurrent.futures.ThreadPoolExecutor(
             self.threads + self.max_paused, thread_name_prefix=f"gradserve-{name}"
         )
@@ -229,9 +235,10 @@ class Lane:
 
     def _pause(self, job: _Job) -> None:
         """On the loop: give ``job``'s turn to the next in turn, unless nobody else
-        waits now or the pauses are at their limit (then it computes on)."""
+        waits now, or its principal has a job paused already, or the pauses are at
+        their limit and the turn would go to a job not paused (then it computes on)."""
         others = self._waiting_principals - {job.who}
-        if not others or job.who in self._paused or len(self._paused) >= self.max_paused:
+        if not others or job.who in self._paused:
             job.declined = True
             _wake(job)
             return
@@ -240,8 +247,20 @@ class Lane:
         job.holds = False
         job.since_paused = self._grants
         self._paused[job.who] = job
+        self._release(job.who)
+        if len(self._paused) > self.max_paused and self._next_turn() not in self._paused:
+            # At the limit only paused jobs take turns in turn (each its quantum): a
+            # job that could not pause once two were paused ran to its end, over and
+            # over, while they had a quantum each (helper-81: 14 ops against 2).
+            del self._paused[job.who]
+            self.free -= 1
+            self._holding[job.who] = self.holding(job.who) + 1
+            job.holds = True
+            job.declined = True
+            _wake(job)
+            return
         self._note_waiting()
-        self._give_back(job.who)
+        self._hand_out()
 
     def _give_up(self, job: _Job) -> None:
         """On the loop: a paused job stops waiting (its deadline passed, its client
@@ -307,21 +326,30 @@ class Lane:
 
     def _give_back(self, who: str) -> None:
         """Free ``who``'s thread and hand the free threads to the next in turn."""
+        self._release(who)
+        self._hand_out()
+
+    def _release(self, who: str) -> None:
         self.free += 1
         left = self._holding[who] - 1
         if left:
             self._holding[who] = left
         else:
             del self._holding[who]
-        self._hand_out()
+
+    def _next_turn(self) -> str | None:
+        """The principal a free thread goes to now (None: none may take it)."""
+        waiting = [*self._queues, *(p for p in self._paused if p not in self._queues)]
+        ready = [p for p in waiting if self._may_take(p)]
+        if not ready:
+            return None
+        return min(ready, key=lambda p: (self.holding(p), self._served_at.get(p, -1)))
 
     def _hand_out(self) -> None:
         while self.free:
-            waiting = [*self._queues, *(p for p in self._paused if p not in self._queues)]
-            ready = [p for p in waiting if self._may_take(p)]
-            if not ready:
+            turn = self._next_turn()
+            if turn is None:
                 return
-            turn = min(ready, key=lambda p: (self.holding(p), self._served_at.get(p, -1)))
             paused = self._paused.pop(turn, None)
             if paused is not None:  # before any new call of its principal
                 self._note_waiting()

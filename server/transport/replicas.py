@@ -290,12 +290,12 @@ class _ReplicaCollector:
         )
         yield gauge(
             "gradserve_compute_paused",
-            "LSTM ops paused for another principal's turn (--compute-quantum)",
+            "heavy ops (LSTM, Gradients) paused for another principal's (--compute-quantum)",
             heavy.paused,
         )
         yield counter(
             "gradserve_compute_pauses",
-            "heavy ops paused for another principal's turn, and resumed",
+            "heavy ops (LSTM, Gradients) paused for another principal's, and resumed",
             heavy.pauses_total,
         )
         yield gauge(

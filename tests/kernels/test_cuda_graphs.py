@@ -15,6 +15,7 @@ import sys
 import numpy as np
 import pytest
 
+from gradserve import pauses
 from gradserve.kernels import backend_numpy, cuda_graphs, lstm
 from tests.kernels import fake_cupy, lstm_cases, shim_backend
 from tests.kernels.lstm_cases import INPUTS, random_case
@@ -80,6 +81,24 @@ def test_replays_follow_new_inputs_and_return_copies(backend, capture):
     for got, want in results:  # the first result was not overwritten by the replays
         for g, w in zip(host(got), want):
             np.testing.assert_allclose(g, w, rtol=0, atol=1e-12)
+
+
+def test_the_first_call_of_a_shape_never_pauses_while_it_holds_the_build_lock(backend, capture):
+    """Paused there (``--compute-quantum``), another principal's op given the slot
+    would wait for the lock while holding the slot the paused one waits for
+    (helper-81: every heavy op of the server hung). Its check still runs (deadline)."""
+    cache = cuda_graphs.GraphCache(backend, capture)
+    arrays, _ = case(6)
+    seen = []
+    cache.forward(
+        lstm.LSTMInputs(*arrays), check=lambda: seen.append(pauses.may_pause()), seq_len_max=4
+    )
+    assert seen and not any(seen)
+    seen.clear()
+    cache.forward(
+        lstm.LSTMInputs(*arrays), check=lambda: seen.append(pauses.may_pause()), seq_len_max=4
+    )
+    assert seen == [True]  # a replay: one check, before it, where it may pause
 
 
 def test_backward_through_a_plan(backend, capture):

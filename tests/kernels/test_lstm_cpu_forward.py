@@ -10,6 +10,7 @@ import threading
 import numpy as np
 import pytest
 
+from gradserve import pauses
 from gradserve.kernels import backend_numpy, lstm, lstm_cpu
 from gradserve.kernels.compute import Compute, compute_for
 from gradserve.lstm_signature import LSTMInputs
@@ -113,6 +114,25 @@ def test_the_planner_measures_once_per_shape_and_keeps_its_choice(monkeypatch):
     other = random_case(np.random.default_rng(1), 6, 2, 5, 3, np.float32)  # another batch
     lstm.block_lstm_forward(backend_numpy, LSTMInputs(*(other[k] for k in INPUTS)), seq_len_max=6)
     assert len(measured) == 2
+
+
+def test_a_measurement_may_pause_between_its_timed_runs_never_inside_one(monkeypatch):
+    """A pause (``--compute-quantum``) inside a timed run would be timed; none at all
+    held the compute slot for the whole measurement, about ten calls' worth of steps
+    (helper-81). The checks of the steps of a timed run never pause."""
+    monkeypatch.setattr(lstm_cpu, "PLANNER", lstm_cpu.Planner())
+    case = random_case(np.random.default_rng(0), 30, 2, 5, 3, np.float32)
+    seen = []
+    lstm.block_lstm_forward(
+        backend_numpy,
+        LSTMInputs(*(case[k] for k in INPUTS)),
+        seq_len_max=30,
+        check=lambda: seen.append(pauses.may_pause()),
+    )
+    runs = lstm_cpu.PROBE_ROUNDS * len(lstm_cpu.PLANNER.candidates)
+    assert seen.count(False) == runs * lstm_cpu.PROBE_STEPS  # every step of a timed run
+    # between the timed runs, and the steps of the warm-up run and of the call itself
+    assert seen.count(True) == runs + lstm_cpu.PROBE_STEPS + 30
 
 
 def test_a_cancelled_measurement_raises_and_records_nothing(monkeypatch):

@@ -429,6 +429,38 @@ def test_a_job_does_not_pause_for_its_own_principal_nor_past_the_pause_limit():
     Steps(Lane("compute", threads=1, quantum=0.005, max_paused=1)).run(scenario)
 
 
+def test_at_the_pause_limit_the_paused_jobs_take_turns_with_the_one_computing():
+    """slots 1, two paused at most, three principals: the job computing when two
+    were paused could not pause and ran to its end, over and over, while the paused
+    ones had a quantum each (helper-81: 14, 2 and 7 ops in 15 s; 10 each without
+    pauses). Now it pauses for a paused one."""
+
+    async def scenario(jobs):
+        lane = jobs.lane
+        calls = [jobs.submit("a1", "a")]
+        await settle()
+        calls += [jobs.submit("b1", "b"), jobs.submit("c1", "c")]
+        end = time.monotonic() + 10
+        while min(jobs.log.count(f"{p}1 resumes") for p in "abc") < 2:
+            assert time.monotonic() < end, [jobs.log.count(f"{p}1 resumes") for p in "abc"]
+            await asyncio.sleep(0.01)
+        assert lane.paused == 2
+        for name in ("a1", "b1", "c1"):
+            jobs.release(name)
+        assert [await call for call in calls] == ["a1", "b1", "c1"]
+        assert (lane.free, lane.running, lane.paused) == (1, 0, 0)
+
+    Steps(Lane("compute", threads=1, quantum=0.005, max_paused=2)).run(scenario)
+
+
+def test_the_server_lets_one_op_per_principal_pause(tokens, tmp_path):
+    many = tmp_path / "many"
+    many.write_text("".join(f"p{i}:token-{i}\n" for i in range(300)))
+    for token_file, slots, paused in ((tokens, 1, 2), (tokens, 3, 6), (str(many), 1, 256)):
+        with run_server(device="cpu", token_file=token_file, compute_slots=slots) as server:
+            assert server.servicer.heavy.max_paused == paused
+
+
 def test_a_tensor_arrays_check_under_its_lock_never_pauses():
     """Paused holding the array's lock, the job would make another op of its session,
     given the turn, wait for the lock while holding the turn (``gradserve.pauses``)."""
