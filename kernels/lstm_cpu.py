@@ -63,6 +63,8 @@ PLAN_CACHE_ENTRIES = 256
 TRANSPOSE_STRIP_ROWS = 16
 #: Steps and rounds of a measurement: each candidate runs a prefix of the sequence.
 PROBE_STEPS = 24
+#: A call waiting for another's measurement of its shape checks this often.
+PLAN_WAIT_CHECK_SECONDS = 0.01
 PROBE_ROUNDS = 3
 
 
@@ -182,11 +184,20 @@ class Planner:
         self.measured: dict[PlanKey, dict[Formulation, float]] = {}
         self._measuring: dict[PlanKey, threading.Event] = {}
 
-    def plan(self, key: PlanKey, measure: Callable[[], dict[Formulation, float]]) -> Formulation:
+    def plan(
+        self,
+        key: PlanKey,
+        measure: Callable[[], dict[Formulation, float]],
+        check: Callable[[], None] | None = None,
+    ) -> Formulation:
         """The formulation of ``key``, measured (``measure``) by the first call of the
         key. Calls that come while it measures wait for its choice: each choosing for
         itself, two calls of one shape computed other bits (the formulations sum in
-        different orders). If the measuring call fails, the next one measures."""
+        different orders). If the measuring call fails, the next one measures. A call
+        that waits runs its ``check`` every ``PLAN_WAIT_CHECK_SECONDS``: its deadline
+        holds there, and it may pause there (``gradserve.pauses``) for the measuring
+        call, which may itself be paused between its timed runs (helper-82: a waiter
+        given the paused one's slot waited for it, holding the slot, for ever)."""
         while True:
             with self._lock:
                 form = self._plans.get(key)
@@ -197,7 +208,9 @@ class Planner:
                 if pending is None:
                     pending = self._measuring[key] = threading.Event()
                     break
-            pending.wait()
+            while not pending.wait(PLAN_WAIT_CHECK_SECONDS):
+                if check is not None:
+                    check()
         try:
             return self.record(key, measure())
         finally:
@@ -273,7 +286,7 @@ def forward_sequence(
         formulation = PINNED.get()
     if formulation is None:
         key: PlanKey = (batch, inputs, units, x.dtype.str, blas_threads(), use_peephole)
-        formulation = PLANNER.plan(key, functools.partial(_measure, run, length, check))
+        formulation = PLANNER.plan(key, functools.partial(_measure, run, length, check), check)
     run(formulation, length, check)
 
 

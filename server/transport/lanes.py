@@ -235,12 +235,12 @@ class Lane:
 
     def _pause(self, job: _Job) -> None:
         """On the loop: give ``job``'s turn to the next in turn, unless nobody else
-        waits now, or its principal has a job paused already, or the pauses are at
-        their limit and the turn would go to a job not paused (then it computes on)."""
+        waits now, or its principal has a job paused already, or nobody may take the
+        turn (then it computes on). With ``max_paused`` jobs paused already, the turn
+        goes to the paused job next in turn (that may be ``job`` itself)."""
         others = self._waiting_principals - {job.who}
         if not others or job.who in self._paused:
-            job.declined = True
-            _wake(job)
+            self._decline(job)
             return
         # Queued before the turn is given back: the job comes before its principal's
         # new calls, and takes its turn straight back if it is still the next in turn.
@@ -248,19 +248,28 @@ class Lane:
         job.since_paused = self._grants
         self._paused[job.who] = job
         self._release(job.who)
-        if len(self._paused) > self.max_paused and self._next_turn() not in self._paused:
-            # At the limit only paused jobs take turns in turn (each its quantum): a
-            # job that could not pause once two were paused ran to its end, over and
-            # over, while they had a quantum each (helper-81: 14 ops against 2).
+        # At the limit only paused jobs take turns (each its quantum): a job that could
+        # not pause once two were paused ran to its end, over and over, while they had
+        # a quantum each (helper-81: 14 ops against 2); calls not begun wait for an end.
+        at_limit = len(self._paused) > self.max_paused
+        turn = self._next_turn(paused_only=at_limit)
+        if turn is None:  # (nobody may take it: helper-82, a thread left idle)
             del self._paused[job.who]
             self.free -= 1
             self._holding[job.who] = self.holding(job.who) + 1
             job.holds = True
-            job.declined = True
-            _wake(job)
+            self._decline(job)
             return
         self._note_waiting()
-        self._hand_out()
+        if at_limit:
+            self._resume(turn)
+        else:
+            self._hand_out()
+
+    @staticmethod
+    def _decline(job: _Job) -> None:
+        job.declined = True
+        _wake(job)
 
     def _give_up(self, job: _Job) -> None:
         """On the loop: a paused job stops waiting (its deadline passed, its client
@@ -337,9 +346,13 @@ class Lane:
         else:
             del self._holding[who]
 
-    def _next_turn(self) -> str | None:
-        """The principal a free thread goes to now (None: none may take it)."""
-        waiting = [*self._queues, *(p for p in self._paused if p not in self._queues)]
+    def _next_turn(self, paused_only: bool = False) -> str | None:
+        """The principal a free thread goes to now (None: none may take it); of those
+        with a job paused only, if ``paused_only``."""
+        if paused_only:
+            waiting = list(self._paused)
+        else:
+            waiting = [*self._queues, *(p for p in self._paused if p not in self._queues)]
         ready = [p for p in waiting if self._may_take(p)]
         if not ready:
             return None
@@ -350,14 +363,8 @@ class Lane:
             turn = self._next_turn()
             if turn is None:
                 return
-            paused = self._paused.pop(turn, None)
-            if paused is not None:  # before any new call of its principal
-                self._note_waiting()
-                if paused.since_paused != self._grants:
-                    self.pauses_total += 1  # (another job ran meanwhile)
-                self._take(turn)
-                paused.holds = True
-                _wake(paused)
+            if turn in self._paused:  # before any new call of its principal
+                self._resume(turn)
                 continue
             ticket = self._queues[turn].popleft()
             self._count_out(turn)
@@ -365,6 +372,16 @@ class Lane:
                 continue
             self._take(turn)
             ticket.set_result(None)
+
+    def _resume(self, who: str) -> None:
+        """Give a free thread's turn to ``who``'s paused job."""
+        paused = self._paused.pop(who)
+        self._note_waiting()
+        if paused.since_paused != self._grants:
+            self.pauses_total += 1  # (another job ran meanwhile)
+        self._take(who)
+        paused.holds = True
+        _wake(paused)
 
     def _forget(self, who: str, ticket: asyncio.Future[None]) -> None:
         queue = self._queues.get(who)

@@ -406,7 +406,7 @@ def test_a_job_paused_whose_call_ends_gives_up_its_wait_and_holds_no_turn():
     Steps(Lane("compute", threads=1, quantum=0.01)).run(scenario)
 
 
-def test_a_job_does_not_pause_for_its_own_principal_nor_past_the_pause_limit():
+def test_a_job_does_not_pause_for_its_own_principal_nor_for_a_call_not_begun_at_the_limit():
     async def scenario(jobs):
         lane = jobs.lane
         first = jobs.submit("a1", "a", steps=20)
@@ -414,7 +414,8 @@ def test_a_job_does_not_pause_for_its_own_principal_nor_past_the_pause_limit():
         own = jobs.submit("a2", "a", steps=1)
         assert await first == "a1" and await own == "a2"
         assert jobs.log == ["a1 starts", "a1 ends", "a2 starts", "a2 ends"]
-        # b1 pauses for c; then c1, the one paused place taken, computes to its end.
+        # b1 pauses for c; then, the one paused place taken, c1 and b1 take turns
+        # while d1, not begun, waits for one of them to end.
         b1 = jobs.submit("b1", "b")
         await settle()
         c1 = jobs.submit("c1", "c", steps=30)
@@ -422,9 +423,10 @@ def test_a_job_does_not_pause_for_its_own_principal_nor_past_the_pause_limit():
         assert await c1 == "c1" and await d1 == "d1"
         jobs.release("b1")
         assert await b1 == "b1"
-        assert jobs.log[4:] == ["b1 starts", "c1 starts", "c1 ends", "d1 starts", "d1 ends",
-                                "b1 resumes", "b1 ends"]  # fmt: skip
-        assert lane.pauses_total == 1 and (lane.free, lane.running, lane.paused) == (1, 0, 0)
+        log = jobs.log[4:]
+        assert log[:2] == ["b1 starts", "c1 starts"] and "b1 resumes" in log[2:-5]
+        assert log[-5:] == ["c1 ends", "d1 starts", "d1 ends", "b1 resumes", "b1 ends"]
+        assert lane.pauses_total >= 2 and (lane.free, lane.running, lane.paused) == (1, 0, 0)
 
     Steps(Lane("compute", threads=1, quantum=0.005, max_paused=1)).run(scenario)
 
@@ -451,6 +453,100 @@ def test_at_the_pause_limit_the_paused_jobs_take_turns_with_the_one_computing():
         assert (lane.free, lane.running, lane.paused) == (1, 0, 0)
 
     Steps(Lane("compute", threads=1, quantum=0.005, max_paused=2)).run(scenario)
+
+
+def test_at_the_pause_limit_a_call_not_begun_does_not_stop_the_paused_taking_turns():
+    """Past the limit the turn went to a paused job only if it was the next in turn
+    overall, and a principal never served sorts first: with one waiting, the job
+    computing ran to its end while the paused ones waited (helper-82). Now the paused
+    ones take turns; the new call waits for an end."""
+
+    async def scenario(jobs):
+        calls = [jobs.submit("a1", "a")]
+        await settle()
+        calls.append(jobs.submit("b1", "b"))
+        while "b1 starts" not in jobs.log:
+            await asyncio.sleep(0.005)
+        calls.append(jobs.submit("c1", "c", steps=1))
+        end = time.monotonic() + 10
+        while min(jobs.log.count(f"{p}1 resumes") for p in "ab") < 3:
+            assert time.monotonic() < end, jobs.log
+            await asyncio.sleep(0.01)
+        assert "c1 starts" not in jobs.log
+        jobs.release("a1")
+        assert await calls[0] == "a1" and await calls[2] == "c1"
+        jobs.release("b1")
+        assert await calls[1] == "b1"
+
+    Steps(Lane("compute", threads=1, quantum=0.005, max_paused=1)).run(scenario)
+
+
+def test_a_job_does_not_pause_when_nobody_may_take_its_turn():
+    """With the last thread kept for a principal with nothing running, a's job paused
+    for b, whose next call could not take the thread (b runs one): the thread sat
+    idle and a's job waited for a's other one to end (helper-82)."""
+
+    async def scenario(jobs):
+        lane = jobs.lane
+        calls = [jobs.submit(name, name[0]) for name in ("a1", "a2", "b1")]
+        await settle()
+        calls.append(jobs.submit("b2", "b"))  # may not take the last thread: b runs b1
+        await asyncio.sleep(0.3)
+        assert lane.paused == 0 and lane.free == 0
+        assert jobs.log.count("b2 starts") == 0
+        for name in ("a1", "a2", "b1", "b2"):
+            jobs.release(name)
+        assert [await call for call in calls] == ["a1", "a2", "b1", "b2"]
+
+    Steps(Lane("light", threads=3, reserve_last_thread=True, quantum=0.01, max_paused=3)).run(
+        scenario
+    )
+
+
+def test_a_call_waiting_for_anothers_measure_of_its_shape_lets_it_go_on():
+    """The first CPU forward of a shape measures its formulations and may pause
+    between its timed runs; a call of the same shape given its turn waited for the
+    measurement without a check, holding the turn the measurer waited for: for ever
+    without a deadline (helper-82). It checks, and so pauses, while it waits."""
+    from gradserve.kernels import backend_numpy, lstm, lstm_cpu
+    from gradserve.lstm_signature import LSTMInputs
+    from tests.kernels.lstm_cases import INPUTS, random_case
+
+    case = random_case(np.random.default_rng(0), 60, 3, 7, 5, np.float32)
+    inputs = LSTMInputs(*(case[k] for k in INPUTS))
+
+    def check():  # as servicer.Liveness, with no deadline
+        if pauses.may_pause():
+            pause_point(lambda: None)
+
+    def forward(busy):
+        def work():
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < busy:  # the op's earlier work: past its quantum
+                pass
+            return lstm.block_lstm_forward(backend_numpy, inputs, seq_len_max=60, check=check)
+
+        return work
+
+    async def scenario():
+        lane = Lane("compute", 1, quantum=0.05)
+        first = asyncio.ensure_future(lane.run(forward(0.06), "a"))
+        await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(lane.run(forward(0.0), "b"))
+        try:
+            done, _ = await asyncio.wait([first, second], timeout=20)
+            assert len(done) == 2, "a call waited for a measurement that waited for it"
+        finally:
+            lane.shutdown()
+        for a, b in zip(first.result(), second.result()):
+            np.testing.assert_array_equal(a, b)
+
+    saved = lstm_cpu.PLANNER
+    lstm_cpu.PLANNER = lstm_cpu.Planner()  # a shape nobody measured yet
+    try:
+        asyncio.run(scenario())
+    finally:
+        lstm_cpu.PLANNER = saved
 
 
 def test_the_server_lets_one_op_per_principal_pause(tokens, tmp_path):
