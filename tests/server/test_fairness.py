@@ -366,15 +366,20 @@ def test_a_long_job_lends_its_turn_to_another_principal_and_resumes_before_its_o
     Steps(Lane("compute", threads=1, quantum=0.01)).run(scenario)
 
 
+async def computes_to_its_end(jobs, first, then):
+    """Job ``first`` (principal: its first letter, 30 steps) computes to its end while
+    ``then`` (one step) waits."""
+    long = jobs.submit(first, first[0], steps=30)
+    await settle()
+    other = jobs.submit(then, then[0], steps=1)
+    assert await long == first and await other == then
+    assert jobs.log[-4:] == [f"{first} starts", f"{first} ends", f"{then} starts", f"{then} ends"]
+
+
 def test_without_a_quantum_a_long_job_keeps_its_turn():
     async def scenario(jobs):
-        lane = jobs.lane
-        long = jobs.submit("a1", "a", steps=30)
-        await settle()
-        other = jobs.submit("b1", "b", steps=1)
-        assert await long == "a1" and await other == "b1"
-        assert jobs.log == ["a1 starts", "a1 ends", "b1 starts", "b1 ends"]
-        assert lane.pauses_total == 0
+        await computes_to_its_end(jobs, "a1", "b1")
+        assert jobs.lane.pauses_total == 0
 
     Steps(Lane("compute", threads=1, quantum=None)).run(scenario)
 
@@ -409,11 +414,7 @@ def test_a_job_paused_whose_call_ends_gives_up_its_wait_and_holds_no_turn():
 def test_a_job_does_not_pause_for_its_own_principal_nor_for_a_call_not_begun_at_the_limit():
     async def scenario(jobs):
         lane = jobs.lane
-        first = jobs.submit("a1", "a", steps=20)
-        await settle()
-        own = jobs.submit("a2", "a", steps=1)
-        assert await first == "a1" and await own == "a2"
-        assert jobs.log == ["a1 starts", "a1 ends", "a2 starts", "a2 ends"]
+        await computes_to_its_end(jobs, "a1", "a2")
         # b1 pauses for c; then, the one paused place taken, c1 and b1 take turns
         # while d1, not begun, waits for one of them to end.
         b1 = jobs.submit("b1", "b")
