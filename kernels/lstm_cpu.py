@@ -63,9 +63,9 @@ PLAN_CACHE_ENTRIES = 256
 TRANSPOSE_STRIP_ROWS = 16
 #: Steps and rounds of a measurement: each candidate runs a prefix of the sequence.
 PROBE_STEPS = 24
+PROBE_ROUNDS = 3
 #: A call waiting for another's measurement of its shape checks this often.
 PLAN_WAIT_CHECK_SECONDS = 0.01
-PROBE_ROUNDS = 3
 
 
 class Formulation(enum.Enum):
