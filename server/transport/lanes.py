@@ -235,9 +235,9 @@ class Lane:
 
     def _pause(self, job: _Job) -> None:
         """On the loop: give ``job``'s turn to the next in turn, unless nobody else
-        waits now, or its principal has a job paused already, or nobody may take the
-        turn (then it computes on). With ``max_paused`` jobs paused already, the turn
-        goes to the paused job next in turn (that may be ``job`` itself)."""
+        waits now, or its principal has a job paused already, or the next in turn is
+        nobody or ``job`` itself (then it computes on). With ``max_paused`` jobs paused
+        already, the turn goes to the paused job next in turn."""
         others = self._waiting_principals - {job.who}
         if not others or job.who in self._paused:
             self._decline(job)
@@ -253,8 +253,8 @@ class Lane:
         # a quantum each (helper-81: 14 ops against 2); calls not begun wait for an end.
         at_limit = len(self._paused) > self.max_paused
         turn = self._next_turn(paused_only=at_limit)
-        if turn is None:  # (nobody may take it: helper-82, a thread left idle)
-            del self._paused[job.who]
+        if turn is None or turn == job.who:  # (nobody else may take it: helper-82, a
+            del self._paused[job.who]  # thread left idle; or it would go on: no pause)
             self.free -= 1
             self._holding[job.who] = self.holding(job.who) + 1
             job.holds = True

@@ -498,6 +498,8 @@ def test_a_job_does_not_pause_when_nobody_may_take_its_turn():
         for name in ("a1", "a2", "b1", "b2"):
             jobs.release(name)
         assert [await call for call in calls] == ["a1", "a2", "b1", "b2"]
+        assert (lane.free, lane.running, lane.paused, lane.waiting) == (3, 0, 0, 0)
+        assert not lane._holding and lane.pauses_total == 0
 
     Steps(Lane("light", threads=3, reserve_last_thread=True, quantum=0.01, max_paused=3)).run(
         scenario
