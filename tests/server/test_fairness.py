@@ -506,6 +506,26 @@ def test_a_job_does_not_pause_when_nobody_may_take_its_turn():
     )
 
 
+def test_a_job_whose_turn_would_come_straight_back_does_not_pause():
+    """Two threads, a and b computing, b's next call waiting: a's turn would go back
+    to a (b holds more), so a computes on, its place in turn unmoved (it paused and
+    took its turn straight back, every quantum)."""
+
+    async def scenario(jobs):
+        lane = jobs.lane
+        calls = [jobs.submit("a1", "a"), jobs.submit("b1", "b")]
+        await settle()
+        calls.append(jobs.submit("b2", "b", steps=1))
+        await asyncio.sleep(0.2)
+        assert "a1 resumes" not in jobs.log and "b2 starts" not in jobs.log
+        for name in ("a1", "b1", "b2"):
+            jobs.release(name)
+        assert [await call for call in calls] == ["a1", "b1", "b2"]
+        assert lane.pauses_total == 0 and (lane.free, lane.running, lane.paused) == (2, 0, 0)
+
+    Steps(Lane("compute", threads=2, quantum=0.005)).run(scenario)
+
+
 def test_a_call_waiting_for_anothers_measure_of_its_shape_lets_it_go_on():
     """The first CPU forward of a shape measures its formulations and may pause
     between its timed runs; a call of the same shape given its turn waited for the
