@@ -13,7 +13,9 @@ Health and reflection never pass through either lane, so they answer while every
 lane is busy. ``Admission`` counts the calls in flight (``--max-concurrent-rpcs``,
 and ``--max-concurrent-rpcs-per-principal`` of one principal; health excluded) and
 refuses every new call with UNAVAILABLE once the server drains, before it does
-anything: a call the SDK may safely repeat goes elsewhere.
+anything: a call the SDK may safely repeat goes elsewhere. Fetches and deletes of what
+this replica holds (``DRAIN_CALLS``) are still admitted: no other replica could answer
+them, and an op that ended in the drain sends its largest outputs that way.
 """
 
 from __future__ import annotations
@@ -58,8 +60,15 @@ class Admission:
          "UnregisterSharedMemory", "TensorArrayCloseV3"}
     )  # fmt: skip
 
-    #: A drain waits for this long after the last call it admitted before it stops the
-    #: server: calls gRPC has received but not yet handed over are refused, not
+    #: Calls admitted while the server drains: they read or free what only this
+    #: replica holds, and no other could answer them. An op that ended in the drain
+    #: sends outputs that do not fit its reply by GetTensor calls after it; refused,
+    #: its results were lost (found rerunning helper-81's drain script; an LSTM of 4.8 MB
+    #: outputs). The drain waits for them as for any call, within ``--grace``.
+    DRAIN_CALLS = frozenset({"GetTensor", "GetTensorInline", "DeleteTensor", "CloseSession"})
+
+    #: A drain waits for this long after the last call it admitted (or saw end) before
+    #: it stops the server: calls gRPC has received but not yet handed over are refused, not
     #: cancelled. Clients that keep calling (a worker repeating DRAINING refusals
     #: through a proxy) can still land a call in gRPC core's queue as it stops, which
     #: core ends CANCELLED (grpc/grpc#41785); the SDK counts that as UNAVAILABLE.
@@ -96,12 +105,12 @@ class Admission:
         self._streams_of: dict[str, int] = {}
         self._calls_of: dict[str, int] = {}
         self.draining = False
-        self._last_arrival = 0.0
+        self._last_activity = 0.0
         self._idle: asyncio.Event | None = None
 
     def enter(self, principal: str, *, stream: bool = False, method: str = "") -> None:
         """Admit a call of ``method``, or refuse it (changing nothing)."""
-        if self.draining:
+        if self.draining and method not in self.DRAIN_CALLS:
             raise UnavailableError(
                 "the server is shutting down: call another replica (or retry)",
                 reason=DRAINING_REASON,
@@ -155,7 +164,7 @@ class Admission:
                 )
             self._calls_of[principal] = owned + 1
         self.in_flight += 1
-        self._last_arrival = time.monotonic()
+        self._last_activity = time.monotonic()
         self._event().clear()
 
     @staticmethod
@@ -172,8 +181,16 @@ class Admission:
         if stream:
             self.streams -= 1
         self.in_flight -= 1
+        self._last_activity = time.monotonic()
         if self.in_flight == 0:
             self._event().set()
+
+    def call_done(self) -> None:
+        """gRPC is done with a unary call (its reply sent): the drain's quiet time
+        counts from here too. A client fetches the outputs that did not fit an op's
+        reply once it has the reply; counted from the op's arrival, the drain stopped
+        the server as the op ended, and the fetches found nothing listening."""
+        self._last_activity = time.monotonic()
 
     def reply_waiting(self, principal: str, nbytes: int) -> None:
         """A unary reply of ``nbytes`` has waited in gRPC past the grace
@@ -220,8 +237,9 @@ class Admission:
             )
 
     async def drain(self, timeout: float) -> bool:
-        """Refuse new calls; wait up to ``timeout`` s for those in flight to finish and
-        for ``QUIET_SECONDS`` without a new arrival. Returns True when none is left."""
+        """Refuse new calls (but ``DRAIN_CALLS``); wait up to ``timeout`` s for those in
+        flight to finish and for ``QUIET_SECONDS`` without a call arriving, ending, or
+        its reply leaving. Returns True when none is left."""
         self.draining = True
         deadline = time.monotonic() + timeout
         while True:
@@ -234,7 +252,7 @@ class Admission:
                 except TimeoutError:
                     return False
                 continue
-            quiet = time.monotonic() - self._last_arrival
+            quiet = time.monotonic() - self._last_activity
             if quiet >= self.QUIET_SECONDS:
                 return True
             await asyncio.sleep(min(self.QUIET_SECONDS - quiet, left))

@@ -347,6 +347,7 @@ class _Reply:
     def gone(self, _context: Any = None) -> None:
         """gRPC is done with the call (its done callback)."""
         self._done = True
+        self._admission.call_done()
         if self._timer is not None:
             self._timer.cancel()
         if self._counted:

@@ -18,6 +18,7 @@ from gradserve.client._errors import DROPPED
 from gradserve.errors import GradserveError, UnavailableError
 from gradserve.server.core import tensor_array
 from gradserve.server.core.sessions import TENSOR_RECORD_BYTES
+from tests.server.test_limits import lstm_args
 from tests.server_process import ServerProcess
 
 
@@ -136,3 +137,28 @@ def test_sigterm_under_load():
     assert server.proc.wait(30) == 0
     assert outcomes.get("ok", 0) > 0
     assert set(outcomes) <= {"ok", "refused", "UnavailableError"}, outcomes  # no CANCELLED
+
+
+def test_an_op_that_ends_in_a_drain_gets_its_streamed_outputs_to_its_client():
+    """Outputs that do not fit the reply come back by GetTensor calls after it. A
+    drain refused those (every new call was): the op completed, and its results were
+    lost (UNAVAILABLE, then "failed to connect" once the server had stopped). Reading
+    and deleting what only this replica holds is admitted while it drains."""
+    server = ServerProcess("--grace", "20")
+    try:
+        with gradserve.Client(server.target, retries=0, shared_memory=False) as c:
+            args = lstm_args(150_000)  # seven 4.8 MB outputs: more than one reply holds
+            alone = c.raw_ops.BlockLSTMV2(*args)
+            result = {}
+            call = threading.Thread(target=lambda: result.update(out=c.raw_ops.BlockLSTMV2(*args)))
+            call.start()
+            assert server.wait_for("gradserve_compute_running", 1) == 1
+            server.proc.send_signal(signal.SIGTERM)
+            call.join(30)
+            assert "out" in result, "the op's outputs were lost"
+            for got, expected in zip(result["out"], alone):
+                np.testing.assert_array_equal(got, expected)
+        assert server.proc.wait(30) == 0
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
