@@ -213,6 +213,10 @@ class Session:
         self._lost_tapes: dict[str, None] = {}
         #: Gradients computations so far: each gets its own grad-array ``source``.
         self._gradient_sources = 0
+        #: Ids of the outputs an op's reply handed out to be fetched (transient: they
+        #: did not fit it) and not yet read out in full nor deleted (``handed_out``):
+        #: a drain waits for their fetches (``unfetched_outputs``).
+        self._unfetched: set[str] = set()
         #: Same-host shared-memory regions the worker registered (``regions``), each at
         #: most the session's byte limit; closed with the session.
         self.regions = RegionTable(
@@ -610,11 +614,38 @@ class Session:
                     self._by_array[id(placed)] = kept
         return placed
 
+    def handed_out(self, tensor_id: str) -> None:
+        """An op's reply hands out ``tensor_id`` for its client to fetch (a transient
+        output), which it does once it has the reply: until it has read it out
+        (``fetched``) or deleted it, a drain waits for it."""
+        with self._lock:
+            if tensor_id in self._resident:
+                self._unfetched.add(tensor_id)
+
+    def fetched(self, tensor_id: str) -> None:
+        """A stream read ``tensor_id`` out in full."""
+        with self._lock:
+            self._unfetched.discard(tensor_id)
+
+    def unfetched_outputs(self, patience: float, now: float | None = None) -> int:
+        """How many handed-out outputs its client has still to fetch, if it is still
+        about it: a call on the session runs, or one ended less than ``patience``
+        seconds ago. A client that went away (crashed between the reply and its
+        fetches) holds no drain up; its outputs go with the session."""
+        with self._lock:
+            unfetched = len(self._unfetched)
+        if not unfetched:
+            return 0
+        since = self.idle_since()
+        now = time.monotonic() if now is None else now
+        return unfetched if since is None or now - since < patience else 0
+
     def delete(self, tensor_ids: Iterable[str]) -> int:
         """Drop tensors; returns how many existed. Bytes of one still being read out
         are released when its last reader ends."""
         with self._lock:
             gone = [(t, k) for t in tensor_ids if (k := self._resident.pop(t, None)) is not None]
+            self._unfetched.difference_update(t for t, _ in gone)
             freed = self._drop(k for _, k in gone) + sum(self._entry_gone(t) for t, _ in gone)
         self.budget.release(freed)
         return len(gone)
@@ -1211,6 +1242,7 @@ class Session:
             freed += TENSOR_RECORD_BYTES * len(self._ids)  # the ids left: the table's
             self._ids.clear()
             self._resident.clear()
+            self._unfetched.clear()
             self._by_array.clear()
             self._reservations.clear()
         self.budget.release(freed)
@@ -1507,6 +1539,12 @@ class SessionStore:
             self._sessions[state.id] = session
             self.restored += 1
         return session
+
+    def unfetched_outputs(self, patience: float) -> int:
+        """Outputs handed out and not yet fetched, in every session whose client is
+        still about it (``Session.unfetched_outputs``)."""
+        now = time.monotonic()
+        return sum(s.unfetched_outputs(patience, now) for s in self.sessions())
 
     def close_all(self) -> None:
         with self._lock:

@@ -74,6 +74,17 @@ class Admission:
     #: core ends CANCELLED (grpc/grpc#41785); the SDK counts that as UNAVAILABLE.
     QUIET_SECONDS = 0.25
 
+    #: While outputs an op's reply handed out wait for their client's fetch, the
+    #: drain looks again this often: a client slower to fetch than ``QUIET_SECONDS``
+    #: (its process busy, the reply long on its way) found the server stopped and the
+    #: op's results lost.
+    UNFETCHED_POLL_SECONDS = 0.02
+
+    #: A session's handed-out outputs hold a drain up only while its client is about
+    #: it: a call on it runs or ended less than this long ago (a client that crashed
+    #: after its reply would otherwise hold every drain for all of ``--grace``).
+    FETCH_PATIENCE_SECONDS = 5.0
+
     def __init__(
         self,
         max_calls: int | None,
@@ -236,10 +247,11 @@ class Admission:
                 reason="REPLIES_UNREAD",
             )
 
-    async def drain(self, timeout: float) -> bool:
+    async def drain(self, timeout: float, unfetched: Callable[[], int] | None = None) -> bool:
         """Refuse new calls (but ``DRAIN_CALLS``); wait up to ``timeout`` s for those in
-        flight to finish and for ``QUIET_SECONDS`` without a call arriving, ending, or
-        its reply leaving. Returns True when none is left."""
+        flight to finish, for ``QUIET_SECONDS`` without a call arriving, ending, or
+        its reply leaving, and until ``unfetched()`` (the outputs replies handed out
+        that their clients are still to fetch) is 0. Returns True when no call is left."""
         self.draining = True
         deadline = time.monotonic() + timeout
         while True:
@@ -253,9 +265,12 @@ class Admission:
                     return False
                 continue
             quiet = time.monotonic() - self._last_activity
-            if quiet >= self.QUIET_SECONDS:
+            if quiet < self.QUIET_SECONDS:
+                await asyncio.sleep(min(self.QUIET_SECONDS - quiet, left))
+            elif unfetched is not None and unfetched():
+                await asyncio.sleep(min(self.UNFETCHED_POLL_SECONDS, left))
+            else:
                 return True
-            await asyncio.sleep(min(self.QUIET_SECONDS - quiet, left))
 
     def _event(self) -> asyncio.Event:
         if self._idle is None:

@@ -116,11 +116,19 @@ class Server:
         started = time.monotonic()
         self.store.draining = True
         await self._health.enter_graceful_shutdown()
-        finished = await self.servicer.admission.drain(grace)
+        admission = self.servicer.admission
+
+        def unfetched() -> int:
+            return self.store.unfetched_outputs(admission.FETCH_PATIENCE_SECONDS)
+
+        finished = await admission.drain(grace, unfetched)
+        if finished and (left := unfetched()):
+            log.warning("%d output(s) handed out were not fetched within the %.1fs grace",
+                        left, grace)  # fmt: skip
         if not finished:
             log.warning(
                 "%d call(s) still running after the %.1fs grace: cancelled",
-                self.servicer.admission.in_flight,
+                admission.in_flight,
                 grace,
             )
         if self._reaper is not None:

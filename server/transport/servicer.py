@@ -262,6 +262,7 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
                 pace.moved_bytes(len(chunk))
                 if call is not None:
                     call.bytes_out += len(chunk)
+        session.fetched(request.id)
         # Past the deadline the client gets DEADLINE_EXCEEDED, not the end of the
         # stream: the tensor stays, to be fetched again.
         deleted_once_replied(session, request, context)

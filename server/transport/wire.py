@@ -728,6 +728,8 @@ class CallIO:
             ref.dtype = codec.dtype_to_enum(array.dtype)
             ref.shape[:] = array.shape
             ref.transient = place.where is Where.TRANSIENT
+            if ref.transient:
+                self.session.handed_out(ref.id)
             return
         array = host_array(self.compute, array)
         if (

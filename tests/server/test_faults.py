@@ -139,6 +139,38 @@ def test_sigterm_under_load():
     assert set(outcomes) <= {"ok", "refused", "UnavailableError"}, outcomes  # no CANCELLED
 
 
+def test_a_drain_waits_for_a_slow_client_to_fetch_what_its_reply_handed_out():
+    """An output that does not fit its reply waits on the server for the client's
+    GetTensor. The drain stopped the server QUIET_SECONDS (0.25 s) after the op's call
+    ended: a client that fetched later than that (its process busy) found nothing
+    listening, and the result was lost. The drain now waits, within --grace, until
+    the outputs handed out are fetched."""
+    server = ServerProcess("--grace", "20")
+    try:
+        # 1 MiB messages: StopGradient's 4 MiB output goes back by GetTensor.
+        with gradserve.Client(
+            server.target, retries=0, shared_memory=False, max_message_bytes=1 << 20
+        ) as c:
+            x = np.arange(1 << 20, dtype=np.float32)
+            fetch, fetches = c._fetch, []
+
+            def fetch_late(tensor_id, **kwargs):
+                if not fetches:
+                    server.proc.send_signal(signal.SIGTERM)
+                    assert server.wait_for("gradserve_draining", 1) == 1
+                    time.sleep(1.5)
+                fetches.append(tensor_id)
+                return fetch(tensor_id, **kwargs)
+
+            c._fetch = fetch_late
+            np.testing.assert_array_equal(c.raw_ops.StopGradient(input=x), x)
+            assert len(fetches) == 1
+        assert server.proc.wait(30) == 0
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+
+
 def test_an_op_that_ends_in_a_drain_gets_its_streamed_outputs_to_its_client():
     """Outputs that do not fit the reply come back by GetTensor calls after it. A
     drain refused those (every new call was): the op completed, and its results were

@@ -5,6 +5,7 @@ progress, so that every adopted session is saved or still in the adopt dir."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -23,6 +24,7 @@ import gradserve
 from gradserve import protocol
 from gradserve.server.core import persistence
 from gradserve.server.core.sessions import SessionStore
+from gradserve.server.transport.admission import Admission
 from gradserve.server.transport.app import ConfigError, run_server
 from gradserve.server.transport.log_writer import LogWriter
 from gradserve.v1 import service_pb2, service_pb2_grpc
@@ -564,3 +566,47 @@ def test_warnings_and_a_threads_exception_go_through_the_log_writer():
     assert "UserWarning: a warning" in lines[0]["message"]
     assert lines[1]["message"] == "uncaught exception in thread doomed"
     assert "ZeroDivisionError" in lines[1]["exception"]
+
+
+def test_handed_out_outputs_hold_a_drain_only_while_their_client_is_about_it():
+    """A drain waits for the outputs a reply handed out (transient) until their client
+    fetches or deletes them, but not for a client that went away: a session with no
+    call for FETCH_PATIENCE_SECONDS counts none."""
+    store = SessionStore()
+    session = store.create()
+    out, other = session.put(np.ones(4, np.float32)), session.put(np.ones(4, np.float32))
+    session.handed_out(out)
+    session.handed_out("no-such-id")  # nothing held: nothing to wait for
+    used = session.last_used
+    assert session.unfetched_outputs(5.0, now=used + 4.9) == 1
+    assert session.unfetched_outputs(5.0, now=used + 5.1) == 0  # its client went away
+    ended = session.call_started()
+    assert session.unfetched_outputs(5.0, now=session.last_used + 60) == 1  # a call runs
+    ended()
+    assert store.unfetched_outputs(5.0) == 1
+    session.fetched(out)
+    assert store.unfetched_outputs(5.0) == 0
+    session.handed_out(other)
+    session.delete([other])
+    assert store.unfetched_outputs(5.0) == 0
+    again = session.put(np.ones(4, np.float32))
+    session.handed_out(again)
+    session.close()
+    assert session.unfetched_outputs(5.0) == 0
+
+
+def test_a_drain_waits_for_unfetched_outputs_within_its_timeout():
+    admission = Admission(None)
+
+    async def drain(timeout: float, fetched_after: float | None) -> tuple[bool, float]:
+        left = [1]
+        if fetched_after is not None:
+            asyncio.get_running_loop().call_later(fetched_after, left.clear)
+        started = time.monotonic()
+        finished = await admission.drain(timeout, lambda: len(left))
+        return finished, time.monotonic() - started
+
+    finished, took = asyncio.run(drain(5.0, fetched_after=0.6))
+    assert finished and 0.6 <= took < 2.0, took  # until the fetch, not to the timeout
+    finished, took = asyncio.run(drain(0.8, fetched_after=None))
+    assert finished and 0.8 <= took < 2.0, took  # never fetched: the timeout ends it
