@@ -3,6 +3,7 @@ tests and benchmarks: its address, its metrics, SIGTERM."""
 
 from __future__ import annotations
 
+import collections
 import re
 import signal
 import subprocess
@@ -42,7 +43,30 @@ class ServerProcess:
             raise AssertionError("".join(self.log_head) + line)
         self.target = f"127.0.0.1:{match.group(1)}"
         self.metrics_port = int(match.group(2))
-        threading.Thread(target=self.proc.stdout.read, daemon=True).start()  # drain logs
+        #: The last lines it logged, for a failure's message (``wait``).
+        self.log_tail: collections.deque[str] = collections.deque(maxlen=400)
+        threading.Thread(target=self._read_log, daemon=True).start()
+
+    def _read_log(self) -> None:
+        for line in self.proc.stdout:
+            self.log_tail.append(line)
+
+    def wait(self, timeout: float) -> int:
+        """Its exit code, once it exits within ``timeout`` seconds. Else it is made to
+        dump its threads' stacks (SIGABRT: the server enables ``faulthandler``) and
+        killed, and the AssertionError carries the end of its log."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGABRT)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            time.sleep(0.5)  # (the reader takes in the dump)
+            log = "".join(self.log_tail)
+            raise AssertionError(f"not exited within {timeout}s; its log ends:\n{log}") from None
 
     def metric(self, name: str) -> float:
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
@@ -60,7 +84,9 @@ class ServerProcess:
         return self.metric(name)
 
     def stop(self) -> int:
-        return stop_process(self.proc, signal.SIGTERM, 30)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.wait(30)
 
 
 def stop_process(proc: subprocess.Popen, sig: int, timeout: float) -> int:

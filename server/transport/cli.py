@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -338,11 +339,16 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:  # written out first: the lines that say what went wrong
         writer.close(LOG_DRAIN_SECONDS)
         raise
-    if not writer.close(LOG_DRAIN_SECONDS):
-        # stderr's reader is not reading: flushing it at exit would block as well.
-        # The sessions are saved (or the exit code says not): leave now.
-        os._exit(code)
-    return code
+    if writer.close(LOG_DRAIN_SECONDS):
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.flush()
+            sys.stderr.flush()
+    # else stderr's reader is not reading: flushing it would block as well.
+    # The server has stopped: its sessions are saved (or the exit code says not) and
+    # freed, its log written. Leave now: the interpreter's exit would wait for every
+    # thread a library left that is not a daemon, and gRPC's own cleanup, which a
+    # SIGTERMed server must never hang on (``app.STOP_SLACK_SECONDS``).
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ then runs the CLI. Importing
 
 from __future__ import annotations
 
+import faulthandler
 import os
 from collections.abc import MutableMapping
 
@@ -42,6 +43,9 @@ def quiet_grpc_core(environ: MutableMapping[str, str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A fatal signal (SIGSEGV in a native library, SIGABRT from an operator or a test
+    # whose server would not exit) writes every thread's Python stack to stderr.
+    faulthandler.enable()
     quiet_idle_blas_threads(os.environ)
     quiet_grpc_core(os.environ)
     from gradserve.server.transport.cli import main as cli_main

@@ -23,13 +23,13 @@ from tests.server_process import ServerProcess
 def process():
     server = ServerProcess("--grace", "2")
     assert server.first_line.startswith(f"listening on {server.target}")
-    yield server.proc, server.target
+    yield server
     if server.proc.poll() is None:
         server.proc.kill()
 
 
 def test_health_serving(process):
-    _, target = process
+    target = process.target
     with grpc.insecure_channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         for service in ("", "gradserve.v1.GradServe"):
@@ -38,7 +38,7 @@ def test_health_serving(process):
 
 
 def test_health_subcommand(process):
-    _, target = process
+    target = process.target
     port = target.rsplit(":", 1)[1]
     done = subprocess.run(
         [sys.executable, "-m", "gradserve.server", "health", "--port", port],
@@ -50,7 +50,7 @@ def test_health_subcommand(process):
 
 
 def test_reflection_lists_services(process):
-    _, target = process
+    target = process.target
     with grpc.insecure_channel(target) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         request = reflection_pb2.ServerReflectionRequest(list_services="")
@@ -60,15 +60,14 @@ def test_reflection_lists_services(process):
 
 
 def test_op_through_sdk(process):
-    _, target = process
+    target = process.target
     with gradserve.Client(target) as client:
         np.testing.assert_array_equal(client.stop_gradient(np.eye(2)), np.eye(2))
 
 
 def test_sigterm_exits_zero(process):
-    proc, _ = process
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0
+    process.proc.send_signal(signal.SIGTERM)
+    assert process.wait(30) == 0
 
 
 def test_a_second_server_on_a_taken_port_fails_to_start():

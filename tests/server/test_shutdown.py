@@ -25,7 +25,7 @@ from gradserve import protocol
 from gradserve.server.core import persistence
 from gradserve.server.core.sessions import SessionStore
 from gradserve.server.transport.admission import Admission
-from gradserve.server.transport.app import ConfigError, run_server
+from gradserve.server.transport.app import STOP_SLACK_SECONDS, ConfigError, run_server
 from gradserve.server.transport.log_writer import LogWriter
 from gradserve.v1 import service_pb2, service_pb2_grpc
 from tests.server_process import ServerProcess
@@ -610,3 +610,67 @@ def test_a_drain_waits_for_unfetched_outputs_within_its_timeout():
     assert finished and 0.6 <= took < 2.0, took  # until the fetch, not to the timeout
     finished, took = asyncio.run(drain(0.8, fetched_after=None))
     assert finished and 0.8 <= took < 2.0, took  # never fetched: the timeout ends it
+
+
+def _serve_patched(patch: str, *flags: str) -> subprocess.Popen:
+    """The server's own entry point in a process, after ``patch`` (Python) ran."""
+    run = "from gradserve.server.transport.entry import main\nsys.exit(main(sys.argv[1:]))"
+    return subprocess.Popen(
+        [sys.executable, "-c", f"import sys\n{patch}\n{run}\n", *SERVE[3:], *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def test_a_thread_left_running_does_not_keep_a_stopped_server_alive():
+    """The server stopped, the interpreter's exit waited for every thread that was not
+    a daemon (a library's, an executor's stuck in its work): a SIGTERMed server never
+    exited. It leaves once it has stopped: its sessions saved and freed, its log out."""
+    stray = "import threading\nthreading.Thread(target=threading.Event().wait).start()"
+    proc = _serve_patched(stray, "--grace", "1")
+    try:
+        _port(proc)
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_grpc_shutdown_that_hangs_stops_the_server_and_saves_its_sessions(tmp_path):
+    """gRPC's own shutdown (``grpc.aio.Server.stop``) is awaited without a bound of its
+    own: one that never ended left a SIGTERMed server running for ever, its sessions
+    unsaved. The stop goes on STOP_SLACK_SECONDS past the grace and logs where every
+    thread was."""
+    hang = textwrap.dedent(
+        """
+        import asyncio
+        from grpc.aio import _server
+        async def never(self, grace):
+            await asyncio.sleep(3600)
+        _server.Server.stop = never
+        """
+    )
+    state = tmp_path / "state"
+    proc = _serve_patched(hang, "--grace", "1", "--state-dir", str(state))
+    try:
+        target = f"127.0.0.1:{_port(proc)}"
+        client = gradserve.Client(target, shared_memory=False)
+        value = np.arange(5, dtype=np.float32)
+        ref, session_id = client.put(value), client.session_id
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        log = proc.communicate(timeout=60)[0].decode()
+        assert proc.returncode == 0, log
+        assert time.monotonic() - started < 1 + STOP_SLACK_SECONDS + 10
+        assert "going on without them" in log and "gradserve-loop" in log, log
+    finally:
+        proc.kill()
+        proc.wait()
+    again = ServerProcess("--state-dir", str(state))
+    try:
+        with gradserve.Client(again.target, session_id=session_id, shared_memory=False) as c:
+            np.testing.assert_array_equal(c.get(ref.id), value)
+    finally:
+        assert again.stop() == 0
