@@ -263,6 +263,7 @@ def _encode(state: SessionState, to_host: Callable[[Any], Any]) -> tuple[bytes, 
         "closed_order": state.closed_order,
         "lost_tapes": state.lost_tapes,
         "released_tapes": state.released_tapes,
+        "handed_out": state.handed_out,
     }
     return json.dumps(meta, separators=(",", ":")).encode(), blobs.pieces
 
@@ -515,6 +516,7 @@ def _decode(payload: memoryview) -> SessionState:
         # (both absent from snapshots written before they were kept)
         lost_tapes=[str(t) for t in meta.get("lost_tapes") or ()],
         released_tapes=[str(t) for t in meta.get("released_tapes") or ()],
+        handed_out=[str(t) for t in meta.get("handed_out") or ()],  # (absent before kept)
     )
 
 

@@ -88,6 +88,26 @@ class _Kept:
     refs: int = 1
 
 
+#: A handed-out output still in its session this long after its reply left, or after
+#: it was read out in full, is deleted (``Session.expire_handed_out``): the SDK fetches
+#: each at once and deletes it by its next call.
+HANDED_OUT_MAX_AGE_SECONDS = 300.0
+
+
+@dataclasses.dataclass(slots=True)
+class _HandedOut:
+    """An output an op's reply handed out for its client to fetch (a *transient*
+    output: it did not fit the reply), until the client deletes it."""
+
+    #: When its reply left gRPC (or the session was restored with it), or it was last
+    #: read out; None while its reply is on its way.
+    since: float | None = None
+    #: Read out in full, in time: the client has it, and deletes it by its next call.
+    fetched: bool = False
+    #: Streams reading it out now.
+    readers: int = 0
+
+
 #: Bytes charged for each tensor a session holds besides its values: the array
 #: object (a view of the request it came in, which it keeps alive), its entry in the
 #: id table, its id (about 830 measured for a scalar put by ``PutTensorInline``).
@@ -213,10 +233,13 @@ class Session:
         self._lost_tapes: dict[str, None] = {}
         #: Gradients computations so far: each gets its own grad-array ``source``.
         self._gradient_sources = 0
-        #: Ids of the outputs an op's reply handed out to be fetched (transient: they
-        #: did not fit it) and not yet read out in full nor deleted (``handed_out``):
-        #: a drain waits for their fetches (``unfetched_outputs``).
-        self._unfetched: set[str] = set()
+        #: The outputs ops' replies handed out to be fetched, by id, until deleted
+        #: (``handed_out``): a drain waits for their fetches (``unfetched_outputs``),
+        #: a snapshot leaves out those fetched, and those no client came for are
+        #: deleted (``expire_handed_out``). A lock of its own: the drain reads it on
+        #: the event loop, which must never wait for the session's.
+        self._handed: dict[str, _HandedOut] = {}
+        self._handed_lock = threading.Lock()
         #: Same-host shared-memory regions the worker registered (``regions``), each at
         #: most the session's byte limit; closed with the session.
         self.regions = RegionTable(
@@ -587,9 +610,16 @@ class Session:
         with self._lock:
             kept = self._kept(tensor_id)
             kept.refs += 1
+            with self._handed_lock:
+                handed = self._handed.get(tensor_id)
+                if handed is not None:
+                    handed.readers += 1
         try:
             yield kept.array
         finally:
+            if handed is not None:
+                with self._handed_lock:
+                    handed.readers -= 1
             self.let_go([kept])
 
     def get_placed(self, tensor_id: str, place: Callable[[Any], Any]) -> Any:
@@ -618,34 +648,67 @@ class Session:
         """An op's reply hands out ``tensor_id`` for its client to fetch (a transient
         output), which it does once it has the reply: until it has read it out
         (``fetched``) or deleted it, a drain waits for it."""
-        with self._lock:
+        with self._lock, self._handed_lock:
             if tensor_id in self._resident:
-                self._unfetched.add(tensor_id)
+                self._handed[tensor_id] = _HandedOut()
+
+    def replied(self, tensor_ids: Iterable[str]) -> None:
+        """The reply that handed out ``tensor_ids`` has left (gRPC is done with its
+        call): the client's patience (``unfetched_outputs``) counts from now."""
+        now = time.monotonic()
+        with self._handed_lock:
+            for tensor_id in tensor_ids:
+                handed = self._handed.get(tensor_id)
+                if handed is not None and handed.since is None:
+                    handed.since = now
 
     def fetched(self, tensor_id: str) -> None:
-        """A stream read ``tensor_id`` out in full."""
-        with self._lock:
-            self._unfetched.discard(tensor_id)
+        """A read gave ``tensor_id`` out in full, in time."""
+        with self._handed_lock:
+            handed = self._handed.get(tensor_id)
+            if handed is not None:
+                handed.fetched, handed.since = True, time.monotonic()
 
     def unfetched_outputs(self, patience: float, now: float | None = None) -> int:
         """How many handed-out outputs its client has still to fetch, if it is still
-        about it: a call on the session runs, or one ended less than ``patience``
-        seconds ago. A client that went away (crashed between the reply and its
-        fetches) holds no drain up; its outputs go with the session."""
-        with self._lock:
-            unfetched = len(self._unfetched)
-        if not unfetched:
-            return 0
+        about it: their reply is on its way, a call on the session runs, or their
+        reply left or a call ended less than ``patience`` seconds ago. A client that
+        went away (crashed between the reply and its fetches) holds no drain up; its
+        outputs go with the session."""
         since = self.idle_since()
         now = time.monotonic() if now is None else now
-        return unfetched if since is None or now - since < patience else 0
+        with self._handed_lock:
+            return sum(
+                1 for h in self._handed.values()
+                if not h.fetched and (
+                    since is None or h.since is None or now - max(h.since, since) < patience
+                )
+            )  # fmt: skip
+
+    def expire_handed_out(self, max_age: float, now: float | None = None) -> int:
+        """Delete the handed-out outputs whose reply left, or which were read out,
+        more than ``max_age`` seconds ago, none that a stream reads now; returns how
+        many. The SDK fetches each at once and deletes it by its next call: one still
+        here is one no client will come for (it crashed, or had it before the crash
+        that restored this session from a snapshot), and held the session's bytes
+        until the session closed (a review helper: 64 MiB of them restored after a
+        SIGKILL refused every later gather of a client that kept its session)."""
+        now = time.monotonic() if now is None else now
+        with self._handed_lock:
+            stale = [
+                tensor_id for tensor_id, h in self._handed.items()
+                if h.since is not None and not h.readers and now - h.since > max_age
+            ]  # fmt: skip
+        return self.delete(stale) if stale else 0
 
     def delete(self, tensor_ids: Iterable[str]) -> int:
         """Drop tensors; returns how many existed. Bytes of one still being read out
         are released when its last reader ends."""
         with self._lock:
             gone = [(t, k) for t in tensor_ids if (k := self._resident.pop(t, None)) is not None]
-            self._unfetched.difference_update(t for t, _ in gone)
+            with self._handed_lock:
+                for tensor_id, _ in gone:
+                    self._handed.pop(tensor_id, None)
             freed = self._drop(k for _, k in gone) + sum(self._entry_gone(t) for t, _ in gone)
         self.budget.release(freed)
         return len(gone)
@@ -1121,7 +1184,12 @@ class Session:
             with self._lock:
                 arrays = {h: a for h, a in self._arrays.items() if h not in self._private_grads}
                 grads = self._grads.as_dict()
-                resident = {t: kept.array for t, kept in self._resident.items()}
+                with self._handed_lock:
+                    # The client has those it fetched, and deletes them by its next
+                    # call: restored, they were charged for ever (a review helper).
+                    fetched = {t for t, h in self._handed.items() if h.fetched}
+                    handed_out = [t for t in self._handed if t not in fetched]
+                resident = {t: kept.array for t, kept in self._resident.items() if t not in fetched}
                 counter = self._name_counter
                 # A call running is not idle time: a restart gives it the whole TTL (a
                 # session busy past its TTL was saved with none left, and expired at
@@ -1154,6 +1222,7 @@ class Session:
             lost_tapes=lost_tapes,
             released_tapes=released_tapes,
             closed_order=closed_order,
+            handed_out=handed_out,
             torn=not whole,
         )
 
@@ -1215,6 +1284,10 @@ class Session:
             closed = state.closed_order  # (a restored session forgot another array first)
         for handle in closed:
             session._closed_arrays[handle] = None
+        restored = time.monotonic()  # (their client's patience counts from here)
+        for tensor_id in state.handed_out:
+            if tensor_id in session._resident:
+                session._handed[tensor_id] = _HandedOut(since=restored)
         return session
 
     # ---------------------------------------------------------------- lifecycle
@@ -1242,7 +1315,8 @@ class Session:
             freed += TENSOR_RECORD_BYTES * len(self._ids)  # the ids left: the table's
             self._ids.clear()
             self._resident.clear()
-            self._unfetched.clear()
+            with self._handed_lock:
+                self._handed.clear()
             self._by_array.clear()
             self._reservations.clear()
         self.budget.release(freed)
@@ -1284,6 +1358,10 @@ class SessionState:
     #: forgotten first, ``MAX_CLOSED_ARRAYS``); None: in the order they were made (a
     #: snapshot from before this was kept).
     closed_order: list[str] | None = None
+    #: Ids of the resident tensors that are outputs handed out and not yet fetched
+    #: (``Session.handed_out``): the restored session deletes them if no client comes
+    #: for them (those already fetched are not in the snapshot at all).
+    handed_out: list[str] = dataclasses.field(default_factory=list)
     #: Taken with ops still changing it after ``snapshot_gate.SNAPSHOT_WAIT_SECONDS`` (an op that
     #: hangs must not stop the drain's snapshot): one of them may be half in it.
     #: Not written: the snapshot's report says so.
@@ -1477,7 +1555,8 @@ class SessionStore:
 
     def expire_idle(self, now: float | None = None) -> int:
         """Close sessions unused for longer than the idle timeout, none with a call
-        running; returns how many."""
+        running; returns how many. Also deletes the outputs handed out that no client
+        came for (``Session.expire_handed_out``)."""
         now = time.monotonic() if now is None else now
         with self._lock:
             stale = [
@@ -1491,6 +1570,8 @@ class SessionStore:
         for s in stale:
             s.close()
             self._ended(s.id)
+        for s in self.sessions():
+            s.expire_handed_out(HANDED_OUT_MAX_AGE_SECONDS, now)
         self.buffers.expire_idle(now)
         return len(stale)
 

@@ -22,6 +22,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import faulthandler
 import functools
 import logging
 import os
@@ -72,6 +73,12 @@ SWITCH_INTERVAL_SECONDS = 0.001
 #: (one clean-clone CI run saw a server not exit within 30 s of SIGTERM, grace 2 s;
 #: never reproduced).
 STOP_SLACK_SECONDS = 5.0
+
+#: How long past that a SIGTERMed server may take to save its sessions
+#: (``--state-dir``) and free them before ``serve``'s watchdog ends the process (exit
+#: code 1, every thread's stack on stderr): a thread stuck holding a session's lock
+#: (a fault elsewhere) left the save or the freeing waiting for ever.
+STOP_SAVE_SECONDS = 120.0
 
 
 class ConfigError(ValueError):
@@ -468,6 +475,12 @@ def serve(config: ServerConfig) -> int:
             if server.keeper is not None:
                 threading.Thread(target=server.keeper.adopt, name="gradserve-adopt").start()
     log.info("draining: health NOT_SERVING, new calls refused, %.1fs grace", config.grace)
+    # The last resort: stacks to stderr, then exit code 1 (sessions maybe not saved).
+    faulthandler.dump_traceback_later(
+        config.grace + STOP_SLACK_SECONDS + STOP_SAVE_SECONDS,
+        exit=True,
+        file=2,  # stderr
+    )
     server.stop()
     last = server.keeper.last if server.keeper is not None else None
     return 1 if last is not None and last.failed else 0  # 1: sessions were not saved

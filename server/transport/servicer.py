@@ -44,7 +44,7 @@ from gradserve.server.transport.observability import Observer, current_call
 from gradserve.server.transport.servicer_part import (
     ForgottenUnlessReplied,
     check_reply_in_time,
-    deleted_once_replied,
+    read_out_once_replied,
 )
 from gradserve.server.transport.shm_handlers import SharedMemoryRPCs
 from gradserve.server.transport.streams import END, Pace, StreamLimits, next_item
@@ -262,10 +262,9 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
                 pace.moved_bytes(len(chunk))
                 if call is not None:
                     call.bytes_out += len(chunk)
-        session.fetched(request.id)
         # Past the deadline the client gets DEADLINE_EXCEEDED, not the end of the
         # stream: the tensor stays, to be fetched again.
-        deleted_once_replied(session, request, context)
+        read_out_once_replied(session, request, context)
         return None
 
     def _wire_content(self, kept: Any) -> codec.WireContent:
@@ -442,6 +441,8 @@ def _call_over(io: CallIO, context: Any) -> None:
     else:  # (the large tapes its gradients spent: CallIO.reply_made)
         remaining = context.time_remaining()
         work = io.after_reply(reply_in_time=remaining is None or remaining > 0)
+        if io.handed_out:  # a drain gives the client a while to fetch them from now
+            io.session.replied(io.handed_out)
     io.end()
     if work is not None:
         future = asyncio.get_running_loop().run_in_executor(None, work)

@@ -43,20 +43,22 @@ def check_reply_in_time(context: Any) -> None:
         raise DeadlineExceededError("deadline exceeded")
 
 
-def deleted_once_replied(session: Session, request: Any, context: Any) -> None:
-    """A get's ``delete_after``, called as the handler replies: the tensor is deleted
-    once the call has ended with its reply sent before the deadline. Past it
+def read_out_once_replied(session: Session, request: Any, context: Any) -> None:
+    """A get (``request.id``) replies: once the call has ended with its reply sent
+    before the deadline, the tensor counts as fetched (a drain waits no more for it:
+    ``Session.fetched``) and, with ``delete_after``, is deleted. Past the deadline
     (``check_reply_in_time`` raises, or the sending took until then) the client got
     DEADLINE_EXCEEDED, and can fetch the tensor again. Deleted as the value was read,
     then as the handler replied, a reply that missed the client's deadline lost the
     tensor (a review helper: 71 of 120 gets of 128 MiB, a 0.5 s deadline)."""
     check_reply_in_time(context)
-    if not request.delete_after:
-        return
 
     def call_over(context: Any) -> None:
         remaining = context.time_remaining()
-        if remaining is None or remaining > 0:
+        if remaining is not None and remaining <= 0:
+            return
+        session.fetched(request.id)
+        if request.delete_after:
             with contextlib.suppress(GradserveError):  # (its session closed meanwhile)
                 session.delete([request.id])
 

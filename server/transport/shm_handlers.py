@@ -18,7 +18,7 @@ from gradserve.server.transport import boundary, shm_wire
 from gradserve.server.transport.servicer_part import (
     ForgottenUnlessReplied,
     ServicerPart,
-    deleted_once_replied,
+    read_out_once_replied,
 )
 from gradserve.server.transport.wire import host_array
 from gradserve.v1 import shared_memory_pb2 as pb
@@ -82,7 +82,7 @@ class SharedMemoryRPCs(ServicerPart):
     ) -> pb.GetSharedTensorResponse:
         """The resident tensor copied into the region; with ``delete_after`` deleted
         once copied (a copy that fails, or a reply past the deadline, leaves it, to be
-        fetched again: ``deleted_once_replied``)."""
+        fetched again: ``read_out_once_replied``)."""
         session = self._session(context)
         response = pb.GetSharedTensorResponse()
 
@@ -93,5 +93,5 @@ class SharedMemoryRPCs(ServicerPart):
                 shm_wire.fill(response.tensor, request.region, request.offset, array)
 
         await self.light.run(get)
-        deleted_once_replied(session, request, context)
+        read_out_once_replied(session, request, context)
         return response

@@ -27,7 +27,7 @@ from gradserve.server.transport import boundary
 from gradserve.server.transport.servicer_part import (
     ForgottenUnlessReplied,
     ServicerPart,
-    deleted_once_replied,
+    read_out_once_replied,
 )
 from gradserve.server.transport.wire import host_array
 from gradserve.v1 import service_pb2, tensor_pb2
@@ -87,7 +87,7 @@ class InlineTensorRPCs(ServicerPart):
 
         kept = session.get(request.id)  # NOT_FOUND here as in ``get``
         message = get() if on_loop(kept) else await self.light.run(get)
-        deleted_once_replied(session, request, context)
+        read_out_once_replied(session, request, context)
         return message
 
 

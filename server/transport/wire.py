@@ -165,6 +165,8 @@ class CallIO:
         #: without its response reaching the client, they are deleted
         #: (``forget_outputs``), since nobody else knows them.
         self.stored: list[str] = []
+        #: The transient outputs the response hands out (``Session.handed_out``).
+        self.handed_out: list[str] = []
         self._over = False  # the call ended without its response: store nothing more
         #: The handler returned its response (``servicer._call_over``: a call that
         #: ended before it did had no response to name what the op stored).
@@ -730,6 +732,7 @@ class CallIO:
             ref.transient = place.where is Where.TRANSIENT
             if ref.transient:
                 self.session.handed_out(ref.id)
+                self.handed_out.append(ref.id)
             return
         array = host_array(self.compute, array)
         if (

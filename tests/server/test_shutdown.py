@@ -9,25 +9,29 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import secrets
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from multiprocessing import shared_memory
 
 import grpc
 import numpy as np
 import pytest
 
 import gradserve
-from gradserve import protocol
+from gradserve import codec, protocol
 from gradserve.server.core import persistence
 from gradserve.server.core.sessions import SessionStore
 from gradserve.server.transport.admission import Admission
 from gradserve.server.transport.app import STOP_SLACK_SECONDS, ConfigError, run_server
 from gradserve.server.transport.log_writer import LogWriter
-from gradserve.v1 import service_pb2, service_pb2_grpc
+from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_array_pb2
+from gradserve.v1 import shared_memory_pb2 as shm_pb2
 from tests.server_process import ServerProcess
 
 SERVE = [sys.executable, "-m", "gradserve.server", "serve", "--port", "0", "--device", "cpu"]
@@ -570,16 +574,22 @@ def test_warnings_and_a_threads_exception_go_through_the_log_writer():
 
 def test_handed_out_outputs_hold_a_drain_only_while_their_client_is_about_it():
     """A drain waits for the outputs a reply handed out (transient) until their client
-    fetches or deletes them, but not for a client that went away: a session with no
-    call for FETCH_PATIENCE_SECONDS counts none."""
+    fetches or deletes them, but not for a client that went away: one whose reply left
+    and whose session has had no call for FETCH_PATIENCE_SECONDS counts none. While
+    the reply is on its way it counts, however long that takes (a helper's client
+    reading it at 150 KB/s lost its output when the patience counted from the op's
+    end)."""
     store = SessionStore()
     session = store.create()
     out, other = session.put(np.ones(4, np.float32)), session.put(np.ones(4, np.float32))
     session.handed_out(out)
     session.handed_out("no-such-id")  # nothing held: nothing to wait for
     used = session.last_used
-    assert session.unfetched_outputs(5.0, now=used + 4.9) == 1
-    assert session.unfetched_outputs(5.0, now=used + 5.1) == 0  # its client went away
+    assert session.unfetched_outputs(5.0, now=used + 60) == 1  # its reply not yet gone
+    session.replied([out])
+    left = time.monotonic()
+    assert session.unfetched_outputs(5.0, now=left + 4.9) == 1
+    assert session.unfetched_outputs(5.0, now=left + 5.1) == 0  # its client went away
     ended = session.call_started()
     assert session.unfetched_outputs(5.0, now=session.last_used + 60) == 1  # a call runs
     ended()
@@ -593,6 +603,53 @@ def test_handed_out_outputs_hold_a_drain_only_while_their_client_is_about_it():
     session.handed_out(again)
     session.close()
     assert session.unfetched_outputs(5.0) == 0
+
+
+@pytest.mark.parametrize("read", ["GetTensor", "GetTensorInline", "GetSharedTensor"])
+def test_every_read_of_a_handed_out_output_ends_the_drains_wait(read, tmp_path):
+    """Only GetTensor marked a transient output fetched: one read with GetTensorInline
+    (a client of its own, not the SDK) or into a shared-memory region held a drain
+    for FETCH_PATIENCE_SECONDS, or the whole grace if shorter (a review helper)."""
+    with run_server(port=0, device="cpu") as server:
+        channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+        stub = service_pb2_grpc.GradServeStub(channel)
+        session = stub.CreateSession(service_pb2.CreateSessionRequest()).session_id
+        metadata = ((protocol.SESSION_METADATA_KEY, session),)
+        request = tensor_array_pb2.StopGradientRequest()
+        x = np.arange(1024, dtype=np.float32)
+        codec.encode(x, request.input.value)
+        inline_limit = ((protocol.INLINE_LIMIT_METADATA_KEY, "16"),)
+        reply = stub.StopGradient(request, metadata=metadata + inline_limit)
+        assert reply.output.ref.transient
+        tensor_id = reply.output.ref.id
+        assert server.store.unfetched_outputs(5.0) == 1
+        get = service_pb2.GetTensorRequest(id=tensor_id)
+        if read == "GetTensor":
+            got = codec.decode_chunks(stub.GetTensor(get, metadata=metadata), field="x")
+        elif read == "GetTensorInline":
+            got = codec.decode(stub.GetTensorInline(get, metadata=metadata), field="x")
+        else:
+            key = f"gradserve_test_{os.getpid()}_{secrets.token_hex(4)}"
+            region = shared_memory.SharedMemory(key, create=True, size=64 + x.nbytes)
+            try:
+                nonce = secrets.token_bytes(16)
+                region.buf[:16] = nonce
+                register = shm_pb2.RegisterSharedMemoryRequest(
+                    name="r", key=key, byte_size=64 + x.nbytes, nonce=nonce
+                )
+                stub.RegisterSharedMemory(register, metadata=metadata)
+                into = shm_pb2.GetSharedTensorRequest(id=tensor_id, region="r", offset=64)
+                stub.GetSharedTensor(into, metadata=metadata)
+                got = np.frombuffer(region.buf[64:], np.float32).copy()
+            finally:
+                region.close()
+                region.unlink()
+        np.testing.assert_array_equal(got, x)
+        deadline = time.monotonic() + 5  # (marked as gRPC ends the call)
+        while server.store.unfetched_outputs(60.0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.store.unfetched_outputs(60.0) == 0
+        channel.close()
 
 
 def test_a_drain_waits_for_unfetched_outputs_within_its_timeout():
@@ -674,3 +731,47 @@ def test_a_grpc_shutdown_that_hangs_stops_the_server_and_saves_its_sessions(tmp_
             np.testing.assert_array_equal(c.get(ref.id), value)
     finally:
         assert again.stop() == 0
+
+
+def test_a_thread_stuck_holding_a_sessions_lock_cannot_keep_a_stopped_server_alive():
+    """A call stuck holding its session's lock (a fault elsewhere, made here) ran
+    past the grace and was cancelled, and then freeing the sessions waited for that
+    lock for ever: the SIGTERMed server never exited (a review helper). A watchdog
+    armed at SIGTERM ends it STOP_SAVE_SECONDS past the grace and slack, with every
+    thread's stack, exit code 1."""
+    stuck = textwrap.dedent(
+        """
+        import threading
+        from gradserve.server.core import sessions
+        from gradserve.server.transport import app
+        app.STOP_SLACK_SECONDS, app.STOP_SAVE_SECONDS = 1.0, 1.0
+        real = sessions.Session.delete
+        def delete(self, ids):
+            ids = list(ids)
+            if ids == ["stuck"]:
+                with self._lock:
+                    threading.Event().wait()
+            return real(self, ids)
+        sessions.Session.delete = delete
+        """
+    )
+    proc = _serve_patched(stuck, "--grace", "1")
+    try:
+        target = f"127.0.0.1:{_port(proc)}"
+        client = gradserve.Client(target, shared_memory=False, retries=0, timeout=60)
+
+        def delete_stuck() -> None:
+            with contextlib.suppress(gradserve.errors.GradserveError):
+                client.delete("stuck")
+
+        threading.Thread(target=delete_stuck, daemon=True).start()
+        time.sleep(0.5)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        log = proc.communicate(timeout=60)[0].decode()
+        assert proc.returncode == 1, log
+        assert time.monotonic() - started < 20
+        assert "Timeout (0:00:03)!" in log and "in delete" in log, log
+    finally:
+        proc.kill()
+        proc.wait()
