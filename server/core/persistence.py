@@ -90,7 +90,11 @@ def lock_directory(directory: str | os.PathLike[str]) -> int:
     process, or another server of this one, holds it; the lock file says whose."""
     path = pathlib.Path(directory)
     path.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
-    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+    # Never through a link: in a directory others may write to (one the operator
+    # made keeps its mode), a link planted there had this root-run server truncate
+    # and write whatever it named (a review helper); ELOOP fails the start instead.
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+    fd = os.open(path / LOCK_NAME, flags, PRIVATE_FILE_MODE)
     with contextlib.suppress(OSError):  # (one an earlier server left keeps its mode)
         os.fchmod(fd, PRIVATE_FILE_MODE)
     try:
@@ -124,9 +128,13 @@ PRIVATE_FILE_MODE = 0o600
 
 
 def _create_private(path: pathlib.Path) -> BinaryIO:
-    """``path`` created (or truncated) for writing, readable by this user alone."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, PRIVATE_FILE_MODE)
-    os.fchmod(fd, PRIVATE_FILE_MODE)  # (a file left by an earlier server kept its mode)
+    """``path`` made anew for writing, readable by this user alone: whatever was there
+    (a temporary file a crash left, or a link someone planted, which the write
+    followed: a review helper) is removed first, and the file is created, never
+    opened through a link."""
+    path.unlink(missing_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+    fd = os.open(path, flags, PRIVATE_FILE_MODE)
     return open(fd, "wb")
 
 
@@ -393,45 +401,97 @@ def _fsync_dir(path: pathlib.Path) -> None:
 
 # ----------------------------------------------------------------------------- decode
 def read_session(path: str | os.PathLike[str]) -> SessionState:
-    """The session in one file, or ``SnapshotError`` saying what is wrong with it."""
+    """The session in one file, or ``SnapshotError`` saying what is wrong with it.
+
+    The file is never held whole in memory: its header is checked against its size
+    before anything is allocated, its checksum computed over pieces, and each tensor
+    read straight into its own array. Read into one buffer of the file's size first,
+    a sparse file of 3 GB (4 KiB on disk) took 3 GB at every start before the header
+    refused it, and a restore took twice its session's size at its peak (the buffer
+    and every tensor's copy: a review helper)."""
     path = pathlib.Path(path)
     try:
         # Non-blocking, then a regular file only: opening a FIFO named like a session
         # file blocked the restore (the server never listened) or an adoption (and
         # then the drain, SIGTERM could not end it; found by a review helper).
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        with open(fd, "rb") as fh:  # one buffer: no second copy of the file
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise SnapshotError(f"{path.name}: not a regular file")
-            data = bytearray(info.st_size)
-            fh.readinto(data)
     except OSError as e:
         raise SnapshotError(f"{path.name}: cannot read: {e}") from e
-    if len(data) < _HEADER.size or bytes(data[:8]) != MAGIC:
-        raise SnapshotError(f"{path.name}: not a gradserve snapshot (bad magic)")
-    _, version, _flags, length, checksum = _HEADER.unpack_from(data)
-    if version != FORMAT_VERSION:
-        raise SnapshotError(
-            f"{path.name}: format version {version}, this server reads only {FORMAT_VERSION}"
-        )
-    payload = memoryview(data)[_HEADER.size :]
-    if len(payload) != length:
-        raise SnapshotError(
-            f"{path.name}: truncated or padded: {len(payload)} payload bytes, header says {length}"
-        )
-    if hashlib.sha256(payload).digest() != checksum:
-        raise SnapshotError(f"{path.name}: checksum mismatch (corrupt)")
     try:
-        return _decode(payload)
-    except (ValueError, KeyError, TypeError, IndexError, struct.error, GradserveError) as e:
-        raise SnapshotError(f"{path.name}: malformed contents: {type(e).__name__}: {e}") from e
+        payload = _checked_payload(path.name, fd)
+        try:
+            return _decode(payload)
+        except (ValueError, KeyError, TypeError, IndexError, struct.error, GradserveError) as e:
+            raise SnapshotError(f"{path.name}: malformed contents: {type(e).__name__}: {e}") from e
+        except OSError as e:
+            raise SnapshotError(f"{path.name}: cannot read: {e}") from e
+    finally:
+        os.close(fd)
 
 
-def _decode(payload: memoryview) -> SessionState:
-    (meta_len,) = _U64.unpack_from(payload)
-    meta = json.loads(bytes(payload[8 : 8 + meta_len]))
-    data = payload[8 + meta_len :]
+@dataclasses.dataclass(frozen=True)
+class _Payload:
+    """A snapshot file's payload, read by ``pread`` where a tensor needs it."""
+
+    name: str
+    fd: int
+    start: int  # where it starts in the file (after the header)
+    length: int
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        data = os.pread(self.fd, nbytes, self.start + offset) if nbytes else b""
+        if len(data) != nbytes:
+            raise ValueError(f"the file ended early ({len(data)} of {nbytes} bytes read)")
+        return data
+
+    def read_into(self, offset: int, into: memoryview) -> None:
+        done = 0
+        while done < len(into):
+            got = os.preadv(self.fd, [into[done:]], self.start + offset + done)
+            if not got:
+                raise ValueError("the file ended early")
+            done += got
+
+
+def _checked_payload(name: str, fd: int) -> _Payload:
+    """The payload of the open file ``fd``, once its header, size and checksum check out."""
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise SnapshotError(f"{name}: not a regular file")
+        header = os.pread(fd, _HEADER.size, 0)
+        if len(header) < _HEADER.size or header[:8] != MAGIC:
+            raise SnapshotError(f"{name}: not a gradserve snapshot (bad magic)")
+        _, version, _flags, length, checksum = _HEADER.unpack(header)
+        if version != FORMAT_VERSION:
+            raise SnapshotError(
+                f"{name}: format version {version}, this server reads only {FORMAT_VERSION}"
+            )
+        size = info.st_size - _HEADER.size
+        if size != length:
+            raise SnapshotError(
+                f"{name}: truncated or padded: {size} payload bytes, header says {length}"
+            )
+        digest = hashlib.sha256()
+        for offset in range(0, length, _PIECE):
+            piece = os.pread(fd, min(_PIECE, length - offset), _HEADER.size + offset)
+            if not piece:
+                raise SnapshotError(f"{name}: truncated while read")
+            digest.update(piece)
+    except OSError as e:
+        raise SnapshotError(f"{name}: cannot read: {e}") from e
+    if digest.digest() != checksum:
+        raise SnapshotError(f"{name}: checksum mismatch (corrupt)")
+    return _Payload(name, fd, _HEADER.size, length)
+
+
+def _decode(payload: _Payload) -> SessionState:
+    (meta_len,) = _U64.unpack(payload.read(0, _U64.size))
+    if meta_len > payload.length - _U64.size:
+        raise ValueError(f"metadata of {meta_len} bytes past the payload's end")
+    meta = json.loads(payload.read(_U64.size, meta_len))
+    data_start = _U64.size + meta_len
+    data_len = payload.length - data_start
     #: Arrays read so far, by where and what they are: entries naming the same bytes
     #: (``_Blobs``) are one array again (not empty ones: one after another, distinct
     #: tensors of no bytes start at the same offset).
@@ -449,29 +509,31 @@ def _decode(payload: memoryview) -> SessionState:
         dtype = dtypes.normalize(ref["dtype"])
         shape = tuple(int(d) for d in ref["shape"])
         start, nbytes = int(ref["offset"]), int(ref["nbytes"])
-        if start < 0 or nbytes < 0 or start + nbytes > len(data):
-            raise ValueError(f"tensor data out of bounds ({start}+{nbytes} of {len(data)})")
-        raw = data[start : start + nbytes]
+        if start < 0 or nbytes < 0 or start + nbytes > data_len:
+            raise ValueError(f"tensor data out of bounds ({start}+{nbytes} of {data_len})")
         count = int(np.prod(shape, dtype=np.int64))
         if dtype == dtypes.STRING:
             if count < 0 or count * 8 > nbytes:  # each element has an 8-byte length
                 raise ValueError(f"{count} strings cannot fit in {nbytes} bytes")
+            raw = payload.read(data_start + start, nbytes)
             out = np.empty(count, dtypes.STRING)
             pos = 0
             for i in range(count):
                 (n,) = _U64.unpack_from(raw, pos)
                 if pos + 8 + n > len(raw):
                     raise ValueError("string element past its tensor's data")
-                out[i] = bytes(raw[pos + 8 : pos + 8 + n])
+                out[i] = raw[pos + 8 : pos + 8 + n]
                 pos += 8 + n
             if pos != len(raw):
                 raise ValueError("string tensor data longer than its elements")
             return out.reshape(shape)
-        if count * dtype.itemsize != nbytes:
+        if count < 0 or count * dtype.itemsize != nbytes:
             raise ValueError(f"tensor of shape {shape} and dtype {dtype} is not {nbytes} bytes")
-        # A copy of its own: a view would keep the whole file's buffer alive (memory
-        # no budget sees) for as long as any one tensor of it lives.
-        return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
+        # Read into an array of its own (a view of a buffer of the file would keep it
+        # all alive, memory no budget sees, for as long as any one tensor lives).
+        out = np.empty(count, dtype)
+        payload.read_into(data_start + start, out.view(np.uint8).data)
+        return out.reshape(shape)
 
     def shape(value: Any) -> Any:
         return None if value is None else tuple(None if d is None else int(d) for d in value)
@@ -660,10 +722,10 @@ def _move_in(
         return
     temp = target / f"{TEMP_PREFIX}adopted-{path.name}"
     try:
-        _create_private(temp).close()  # (copyfile keeps the mode of a file that exists)
-        shutil.copyfile(path, temp)
-        with open(temp, "rb") as fh:
-            os.fsync(fh.fileno())
+        with _create_private(temp) as out, open(path, "rb") as source:
+            shutil.copyfileobj(source, out, _PIECE)
+            out.flush()
+            os.fsync(out.fileno())
         temp.replace(final)
     except BaseException:
         temp.unlink(missing_ok=True)

@@ -395,17 +395,17 @@ def test_an_adopted_file_that_cannot_be_moved_is_never_adopted_twice(tmp_path, m
     other = SessionStore(replica_id="gone")
     ids = [other.create().id for _ in range(3)]
     persistence.write_snapshot(other.export_states(), adopt)
-    real_copy = shutil.copyfile
+    real_copy = shutil.copyfileobj
     copies = []
 
-    def second_copy_fails(src, dst):
-        copies.append(src)
+    def second_copy_fails(source, target, *args):
+        copies.append(source.name)
         if len(copies) == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_copy(src, dst)
+        return real_copy(source, target, *args)
 
     _on_another_filesystem(monkeypatch, adopt, but_to=persistence.ADOPTED_SUFFIX)
-    monkeypatch.setattr(shutil, "copyfile", second_copy_fails)
+    monkeypatch.setattr(shutil, "copyfileobj", second_copy_fails)
     with run_server(state_dir=str(state), adopt_dir=str(adopt), grace=0) as server:
         assert server.keeper.adopt().restored == 3
         assert len(copies) == 3  # the third was tried after the second failed
