@@ -272,6 +272,7 @@ def _encode(state: SessionState, to_host: Callable[[Any], Any]) -> tuple[bytes, 
         "lost_tapes": state.lost_tapes,
         "released_tapes": state.released_tapes,
         "handed_out": state.handed_out,
+        "fetched": state.fetched,
     }
     return json.dumps(meta, separators=(",", ":")).encode(), blobs.pieces
 
@@ -420,13 +421,25 @@ def read_session(path: str | os.PathLike[str]) -> SessionState:
     try:
         payload = _checked_payload(path.name, fd)
         try:
-            return _decode(payload)
-        except (ValueError, KeyError, TypeError, IndexError, struct.error, GradserveError) as e:
+            state = _decode(payload)
+            changed = _identity(os.fstat(fd)) != payload.identity
+        except (
+            ValueError, KeyError, TypeError, IndexError, OverflowError, struct.error,
+            GradserveError,
+        ) as e:  # fmt: skip
             raise SnapshotError(f"{path.name}: malformed contents: {type(e).__name__}: {e}") from e
         except OSError as e:
             raise SnapshotError(f"{path.name}: cannot read: {e}") from e
     finally:
         os.close(fd)
+    if changed:  # the checksum was of other bytes than those read
+        raise SnapshotError(f"{path.name}: changed while it was read")
+    return state
+
+
+def _identity(info: os.stat_result) -> tuple[int, int, int]:
+    """What changes when a file's contents do (its size, its times)."""
+    return info.st_size, info.st_mtime_ns, info.st_ctime_ns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -437,19 +450,22 @@ class _Payload:
     fd: int
     start: int  # where it starts in the file (after the header)
     length: int
+    #: The file's ``_identity`` when its checksum was computed.
+    identity: tuple[int, int, int]
 
-    def read(self, offset: int, nbytes: int) -> bytes:
-        data = os.pread(self.fd, nbytes, self.start + offset) if nbytes else b""
-        if len(data) != nbytes:
-            raise ValueError(f"the file ended early ({len(data)} of {nbytes} bytes read)")
+    def read(self, offset: int, nbytes: int) -> bytearray:
+        data = bytearray(nbytes)
+        self.read_into(offset, memoryview(data))
         return data
 
     def read_into(self, offset: int, into: memoryview) -> None:
+        """``into`` filled from ``offset``, in as many reads as it takes (Linux reads
+        at most 2 GiB at a time: a string tensor past that was refused)."""
         done = 0
         while done < len(into):
-            got = os.preadv(self.fd, [into[done:]], self.start + offset + done)
+            got = os.preadv(self.fd, [into[done : done + _PIECE]], self.start + offset + done)
             if not got:
-                raise ValueError("the file ended early")
+                raise ValueError(f"the file ended early ({done} of {len(into)} bytes read)")
             done += got
 
 
@@ -473,16 +489,18 @@ def _checked_payload(name: str, fd: int) -> _Payload:
                 f"{name}: truncated or padded: {size} payload bytes, header says {length}"
             )
         digest = hashlib.sha256()
-        for offset in range(0, length, _PIECE):
+        offset = 0
+        while offset < length:  # (a read may give fewer bytes than asked)
             piece = os.pread(fd, min(_PIECE, length - offset), _HEADER.size + offset)
             if not piece:
                 raise SnapshotError(f"{name}: truncated while read")
             digest.update(piece)
+            offset += len(piece)
     except OSError as e:
         raise SnapshotError(f"{name}: cannot read: {e}") from e
     if digest.digest() != checksum:
         raise SnapshotError(f"{name}: checksum mismatch (corrupt)")
-    return _Payload(name, fd, _HEADER.size, length)
+    return _Payload(name, fd, _HEADER.size, length, _identity(info))
 
 
 def _decode(payload: _Payload) -> SessionState:
@@ -522,7 +540,7 @@ def _decode(payload: _Payload) -> SessionState:
                 (n,) = _U64.unpack_from(raw, pos)
                 if pos + 8 + n > len(raw):
                     raise ValueError("string element past its tensor's data")
-                out[i] = raw[pos + 8 : pos + 8 + n]
+                out[i] = bytes(raw[pos + 8 : pos + 8 + n])
                 pos += 8 + n
             if pos != len(raw):
                 raise ValueError("string tensor data longer than its elements")
@@ -579,6 +597,7 @@ def _decode(payload: _Payload) -> SessionState:
         lost_tapes=[str(t) for t in meta.get("lost_tapes") or ()],
         released_tapes=[str(t) for t in meta.get("released_tapes") or ()],
         handed_out=[str(t) for t in meta.get("handed_out") or ()],  # (absent before kept)
+        fetched=[str(t) for t in meta.get("fetched") or ()],
     )
 
 

@@ -94,18 +94,30 @@ class _Kept:
 HANDED_OUT_MAX_AGE_SECONDS = 300.0
 
 
+class HandedOutReply:
+    """The outputs one reply handed out for its client to fetch (*transient*
+    outputs: they did not fit it), which the client fetches one after another: they
+    age together, from the last sign of their client (``Session.expire_handed_out``).
+    """
+
+    __slots__ = ("readers", "since")
+
+    def __init__(self, since: float | None = None) -> None:
+        #: When the reply left gRPC (or the session was restored with them), or one of
+        #: them was last read out; None while the reply is on its way.
+        self.since = since
+        #: Calls reading one of them out now (``Session.being_read``).
+        self.readers = 0
+
+
 @dataclasses.dataclass(slots=True)
 class _HandedOut:
-    """An output an op's reply handed out for its client to fetch (a *transient*
-    output: it did not fit the reply), until the client deletes it."""
+    """An output a reply handed out, until its client deletes it."""
 
-    #: When its reply left gRPC (or the session was restored with it), or it was last
-    #: read out; None while its reply is on its way.
-    since: float | None = None
-    #: Read out in full, in time: the client has it, and deletes it by its next call.
+    reply: HandedOutReply
+    #: Read out in full, in time: its client has it (most likely: a stream's last
+    #: chunks may still be on their way), and deletes it by its next call.
     fetched: bool = False
-    #: Streams reading it out now.
-    readers: int = 0
 
 
 #: Bytes charged for each tensor a session holds besides its values: the array
@@ -610,16 +622,9 @@ class Session:
         with self._lock:
             kept = self._kept(tensor_id)
             kept.refs += 1
-            with self._handed_lock:
-                handed = self._handed.get(tensor_id)
-                if handed is not None:
-                    handed.readers += 1
         try:
             yield kept.array
         finally:
-            if handed is not None:
-                with self._handed_lock:
-                    handed.readers -= 1
             self.let_go([kept])
 
     def get_placed(self, tensor_id: str, place: Callable[[Any], Any]) -> Any:
@@ -644,60 +649,87 @@ class Session:
                     self._by_array[id(placed)] = kept
         return placed
 
-    def handed_out(self, tensor_id: str) -> None:
-        """An op's reply hands out ``tensor_id`` for its client to fetch (a transient
+    def handed_out(self, tensor_id: str, reply: HandedOutReply) -> None:
+        """``reply`` hands out ``tensor_id`` for its client to fetch (a transient
         output), which it does once it has the reply: until it has read it out
         (``fetched``) or deleted it, a drain waits for it."""
         with self._lock, self._handed_lock:
             if tensor_id in self._resident:
-                self._handed[tensor_id] = _HandedOut()
+                self._handed[tensor_id] = _HandedOut(reply)
 
-    def replied(self, tensor_ids: Iterable[str]) -> None:
-        """The reply that handed out ``tensor_ids`` has left (gRPC is done with its
-        call): the client's patience (``unfetched_outputs``) counts from now."""
-        now = time.monotonic()
+    def being_read(self, tensor_id: str) -> Callable[[], None]:
+        """A call that reads ``tensor_id`` out began: until it ends (the function
+        returned, which does it once), the outputs of the reply that handed it out do
+        not age (``expire_handed_out``). The call, not the handler's reading: a client
+        reading slowly gets the last chunks from gRPC's buffers long after the handler
+        wrote them (a review helper: the next output of the reply was deleted)."""
         with self._handed_lock:
-            for tensor_id in tensor_ids:
-                handed = self._handed.get(tensor_id)
-                if handed is not None and handed.since is None:
-                    handed.since = now
+            handed = self._handed.get(tensor_id)
+            if handed is None:
+                return lambda: None
+            reply = handed.reply
+            reply.readers += 1
+        done = False
+
+        def end() -> None:
+            nonlocal done
+            with self._handed_lock:
+                if not done:
+                    done = True
+                    reply.readers -= 1
+                    reply.since = time.monotonic()
+
+        return end
+
+    def replied(self, reply: HandedOutReply) -> None:
+        """``reply`` has left (gRPC is done with its call): its client's patience
+        (``unfetched_outputs``) and its outputs' age count from now."""
+        with self._handed_lock:
+            if reply.since is None:
+                reply.since = time.monotonic()
 
     def fetched(self, tensor_id: str) -> None:
         """A read gave ``tensor_id`` out in full, in time."""
         with self._handed_lock:
             handed = self._handed.get(tensor_id)
             if handed is not None:
-                handed.fetched, handed.since = True, time.monotonic()
+                handed.fetched = True
+                handed.reply.since = time.monotonic()
 
     def unfetched_outputs(self, patience: float, now: float | None = None) -> int:
         """How many handed-out outputs its client has still to fetch, if it is still
         about it: their reply is on its way, a call on the session runs, or their
-        reply left or a call ended less than ``patience`` seconds ago. A client that
-        went away (crashed between the reply and its fetches) holds no drain up; its
-        outputs go with the session."""
+        reply left, one of its outputs was read out, or a call ended less than
+        ``patience`` seconds ago. A client that went away (crashed between the reply
+        and its fetches) holds no drain up; its outputs go with the session."""
         since = self.idle_since()
         now = time.monotonic() if now is None else now
         with self._handed_lock:
             return sum(
                 1 for h in self._handed.values()
                 if not h.fetched and (
-                    since is None or h.since is None or now - max(h.since, since) < patience
+                    since is None
+                    or h.reply.since is None
+                    or now - max(h.reply.since, since) < patience
                 )
             )  # fmt: skip
 
     def expire_handed_out(self, max_age: float, now: float | None = None) -> int:
-        """Delete the handed-out outputs whose reply left, or which were read out,
-        more than ``max_age`` seconds ago, none that a stream reads now; returns how
-        many. The SDK fetches each at once and deletes it by its next call: one still
-        here is one no client will come for (it crashed, or had it before the crash
-        that restored this session from a snapshot), and held the session's bytes
-        until the session closed (a review helper: 64 MiB of them restored after a
-        SIGKILL refused every later gather of a client that kept its session)."""
+        """Delete the outputs of each reply that left, and of which none was read out
+        since, more than ``max_age`` seconds ago, and none of which a stream reads
+        now; returns how many. The SDK fetches a reply's outputs at once, one after
+        another, and deletes each by its next call: those still here are ones no
+        client will come for (it crashed, or had them before the crash that restored
+        this session from a snapshot), and held the session's bytes until the session
+        closed (a review helper: 64 MiB of them restored after a SIGKILL refused every
+        later gather of a client that kept its session)."""
         now = time.monotonic() if now is None else now
         with self._handed_lock:
             stale = [
                 tensor_id for tensor_id, h in self._handed.items()
-                if h.since is not None and not h.readers and now - h.since > max_age
+                if h.reply.since is not None
+                and not h.reply.readers
+                and now - h.reply.since > max_age
             ]  # fmt: skip
         return self.delete(stale) if stale else 0
 
@@ -1185,11 +1217,9 @@ class Session:
                 arrays = {h: a for h, a in self._arrays.items() if h not in self._private_grads}
                 grads = self._grads.as_dict()
                 with self._handed_lock:
-                    # The client has those it fetched, and deletes them by its next
-                    # call: restored, they were charged for ever (a review helper).
-                    fetched = {t for t, h in self._handed.items() if h.fetched}
-                    handed_out = [t for t in self._handed if t not in fetched]
-                resident = {t: kept.array for t, kept in self._resident.items() if t not in fetched}
+                    handed_out = [t for t, h in self._handed.items() if not h.fetched]
+                    fetched = [t for t, h in self._handed.items() if h.fetched]
+                resident = {t: kept.array for t, kept in self._resident.items()}
                 counter = self._name_counter
                 # A call running is not idle time: a restart gives it the whole TTL (a
                 # session busy past its TTL was saved with none left, and expired at
@@ -1223,6 +1253,7 @@ class Session:
             released_tapes=released_tapes,
             closed_order=closed_order,
             handed_out=handed_out,
+            fetched=fetched,
             torn=not whole,
         )
 
@@ -1284,10 +1315,13 @@ class Session:
             closed = state.closed_order  # (a restored session forgot another array first)
         for handle in closed:
             session._closed_arrays[handle] = None
-        restored = time.monotonic()  # (their client's patience counts from here)
-        for tensor_id in state.handed_out:
-            if tensor_id in session._resident:
-                session._handed[tensor_id] = _HandedOut(since=restored)
+        # Restored as one reply: their client's patience, and their age, count from
+        # now (fetched ones too: the client may not have had all of one).
+        restored = HandedOutReply(since=time.monotonic())
+        for tensor_ids, fetched in ((state.handed_out, False), (state.fetched, True)):
+            for tensor_id in tensor_ids:
+                if tensor_id in session._resident:
+                    session._handed[tensor_id] = _HandedOut(restored, fetched)
         return session
 
     # ---------------------------------------------------------------- lifecycle
@@ -1359,9 +1393,11 @@ class SessionState:
     #: snapshot from before this was kept).
     closed_order: list[str] | None = None
     #: Ids of the resident tensors that are outputs handed out and not yet fetched
-    #: (``Session.handed_out``): the restored session deletes them if no client comes
-    #: for them (those already fetched are not in the snapshot at all).
+    #: (``Session.handed_out``), and of those fetched, not yet deleted: the restored
+    #: session deletes them if no client comes for them (after a crash the client
+    #: may have deleted them already: restored for good, they were charged for ever).
     handed_out: list[str] = dataclasses.field(default_factory=list)
+    fetched: list[str] = dataclasses.field(default_factory=list)
     #: Taken with ops still changing it after ``snapshot_gate.SNAPSHOT_WAIT_SECONDS`` (an op that
     #: hangs must not stop the drain's snapshot): one of them may be half in it.
     #: Not written: the snapshot's report says so.

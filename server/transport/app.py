@@ -77,8 +77,14 @@ STOP_SLACK_SECONDS = 5.0
 #: How long past that a SIGTERMed server may take to save its sessions
 #: (``--state-dir``) and free them before ``serve``'s watchdog ends the process (exit
 #: code 1, every thread's stack on stderr): a thread stuck holding a session's lock
-#: (a fault elsewhere) left the save or the freeing waiting for ever.
+#: (a fault elsewhere) left the save or the freeing waiting for ever. Plus a second
+#: for every ``SAVE_BYTES_PER_SECOND`` the sessions hold (a save ran at about 0.5
+#: GiB/s here): a large server's last snapshot is not cut short.
 STOP_SAVE_SECONDS = 120.0
+SAVE_BYTES_PER_SECOND = 50 << 20
+
+#: No watchdog past this (``--grace inf``: the operator waits as long as it takes).
+WATCHDOG_MAX_SECONDS = 30 * 24 * 3600.0
 
 
 class ConfigError(ValueError):
@@ -114,8 +120,9 @@ class Server:
         self.stopped.set()
         grace = self.config.grace if grace is None else grace
         stopping = asyncio.run_coroutine_threadsafe(self._stop(grace), self._loop)
+        bound = grace + STOP_SLACK_SECONDS  # (--grace inf: none; a wait of inf raises)
         try:
-            stopping.result(timeout=grace + STOP_SLACK_SECONDS)
+            stopping.result(timeout=bound if bound < WATCHDOG_MAX_SECONDS else None)
         except concurrent.futures.TimeoutError:
             log.error(
                 "the drain and gRPC's shutdown had not ended %.1fs past the %.1fs grace: "
@@ -162,6 +169,16 @@ class Server:
             self._reaper.cancel()
         # Calls that returned may still be sending their responses: let them finish.
         await self._grpc.stop(max(0.1, grace - (time.monotonic() - started)))
+
+
+def watch_stop(grace: float, held_bytes: int) -> None:
+    """The last resort of a stop: every thread's stack to stderr, then exit code 1
+    (sessions maybe not saved), once the stop has taken ``grace`` and the slack and
+    the time to save ``held_bytes``; none if that is unbounded (``--grace inf`` made
+    ``faulthandler`` raise, and the stop never began: sessions lost, a review helper)."""
+    seconds = grace + STOP_SLACK_SECONDS + STOP_SAVE_SECONDS + held_bytes / SAVE_BYTES_PER_SECOND
+    if seconds < WATCHDOG_MAX_SECONDS:  # (False for inf and NaN too)
+        faulthandler.dump_traceback_later(seconds, exit=True, file=2)  # stderr
 
 
 def thread_stacks() -> str:
@@ -475,12 +492,7 @@ def serve(config: ServerConfig) -> int:
             if server.keeper is not None:
                 threading.Thread(target=server.keeper.adopt, name="gradserve-adopt").start()
     log.info("draining: health NOT_SERVING, new calls refused, %.1fs grace", config.grace)
-    # The last resort: stacks to stderr, then exit code 1 (sessions maybe not saved).
-    faulthandler.dump_traceback_later(
-        config.grace + STOP_SLACK_SECONDS + STOP_SAVE_SECONDS,
-        exit=True,
-        file=2,  # stderr
-    )
+    watch_stop(config.grace, server.store.budget.used)
     server.stop()
     last = server.keeper.last if server.keeper is not None else None
     return 1 if last is not None and last.failed else 0  # 1: sessions were not saved

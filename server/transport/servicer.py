@@ -45,6 +45,7 @@ from gradserve.server.transport.servicer_part import (
     ForgottenUnlessReplied,
     check_reply_in_time,
     read_out_once_replied,
+    reading_out,
 )
 from gradserve.server.transport.shm_handlers import SharedMemoryRPCs
 from gradserve.server.transport.streams import END, Pace, StreamLimits, next_item
@@ -252,6 +253,7 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         (``KeepAlive``'s ``deletes_fetched``: it names what it holds in its next call). A
         reader that stalls or trickles is ended as an uploader is."""
         session = self._session(context)
+        reading_out(session, request, context)
         call = current_call.get()
         pace = Pace(self.stream_limits, session, "GetTensor", self._draining)
         with session.reading(request.id) as kept:
@@ -441,7 +443,7 @@ def _call_over(io: CallIO, context: Any) -> None:
     else:  # (the large tapes its gradients spent: CallIO.reply_made)
         remaining = context.time_remaining()
         work = io.after_reply(reply_in_time=remaining is None or remaining > 0)
-        if io.handed_out:  # a drain gives the client a while to fetch them from now
+        if io.handed_out is not None:  # their client's patience counts from now
             io.session.replied(io.handed_out)
     io.end()
     if work is not None:

@@ -43,6 +43,13 @@ def check_reply_in_time(context: Any) -> None:
         raise DeadlineExceededError("deadline exceeded")
 
 
+def reading_out(session: Session, request: Any, context: Any) -> None:
+    """A get of ``request.id`` begins: a handed-out output's reply does not age
+    while the call lasts (``Session.being_read``)."""
+    ended = session.being_read(request.id)
+    context.add_done_callback(lambda _: ended())
+
+
 def read_out_once_replied(session: Session, request: Any, context: Any) -> None:
     """A get (``request.id``) replies: once the call has ended with its reply sent
     before the deadline, the tensor counts as fetched (a drain waits no more for it:
@@ -55,7 +62,7 @@ def read_out_once_replied(session: Session, request: Any, context: Any) -> None:
 
     def call_over(context: Any) -> None:
         remaining = context.time_remaining()
-        if remaining is not None and remaining <= 0:
+        if context.cancelled() or (remaining is not None and remaining <= 0):
             return
         session.fetched(request.id)
         if request.delete_after:

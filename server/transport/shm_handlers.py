@@ -19,6 +19,7 @@ from gradserve.server.transport.servicer_part import (
     ForgottenUnlessReplied,
     ServicerPart,
     read_out_once_replied,
+    reading_out,
 )
 from gradserve.server.transport.wire import host_array
 from gradserve.v1 import shared_memory_pb2 as pb
@@ -84,6 +85,7 @@ class SharedMemoryRPCs(ServicerPart):
         once copied (a copy that fails, or a reply past the deadline, leaves it, to be
         fetched again: ``read_out_once_replied``)."""
         session = self._session(context)
+        reading_out(session, request, context)
         response = pb.GetSharedTensorResponse()
 
         def get() -> None:

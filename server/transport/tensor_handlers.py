@@ -28,6 +28,7 @@ from gradserve.server.transport.servicer_part import (
     ForgottenUnlessReplied,
     ServicerPart,
     read_out_once_replied,
+    reading_out,
 )
 from gradserve.server.transport.wire import host_array
 from gradserve.v1 import service_pb2, tensor_pb2
@@ -69,6 +70,7 @@ class InlineTensorRPCs(ServicerPart):
         response (the server's message limit, or the client's
         ``x-gradserve-response-budget``)."""
         session = self._session(context)
+        reading_out(session, request, context)
         budget = self.max_message_bytes - protocol.MESSAGE_OVERHEAD_BYTES
         for key, value in context.invocation_metadata() or ():
             if key == protocol.RESPONSE_BUDGET_METADATA_KEY and str(value).isdigit():

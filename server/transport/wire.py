@@ -34,6 +34,7 @@ from gradserve import codec, dtypes, protocol
 from gradserve.errors import InvalidArgumentError, ResourceExhaustedError
 from gradserve.kernels.compute import Compute
 from gradserve.server.core.sessions import (
+    HandedOutReply,
     Resident,
     Session,
     TensorArg,
@@ -166,7 +167,7 @@ class CallIO:
         #: (``forget_outputs``), since nobody else knows them.
         self.stored: list[str] = []
         #: The transient outputs the response hands out (``Session.handed_out``).
-        self.handed_out: list[str] = []
+        self.handed_out: HandedOutReply | None = None
         self._over = False  # the call ended without its response: store nothing more
         #: The handler returned its response (``servicer._call_over``: a call that
         #: ended before it did had no response to name what the op stored).
@@ -731,8 +732,9 @@ class CallIO:
             ref.shape[:] = array.shape
             ref.transient = place.where is Where.TRANSIENT
             if ref.transient:
-                self.session.handed_out(ref.id)
-                self.handed_out.append(ref.id)
+                if self.handed_out is None:
+                    self.handed_out = HandedOutReply()
+                self.session.handed_out(ref.id, self.handed_out)
             return
         array = host_array(self.compute, array)
         if (

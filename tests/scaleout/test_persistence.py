@@ -21,7 +21,12 @@ import pytest
 from gradserve import dtypes
 from gradserve.errors import FailedPreconditionError, NotFoundError
 from gradserve.server.core import persistence
-from gradserve.server.core.sessions import TENSOR_RECORD_BYTES, Session, SessionStore
+from gradserve.server.core.sessions import (
+    TENSOR_RECORD_BYTES,
+    HandedOutReply,
+    Session,
+    SessionStore,
+)
 
 
 def populated(store: SessionStore, principal: str = "alice", seed: int = 0):
@@ -901,50 +906,59 @@ def test_handed_out_outputs_survive_a_restart_only_until_their_client_would_have
     """Outputs handed out to be fetched (transient) were saved as any tensor: after a
     crash with periodic snapshots, those the client had already fetched and deleted
     came back, charged for ever (a review helper: 64 MiB over the live session, and
-    734 of 916 later gathers refused by its byte limit). A snapshot leaves out the
-    ones fetched (the client has them); the ones not yet fetched come back, to be
-    fetched, and are deleted if nobody comes for them."""
+    734 of 916 later gathers refused by its byte limit). They come back marked, as one
+    reply left at the restore: fetched ones hold no drain, and all are deleted if no
+    client comes for them (a fetched one is kept: the stream that read it may have
+    broken before its client had all of it, another helper)."""
     store = SessionStore()
     s = store.create()
     fetched, waiting, kept = (s.put(np.full(1000, n, np.float32)) for n in range(3))
+    reply = HandedOutReply()
     for tensor_id in (fetched, waiting):
-        s.handed_out(tensor_id)
-    s.replied([fetched, waiting])
+        s.handed_out(tensor_id, reply)
+    s.replied(reply)
     s.fetched(fetched)
     persistence.write_snapshot(store.export_states(), tmp_path)
     other = SessionStore()
     persistence.restore_dir(other, tmp_path)
     back = other.get(s.id)
-    with pytest.raises(NotFoundError):
-        back.get(fetched)
+    np.testing.assert_array_equal(back.get(fetched), np.full(1000, 0, np.float32))
     np.testing.assert_array_equal(back.get(waiting), np.full(1000, 1, np.float32))
     assert back.unfetched_outputs(5.0) == 1  # (a drain right after the restart waits)
     now = time.monotonic()
     assert back.expire_handed_out(300.0, now + 299) == 0
-    assert back.expire_handed_out(300.0, now + 301) == 1
-    with pytest.raises(NotFoundError):
-        back.get(waiting)
+    assert back.expire_handed_out(300.0, now + 301) == 2
+    for gone in (fetched, waiting):
+        with pytest.raises(NotFoundError):
+            back.get(gone)
     np.testing.assert_array_equal(back.get(kept), np.full(1000, 2, np.float32))  # never handed out
     assert back.budget.used == 4000 + TENSOR_RECORD_BYTES
 
 
-def test_a_handed_out_output_nobody_fetches_is_deleted_but_not_while_it_is_read():
+def test_a_replys_outputs_are_deleted_together_once_nobody_has_come_for_them():
+    """A reply's outputs age together, from the last one read out: the SDK fetches
+    them one after another (two at a time), and expiry deleted the ones not yet begun
+    while their client still read the others (a review helper)."""
     store = SessionStore()
     s = store.create()
-    out = s.put(np.ones(10, np.float32))
-    s.handed_out(out)
+    first, second = s.put(np.ones(10, np.float32)), s.put(np.ones(10, np.float32))
+    reply = HandedOutReply()
+    s.handed_out(first, reply)
+    s.handed_out(second, reply)
     now = time.monotonic()
-    assert s.expire_handed_out(300.0, now + 3600) == 0  # its reply still on its way
-    s.replied([out])
+    assert s.expire_handed_out(300.0, now + 3600) == 0  # the reply still on its way
+    s.replied(reply)
     now = time.monotonic()
-    with s.reading(out):
-        assert s.expire_handed_out(300.0, now + 301) == 0  # a stream reads it out
-    s.fetched(out)  # read out in full: the client deletes it by its next call, or not
+    ended = s.being_read(first)  # a call reads one of them out, however slowly
+    assert s.expire_handed_out(300.0, now + 301) == 0
+    ended()  # their age counts from here
+    s.fetched(first)
     now = time.monotonic()
     assert s.expire_handed_out(300.0, now + 299) == 0
     assert store.expire_idle(now + 301) == 0 and len(store) == 1
-    with pytest.raises(NotFoundError):
-        s.get(out)
+    for gone in (first, second):
+        with pytest.raises(NotFoundError):
+            s.get(gone)
 
 
 def _peak_bytes(work) -> int:
@@ -1012,3 +1026,50 @@ def test_links_planted_in_the_state_directory_are_never_written_through(tmp_path
     assert report.written == 1 and victim.read_bytes() == b"precious"
     (path,) = persistence.snapshot_files(state)
     assert not path.is_symlink() and persistence.read_session(path).id == session.id
+
+
+def test_a_tensor_larger_than_one_read_is_read_in_pieces(tmp_path, monkeypatch):
+    """Linux reads at most 2 GiB at a time: a valid snapshot with a string tensor
+    past that was refused (one ``pread`` short of it: a review helper). Here reads
+    give at most 1000 bytes each."""
+    real_pread, real_preadv = os.pread, os.preadv
+
+    def pread(fd, n, offset):
+        return real_pread(fd, min(n, 1000), offset)
+
+    def preadv(fd, buffers, offset):
+        return real_preadv(fd, [memoryview(buffers[0])[:1000]], offset)
+
+    store = SessionStore()
+    session = store.create()
+    strings = np.array([b"x" * 3000, b"", b"y" * 1500], dtypes.STRING)
+    numbers = np.arange(5000, dtype=np.float32)
+    ids = session.put(strings), session.put(numbers)
+    persistence.write_snapshot(store.export_states(), tmp_path)
+    (path,) = persistence.snapshot_files(tmp_path)
+    monkeypatch.setattr(os, "pread", pread)
+    monkeypatch.setattr(os, "preadv", preadv)
+    back = persistence.read_session(path)
+    assert list(back.resident[ids[0]]) == list(strings)
+    np.testing.assert_array_equal(back.resident[ids[1]], numbers)
+
+
+def test_a_file_changed_after_its_checksum_was_computed_is_refused(tmp_path, monkeypatch):
+    """The checksum is computed before the tensors are read: bytes changed in place
+    between the two were restored unchecked (a review helper: NaNs)."""
+    store = SessionStore()
+    store.create().put(np.ones(3, np.float32))
+    persistence.write_snapshot(store.export_states(), tmp_path)
+    (path,) = persistence.snapshot_files(tmp_path)
+    checked = persistence._checked_payload
+
+    def then_changed(name, fd):
+        payload = checked(name, fd)
+        with open(path, "r+b") as fh:
+            fh.seek(-4, os.SEEK_END)
+            fh.write(b"\xff\xff\xff\xff")
+        return payload
+
+    monkeypatch.setattr(persistence, "_checked_payload", then_changed)
+    with pytest.raises(persistence.SnapshotError, match="changed while it was read"):
+        persistence.read_session(path)

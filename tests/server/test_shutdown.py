@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import json
 import logging
+import math
 import os
 import secrets
 import signal
@@ -26,9 +28,14 @@ import pytest
 import gradserve
 from gradserve import codec, protocol
 from gradserve.server.core import persistence
-from gradserve.server.core.sessions import SessionStore
+from gradserve.server.core.sessions import HandedOutReply, SessionStore
 from gradserve.server.transport.admission import Admission
-from gradserve.server.transport.app import STOP_SLACK_SECONDS, ConfigError, run_server
+from gradserve.server.transport.app import (
+    STOP_SLACK_SECONDS,
+    ConfigError,
+    run_server,
+    watch_stop,
+)
 from gradserve.server.transport.log_writer import LogWriter
 from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_array_pb2
 from gradserve.v1 import shared_memory_pb2 as shm_pb2
@@ -582,11 +589,12 @@ def test_handed_out_outputs_hold_a_drain_only_while_their_client_is_about_it():
     store = SessionStore()
     session = store.create()
     out, other = session.put(np.ones(4, np.float32)), session.put(np.ones(4, np.float32))
-    session.handed_out(out)
-    session.handed_out("no-such-id")  # nothing held: nothing to wait for
+    reply = HandedOutReply()
+    session.handed_out(out, reply)
+    session.handed_out("no-such-id", reply)  # nothing held: nothing to wait for
     used = session.last_used
     assert session.unfetched_outputs(5.0, now=used + 60) == 1  # its reply not yet gone
-    session.replied([out])
+    session.replied(reply)
     left = time.monotonic()
     assert session.unfetched_outputs(5.0, now=left + 4.9) == 1
     assert session.unfetched_outputs(5.0, now=left + 5.1) == 0  # its client went away
@@ -596,11 +604,11 @@ def test_handed_out_outputs_hold_a_drain_only_while_their_client_is_about_it():
     assert store.unfetched_outputs(5.0) == 1
     session.fetched(out)
     assert store.unfetched_outputs(5.0) == 0
-    session.handed_out(other)
+    session.handed_out(other, HandedOutReply())
     session.delete([other])
     assert store.unfetched_outputs(5.0) == 0
     again = session.put(np.ones(4, np.float32))
-    session.handed_out(again)
+    session.handed_out(again, HandedOutReply())
     session.close()
     assert session.unfetched_outputs(5.0) == 0
 
@@ -775,3 +783,25 @@ def test_a_thread_stuck_holding_a_sessions_lock_cannot_keep_a_stopped_server_ali
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_an_unbounded_grace_arms_no_stop_watchdog():
+    """``--grace inf``: the watchdog's timeout was out of ``faulthandler``'s range,
+    which raised before the stop began; the SIGTERMed server exited 1 with its
+    sessions unsaved (a review helper)."""
+    try:
+        for grace in (math.inf, math.nan, 1e12):
+            watch_stop(grace, 0)
+        watch_stop(1.0, 1 << 40)  # a large server's save: armed, and in range
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def test_a_sigterm_with_an_unbounded_grace_drains_and_saves(tmp_path):
+    """``--grace inf`` (calls take as long as they take): the stop's bounded waits
+    raised OverflowError, and the server exited 1 with its sessions unsaved."""
+    server = ServerProcess("--grace", "inf", "--state-dir", str(tmp_path))
+    client = gradserve.Client(server.target, shared_memory=False, retries=0)
+    client.put(np.arange(3, dtype=np.float32))
+    assert server.stop() == 0
+    assert len(list(persistence.snapshot_files(tmp_path))) == 1
