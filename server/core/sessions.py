@@ -380,6 +380,18 @@ class Session:
             )
         return ta
 
+    def grad_source(self, handle: str) -> TensorArray:
+        """The forward array ``handle`` names, checked as TensorArrayGradV3 checks it
+        first: a gradient array is the wrong container (TensorFlow's words, alone),
+        a closed one is refused."""
+        forward = self.tensor_array(handle)
+        if forward.is_grad:
+            raise InvalidArgumentError(
+                f"Wrong input container. _tensor_array_grads{forward.name}", field="handle"
+            )
+        forward.size()  # (closed: refused)
+        return forward
+
     def grad_array(
         self,
         handle: str,
@@ -395,13 +407,7 @@ class Session:
         makes a separate one. ``registry``: a gradient computation's own, instead
         of the session's (``drop_grad_arrays``).
         """
-        forward = self.tensor_array(handle)
-        if forward.is_grad:
-            raise InvalidArgumentError(
-                f"Wrong input container. _tensor_array_grads{forward.name}: "
-                "TensorArrayGradV3 takes a forward TensorArray, not a gradient array",
-                field="handle",
-            )
+        forward = self.grad_source(handle)
         with self._lock:
             self._check_open()
             key = (handle, source)

@@ -259,6 +259,12 @@ class TensorArray:
         with self._lock:
             return self._dynamic_size
 
+    def merge_element_shape(self, element_shape: shapes.PartialShape) -> None:
+        """TensorFlow's ``SetElemShape``: ``element_shape`` merged into the array's
+        (kept, whatever the op that gave it does next), or InvalidArgumentError."""
+        with self._lock:
+            self._element_shape = shapes.merge(self._element_shape, element_shape)
+
     def size(self) -> int:
         """TensorArraySizeV3. Fails once closed."""
         with self._lock:

@@ -296,3 +296,61 @@ def test_a_request_of_many_fields_is_parsed_off_the_event_loop(stub_call, monkey
     assert threads == []
     assert stub_call("DeleteTensor", many, service_pb2.DeleteTensorResponse).deleted == 0
     assert len(threads) == 1 and threads[0].startswith("gradserve-light")
+
+
+def _closed(client, **kwargs):
+    h, flow = client.raw_ops.TensorArrayV3(size=2, dtype=np.float32, **kwargs)
+    client.raw_ops.TensorArrayCloseV3(h)
+    return h, flow
+
+
+#: Calls wrong in two ways, and the error TensorFlow 2.21's kernels give for each
+#: (``tf.raw_ops`` in eager mode, recorded): its checks' order, found by a review
+#: helper's differential fuzz (each was the other error here).
+CHECK_ORDER = {
+    "scatter on a closed array, indices a matrix": (
+        lambda c, h, f: c.raw_ops.TensorArrayScatterV3(
+            h, np.zeros((1, 1), np.int32), np.ones((1, 1), np.float32), f
+        ),
+        "has already been closed.",
+    ),
+    "split on a closed array, a negative length": (
+        lambda c, h, f: c.raw_ops.TensorArraySplitV3(
+            h, np.ones((2, 1), np.float32), np.array([3, -1], np.int64), f
+        ),
+        "has already been closed.",
+    ),
+    "gradient with shape of a closed array, a negative dimension": (
+        lambda c, h, f: c.raw_ops.TensorArrayGradWithShape(h, f, np.array([-1], np.int32), "g"),
+        "has already been closed.",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHECK_ORDER))
+def test_checks_come_in_tensorflows_order(client, case):
+    call, message = CHECK_ORDER[case]
+    h, flow = _closed(client)
+    with pytest.raises(InvalidArgumentError, match=message):
+        call(client, h, flow)
+
+
+def test_a_gather_merges_its_element_shape_before_it_looks_at_the_indices(client):
+    h, flow = client.raw_ops.TensorArrayV3(size=2, dtype=np.float32, element_shape=[3])
+    with pytest.raises(
+        InvalidArgumentError, match=r"Incompatible shapes during merge: \[3\] vs. \[2\]"
+    ):
+        client.raw_ops.TensorArrayGatherV3(h, np.int32(0), flow, np.float32, element_shape=[2])
+
+
+def test_a_gradient_of_a_gradient_array_is_tensorflows_error_word_for_word(client):
+    h, flow = client.raw_ops.TensorArrayV3(size=1, dtype=np.float32)
+    g, gflow = client.raw_ops.TensorArrayGradV3(h, flow, "s")
+    for call in (
+        lambda: client.raw_ops.TensorArrayGradV3(g, gflow, "s"),
+        lambda: client.raw_ops.TensorArrayGradWithShape(g, gflow, np.int32(3), "s"),
+        lambda: client.raw_ops.TensorArrayGradWithShape(g, gflow, np.array([-1], np.int32), "s"),
+    ):
+        with pytest.raises(InvalidArgumentError) as raised:
+            call()
+        assert str(raised.value) == f"Wrong input container. _tensor_array_grads{g.name}"

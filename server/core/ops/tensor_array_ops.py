@@ -96,6 +96,7 @@ def gather(
 ) -> np.ndarray:
     ta = session.tensor_array(handle)
     _check_read_dtype(ta, dtype)
+    ta.merge_element_shape(element_shape)  # (TensorFlow's order: before the indices)
     idx = args.int_vector(
         indices, "indices", "Expected indices to be a vector, but received shape: "
     )
@@ -110,6 +111,7 @@ def scatter(session: Session, handle: str, indices: np.ndarray, value: np.ndarra
             "Input value for unpack must be at least a vector but received shape: []",
             field="value",
         )
+    ta.size()  # closed: refused before the indices are looked at (TensorFlow's order)
     idx = args.int_vector(
         indices, "indices", "Expected indices to be a vector, but received shape: "
     )
@@ -139,18 +141,21 @@ def split(session: Session, handle: str, value: np.ndarray, lengths: np.ndarray)
         raise InvalidArgumentError(
             "Expected value to be at least a vector, but received shape: []", field="value"
         )
-    for i, length in enumerate(n):
-        if length < 0:
-            raise InvalidArgumentError(
-                f"Expected lengths to be non-negative, but lengths[{i}] is {length}",
-                field="lengths",
-            )
     if sum(n) != value.shape[0]:
         raise InvalidArgumentError(
             f"Expected sum of lengths to be equal to values.shape[0], but sum of lengths is "
             f"{sum(n)} and value's shape is: {shapes.debug_string(value.shape)}",
             field="lengths",
         )
+    ta.size()  # closed: refused here, as TensorFlow's split refuses it
+    # TensorFlow 2.21 aborts the process on a negative length here (a CHECK in
+    # TensorShape::set_dim): refused instead, in its style.
+    for i, length in enumerate(n):
+        if length < 0:
+            raise InvalidArgumentError(
+                f"Expected lengths to be non-negative, but lengths[{i}] is {length}",
+                field="lengths",
+            )
     ta.split(n, value, before_write=lambda: _check_write_dtype(ta, value))
 
 
@@ -173,6 +178,7 @@ def grad(
     """TensorArrayGradV3 (``shape_to_prepend`` None) or TensorArrayGradWithShape;
     ``registry``: a gradient computation's own (``Session.grad_array``)."""
     args.short_name(source, "source")
+    session.grad_source(handle)  # (TensorFlow's order: before shape_to_prepend)
     prepend: tuple[int, ...] = ()
     if shape_to_prepend is not None:
         # TensorFlow's TensorShapeUtils::MakeShape, and its words.
