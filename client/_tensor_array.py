@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -11,7 +13,7 @@ from gradserve import dtypes, shapes
 from gradserve.client import _attrs as attrs
 from gradserve.client._convert import to_array
 from gradserve.client._types import TapedArray, TensorArrayHandle, TensorRef
-from gradserve.errors import InvalidArgumentError
+from gradserve.errors import InvalidArgumentError, OutOfRangeError
 
 
 class TensorArray:
@@ -98,7 +100,8 @@ class TensorArray:
     def write(self, index: int, value) -> TensorArray:
         value = self._value(value)  # (an array, a TensorRef or a TapedArray: it has a shape)
         shape = self._checked_shape(value.shape) if self._dtype_matches(value) else None
-        self.flow = self._ops.TensorArrayWriteV3(self.handle, index, value, self.flow)
+        with _eager_errors():
+            self.flow = self._ops.TensorArrayWriteV3(self.handle, index, value, self.flow)
         if shape is not None:
             self._merge_shape(shape)
         return self
@@ -125,24 +128,28 @@ class TensorArray:
             self.element_shape = shapes.merge(self.element_shape, shape)
 
     def read(self, index: int) -> np.ndarray:
-        return self._shape_known(
-            lambda: self._ops.TensorArrayReadV3(self.handle, index, self.flow, self.dtype)
-        )
+        with _eager_errors():
+            return self._shape_known(
+                lambda: self._ops.TensorArrayReadV3(self.handle, index, self.flow, self.dtype)
+            )
 
     def _shape_known(self, op: Callable[[], Any]) -> Any:
         """``op()`` (a read, gather or concat). Refused for an unwritten element whose
         shape the server does not know, while the inferred element shape is fully
         defined: the server is told it, and ``op`` runs again (it changed nothing), so
-        the element reads as zeros of that shape."""
+        the element reads as zeros of that shape. Not fully defined: TensorFlow's eager
+        array's ValueError."""
         try:
             return op()
         except InvalidArgumentError as e:
             known = self.element_shape
-            if (
-                "not fully defined" not in str(e)
-                or not shapes.is_fully_defined(known)
-                or known == self._shape_told
-            ):
+            if "not fully defined" not in str(e):
+                raise
+            if not shapes.is_fully_defined(known):  # TensorFlow's eager array's error
+                raise ValueError(
+                    f"Cannot convert a partially known TensorShape {_tf_shape(known)} to a Tensor."
+                ) from None
+            if known == self._shape_told:
                 raise
         self._gather(np.zeros(0, np.int32), known)  # a gather of nothing merges it there
         self._shape_told = known
@@ -167,7 +174,8 @@ class TensorArray:
         shape = tuple(value.shape)
         checked = len(indices) and len(shape) and self._dtype_matches(value)
         element = self._checked_shape(shape[1:]) if checked else None
-        self.flow = self._ops.TensorArrayScatterV3(self.handle, indices, value, self.flow)
+        with _eager_errors():
+            self.flow = self._ops.TensorArrayScatterV3(self.handle, indices, value, self.flow)
         if element is not None:
             self._merge_shape(element)
         return self
@@ -213,6 +221,46 @@ class TensorArray:
 
     def __repr__(self) -> str:
         return f"TensorArray(name={self.handle.name!r}, dtype={self.dtype})"
+
+
+#: The op's errors for an index out of the array, and the ``OutOfRangeError`` TensorFlow's
+#: eager array raises for each (its words, trailing space included).
+_OUT_OF_RANGE = (
+    (
+        re.compile(
+            r"Tried to write to index (-?\d+) but array is not resizeable and size is: (\d+)"
+        ),
+        "Writing to negative indices (index {0}) is not allowed.",
+        "Tried to write to index {0} but array is not resizeable and size is: {1} ",
+    ),
+    (
+        re.compile(r"Max scatter index must be < array size \((-?\d+) vs\. (\d+)\)"),
+        "Writing to negative indices (index {0}) is not allowed.",
+        "Tried to write to index {0} but array is not resizeable and size is: {1} ",
+    ),
+    (
+        re.compile(r"Tried to read from index (-?\d+) but array size is: (\d+)"),
+        "Reading from negative indices (index {0}) is not allowed.",
+        "Tried to read from index {0} but array size is: {1} ",
+    ),
+)
+
+
+@contextmanager
+def _eager_errors() -> Iterator[None]:
+    """An index out of the array as TensorFlow's eager ``tf.TensorArray`` reports it:
+    ``OutOfRangeError``, where the op (as TensorFlow's graph kernels) gives an
+    ``InvalidArgumentError`` (a review helper's differential fuzz)."""
+    try:
+        yield
+    except InvalidArgumentError as e:
+        for pattern, negative, past in _OUT_OF_RANGE:
+            found = pattern.search(str(e))
+            if found:
+                index, size = int(found.group(1)), int(found.group(2))
+                words = negative if index < 0 else past
+                raise OutOfRangeError(words.format(index, size)) from None
+        raise
 
 
 def _tf_shape(shape: shapes.PartialShape) -> str:
