@@ -49,6 +49,8 @@ class TensorArray:
     ) -> None:
         self._client = client
         self.dtype = attrs.make_type(dtype, "dtype")  # as tf.TensorArray reads it
+        #: As made (a gradient array is not dynamic): which indices are out of it.
+        self._dynamic_size = dynamic_size
         self.infer_shape = infer_shape
         #: The element shape given, which gathers and concats pass (the inferred one
         #: would hold the elements of an ``unstack`` or ``split`` to it there, which
@@ -99,12 +101,39 @@ class TensorArray:
 
     def write(self, index: int, value) -> TensorArray:
         value = self._value(value)  # (an array, a TensorRef or a TapedArray: it has a shape)
-        shape = self._checked_shape(value.shape) if self._dtype_matches(value) else None
+        dtype_matches = self._dtype_matches(value)
+        try:
+            shape = self._checked_shape(value.shape) if dtype_matches else None
+        except ValueError:
+            self._check_indices([index])
+            raise
+        if not dtype_matches or index < 0:  # (the op's dtype error: the index first)
+            self._check_indices([index])
         with _eager_errors():
             self.flow = self._ops.TensorArrayWriteV3(self.handle, index, value, self.flow)
         if shape is not None:
             self._merge_shape(shape)
         return self
+
+    def _check_indices(self, indices: Sequence[int] | np.ndarray[Any, Any]) -> None:
+        """TensorFlow's eager array checks each index before the value's dtype and
+        shape, element after element: the first index out of the array, in order, is
+        its OutOfRangeError, before the dtype's or the shape's error (a review
+        helper). Called where a write will be refused: the array's size costs a call
+        only there."""
+        size = None
+        for index in (int(i) for i in indices):
+            if index < 0:
+                raise OutOfRangeError(
+                    f"Writing to negative indices (index {index}) is not allowed."
+                )
+            if not self._dynamic_size:
+                size = self.size() if size is None else size
+                if index >= size:
+                    raise OutOfRangeError(
+                        f"Tried to write to index {index} but array is not resizeable and "
+                        f"size is: {size} "
+                    )
 
     def _dtype_matches(self, value) -> bool:
         """Whether ``value`` (converted) has the array's dtype. TensorFlow checks the
@@ -172,10 +201,21 @@ class TensorArray:
         indices = np.asarray(indices, np.int32)
         value = self._value(value)
         shape = tuple(value.shape)
-        checked = len(indices) and len(shape) and self._dtype_matches(value)
-        element = self._checked_shape(shape[1:]) if checked else None
-        with _eager_errors():
-            self.flow = self._ops.TensorArrayScatterV3(self.handle, indices, value, self.flow)
+        dtype_matches = self._dtype_matches(value)
+        try:
+            checked = len(indices) and len(shape) and dtype_matches
+            element = self._checked_shape(shape[1:]) if checked else None
+        except ValueError:
+            self._check_indices(indices)
+            raise
+        if not dtype_matches or (indices < 0).any():
+            self._check_indices(indices)
+        try:
+            with _eager_errors():
+                self.flow = self._ops.TensorArrayScatterV3(self.handle, indices, value, self.flow)
+        except OutOfRangeError:  # the op names its largest index; the eager array, the first
+            self._check_indices(indices)
+            raise
         if element is not None:
             self._merge_shape(element)
         return self

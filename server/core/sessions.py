@@ -88,10 +88,17 @@ class _Kept:
     refs: int = 1
 
 
-#: A handed-out output still in its session this long after its reply left, or after
-#: it was read out in full, is deleted (``Session.expire_handed_out``): the SDK fetches
-#: each at once and deletes it by its next call.
+#: A handed-out output still in its session this long after its reply left (or
+#: after one of the reply's outputs was last read out), never read out itself, is
+#: deleted (``Session.expire_handed_out``): the SDK fetches each at once.
 HANDED_OUT_MAX_AGE_SECONDS = 300.0
+
+#: One read out in full is deleted this long after: the SDK deletes it by its next
+#: call. After a crash the client may have deleted it already (the snapshot was
+#: older): restored, it held the session's bytes, refusing the client's next ops, for
+#: the whole HANDED_OUT_MAX_AGE_SECONDS (a review helper: 395 refused gathers); a
+#: client whose stream broke after its last chunk asks again within seconds.
+FETCHED_MAX_AGE_SECONDS = 30.0
 
 
 class HandedOutReply:
@@ -720,7 +727,9 @@ class Session:
                 )
             )  # fmt: skip
 
-    def expire_handed_out(self, max_age: float, now: float | None = None) -> int:
+    def expire_handed_out(
+        self, max_age: float, fetched_max_age: float, now: float | None = None
+    ) -> int:
         """Delete the outputs of each reply that left, and of which none was read out
         since, more than ``max_age`` seconds ago, and none of which a stream reads
         now; returns how many. The SDK fetches a reply's outputs at once, one after
@@ -735,7 +744,7 @@ class Session:
                 tensor_id for tensor_id, h in self._handed.items()
                 if h.reply.since is not None
                 and not h.reply.readers
-                and now - h.reply.since > max_age
+                and now - h.reply.since > (fetched_max_age if h.fetched else max_age)
             ]  # fmt: skip
         return self.delete(stale) if stale else 0
 
@@ -1613,7 +1622,7 @@ class SessionStore:
             s.close()
             self._ended(s.id)
         for s in self.sessions():
-            s.expire_handed_out(HANDED_OUT_MAX_AGE_SECONDS, now)
+            s.expire_handed_out(HANDED_OUT_MAX_AGE_SECONDS, FETCHED_MAX_AGE_SECONDS, now)
         self.buffers.expire_idle(now)
         return len(stale)
 

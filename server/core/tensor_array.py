@@ -259,11 +259,13 @@ class TensorArray:
         with self._lock:
             return self._dynamic_size
 
-    def merge_element_shape(self, element_shape: shapes.PartialShape) -> None:
-        """TensorFlow's ``SetElemShape``: ``element_shape`` merged into the array's
-        (kept, whatever the op that gave it does next), or InvalidArgumentError."""
+    def check_element_shape(self, element_shape: shapes.PartialShape) -> None:
+        """InvalidArgumentError if ``element_shape`` does not merge with the array's
+        (TensorFlow's ``SetElemShape``'s error), changing nothing: the op that gave it
+        merges it if it succeeds (TensorFlow keeps it even if the op then fails: a
+        deliberate difference, README "Semantics")."""
         with self._lock:
-            self._element_shape = shapes.merge(self._element_shape, element_shape)
+            shapes.merge(self._element_shape, element_shape)
 
     def size(self) -> int:
         """TensorArraySizeV3. Fails once closed."""

@@ -135,3 +135,31 @@ def test_an_index_out_of_the_array_is_tensorflows_eager_out_of_range_error(clien
         with pytest.raises(OutOfRangeError) as raised:
             call()
         assert str(raised.value) == words
+
+
+def test_indices_are_checked_before_the_value_in_order_as_tensorflows_eager_array(client):
+    """TensorFlow's eager array checks each index before the value's dtype and shape,
+    element after element (recorded, TF 2.21): the value's error came first here, and a
+    scatter named its largest bad index rather than its first (a review helper)."""
+    ta = client.tensor_array(F32, size=2, element_shape=[2])
+    past = "Tried to write to index {} but array is not resizeable and size is: 2 "
+    cases = [
+        (lambda: ta.write(5, np.ones(3, F32)), past.format(5)),
+        (
+            lambda: ta.write(-1, np.ones(3, F32)),
+            "Writing to negative indices (index -1) is not allowed.",
+        ),
+        (lambda: ta.write(5, client.put(np.array([1, 2], np.int32))), past.format(5)),
+        (
+            lambda: ta.scatter([-1, 5], np.ones((2, 2), F32)),
+            "Writing to negative indices (index -1) is not allowed.",
+        ),
+        (lambda: ta.scatter([3, 7], np.ones((2, 2), F32)), past.format(3)),
+        (lambda: ta.scatter([5], np.ones((1, 3), F32)), past.format(5)),
+    ]
+    for call, words in cases:
+        with pytest.raises(OutOfRangeError) as raised:
+            call()
+        assert str(raised.value) == words
+    with pytest.raises(ValueError, match="Incompatible shape"):  # in range: the shape's error
+        ta.write(1, np.ones(3, F32))

@@ -926,11 +926,14 @@ def test_handed_out_outputs_survive_a_restart_only_until_their_client_would_have
     np.testing.assert_array_equal(back.get(waiting), np.full(1000, 1, np.float32))
     assert back.unfetched_outputs(5.0) == 1  # (a drain right after the restart waits)
     now = time.monotonic()
-    assert back.expire_handed_out(300.0, now + 299) == 0
-    assert back.expire_handed_out(300.0, now + 301) == 2
-    for gone in (fetched, waiting):
-        with pytest.raises(NotFoundError):
-            back.get(gone)
+    assert back.expire_handed_out(300.0, 30.0, now + 29) == 0
+    assert back.expire_handed_out(300.0, 30.0, now + 31) == 1  # read out: its client has it
+    with pytest.raises(NotFoundError):
+        back.get(fetched)
+    assert back.expire_handed_out(300.0, 30.0, now + 299) == 0
+    assert back.expire_handed_out(300.0, 30.0, now + 301) == 1
+    with pytest.raises(NotFoundError):
+        back.get(waiting)
     np.testing.assert_array_equal(back.get(kept), np.full(1000, 2, np.float32))  # never handed out
     assert back.budget.used == 4000 + TENSOR_RECORD_BYTES
 
@@ -946,15 +949,17 @@ def test_a_replys_outputs_are_deleted_together_once_nobody_has_come_for_them():
     s.handed_out(first, reply)
     s.handed_out(second, reply)
     now = time.monotonic()
-    assert s.expire_handed_out(300.0, now + 3600) == 0  # the reply still on its way
+    assert s.expire_handed_out(300.0, 30.0, now + 3600) == 0  # the reply still on its way
     s.replied(reply)
     now = time.monotonic()
     ended = s.being_read(first)  # a call reads one of them out, however slowly
-    assert s.expire_handed_out(300.0, now + 301) == 0
+    assert s.expire_handed_out(300.0, 30.0, now + 301) == 0
     ended()  # their age counts from here
     s.fetched(first)
     now = time.monotonic()
-    assert s.expire_handed_out(300.0, now + 299) == 0
+    assert s.expire_handed_out(300.0, 30.0, now + 29) == 0
+    assert s.expire_handed_out(300.0, 30.0, now + 31) == 1  # the one read out
+    assert s.expire_handed_out(300.0, 30.0, now + 299) == 0
     assert store.expire_idle(now + 301) == 0 and len(store) == 1
     for gone in (first, second):
         with pytest.raises(NotFoundError):

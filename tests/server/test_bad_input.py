@@ -354,3 +354,13 @@ def test_a_gradient_of_a_gradient_array_is_tensorflows_error_word_for_word(clien
         with pytest.raises(InvalidArgumentError) as raised:
             call()
         assert str(raised.value) == f"Wrong input container. _tensor_array_grads{g.name}"
+
+
+def test_a_gather_refused_for_its_indices_leaves_the_element_shape_as_it_was(client):
+    """TensorFlow merges a gather's element_shape before it refuses its indices, and
+    keeps it; gradserve checks it there (TensorFlow's error first) but applies nothing
+    of a refused op (README, "Semantics")."""
+    h, flow = client.raw_ops.TensorArrayV3(size=2, dtype=np.float32)
+    with pytest.raises(InvalidArgumentError, match="Expected indices to be a vector"):
+        client.raw_ops.TensorArrayGatherV3(h, np.int32(0), flow, np.float32, element_shape=[2])
+    client.raw_ops.TensorArrayWriteV3(h, 0, np.ones(3, np.float32), flow)  # [3] still taken

@@ -96,7 +96,7 @@ def gather(
 ) -> np.ndarray:
     ta = session.tensor_array(handle)
     _check_read_dtype(ta, dtype)
-    ta.merge_element_shape(element_shape)  # (TensorFlow's order: before the indices)
+    ta.check_element_shape(element_shape)  # (TensorFlow's order: before the indices)
     idx = args.int_vector(
         indices, "indices", "Expected indices to be a vector, but received shape: "
     )
