@@ -254,9 +254,9 @@ class Session:
         self._gradient_sources = 0
         #: The outputs ops' replies handed out to be fetched, by id, until deleted
         #: (``handed_out``): a drain waits for their fetches (``unfetched_outputs``),
-        #: a snapshot leaves out those fetched, and those no client came for are
-        #: deleted (``expire_handed_out``). A lock of its own: the drain reads it on
-        #: the event loop, which must never wait for the session's.
+        #: a snapshot keeps them marked, and those no client came for are deleted
+        #: (``expire_handed_out``). A lock of its own: the drain reads it on the
+        #: event loop, which must never wait for the session's.
         self._handed: dict[str, _HandedOut] = {}
         self._handed_lock = threading.Lock()
         #: Same-host shared-memory regions the worker registered (``regions``), each at
@@ -731,8 +731,8 @@ class Session:
         self, max_age: float, fetched_max_age: float, now: float | None = None
     ) -> int:
         """Delete the outputs of each reply that left, and of which none was read out
-        since, more than ``max_age`` seconds ago, and none of which a stream reads
-        now; returns how many. The SDK fetches a reply's outputs at once, one after
+        since, more than ``max_age`` seconds ago (``fetched_max_age`` for one read out
+        itself), none of whose outputs a call reads now; returns how many. The SDK fetches a reply's outputs at once, one after
         another, and deletes each by its next call: those still here are ones no
         client will come for (it crashed, or had them before the crash that restored
         this session from a snapshot), and held the session's bytes until the session

@@ -81,8 +81,10 @@ class Admission:
     UNFETCHED_POLL_SECONDS = 0.02
 
     #: A session's handed-out outputs hold a drain up only while its client is about
-    #: it: a call on it runs or ended less than this long ago (a client that crashed
-    #: after its reply would otherwise hold every drain for all of ``--grace``).
+    #: it: their reply is on its way, a call on the session runs, or their reply left
+    #: or a call ended less than this long ago (``Session.unfetched_outputs``; a
+    #: client that crashed after its reply would otherwise hold every drain for all
+    #: of ``--grace``).
     FETCH_PATIENCE_SECONDS = 5.0
 
     def __init__(
