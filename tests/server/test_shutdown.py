@@ -246,12 +246,17 @@ def test_a_sigterm_while_starting_drains_and_saves_the_restored_sessions(tmp_pat
     assert second.returncode == 0, second.stdout + second.stderr
     assert "restored 1 session(s)" in second.stderr
 
-    third = ServerProcess("--state-dir", str(state))
+    _assert_restored(state, session_id, ref, value)
+
+
+def _assert_restored(state, session_id: str, ref, value: np.ndarray) -> None:
+    """A server started on ``state`` serves session ``session_id`` with ``ref``'s value."""
+    server = ServerProcess("--state-dir", str(state))
     try:
-        with gradserve.Client(third.target, session_id=session_id, shared_memory=False) as again:
-            np.testing.assert_array_equal(again.get(ref.id), value)
+        with gradserve.Client(server.target, session_id=session_id, shared_memory=False) as c:
+            np.testing.assert_array_equal(c.get(ref.id), value)
     finally:
-        assert third.stop() == 0
+        assert server.stop() == 0
 
 
 def test_a_drain_waits_for_an_adoption_and_loses_none_of_its_sessions(tmp_path, monkeypatch):
@@ -733,12 +738,7 @@ def test_a_grpc_shutdown_that_hangs_stops_the_server_and_saves_its_sessions(tmp_
     finally:
         proc.kill()
         proc.wait()
-    again = ServerProcess("--state-dir", str(state))
-    try:
-        with gradserve.Client(again.target, session_id=session_id, shared_memory=False) as c:
-            np.testing.assert_array_equal(c.get(ref.id), value)
-    finally:
-        assert again.stop() == 0
+    _assert_restored(state, session_id, ref, value)
 
 
 def test_a_thread_stuck_holding_a_sessions_lock_cannot_keep_a_stopped_server_alive():
