@@ -124,16 +124,11 @@ class TensorArray:
         size = None
         for index in (int(i) for i in indices):
             if index < 0:
-                raise OutOfRangeError(
-                    f"Writing to negative indices (index {index}) is not allowed."
-                )
+                raise OutOfRangeError(_WRITE_NEGATIVE.format(index))
             if not self._dynamic_size:
                 size = self.size() if size is None else size
                 if index >= size:
-                    raise OutOfRangeError(
-                        f"Tried to write to index {index} but array is not resizeable and "
-                        f"size is: {size} "
-                    )
+                    raise OutOfRangeError(_WRITE_PAST.format(index, size))
 
     def _dtype_matches(self, value) -> bool:
         """Whether ``value`` (converted) has the array's dtype. TensorFlow checks the
@@ -263,25 +258,31 @@ class TensorArray:
         return f"TensorArray(name={self.handle.name!r}, dtype={self.dtype})"
 
 
-#: The op's errors for an index out of the array, and the ``OutOfRangeError`` TensorFlow's
-#: eager array raises for each (its words, trailing space included).
+#: TensorFlow's eager array's words for an index out of it (trailing spaces included).
+_WRITE_NEGATIVE = "Writing to negative indices (index {0}) is not allowed."
+_WRITE_PAST = "Tried to write to index {0} but array is not resizeable and size is: {1} "
+_READ_NEGATIVE = "Reading from negative indices (index {0}) is not allowed."
+_READ_PAST = "Tried to read from index {0} but array size is: {1} "
+
+#: The op's errors for an index out of the array (index, size), and the eager array's
+#: words for a negative index and one past the end.
 _OUT_OF_RANGE = (
     (
         re.compile(
             r"Tried to write to index (-?\d+) but array is not resizeable and size is: (\d+)"
         ),
-        "Writing to negative indices (index {0}) is not allowed.",
-        "Tried to write to index {0} but array is not resizeable and size is: {1} ",
+        _WRITE_NEGATIVE,
+        _WRITE_PAST,
     ),
     (
         re.compile(r"Max scatter index must be < array size \((-?\d+) vs\. (\d+)\)"),
-        "Writing to negative indices (index {0}) is not allowed.",
-        "Tried to write to index {0} but array is not resizeable and size is: {1} ",
+        _WRITE_NEGATIVE,
+        _WRITE_PAST,
     ),
     (
         re.compile(r"Tried to read from index (-?\d+) but array size is: (\d+)"),
-        "Reading from negative indices (index {0}) is not allowed.",
-        "Tried to read from index {0} but array size is: {1} ",
+        _READ_NEGATIVE,
+        _READ_PAST,
     ),
 )
 
