@@ -50,7 +50,9 @@ class TensorArray:
         self._client = client
         self.dtype = attrs.make_type(dtype, "dtype")  # as tf.TensorArray reads it
         #: As made (a gradient array is not dynamic): which indices are out of it.
-        self._dynamic_size = dynamic_size
+        #: None (an array from a handle, unless dynamic_size=True was said): unknown,
+        #: so an index past the end is left to the op.
+        self._dynamic_size = dynamic_size if handle is None or dynamic_size else None
         self.infer_shape = infer_shape
         #: The element shape given, which gathers and concats pass (the inferred one
         #: would hold the elements of an ``unstack`` or ``split`` to it there, which
@@ -107,7 +109,7 @@ class TensorArray:
         except ValueError:
             self._check_indices([index])
             raise
-        if not dtype_matches or index < 0:  # (the op's dtype error: the index first)
+        if not dtype_matches or _local_index(index) < 0:  # (the op's dtype error: the index first)
             self._check_indices([index])
         with _eager_errors():
             self.flow = self._ops.TensorArrayWriteV3(self.handle, index, value, self.flow)
@@ -122,10 +124,10 @@ class TensorArray:
         helper). Called where a write will be refused: the array's size costs a call
         only there."""
         size = None
-        for index in (int(i) for i in indices):
+        for index in (_local_index(i) for i in indices):
             if index < 0:
                 raise OutOfRangeError(_WRITE_NEGATIVE.format(index))
-            if not self._dynamic_size:
+            if self._dynamic_size is False:
                 size = self.size() if size is None else size
                 if index >= size:
                     raise OutOfRangeError(_WRITE_PAST.format(index, size))
@@ -197,13 +199,18 @@ class TensorArray:
         value = self._value(value)
         shape = tuple(value.shape)
         dtype_matches = self._dtype_matches(value)
+        # Eager writes element by element (index, dtype, shape): only the first index
+        # comes before the value's dtype and shape; a 0-d value fails before any index.
+        first = indices[:1] if len(shape) else indices[:0]
         try:
             checked = len(indices) and len(shape) and dtype_matches
             element = self._checked_shape(shape[1:]) if checked else None
         except ValueError:
-            self._check_indices(indices)
+            self._check_indices(first)
             raise
-        if not dtype_matches or (indices < 0).any():
+        if not dtype_matches:
+            self._check_indices(first)
+        elif len(shape) and (indices < 0).any():
             self._check_indices(indices)
         try:
             with _eager_errors():
@@ -245,7 +252,7 @@ class TensorArray:
         handle, grad_flow = self._ops.TensorArrayGradV3(
             self.handle, self.flow if flow is None else flow, source
         )
-        return TensorArray(
+        grad = TensorArray(
             self._client,
             self.dtype,
             element_shape=self.element_shape,
@@ -253,6 +260,8 @@ class TensorArray:
             handle=handle,
             flow=grad_flow,
         )
+        grad._dynamic_size = False  # a gradient array never grows
+        return grad
 
     def __repr__(self) -> str:
         return f"TensorArray(name={self.handle.name!r}, dtype={self.dtype})"
@@ -302,6 +311,12 @@ def _eager_errors() -> Iterator[None]:
                 words = negative if index < 0 else past
                 raise OutOfRangeError(words.format(index, size)) from None
         raise
+
+
+def _local_index(index: Any) -> int:
+    """An index as a number; one the server holds (a TensorRef) is left to the op
+    (0: never refused here)."""
+    return 0 if isinstance(index, TensorRef) else int(index)
 
 
 def _tf_shape(shape: shapes.PartialShape) -> str:

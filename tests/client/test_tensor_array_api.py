@@ -163,3 +163,23 @@ def test_indices_are_checked_before_the_value_in_order_as_tensorflows_eager_arra
         assert str(raised.value) == words
     with pytest.raises(ValueError, match="Incompatible shape"):  # in range: the shape's error
         ta.write(1, np.ones(3, F32))
+
+
+def test_a_scatter_checks_its_first_element_whole_before_its_later_indices(client):
+    """The eager array writes a scatter's elements one after another (index, dtype,
+    shape): a bad value fails at the first element, before a later bad index; an
+    index the server holds is the op's to check; an array from a handle may be
+    dynamic (helper-89: each of these was a false OutOfRangeError or a TypeError)."""
+    ta = client.tensor_array(F32, size=2, element_shape=[2])
+    with pytest.raises(ValueError, match="Incompatible shape"):
+        ta.scatter([0, 5], np.ones((2, 3), F32))
+    with pytest.raises(ValueError, match="Incompatible shape"):
+        ta.scatter([0, -1], np.ones((2, 3), F32))
+    ta = client.tensor_array(F32, size=2, clear_after_read=False)
+    ta.write(client.put(np.int32(1)), 1.0)  # (TensorFlow takes a tensor index too)
+    assert ta.read(1) == 1.0
+    h, flow = client.raw_ops.TensorArrayV3(size=0, dtype=F32, dynamic_size=True, element_shape=[2])
+    from_handle = client.tensor_array(F32, handle=h, flow=flow, element_shape=[2])
+    from_handle.write(5, np.ones(2, F32))
+    with pytest.raises(ValueError, match="Incompatible shape"):
+        from_handle.write(6, np.ones(3, F32))  # (dynamic: index 6 is no error)
