@@ -43,9 +43,8 @@ from gradserve.server.transport.lanes import Lane
 from gradserve.server.transport.observability import Observer, current_call
 from gradserve.server.transport.servicer_part import (
     ForgottenUnlessReplied,
+    ReadOut,
     check_reply_in_time,
-    read_out_once_replied,
-    reading_out,
 )
 from gradserve.server.transport.shm_handlers import SharedMemoryRPCs
 from gradserve.server.transport.streams import END, Pace, StreamLimits, next_item
@@ -253,7 +252,7 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         (``KeepAlive``'s ``deletes_fetched``: it names what it holds in its next call). A
         reader that stalls or trickles is ended as an uploader is."""
         session = self._session(context)
-        reading_out(session, request, context)
+        read_out = ReadOut(session, request, context)
         call = current_call.get()
         pace = Pace(self.stream_limits, session, "GetTensor", self._draining)
         with session.reading(request.id) as kept:
@@ -266,7 +265,7 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
                     call.bytes_out += len(chunk)
         # Past the deadline the client gets DEADLINE_EXCEEDED, not the end of the
         # stream: the tensor stays, to be fetched again.
-        read_out_once_replied(session, request, context)
+        read_out.replied()
         return None
 
     def _wire_content(self, kept: Any) -> codec.WireContent:

@@ -43,33 +43,44 @@ def check_reply_in_time(context: Any) -> None:
         raise DeadlineExceededError("deadline exceeded")
 
 
-def reading_out(session: Session, request: Any, context: Any) -> None:
-    """A get of ``request.id`` begins: a handed-out output's reply does not age
-    while the call lasts (``Session.being_read``)."""
-    ended = session.being_read(request.id)
-    context.add_done_callback(lambda _: ended())
+class ReadOut:
+    """A get of the tensor ``request.id`` (GetTensor, GetTensorInline, GetSharedTensor),
+    made when the call begins; the getter's side of ``ForgottenUnlessReplied``.
 
-
-def read_out_once_replied(session: Session, request: Any, context: Any) -> None:
-    """A get (``request.id``) replies: once the call has ended with its reply sent
-    before the deadline, the tensor counts as fetched (a drain waits no more for it:
+    While the call lasts, the outputs of the reply that handed the tensor out do not
+    age (``Session.being_read``: the call, not the handler's reading, since a slow
+    client takes the last chunks from gRPC's buffers long after they were written).
+    Once the handler has replied (``replied``) and the call has ended in time, not
+    cancelled, the tensor counts as fetched (a drain waits no more for it:
     ``Session.fetched``) and, with ``delete_after``, is deleted. Past the deadline
-    (``check_reply_in_time`` raises, or the sending took until then) the client got
-    DEADLINE_EXCEEDED, and can fetch the tensor again. Deleted as the value was read,
-    then as the handler replied, a reply that missed the client's deadline lost the
-    tensor (a review helper: 71 of 120 gets of 128 MiB, a 0.5 s deadline)."""
-    check_reply_in_time(context)
+    (``replied`` raises, or the sending took until then) the client got
+    DEADLINE_EXCEEDED and can fetch the tensor again: deleted as the value was read,
+    a reply that missed the client's deadline lost the tensor (a review helper: 71
+    of 120 gets of 128 MiB, a 0.5 s deadline)."""
 
-    def call_over(context: Any) -> None:
+    def __init__(self, session: Session, request: Any, context: Any) -> None:
+        self._session = session
+        self._request = request
+        self._context = context
+        self._replied = False
+        self._reading = session.being_read(request.id)
+        context.add_done_callback(self._call_over)
+
+    def replied(self) -> None:
+        """The handler returns its reply; raises instead past the deadline
+        (``check_reply_in_time``)."""
+        check_reply_in_time(self._context)
+        self._replied = True
+
+    def _call_over(self, context: Any) -> None:
+        self._reading()
         remaining = context.time_remaining()
-        if context.cancelled() or (remaining is not None and remaining <= 0):
+        if not self._replied or context.cancelled() or (remaining is not None and remaining <= 0):
             return
-        session.fetched(request.id)
-        if request.delete_after:
+        self._session.fetched(self._request.id)
+        if self._request.delete_after:
             with contextlib.suppress(GradserveError):  # (its session closed meanwhile)
-                session.delete([request.id])
-
-    context.add_done_callback(call_over)
+                self._session.delete([self._request.id])
 
 
 class ForgottenUnlessReplied:

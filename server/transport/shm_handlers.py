@@ -17,9 +17,8 @@ from gradserve import codec
 from gradserve.server.transport import boundary, shm_wire
 from gradserve.server.transport.servicer_part import (
     ForgottenUnlessReplied,
+    ReadOut,
     ServicerPart,
-    read_out_once_replied,
-    reading_out,
 )
 from gradserve.server.transport.wire import host_array
 from gradserve.v1 import shared_memory_pb2 as pb
@@ -83,9 +82,9 @@ class SharedMemoryRPCs(ServicerPart):
     ) -> pb.GetSharedTensorResponse:
         """The resident tensor copied into the region; with ``delete_after`` deleted
         once copied (a copy that fails, or a reply past the deadline, leaves it, to be
-        fetched again: ``read_out_once_replied``)."""
+        fetched again: ``ReadOut``)."""
         session = self._session(context)
-        reading_out(session, request, context)
+        read_out = ReadOut(session, request, context)
         response = pb.GetSharedTensorResponse()
 
         def get() -> None:
@@ -95,5 +94,5 @@ class SharedMemoryRPCs(ServicerPart):
                 shm_wire.fill(response.tensor, request.region, request.offset, array)
 
         await self.light.run(get)
-        read_out_once_replied(session, request, context)
+        read_out.replied()
         return response

@@ -26,9 +26,8 @@ from gradserve.errors import GradserveError, ResourceExhaustedError
 from gradserve.server.transport import boundary
 from gradserve.server.transport.servicer_part import (
     ForgottenUnlessReplied,
+    ReadOut,
     ServicerPart,
-    read_out_once_replied,
-    reading_out,
 )
 from gradserve.server.transport.wire import host_array
 from gradserve.v1 import service_pb2, tensor_pb2
@@ -70,7 +69,7 @@ class InlineTensorRPCs(ServicerPart):
         response (the server's message limit, or the client's
         ``x-gradserve-response-budget``)."""
         session = self._session(context)
-        reading_out(session, request, context)
+        read_out = ReadOut(session, request, context)
         budget = self.max_message_bytes - protocol.MESSAGE_OVERHEAD_BYTES
         for key, value in context.invocation_metadata() or ():
             if key == protocol.RESPONSE_BUDGET_METADATA_KEY and str(value).isdigit():
@@ -89,7 +88,7 @@ class InlineTensorRPCs(ServicerPart):
 
         kept = session.get(request.id)  # NOT_FOUND here as in ``get``
         message = get() if on_loop(kept) else await self.light.run(get)
-        read_out_once_replied(session, request, context)
+        read_out.replied()
         return message
 
 
