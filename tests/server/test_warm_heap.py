@@ -79,23 +79,29 @@ def test_keep_warm_reuses_the_pages_of_freed_buffers():
 def test_a_served_put_and_get_reuse_warm_memory_on_both_sides():
     """The server process (its entry point) and the SDK (``Client``) keep their heaps
     warm: a 1 MiB unary put and get fault in some pages, not the 256 per MiB
-    (times the copies) that fresh memory costs."""
+    (times the copies) that fresh memory costs. The faults are the whole process's:
+    in the test run's process, other tests' threads fault pages too (a clean-clone CI
+    run measured 137 per put and get once, 0-48 alone), so the quietest of three
+    rounds counts; fresh memory faults every page in every round."""
     value = np.arange(MIB // 4, dtype=np.float32)
     server = ServerProcess()
+    server_faults, client_faults = [], []
     try:
         with gradserve.Client(server.target, shared_memory=False) as client:
             for _ in range(5):  # warm-up: the heaps grow to their working size
                 client.get(ref := client.put(value))
                 client.delete(ref)
-            server_before, client_before = minor_faults(server.proc.pid), minor_faults()
-            for _ in range(20):
-                ref = client.put(value)
-                assert np.array_equal(client.get(ref), value)
-                client.delete(ref)
-            server_faults = (minor_faults(server.proc.pid) - server_before) / 20
-            client_faults = (minor_faults() - client_before) / 20
+            for _round in range(3):
+                server_before, client_before = minor_faults(server.proc.pid), minor_faults()
+                for _ in range(20):
+                    ref = client.put(value)
+                    assert np.array_equal(client.get(ref), value)
+                    client.delete(ref)
+                server_faults.append((minor_faults(server.proc.pid) - server_before) / 20)
+                client_faults.append((minor_faults() - client_before) / 20)
     finally:
         server.stop()
+    server_faults, client_faults = min(server_faults), min(client_faults)
     pages = MIB // PAGE
     assert server_faults < pages / 2, f"server: {server_faults} faults per 1 MiB put and get"
     assert client_faults < pages / 2, f"client: {client_faults} faults per 1 MiB put and get"
