@@ -417,6 +417,11 @@ class ChunkAssembler:
                 field=self.field,
             )
 
+    @property
+    def whole(self) -> bool:
+        """The chunks so far carry all the bytes their first chunk declared."""
+        return self._buffer is not None and self.filled == self.nbytes
+
     def finish(self) -> np.ndarray:
         """The read-only array, once the stream has ended."""
         field = self.field

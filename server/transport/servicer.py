@@ -47,7 +47,13 @@ from gradserve.server.transport.servicer_part import (
     check_reply_in_time,
 )
 from gradserve.server.transport.shm_handlers import SharedMemoryRPCs
-from gradserve.server.transport.streams import END, Pace, StreamLimits, next_item
+from gradserve.server.transport.streams import (
+    END,
+    Pace,
+    StreamLimits,
+    next_item,
+    settle_short_stream,
+)
 from gradserve.server.transport.tensor_handlers import InlineTensorRPCs
 from gradserve.server.transport.wire import CallIO, host_array
 from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_pb2
@@ -234,6 +240,8 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
                 pace.moved_bytes(len(chunk.data))
                 if call is not None:
                     call.bytes_in += len(chunk.data)
+            if not assembler.whole:  # a half-close, or a cancel on its way
+                await settle_short_stream(context)
             # Building the array is a pass over every string: off the event loop.
             array = await self.light.run(assembler.finish)
             tensor_id = forgotten.kept(reservations[0].keep(array))

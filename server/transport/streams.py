@@ -160,6 +160,26 @@ def _discard(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
+#: How long a request stream that ended short of what it declared waits for its
+#: cancellation. gRPC ends the handler's request stream alike when the client
+#: half-closes early and when it cancels (its ``_receive_message`` merges the two),
+#: and the cancellation reaches the handler a moment later, as ``CancelledError``: a
+#: handler that refused the short stream at once counted a cancelled upload as the
+#: client's INVALID_ARGUMENT (one clean-clone CI run in many). A client that really
+#: half-closed early gets its refusal this much later.
+CANCEL_SETTLE_SECONDS = 0.5
+
+
+async def settle_short_stream(context: Any) -> None:
+    """Before refusing a request stream that ended short: let a cancellation on its
+    way arrive (``CancelledError`` here, the boundary counts it CANCELLED)."""
+    if context.cancelled():
+        raise asyncio.CancelledError
+    await asyncio.sleep(CANCEL_SETTLE_SECONDS)
+    if context.cancelled():
+        raise asyncio.CancelledError
+
+
 async def next_item(iterator: AsyncIterator[T]) -> T:
     """``anext`` that returns a sentinel at the end instead of raising."""
     try:

@@ -442,6 +442,41 @@ def test_a_client_cancelling_its_upload_is_cancelled_not_internal(caplog):
         assert not [r for r in caplog.records if r.exc_info]
 
 
+@pytest.mark.parametrize("cancel", [True, False], ids=["cancelled", "half-closed"])
+def test_an_upload_cancelled_after_its_stream_ended_is_cancelled_not_invalid(cancel):
+    """gRPC ends a handler's request stream alike when its client half-closes early
+    and when it cancels, the cancellation following a moment later: a server that
+    refused the short stream at once counted a cancelled upload as INVALID_ARGUMENT
+    (the test above, once in a clean-clone CI run). Here the order is forced, the
+    stream half-closed 50 ms before its cancellation; a stream only half-closed is
+    still the client's INVALID_ARGUMENT."""
+    from tests.server.h2_probe import half_closed_then_cancelled
+
+    def codes(server):
+        registry = server.metrics.registry
+        return {
+            code: registry.get_sample_value(
+                "gradserve_rpcs_total", {"method": "PutTensor", "code": code}
+            )
+            for code in ("CANCELLED", "INVALID_ARGUMENT")
+        }
+
+    with run_server(device="cpu", metrics_port=0) as server:
+        with gradserve.Client(f"127.0.0.1:{server.port}") as client:
+            first = tensor_pb2.TensorChunk(dtype=tensor_pb2.DT_UINT8, shape=[MIB])
+            message = first.SerializeToString()
+            md = metadata(client.session_id)
+            status = half_closed_then_cancelled(
+                server.port, "PutTensor", message, md, gap=0.05 if cancel else None
+            )
+            assert status == (None if cancel else grpc.StatusCode.INVALID_ARGUMENT.value[0])
+            assert wait_until(lambda: any(codes(server).values()))
+            assert wait_until(lambda: server.store.budget.used == 0)
+            assert client.put(np.arange(3.0)).id  # and it serves on
+            expected = "CANCELLED" if cancel else "INVALID_ARGUMENT"
+            assert codes(server) == {c: (1.0 if c == expected else None) for c in codes(server)}
+
+
 def test_lstm_calls_leave_small_ops_and_health_answering():
     rng = np.random.default_rng(0)
     r = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
