@@ -33,6 +33,12 @@ class MemoryBudget:
         self.parent = parent
         #: Told of every release (the server's budget: to return memory to the OS).
         self.on_release = on_release
+        #: Asked, once, when a reservation is refused here or above, to free what it
+        #: can of ``nbytes`` that nobody needs any more (a session's outputs its client
+        #: has read out already); returns whether it freed anything, and the
+        #: reservation is tried again. It must never wait for a lock: reservations
+        #: are made under the caller's locks.
+        self.reclaim: Callable[[int], bool] | None = None
         self._used = 0
         self._lock = threading.Lock()
 
@@ -42,11 +48,20 @@ class MemoryBudget:
             return self._used
 
     def reserve(self, nbytes: int) -> None:
-        """Count ``nbytes`` more, or raise (changing nothing) if a limit would pass."""
+        """Count ``nbytes`` more, or raise (changing nothing) if a limit would pass
+        once ``reclaim`` freed what it could."""
         if nbytes < 0:
             raise ValueError(f"reserve({nbytes}): a negative reservation (use adjust)")
         if nbytes == 0:
             return
+        try:
+            self._reserve(nbytes)
+        except ResourceExhaustedError:
+            if self.reclaim is None or not self.reclaim(nbytes):
+                raise
+            self._reserve(nbytes)
+
+    def _reserve(self, nbytes: int) -> None:
         with self._lock:
             if self.limit is not None and self._used + nbytes > self.limit:
                 raise ResourceExhaustedError(

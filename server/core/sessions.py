@@ -93,7 +93,8 @@ class _Kept:
 #: deleted (``Session.expire_handed_out``): the SDK fetches each at once.
 HANDED_OUT_MAX_AGE_SECONDS = 300.0
 
-#: One read out in full is deleted this long after: the SDK deletes it by its next
+#: One read out in full is deleted this long after (or as soon as its session is
+#: short of bytes: ``Session.reclaim_read_out``): the SDK deletes it by its next
 #: call. After a crash the client may have deleted it already (the snapshot was
 #: older): restored, it held the session's bytes, refusing the client's next ops, for
 #: the whole HANDED_OUT_MAX_AGE_SECONDS (a review helper: 395 refused gathers); a
@@ -259,6 +260,9 @@ class Session:
         #: event loop, which must never wait for the session's.
         self._handed: dict[str, _HandedOut] = {}
         self._handed_lock = threading.Lock()
+        # A reservation refused for want of bytes first frees the outputs its
+        # client has read out already (``reclaim_read_out``).
+        self.budget.reclaim = self._reclaim_without_waiting
         #: Same-host shared-memory regions the worker registered (``regions``), each at
         #: most the session's byte limit; closed with the session.
         self.regions = RegionTable(
@@ -484,12 +488,19 @@ class Session:
         released on exit. ``paid``: bytes of it reserved already (``put``); nothing is
         reserved if the rest is refused."""
         self.check_tensor_bytes(nbytes)
-        with self._lock:
-            self._check_open()
-            reservation = TensorReservation(self, nbytes)
-            self._settle_locked(reservation.charged, paid)
-            self._reservations.add(reservation)
-        return reservation
+        for last_try in (False, True):
+            try:
+                with self._lock:
+                    self._check_open()
+                    reservation = TensorReservation(self, nbytes)
+                    self._settle_locked(reservation.charged, paid)
+                    self._reservations.add(reservation)
+                return reservation
+            except ResourceExhaustedError:
+                # (the budget's own ``reclaim`` cannot take the lock held here)
+                if last_try or not self.reclaim_read_out():
+                    raise
+        raise AssertionError("unreachable")
 
     def keeping_charges(self, array: Array, nbytes: int | None = None) -> tuple[int, int]:
         """What keeping ``array`` under a new id will cost, and at most: its id's record
@@ -748,17 +759,46 @@ class Session:
             ]  # fmt: skip
         return self.delete(stale) if stale else 0
 
+    def reclaim_read_out(self, *, wait: bool = True) -> int:
+        """Delete the handed-out outputs that were read out in full and that no call
+        reads now; returns the bytes freed. For a session short of bytes: their client
+        has them, and deletes them by its next call (``expire_handed_out`` does it
+        30 s after their reading otherwise). Until then they refused that client's
+        next ops, most of all after a restore from a snapshot older than the
+        client's deletes (a review helper: 730 refused gathers in the seconds after
+        a restart). ``wait=False``: gives up (0) if another holds the session's lock:
+        called by a reservation being made, which may hold it, or other locks."""
+        if not self._lock.acquire(blocking=wait):
+            return 0
+        try:
+            with self._handed_lock:
+                read_out = [t for t, h in self._handed.items() if h.fetched and not h.reply.readers]
+            _, freed = self._delete_locked(read_out)
+        finally:
+            self._lock.release()
+        self.budget.release(freed)
+        return freed
+
+    def _reclaim_without_waiting(self, nbytes: int) -> bool:
+        return self.reclaim_read_out(wait=False) > 0
+
     def delete(self, tensor_ids: Iterable[str]) -> int:
         """Drop tensors; returns how many existed. Bytes of one still being read out
         are released when its last reader ends."""
         with self._lock:
-            gone = [(t, k) for t in tensor_ids if (k := self._resident.pop(t, None)) is not None]
-            with self._handed_lock:
-                for tensor_id, _ in gone:
-                    self._handed.pop(tensor_id, None)
-            freed = self._drop(k for _, k in gone) + sum(self._entry_gone(t) for t, _ in gone)
+            gone, freed = self._delete_locked(tensor_ids)
         self.budget.release(freed)
-        return len(gone)
+        return gone
+
+    def _delete_locked(self, tensor_ids: Iterable[str]) -> tuple[int, int]:
+        """Drop tensors: how many existed, and the bytes free now, for the caller to
+        release once it let go of ``_lock`` (which it holds)."""
+        gone = [(t, k) for t in tensor_ids if (k := self._resident.pop(t, None)) is not None]
+        with self._handed_lock:
+            for tensor_id, _ in gone:
+                self._handed.pop(tensor_id, None)
+        freed = self._drop(k for _, k in gone) + sum(self._entry_gone(t) for t, _ in gone)
+        return len(gone), freed
 
     def _drop(self, dropped: Iterable[_Kept]) -> int:
         """One holder fewer for each; returns the bytes free now (caller holds

@@ -645,3 +645,82 @@ def test_the_ones_of_a_gradient_are_charged_once_and_while_they_live(program):
     assert gradient_fits(in_use)
     if program == "stack of four":  # (the others: less leaves the forward no room)
         assert not gradient_fits(in_use - 512 * KIB)
+
+
+MIB = 1024 * KIB
+
+
+@pytest.mark.parametrize("then", ["put", "write"])
+def test_outputs_their_client_read_out_give_way_to_its_next_tensors(then):
+    """A client deletes the outputs it fetched by its next call (the SDK does); until
+    then, or for 30 s after a restore from a snapshot older than its deletes, they
+    held the session's bytes and its next tensors were refused (a review helper:
+    730 refused gathers after a restart). Read out in full, they give way to a
+    reservation that needs their bytes: by a put (``reserve_tensor``) and by an op
+    that reserves under its array's lock (the budget's ``reclaim``)."""
+    written = [np.full(200_000, float(i), np.float32) for i in range(2)]  # 800 kB each
+    with run_server(device="cpu", max_message_bytes=MIB, max_session_bytes=2 * MIB) as server:
+        target = f"127.0.0.1:{server.port}"
+        # Every output over 64 KiB is handed out to be fetched.
+        with gradserve.Client(target, stream_threshold=64 * KIB) as reader:
+            ta = reader.tensor_array(np.float32, size=2)
+            for index, value in enumerate(written):
+                ta.write(index, value)
+            batch = reader.batch()
+            for index in range(2):
+                batch.raw_ops.TensorArrayReadV3(ta.handle, index, ta.flow, np.float32)
+            got = batch.run()  # 1.6 MB handed out, read out, not yet deleted
+            session = server.store.get(reader.session_id)
+            assert session.budget.used > 1_600_000
+            # Another client of the session (or the same one after a restore) does
+            # not name them for deletion.
+            # (over the wire: an input through shared memory is a put's reservation)
+            with gradserve.Client(
+                target, session_id=reader.session_id, shared_memory=False
+            ) as other:
+                value = np.arange(225_000, dtype=np.float32)  # 900 kB: inline
+                if then == "put":
+                    ref = other.put(value)
+                    np.testing.assert_array_equal(other.get(ref), value)
+                else:
+                    other_ta = other.tensor_array(np.float32, size=1)
+                    other_ta.write(0, value)
+                    np.testing.assert_array_equal(other_ta.read(0), value)
+                assert session.budget.used < 1_600_000
+            reader.keep_alive()  # names the ids already deleted: no error
+    for want, value in zip(written, got):
+        np.testing.assert_array_equal(value, want)
+
+
+def test_only_outputs_read_out_and_not_being_read_give_way():
+    """What its client has not read out in full, or reads now, is never deleted to
+    make room: the reservation is refused as before."""
+    from gradserve.server.core.sessions import HandedOutReply, SessionStore
+
+    store = SessionStore(max_session_bytes=4 * MIB)
+    session = store.create()
+    unread, reading, read_out = (
+        session.put(np.zeros(KIB * KIB // 4, np.float32)) for _ in range(3)
+    )
+    for tensor_id in (unread, reading, read_out):
+        session.handed_out(tensor_id, HandedOutReply())
+    session.fetched(read_out)
+    session.fetched(reading)
+    reader_done = session.being_read(reading)
+    session.reserve_tensor(MIB).release()  # room once the one read out gave way
+    assert session.get(unread) is not None and session.get(reading) is not None
+    with pytest.raises(ResourceExhaustedError, match="session"):
+        session.reserve_tensor(2 * MIB)
+    reader_done()  # its call ended: read out, and read by nobody
+    session.reserve_tensor(2 * MIB).release()
+    with pytest.raises(ResourceExhaustedError, match="session"):
+        session.reserve_tensor(3 * MIB)  # the unread one stays
+    assert session.get(unread) is not None
+    # A reservation made while the session's lock is held elsewhere does not wait
+    # for it: the budget's reclaim gives up (no deadlock), and the refusal stands.
+    session.fetched(unread)
+    with session._lock:
+        with pytest.raises(ResourceExhaustedError):
+            session.budget.reserve(3 * MIB)
+    session.budget.reserve(3 * MIB)
+    assert session.budget.used == 3 * MIB
