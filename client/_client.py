@@ -515,6 +515,7 @@ class Client:
                 err = from_rpc_error(e, unsent_is_known=self._own_channel)
                 if code == grpc.StatusCode.CANCELLED:
                     err = dropped(err)
+                self._fetched.resend_recent()  # (the server may have restarted)
                 unrun = err.reason in UNRUN_REASONS
                 repeat = (safe or unrun) and not certificate_rejected(err)
                 if repeat and not self._closing.is_set():

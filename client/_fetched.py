@@ -18,12 +18,21 @@ for the next call: deleting twice is harmless, since an id is never reused.
 
 The uploads of a batch dropped without ``run()`` take the same way
 (``Client._delete_dropped_uploads``): no other call needs them either.
+
+A server that crashed and restarted from its last snapshot (``--state-dir``) holds
+again what was deleted after that snapshot, against the session's byte limit, until
+it expires there (5 minutes for an output not yet read out when the snapshot was
+taken). So the ids calls carried in the last ``RESEND_SECONDS`` are remembered, and
+carried again once a call failed UNAVAILABLE (``resend_recent``): the connection
+broke, and the server may have restarted.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable
 
@@ -35,6 +44,11 @@ log = logging.getLogger(__name__)
 #: Ids waiting longer than this for a call to carry them are deleted by a call of
 #: their own.
 FLUSH_SECONDS = 0.25
+#: How long the ids a call carried are carried again after a call fails UNAVAILABLE
+#: (``Fetched.resend_recent``): longer than a snapshot interval and a restart take.
+RESEND_SECONDS = 120.0
+#: At most this many are remembered (the oldest go first).
+MAX_REMEMBERED = 1024
 
 
 class Fetched:
@@ -48,6 +62,8 @@ class Fetched:
         self._flush_seconds = flush_seconds
         self._lock = threading.Lock()
         self._ids: list[str] = []
+        #: Ids already taken to be deleted, and when first taken (``resend_recent``).
+        self._taken: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._added = threading.Event()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
@@ -64,16 +80,36 @@ class Fetched:
 
     def take(self, limit: int = MAX_FETCHED_IDS) -> list[str]:
         """Up to ``limit`` ids, now the caller's to send (or ``give_back``)."""
+        now = time.monotonic()
         with self._lock:
             ids, self._ids = self._ids[:limit], self._ids[limit:]
+            for tensor_id in ids:
+                self._taken.setdefault(tensor_id, now)
+            while len(self._taken) > MAX_REMEMBERED:
+                self._taken.popitem(last=False)
         return ids
+
+    def resend_recent(self) -> None:
+        """A call failed UNAVAILABLE: the server may have restarted from a snapshot
+        taken before it deleted the ids taken in the last ``RESEND_SECONDS``; the next
+        call carries them again (deleting twice is harmless: an id is never reused)."""
+        now = time.monotonic()
+        with self._lock:
+            while self._taken and now - next(iter(self._taken.values())) > RESEND_SECONDS:
+                self._taken.popitem(last=False)
+            pending = set(self._ids)
+            again = [t for t in self._taken if t not in pending]
+            self._ids.extend(again)
+        if again:
+            self._added.set()
 
     def give_back(self, ids: list[str], *, wake: bool = True) -> None:
         """Ids of a call that failed: the next call carries them (or, with ``wake``,
         the idle flush, if no call comes)."""
         if ids:
             with self._lock:
-                self._ids[:0] = ids
+                pending = set(self._ids)  # (``resend_recent`` may have put them back)
+                self._ids[:0] = [t for t in ids if t not in pending]
             if wake:
                 self._added.set()
 

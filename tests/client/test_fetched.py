@@ -67,3 +67,31 @@ def test_an_unclosed_client_is_not_kept_alive_by_its_flush_thread(target):
     del c, ref
     gc.collect()
     assert gone() is None
+
+
+def test_ids_taken_lately_are_carried_again_after_a_call_failed_unavailable(monkeypatch):
+    """A server restarted from a snapshot older than its deletes holds those ids
+    again: after an UNAVAILABLE they are carried again, once each, the oldest going
+    after ``RESEND_SECONDS`` or past ``MAX_REMEMBERED``."""
+    from gradserve.client import _fetched
+
+    clock = [1000.0]
+    monkeypatch.setattr(_fetched.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(_fetched, "MAX_REMEMBERED", 3)
+    fetched = Fetched(Deleter(fail=False).delete, flush_seconds=60)
+    fetched.add("old")
+    assert fetched.take() == ["old"]
+    clock[0] += _fetched.RESEND_SECONDS - 1
+    fetched.add("a", "b")
+    assert fetched.take() == ["a", "b"]
+    fetched.add("pending")
+    fetched.resend_recent()
+    assert fetched.take() == ["pending", "old", "a", "b"]
+    clock[0] += 2  # "old" was first taken RESEND_SECONDS + 1 ago
+    fetched.resend_recent()
+    assert fetched.take() == ["a", "b", "pending"]
+    fetched.add("c", "d")
+    assert fetched.take() == ["c", "d"]  # three remembered: the oldest went
+    fetched.resend_recent()
+    assert fetched.take() == ["pending", "c", "d"]
+    fetched.close()

@@ -1078,3 +1078,45 @@ def test_a_file_changed_after_its_checksum_was_computed_is_refused(tmp_path, mon
     monkeypatch.setattr(persistence, "_checked_payload", then_changed)
     with pytest.raises(persistence.SnapshotError, match="changed while it was read"):
         persistence.read_session(path)
+
+
+def test_a_client_deletes_again_what_a_restart_from_an_older_snapshot_brought_back(tmp_path):
+    """A crash after a snapshot brings back the outputs a client fetched and deleted
+    since, holding its session's bytes for up to 5 minutes (those not yet fetched at
+    the snapshot; a review helper: 730 gathers of a live client refused after a
+    restart). A call that failed UNAVAILABLE (the server was down) has the SDK carry
+    the ids it deleted lately again: gone at its first call after the restart."""
+    import threading
+
+    import gradserve
+    from gradserve.server import run_server
+
+    state = tmp_path / "state"
+    state.mkdir()
+    value = np.arange(100_000, dtype=np.float32)
+    with run_server(device="cpu") as first:
+        port = first.port
+        client = gradserve.Client(
+            f"127.0.0.1:{port}", stream_threshold=1024, timeout=30, shared_memory=False, retries=20
+        )
+        ta = client.tensor_array(np.float32, size=1)
+        ta.write(0, value)
+        read = ta.read(0)  # handed out and fetched: deleted by the next call
+        np.testing.assert_array_equal(read, value)
+        session = first.store.get(client.session_id)
+        (output,) = session.export_state(60.0).fetched
+        persistence.write_snapshot(first.store.export_states(), state)  # still held
+        assert client.raw_ops.TensorArraySizeV3(ta.handle, ta.flow) == 1  # deletes it
+        with pytest.raises(NotFoundError):
+            session.get(output)
+    # The server "crashed" after that call: its last snapshot holds the output.
+    answer: list[Any] = []
+    call = threading.Thread(target=lambda: answer.append(client.keep_alive()))
+    call.start()  # UNAVAILABLE (refused) until the restart, and repeated
+    time.sleep(0.5)
+    with run_server(device="cpu", port=port, state_dir=str(state)) as second:
+        call.join(30)
+        assert answer, "the call did not get through after the restart"
+        with pytest.raises(NotFoundError):
+            second.store.get(client.session_id).get(output)
+        client.close()
