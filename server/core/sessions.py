@@ -102,6 +102,13 @@ HANDED_OUT_MAX_AGE_SECONDS = 300.0
 FETCHED_MAX_AGE_SECONDS = 30.0
 
 
+#: One read out in full gives way to a reservation short of bytes only this long
+#: after its reading (``Session.reclaim_read_out``): its client repeats a fetch whose
+#: call ended on the server but whose status never reached it (the connection
+#: broke) within its first retry pauses (a review helper: a repeat found nothing).
+RECLAIM_AFTER_SECONDS = 5.0
+
+
 class HandedOutReply:
     """The outputs one reply handed out for its client to fetch (*transient*
     outputs: they did not fit it), which the client fetches one after another: they
@@ -498,7 +505,7 @@ class Session:
                 return reservation
             except ResourceExhaustedError:
                 # (the budget's own ``reclaim`` cannot take the lock held here)
-                if last_try or not self.reclaim_read_out():
+                if last_try or not self.reclaim_read_out(tensor_charge(nbytes) - (paid or 0)):
                     raise
         raise AssertionError("unreachable")
 
@@ -759,28 +766,49 @@ class Session:
             ]  # fmt: skip
         return self.delete(stale) if stale else 0
 
-    def reclaim_read_out(self, *, wait: bool = True) -> int:
-        """Delete the handed-out outputs that were read out in full and that no call
-        reads now; returns the bytes freed. For a session short of bytes: their client
-        has them, and deletes them by its next call (``expire_handed_out`` does it
-        30 s after their reading otherwise). Until then they refused that client's
-        next ops, most of all after a restore from a snapshot older than the
-        client's deletes (a review helper: 730 refused gathers in the seconds after
-        a restart). ``wait=False``: gives up (0) if another holds the session's lock:
-        called by a reservation being made, which may hold it, or other locks."""
+    def reclaim_read_out(self, nbytes: int, *, wait: bool = True) -> int:
+        """Make room for ``nbytes`` more: delete the handed-out outputs read out in full
+        more than ``RECLAIM_AFTER_SECONDS`` ago that no call reads now, unless even
+        that leaves too little room under the session's limit (then nothing); returns
+        the bytes freed. Their client has them, and deletes them by its next call
+        (``expire_handed_out`` does it 30 s after their reading otherwise); until then
+        they refused that client's next ops, most of all after a restore from a
+        snapshot older than its deletes (a review helper: 730 refused gathers in the
+        seconds after a restart). ``wait=False``: gives up (0) if another holds the
+        session's lock: called by a reservation being made, which may hold it, or
+        other locks."""
         if not self._lock.acquire(blocking=wait):
             return 0
         try:
+            now = time.monotonic()
             with self._handed_lock:
-                read_out = [t for t, h in self._handed.items() if h.fetched and not h.reply.readers]
+                read_out = [
+                    tensor_id for tensor_id, h in self._handed.items()
+                    if h.fetched and not h.reply.readers
+                    and h.reply.since is not None
+                    and now - h.reply.since > RECLAIM_AFTER_SECONDS
+                ]  # fmt: skip
+            limit = self.budget.limit
+            if limit is not None:
+                room = limit - self.budget.used + sum(self._freed_by(t) for t in read_out)
+                if room < nbytes:  # hopeless: keep them
+                    return 0
             _, freed = self._delete_locked(read_out)
         finally:
             self._lock.release()
         self.budget.release(freed)
         return freed
 
+    def _freed_by(self, tensor_id: str) -> int:
+        """The bytes deleting ``tensor_id`` alone would free. (caller holds ``_lock``)"""
+        kept = self._resident.get(tensor_id)
+        if kept is None:
+            return 0
+        value = kept.nbytes if kept.refs == 1 else 0
+        return value + (TENSOR_RECORD_BYTES if self._ids.get(tensor_id) == 1 else 0)
+
     def _reclaim_without_waiting(self, nbytes: int) -> bool:
-        return self.reclaim_read_out(wait=False) > 0
+        return self.reclaim_read_out(nbytes, wait=False) > 0
 
     def delete(self, tensor_ids: Iterable[str]) -> int:
         """Drop tensors; returns how many existed. Bytes of one still being read out
@@ -1027,6 +1055,24 @@ class Session:
         if not hasattr(array, "__cuda_array_interface__"):
             array = np.asarray(array)
         charge = self.charge_of(array)
+        try:
+            return self._keep_for_tapes(tapes, array, charge, reserved, paid, pin)
+        except ResourceExhaustedError:
+            # (the budget's own ``reclaim`` cannot take the lock held there)
+            if not self.reclaim_read_out(charge - (paid or 0)):
+                raise
+        return self._keep_for_tapes(tapes, array, charge, reserved, paid, pin)
+
+    def _keep_for_tapes(
+        self,
+        tapes: list[Tape],
+        array: Array,
+        charge: int,
+        reserved: TensorReservation | None,
+        paid: int | None,
+        pin: bool,
+    ) -> str | None:
+        """``keep_for_tapes``, once: refused, it changed nothing."""
         with self._lock:
             self._check_open()
             live = list({id(t): t for t in tapes if not t.released}.values())

@@ -651,13 +651,16 @@ MIB = 1024 * KIB
 
 
 @pytest.mark.parametrize("then", ["put", "write"])
-def test_outputs_their_client_read_out_give_way_to_its_next_tensors(then):
+def test_outputs_their_client_read_out_give_way_to_its_next_tensors(then, monkeypatch):
     """A client deletes the outputs it fetched by its next call (the SDK does); until
     then, or for 30 s after a restore from a snapshot older than its deletes, they
     held the session's bytes and its next tensors were refused (a review helper:
     730 refused gathers after a restart). Read out in full, they give way to a
     reservation that needs their bytes: by a put (``reserve_tensor``) and by an op
     that reserves under its array's lock (the budget's ``reclaim``)."""
+    from gradserve.server.core import sessions
+
+    monkeypatch.setattr(sessions, "RECLAIM_AFTER_SECONDS", 0.0)  # (no wait for a repeat)
     written = [np.full(200_000, float(i), np.float32) for i in range(2)]  # 800 kB each
     with run_server(device="cpu", max_message_bytes=MIB, max_session_bytes=2 * MIB) as server:
         target = f"127.0.0.1:{server.port}"
@@ -692,11 +695,16 @@ def test_outputs_their_client_read_out_give_way_to_its_next_tensors(then):
         np.testing.assert_array_equal(value, want)
 
 
-def test_only_outputs_read_out_and_not_being_read_give_way():
-    """What its client has not read out in full, or reads now, is never deleted to
-    make room: the reservation is refused as before."""
+def test_only_outputs_read_out_a_while_ago_and_not_being_read_give_way(monkeypatch):
+    """What its client has not read out in full, or reads now, or read out less than
+    ``RECLAIM_AFTER_SECONDS`` ago (its fetch may be repeated: the call's status may
+    not have reached it), is never deleted to make room, nor anything for a
+    reservation that would not fit anyway: the reservation is refused as before."""
+    from gradserve.server.core import sessions
     from gradserve.server.core.sessions import HandedOutReply, SessionStore
 
+    clock = [1000.0]
+    monkeypatch.setattr(sessions.time, "monotonic", lambda: clock[0])
     store = SessionStore(max_session_bytes=4 * MIB)
     session = store.create()
     unread, reading, read_out = (
@@ -706,12 +714,19 @@ def test_only_outputs_read_out_and_not_being_read_give_way():
         session.handed_out(tensor_id, HandedOutReply())
     session.fetched(read_out)
     session.fetched(reading)
+    with pytest.raises(ResourceExhaustedError, match="session"):
+        session.reserve_tensor(MIB)  # read out just now: its fetch may be repeated
+    clock[0] += sessions.RECLAIM_AFTER_SECONDS + 1
+    with pytest.raises(ResourceExhaustedError, match="session"):
+        session.reserve_tensor(4 * MIB)  # could never fit: nothing deleted for it
+    assert session.get(read_out) is not None
     reader_done = session.being_read(reading)
     session.reserve_tensor(MIB).release()  # room once the one read out gave way
     assert session.get(unread) is not None and session.get(reading) is not None
     with pytest.raises(ResourceExhaustedError, match="session"):
         session.reserve_tensor(2 * MIB)
     reader_done()  # its call ended: read out, and read by nobody
+    clock[0] += sessions.RECLAIM_AFTER_SECONDS + 1
     session.reserve_tensor(2 * MIB).release()
     with pytest.raises(ResourceExhaustedError, match="session"):
         session.reserve_tensor(3 * MIB)  # the unread one stays
@@ -719,8 +734,31 @@ def test_only_outputs_read_out_and_not_being_read_give_way():
     # A reservation made while the session's lock is held elsewhere does not wait
     # for it: the budget's reclaim gives up (no deadlock), and the refusal stands.
     session.fetched(unread)
+    clock[0] += sessions.RECLAIM_AFTER_SECONDS + 1
     with session._lock:
         with pytest.raises(ResourceExhaustedError):
             session.budget.reserve(3 * MIB)
     session.budget.reserve(3 * MIB)
     assert session.budget.used == 3 * MIB
+
+
+def test_an_output_kept_for_a_tape_makes_room_as_a_put_does(monkeypatch):
+    """``keep_for_tapes`` reserves under the session's lock, where the budget's
+    reclaim gives up: it frees the outputs read out and tries once more, as
+    ``reserve_tensor`` does (a review helper: refused where a put fitted)."""
+    from gradserve.server.core import sessions
+    from gradserve.server.core.sessions import HandedOutReply, SessionStore
+
+    monkeypatch.setattr(sessions, "RECLAIM_AFTER_SECONDS", 0.0)
+    store = SessionStore(max_session_bytes=2 * MIB)
+    session = store.create()
+    out = session.put(np.zeros(MIB // 4, np.float32))
+    session.handed_out(out, HandedOutReply())
+    session.fetched(out)
+    tape = session.start_tape(persistent=True, watch_accessed_variables=False)
+    kept = session.keep_for_tapes([tape], np.ones(MIB // 4 + KIB, np.float32))
+    assert kept is not None
+    with pytest.raises(gradserve.errors.NotFoundError):
+        session.get(out)
+    session.close()
+    assert store.budget.used == 0
