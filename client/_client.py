@@ -497,7 +497,9 @@ class Client:
         backoff = Backoff(0 if once else self.retries)
         while True:
             try:
-                return attempt()
+                result = attempt()
+                self._fetched.reachable()
+                return result
             except ValueError as e:  # gRPC Python: "Cannot invoke RPC on closed channel!"
                 if self._channel_closed or "closed channel" in str(e):
                     raise CancelledError("the client is closed: its channel was closed") from None

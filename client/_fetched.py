@@ -23,8 +23,9 @@ A server that crashed and restarted from its last snapshot (``--state-dir``) hol
 again what was deleted after that snapshot, against the session's byte limit, until
 it expires there (5 minutes for an output not yet read out when the snapshot was
 taken). So the ids calls carried in the last ``RESEND_SECONDS`` are remembered, and
-carried again once a call failed UNAVAILABLE (``resend_recent``): the connection
-broke, and the server may have restarted.
+carried again by the next call that gets through after one failed UNAVAILABLE
+(``resend_recent``, once per outage: ``reachable`` ends it): the connection broke,
+and the server may have restarted.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ FLUSH_SECONDS = 0.25
 RESEND_SECONDS = 120.0
 #: At most this many are remembered (the oldest go first).
 MAX_REMEMBERED = 1024
+#: The longest pause between the idle flush's tries while its deletes fail.
+MAX_FLUSH_PAUSE_SECONDS = 30.0
 
 
 class Fetched:
@@ -64,6 +67,8 @@ class Fetched:
         self._ids: list[str] = []
         #: Ids already taken to be deleted, and when first taken (``resend_recent``).
         self._taken: collections.OrderedDict[str, float] = collections.OrderedDict()
+        #: ``resend_recent`` ran since a call last got through (``reachable``).
+        self._resent = False
         self._added = threading.Event()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
@@ -71,12 +76,15 @@ class Fetched:
     def add(self, *tensor_ids: str) -> None:
         with self._lock:
             self._ids.extend(tensor_ids)
-            if self._thread is None and not self._closed.is_set():
-                self._thread = threading.Thread(
-                    target=self._flush_when_idle, name="gradserve-fetched", daemon=True
-                )
-                self._thread.start()
+            self._start_flush_locked()
         self._added.set()
+
+    def _start_flush_locked(self) -> None:
+        if self._thread is None and not self._closed.is_set():
+            self._thread = threading.Thread(
+                target=self._flush_when_idle, name="gradserve-fetched", daemon=True
+            )
+            self._thread.start()
 
     def take(self, limit: int = MAX_FETCHED_IDS) -> list[str]:
         """Up to ``limit`` ids, now the caller's to send (or ``give_back``)."""
@@ -92,16 +100,30 @@ class Fetched:
     def resend_recent(self) -> None:
         """A call failed UNAVAILABLE: the server may have restarted from a snapshot
         taken before it deleted the ids taken in the last ``RESEND_SECONDS``; the next
-        call carries them again (deleting twice is harmless: an id is never reused)."""
+        call carries them again (deleting twice is harmless: an id is never reused).
+        Once until a call gets through (``reachable``): repeated by each failed
+        attempt, and by the idle flush's own failed deletes, it had the flush try four
+        times a second while the server was down (a review helper). If no call comes,
+        the idle flush deletes them, trying again after pauses that double."""
         now = time.monotonic()
         with self._lock:
+            if self._resent:
+                return
+            self._resent = True
             while self._taken and now - next(iter(self._taken.values())) > RESEND_SECONDS:
                 self._taken.popitem(last=False)
             pending = set(self._ids)
             again = [t for t in self._taken if t not in pending]
             self._ids.extend(again)
+            self._taken.clear()  # remembered again, from now, once a call takes them
+            if again:
+                self._start_flush_locked()
         if again:
             self._added.set()
+
+    def reachable(self) -> None:
+        """A call got through: a later UNAVAILABLE is another outage."""
+        self._resent = False
 
     def give_back(self, ids: list[str], *, wake: bool = True) -> None:
         """Ids of a call that failed: the next call carries them (or, with ``wake``,
@@ -117,29 +139,43 @@ class Fetched:
         with self._lock:
             return len(self._ids)
 
-    def flush(self) -> None:
+    def flush(self) -> bool:
         """Delete every id now (DeleteTensor); if that fails, the ids wait for the
-        next call to carry them."""
+        next call to carry them, or the idle flush's next try. Returns whether none
+        is left waiting."""
         ids = self.take(limit=len(self))
         delete = self._delete()
         if not ids or delete is None:
-            return
+            return True
         try:
             delete(ids)
         except GradserveError as e:
             log.warning("could not delete %d fetched tensor(s) yet: %s", len(ids), e)
             self.give_back(ids, wake=False)  # the next call carries them
+            return False
+        return True
 
     def close(self) -> None:
         self._closed.set()
         self._added.set()
 
     def _flush_when_idle(self) -> None:
+        """Ids no call carried within ``flush_seconds`` are deleted here; a delete
+        that failed (the server down) is tried again after pauses doubling up to
+        ``MAX_FLUSH_PAUSE_SECONDS``, until a call or a try deletes them: a client
+        idle through a restart deletes again what the restart brought back
+        (``resend_recent``), and a server down is not asked four times a second."""
+        failures = 0
         while not self._closed.is_set() and self._delete() is not None:
-            if not self._added.wait(5.0):
-                continue  # to notice a client that was dropped without close()
-            self._added.clear()
-            # Give the worker's next call the chance to carry them.
-            if self._closed.wait(self._flush_seconds):
-                return
-            self.flush()
+            if failures:
+                pause = min(self._flush_seconds * 2**failures, MAX_FLUSH_PAUSE_SECONDS)
+                if self._closed.wait(pause):
+                    return
+            else:
+                if not self._added.wait(5.0):
+                    continue  # to notice a client that was dropped without close()
+                self._added.clear()
+                # Give the worker's next call the chance to carry them.
+                if self._closed.wait(self._flush_seconds):
+                    return
+            failures = 0 if self.flush() else failures + 1

@@ -71,8 +71,9 @@ def test_an_unclosed_client_is_not_kept_alive_by_its_flush_thread(target):
 
 def test_ids_taken_lately_are_carried_again_after_a_call_failed_unavailable(monkeypatch):
     """A server restarted from a snapshot older than its deletes holds those ids
-    again: after an UNAVAILABLE they are carried again, once each, the oldest going
-    after ``RESEND_SECONDS`` or past ``MAX_REMEMBERED``."""
+    again: after an UNAVAILABLE they are carried again, once per outage (until a call
+    gets through), those taken more than ``RESEND_SECONDS`` ago or past
+    ``MAX_REMEMBERED`` forgotten."""
     from gradserve.client import _fetched
 
     clock = [1000.0]
@@ -84,14 +85,47 @@ def test_ids_taken_lately_are_carried_again_after_a_call_failed_unavailable(monk
     clock[0] += _fetched.RESEND_SECONDS - 1
     fetched.add("a", "b")
     assert fetched.take() == ["a", "b"]
+    clock[0] += 2  # "old" was taken RESEND_SECONDS + 1 ago
     fetched.add("pending")
     fetched.resend_recent()
-    assert fetched.take() == ["pending", "old", "a", "b"]
-    clock[0] += 2  # "old" was first taken RESEND_SECONDS + 1 ago
-    fetched.resend_recent()
-    assert fetched.take() == ["a", "b", "pending"]
+    fetched.resend_recent()  # the same outage: nothing more
+    assert fetched.take() == ["pending", "a", "b"]
+    fetched.reachable()  # a call got through
     fetched.add("c", "d")
     assert fetched.take() == ["c", "d"]  # three remembered: the oldest went
     fetched.resend_recent()
-    assert fetched.take() == ["pending", "c", "d"]
+    assert fetched.take() == ["b", "c", "d"]
+    fetched.add("e")
+    in_flight = fetched.take()
+    fetched.reachable()
+    fetched.resend_recent()  # the call carrying "e" fails UNAVAILABLE
+    fetched.give_back(in_flight)  # and gives it back: carried once
+    assert fetched.take() == ["c", "d", "e"]
+    fetched.close()
+
+
+def test_the_idle_flush_tries_again_after_pauses_that_double_until_it_deletes():
+    """A client idle through a restart still deletes what it had to (the ids a
+    restart from an older snapshot brought back: ``resend_recent``), without asking
+    a server that is down four times a second (a review helper: a failed flush woke
+    the flush again)."""
+    attempts: list[float] = []
+
+    class Down(Deleter):
+        def delete(self, ids: list[str]) -> None:
+            attempts.append(time.monotonic())
+            super().delete(ids)
+
+    deleter = Down(fail=True)
+    fetched = Fetched(deleter.delete, flush_seconds=0.02)
+    fetched.add("x")
+    time.sleep(1.0)
+    # 0.02 s, then pauses of 0.04, 0.08, 0.16, 0.32, 0.64: at most 6 tries in 1 s
+    # (50 at a fixed 0.02 s).
+    assert 2 <= len(attempts) <= 6
+    deleter.fail = False
+    end = time.monotonic() + 10
+    while not deleter.deleted and time.monotonic() < end:
+        time.sleep(0.01)
+    assert deleter.deleted == [["x"]] and len(fetched) == 0
     fetched.close()
