@@ -788,24 +788,38 @@ class Session:
                     and h.reply.since is not None
                     and now - h.reply.since > RECLAIM_AFTER_SECONDS
                 ]  # fmt: skip
-            limit = self.budget.limit
-            if limit is not None:
-                room = limit - self.budget.used + sum(self._freed_by(t) for t in read_out)
-                if room < nbytes:  # hopeless: keep them
-                    return 0
+            if not self._room_once_freed(read_out, nbytes):  # hopeless: keep them
+                return 0
             _, freed = self._delete_locked(read_out)
         finally:
             self._lock.release()
         self.budget.release(freed)
         return freed
 
-    def _freed_by(self, tensor_id: str) -> int:
-        """The bytes deleting ``tensor_id`` alone would free. (caller holds ``_lock``)"""
-        kept = self._resident.get(tensor_id)
-        if kept is None:
-            return 0
-        value = kept.nbytes if kept.refs == 1 else 0
-        return value + (TENSOR_RECORD_BYTES if self._ids.get(tensor_id) == 1 else 0)
+    def _room_once_freed(self, tensor_ids: list[str], nbytes: int) -> bool:
+        """Whether deleting ``tensor_ids`` leaves room for ``nbytes`` more under every
+        limit above the session (its principal's, the server's): a refusal may come
+        from any of them (a review helper: deleted, and refused anyway). A tensor's
+        bytes count if every holder of it goes, as two ids of one array (the
+        gradients of one source asked twice) both do. (caller holds ``_lock``)"""
+        freed = 0
+        ids_of: dict[int, int] = collections.Counter()
+        kept_by_key: dict[int, _Kept] = {}
+        for tensor_id in tensor_ids:
+            kept = self._resident.get(tensor_id)
+            if kept is None:
+                continue
+            ids_of[id(kept)] += 1
+            kept_by_key[id(kept)] = kept
+            if self._ids.get(tensor_id) == 1:
+                freed += TENSOR_RECORD_BYTES
+        freed += sum(k.nbytes for key, k in kept_by_key.items() if ids_of[key] >= k.refs)
+        budget: MemoryBudget | None = self.budget
+        while budget is not None:
+            if budget.limit is not None and budget.limit - budget.used + freed < nbytes:
+                return False
+            budget = budget.parent
+        return True
 
     def _reclaim_without_waiting(self, nbytes: int) -> bool:
         return self.reclaim_read_out(nbytes, wait=False) > 0
@@ -1059,7 +1073,9 @@ class Session:
             return self._keep_for_tapes(tapes, array, charge, reserved, paid, pin)
         except ResourceExhaustedError:
             # (the budget's own ``reclaim`` cannot take the lock held there)
-            if not self.reclaim_read_out(charge - (paid or 0)):
+            alias = reserved is None and self._held(array) is not None
+            needed = TENSOR_RECORD_BYTES if alias else charge
+            if not self.reclaim_read_out(needed - (paid or 0)):
                 raise
         return self._keep_for_tapes(tapes, array, charge, reserved, paid, pin)
 

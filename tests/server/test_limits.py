@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 import tracemalloc
+import types
 from collections.abc import Iterator
 
 import numpy as np
@@ -704,7 +705,7 @@ def test_only_outputs_read_out_a_while_ago_and_not_being_read_give_way(monkeypat
     from gradserve.server.core.sessions import HandedOutReply, SessionStore
 
     clock = [1000.0]
-    monkeypatch.setattr(sessions.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(sessions, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     store = SessionStore(max_session_bytes=4 * MIB)
     session = store.create()
     unread, reading, read_out = (
@@ -762,3 +763,40 @@ def test_an_output_kept_for_a_tape_makes_room_as_a_put_does(monkeypatch):
         session.get(out)
     session.close()
     assert store.budget.used == 0
+
+
+def test_outputs_that_share_one_array_give_way_together_and_never_for_a_refusal_above(
+    monkeypatch,
+):
+    """Room is judged over every limit a refusal may come from, and an array two
+    read-out ids name counts once both go (a review helper: the gradients of one
+    source asked twice were judged to free their records only, and a reclaim that
+    would have made room was skipped; a server limit refused after they were
+    deleted)."""
+    from gradserve.server.core import sessions
+    from gradserve.server.core.sessions import HandedOutReply, SessionStore
+
+    monkeypatch.setattr(sessions, "RECLAIM_AFTER_SECONDS", 0.0)
+    store = SessionStore(max_session_bytes=2 * MIB)
+    session = store.create()
+    first = session.put(np.zeros(MIB // 4, np.float32))
+    second = session.put(session.get(first))  # the same array under a second id
+    for tensor_id in (first, second):
+        session.handed_out(tensor_id, HandedOutReply())
+        session.fetched(tensor_id)
+    session.reserve_tensor(MIB + MIB // 2).release()
+    for tensor_id in (first, second):
+        with pytest.raises(gradserve.errors.NotFoundError):
+            session.get(tensor_id)
+
+    store = SessionStore(max_server_bytes=2 * MIB)  # no session limit: the server's
+    session = store.create()
+    out = session.put(np.zeros(MIB // 4, np.float32))
+    session.handed_out(out, HandedOutReply())
+    session.fetched(out)
+    with pytest.raises(ResourceExhaustedError, match="server"):
+        session.reserve_tensor(2 * MIB)  # would not fit even without it
+    assert session.get(out) is not None
+    session.reserve_tensor(MIB).release()  # fits once it went
+    with pytest.raises(gradserve.errors.NotFoundError):
+        session.get(out)
