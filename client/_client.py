@@ -439,8 +439,8 @@ class Client:
             nonlocal sent_before, ever_sent
             fetched = self._fetched.take() if session else []
             try:
-                if fetched and len(self._fetched):  # more than a call carries: rest first
-                    self._fetched.flush()
+                if fetched and len(self._fetched) and not self._fetched.out_of_reach:
+                    self._fetched.flush()  # more than a call carries: the rest first
                 base = metadata(sent_before) if callable(metadata) else metadata
                 sent = (*(default if base is None else base), *extra, _request_id())
                 if fetched:  # the server deletes them first (client/_fetched.py)

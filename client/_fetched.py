@@ -37,7 +37,7 @@ import time
 import weakref
 from collections.abc import Callable
 
-from gradserve.errors import GradserveError
+from gradserve.errors import GradserveError, SessionLostError, UnavailableError
 from gradserve.protocol import MAX_FETCHED_IDS
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,13 @@ class Fetched:
         """A call got through: a later UNAVAILABLE is another outage."""
         self._resent = False
 
+    @property
+    def out_of_reach(self) -> bool:
+        """A call failed UNAVAILABLE and none got through since: what a call cannot
+        carry waits for the idle flush, which backs off, not for a DeleteTensor
+        before each attempt (a review helper: ten failed a second, each warned)."""
+        return self._resent
+
     def give_back(self, ids: list[str], *, wake: bool = True) -> None:
         """Ids of a call that failed: the next call carries them (or, with ``wake``,
         the idle flush, if no call comes)."""
@@ -149,10 +156,14 @@ class Fetched:
             return True
         try:
             delete(ids)
+        except SessionLostError:
+            return True  # gone with their session: nothing left to delete
         except GradserveError as e:
             log.warning("could not delete %d fetched tensor(s) yet: %s", len(ids), e)
             self.give_back(ids, wake=False)  # the next call carries them
-            return False
+            # Only a server out of reach is tried again (a review helper: any
+            # other refusal was tried every 30 s for the client's life).
+            return not isinstance(e, UnavailableError)
         return True
 
     def close(self) -> None:
@@ -165,10 +176,9 @@ class Fetched:
         ``MAX_FLUSH_PAUSE_SECONDS``, until a call or a try deletes them: a client
         idle through a restart deletes again what the restart brought back
         (``resend_recent``), and a server down is not asked four times a second."""
-        failures = 0
+        pause = 0.0  # after a failed delete: doubles, up to MAX_FLUSH_PAUSE_SECONDS
         while not self._closed.is_set() and self._delete() is not None:
-            if failures:
-                pause = min(self._flush_seconds * 2**failures, MAX_FLUSH_PAUSE_SECONDS)
+            if pause:
                 if self._closed.wait(pause):
                     return
             else:
@@ -178,4 +188,7 @@ class Fetched:
                 # Give the worker's next call the chance to carry them.
                 if self._closed.wait(self._flush_seconds):
                     return
-            failures = 0 if self.flush() else failures + 1
+            if self.flush():
+                pause = 0.0
+            else:
+                pause = min(2 * (pause or self._flush_seconds), MAX_FLUSH_PAUSE_SECONDS)

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import gc
 import time
+import types
 import weakref
 
 import numpy as np
 
 import gradserve
 from gradserve.client._fetched import Fetched
-from gradserve.errors import UnavailableError
+from gradserve.errors import InvalidArgumentError, SessionLostError, UnavailableError
 
 
 class Deleter:
@@ -77,7 +78,7 @@ def test_ids_taken_lately_are_carried_again_after_a_call_failed_unavailable(monk
     from gradserve.client import _fetched
 
     clock = [1000.0]
-    monkeypatch.setattr(_fetched.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(_fetched, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     monkeypatch.setattr(_fetched, "MAX_REMEMBERED", 3)
     fetched = Fetched(Deleter(fail=False).delete, flush_seconds=60)
     fetched.add("old")
@@ -128,4 +129,64 @@ def test_the_idle_flush_tries_again_after_pauses_that_double_until_it_deletes():
     while not deleter.deleted and time.monotonic() < end:
         time.sleep(0.01)
     assert deleter.deleted == [["x"]] and len(fetched) == 0
+    fetched.close()
+
+
+def test_the_idle_flush_tries_again_only_while_the_server_is_out_of_reach(monkeypatch):
+    """A session that is gone has nothing left to delete (its ids are dropped), and a
+    delete refused for another reason waits for the next call: only UNAVAILABLE is
+    tried again (a review helper: a lost session's ids were tried every 30 s for
+    the client's life). The pause is capped without overflowing: a thousand failed
+    tries (a night of a server down) killed the flush thread."""
+    from gradserve.client import _fetched
+
+    class Failing(Deleter):
+        def __init__(self, error: Exception) -> None:
+            super().__init__(fail=False)
+            self.error: Exception | None = error
+            self.tries = 0
+
+        def delete(self, ids: list[str]) -> None:
+            self.tries += 1
+            if self.error is not None:
+                raise self.error
+            super().delete(ids)
+
+    lost = Failing(SessionLostError("session lost"))
+    fetched = Fetched(lost.delete, flush_seconds=0.01)
+    fetched.add("x")
+    time.sleep(0.3)
+    assert lost.tries == 1 and len(fetched) == 0  # dropped
+    fetched.close()
+
+    refused = Failing(InvalidArgumentError("no"))
+    fetched = Fetched(refused.delete, flush_seconds=0.01)
+    fetched.add("x")
+    time.sleep(0.3)
+    assert refused.tries == 1 and len(fetched) == 1  # for the next call
+    fetched.close()
+
+    monkeypatch.setattr(_fetched, "MAX_FLUSH_PAUSE_SECONDS", 0.0005)
+    down = Failing(UnavailableError("down"))
+    fetched = Fetched(down.delete, flush_seconds=0.0001)
+    fetched.add("x")
+    end = time.monotonic() + 30
+    while down.tries < 1100 and time.monotonic() < end:
+        time.sleep(0.05)
+    assert down.tries >= 1100
+    down.error = None
+    end = time.monotonic() + 10
+    while not down.deleted and time.monotonic() < end:
+        time.sleep(0.01)
+    assert down.deleted == [["x"]]
+    fetched.close()
+
+
+def test_an_outage_is_over_once_a_call_gets_through():
+    fetched = Fetched(Deleter(fail=False).delete, flush_seconds=60)
+    assert not fetched.out_of_reach
+    fetched.resend_recent()
+    assert fetched.out_of_reach  # calls leave what they cannot carry to the idle flush
+    fetched.reachable()
+    assert not fetched.out_of_reach
     fetched.close()
