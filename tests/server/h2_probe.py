@@ -62,21 +62,34 @@ def _status(sock: socket.socket, conn: h2.connection.H2Connection, deadline: flo
     or the stream closed first, or ``deadline`` passed)."""
     sock.settimeout(0.1)
     while time.monotonic() < deadline:
-        sock.sendall(conn.data_to_send())
-        try:
-            data = sock.recv(1 << 16)
-        except TimeoutError:
-            continue
-        if not data:
-            return None
-        for event in conn.receive_data(data):
-            if isinstance(event, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
-                fields = {bytes(k): bytes(v) for k, v in event.headers}
-                if b"grpc-status" in fields:
-                    return int(fields[b"grpc-status"])
-            if isinstance(event, h2.events.StreamReset):
-                return None
+        status = _receive_status(sock, conn)
+        if status != _PENDING:
+            return status
     return None
+
+
+#: ``_receive_status``: nothing that ends the call yet.
+_PENDING = -1
+
+
+def _receive_status(sock: socket.socket, conn: h2.connection.H2Connection) -> int | None:
+    """Send what ``conn`` has to send, read once: the grpc-status of stream 1 if it
+    came, None if the connection or the stream closed, ``_PENDING`` otherwise."""
+    sock.sendall(conn.data_to_send())
+    try:
+        data = sock.recv(1 << 16)
+    except TimeoutError:
+        return _PENDING
+    if not data:
+        return None
+    for event in conn.receive_data(data):
+        if isinstance(event, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
+            fields = {bytes(k): bytes(v) for k, v in event.headers}
+            if b"grpc-status" in fields:
+                return int(fields[b"grpc-status"])
+        if isinstance(event, h2.events.StreamReset):
+            return None
+    return _PENDING
 
 
 def unfinished_call(
@@ -109,18 +122,9 @@ def unfinished_call(
                 except h2.exceptions.StreamClosedError:  # the server ended the call
                     window = len(body)
                 body = body[window:]
-            sock.sendall(conn.data_to_send())
-            try:
-                data = sock.recv(1 << 16)
-            except TimeoutError:
-                continue
-            if not data:
-                return None
-            for event in conn.receive_data(data):
-                if isinstance(event, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
-                    fields = {bytes(k): bytes(v) for k, v in event.headers}
-                    if b"grpc-status" in fields:
-                        return int(fields[b"grpc-status"])
+            status = _receive_status(sock, conn)
+            if status != _PENDING:
+                return status
         return None
     finally:
         sock.close()
