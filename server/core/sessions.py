@@ -93,12 +93,12 @@ class _Kept:
 #: deleted (``Session.expire_handed_out``): the SDK fetches each at once.
 HANDED_OUT_MAX_AGE_SECONDS = 300.0
 
-#: One read out in full is deleted this long after (or as soon as its session is
-#: short of bytes: ``Session.reclaim_read_out``): the SDK deletes it by its next
-#: call. After a crash the client may have deleted it already (the snapshot was
-#: older): restored, it held the session's bytes, refusing the client's next ops, for
-#: the whole HANDED_OUT_MAX_AGE_SECONDS (a review helper: 395 refused gathers); a
-#: client whose stream broke after its last chunk asks again within seconds.
+#: One read out in full is deleted this long after (sooner if its session is short
+#: of bytes: ``Session.reclaim_read_out``): the SDK deletes it by its next call.
+#: After a crash the client may have deleted it already (the snapshot was older):
+#: restored, it held the session's bytes, refusing the client's next ops, for the
+#: whole HANDED_OUT_MAX_AGE_SECONDS (a review helper: 395 refused gathers); a client
+#: whose stream broke after its last chunk asks again within seconds.
 FETCHED_MAX_AGE_SECONDS = 30.0
 
 
@@ -769,7 +769,7 @@ class Session:
     def reclaim_read_out(self, nbytes: int, *, wait: bool = True) -> int:
         """Make room for ``nbytes`` more: delete the handed-out outputs read out in full
         more than ``RECLAIM_AFTER_SECONDS`` ago that no call reads now, unless even
-        that leaves too little room under the session's limit (then nothing); returns
+        that leaves too little room under the session's limits (then nothing); returns
         the bytes freed. Their client has them, and deletes them by its next call
         (``expire_handed_out`` does it 30 s after their reading otherwise); until then
         they refused that client's next ops, most of all after a restore from a
@@ -788,8 +788,8 @@ class Session:
                     and h.reply.since is not None
                     and now - h.reply.since > RECLAIM_AFTER_SECONDS
                 ]  # fmt: skip
-            if not self._room_once_freed(read_out, nbytes):  # hopeless: keep them
-                return 0
+            if not read_out or not self._room_once_freed(read_out, nbytes):
+                return 0  # nothing to free, or hopeless: keep them
             _, freed = self._delete_locked(read_out)
         finally:
             self._lock.release()
@@ -797,10 +797,10 @@ class Session:
         return freed
 
     def _room_once_freed(self, tensor_ids: list[str], nbytes: int) -> bool:
-        """Whether deleting ``tensor_ids`` leaves room for ``nbytes`` more under every
-        limit above the session (its principal's, the server's): a refusal may come
-        from any of them (a review helper: deleted, and refused anyway). A tensor's
-        bytes count if every holder of it goes, as two ids of one array (the
+        """Whether deleting ``tensor_ids`` leaves room for ``nbytes`` more under the
+        session's limit and each above it (its principal's, the server's): a refusal
+        may come from any of them (a review helper: deleted, and refused anyway). A
+        tensor's bytes count if every holder of it goes, as two ids of one array (the
         gradients of one source asked twice) both do. (caller holds ``_lock``)"""
         freed = 0
         ids_of: dict[int, int] = collections.Counter()
