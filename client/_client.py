@@ -513,6 +513,8 @@ class Client:
                         f"the call was cancelled: its channel was closed ({e.details()})"
                     ) from None
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    if code != grpc.StatusCode.DEADLINE_EXCEEDED:  # (may be this side's)
+                        self._fetched.reachable()  # the server answered
                     raise from_rpc_error(e) from None
                 err = from_rpc_error(e, unsent_is_known=self._own_channel)
                 if code == grpc.StatusCode.CANCELLED:

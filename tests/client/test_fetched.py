@@ -9,6 +9,7 @@ import types
 import weakref
 
 import numpy as np
+import pytest
 
 import gradserve
 from gradserve.client._fetched import Fetched
@@ -190,3 +191,16 @@ def test_an_outage_is_over_once_a_call_gets_through():
     fetched.reachable()
     assert not fetched.out_of_reach
     fetched.close()
+
+
+def test_an_outage_is_over_once_the_server_answers_even_with_an_error(target):
+    """Any answer of the server ends an outage, not only a call that succeeds: the
+    first call after a restart may well be refused (a review helper)."""
+    with gradserve.Client(target, shared_memory=False) as client:
+        ref = client.put(np.ones(3, np.float32))
+        client.delete(ref)
+        client._fetched.resend_recent()  # as a call that failed UNAVAILABLE does
+        assert client._fetched.out_of_reach
+        with pytest.raises(gradserve.errors.NotFoundError):
+            client.get(ref)
+        assert not client._fetched.out_of_reach
