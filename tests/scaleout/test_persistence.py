@@ -1113,7 +1113,10 @@ def test_a_client_deletes_again_what_a_restart_from_an_older_snapshot_brought_ba
     answer: list[Any] = []
     call = threading.Thread(target=lambda: answer.append(client.keep_alive()))
     call.start()  # UNAVAILABLE (refused) until the restart, and repeated
-    time.sleep(0.5)
+    end = time.monotonic() + 10  # the outage seen before the restart (not a fixed wait)
+    while not client._fetched.out_of_reach and time.monotonic() < end:
+        time.sleep(0.01)
+    assert client._fetched.out_of_reach
     with run_server(device="cpu", port=port, state_dir=str(state)) as second:
         call.join(30)
         assert answer, "the call did not get through after the restart"
