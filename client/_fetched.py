@@ -88,9 +88,11 @@ class Fetched:
 
     def take(self, limit: int = MAX_FETCHED_IDS) -> list[str]:
         """Up to ``limit`` ids, now the caller's to send (or ``give_back``)."""
-        now = time.monotonic()
         with self._lock:
+            if not self._ids:  # (every call asks: most find none)
+                return []
             ids, self._ids = self._ids[:limit], self._ids[limit:]
+            now = time.monotonic()
             for tensor_id in ids:
                 self._taken.setdefault(tensor_id, now)
             while len(self._taken) > MAX_REMEMBERED:

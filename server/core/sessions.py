@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -87,6 +87,8 @@ class _Kept:
     #: reading it, each op that pinned it (``Session.pin``).
     refs: int = 1
 
+
+T = TypeVar("T")
 
 #: A handed-out output still in its session this long after its reply left (or
 #: after one of the reply's outputs was last read out), never read out itself, is
@@ -495,19 +497,27 @@ class Session:
         released on exit. ``paid``: bytes of it reserved already (``put``); nothing is
         reserved if the rest is refused."""
         self.check_tensor_bytes(nbytes)
-        for last_try in (False, True):
-            try:
-                with self._lock:
-                    self._check_open()
-                    reservation = TensorReservation(self, nbytes)
-                    self._settle_locked(reservation.charged, paid)
-                    self._reservations.add(reservation)
-                return reservation
-            except ResourceExhaustedError:
-                # (the budget's own ``reclaim`` cannot take the lock held here)
-                if last_try or not self.reclaim_read_out(tensor_charge(nbytes) - (paid or 0)):
-                    raise
-        raise AssertionError("unreachable")
+
+        def reserve() -> TensorReservation:
+            with self._lock:
+                self._check_open()
+                reservation = TensorReservation(self, nbytes)
+                self._settle_locked(reservation.charged, paid)
+                self._reservations.add(reservation)
+            return reservation
+
+        return self._reclaiming(reserve, lambda: tensor_charge(nbytes) - (paid or 0))
+
+    def _reclaiming(self, attempt: Callable[[], T], needed: Callable[[], int]) -> T:
+        """``attempt()``, which reserves under the session's lock (where the budget's
+        own ``reclaim`` gives up) and changes nothing when refused: refused, it is
+        tried once more if ``reclaim_read_out(needed())`` freed anything."""
+        try:
+            return attempt()
+        except ResourceExhaustedError:
+            if not self.reclaim_read_out(needed()):
+                raise
+        return attempt()
 
     def keeping_charges(self, array: Array, nbytes: int | None = None) -> tuple[int, int]:
         """What keeping ``array`` under a new id will cost, and at most: its id's record
@@ -1069,15 +1079,14 @@ class Session:
         if not hasattr(array, "__cuda_array_interface__"):
             array = np.asarray(array)
         charge = self.charge_of(array)
-        try:
-            return self._keep_for_tapes(tapes, array, charge, reserved, paid, pin)
-        except ResourceExhaustedError:
-            # (the budget's own ``reclaim`` cannot take the lock held there)
+
+        def needed() -> int:  # (an alias is charged its record only)
             alias = reserved is None and self._held(array) is not None
-            needed = TENSOR_RECORD_BYTES if alias else charge
-            if not self.reclaim_read_out(needed - (paid or 0)):
-                raise
-        return self._keep_for_tapes(tapes, array, charge, reserved, paid, pin)
+            return (TENSOR_RECORD_BYTES if alias else charge) - (paid or 0)
+
+        return self._reclaiming(
+            lambda: self._keep_for_tapes(tapes, array, charge, reserved, paid, pin), needed
+        )
 
     def _keep_for_tapes(
         self,
