@@ -216,6 +216,27 @@ class Batch:
         dtypes_ = [_known_dtype(source) for source in nest.flatten(sources)]
         return shaped([StepOutput(step, f"gradients[{n}]", d) for n, d in enumerate(dtypes_)])
 
+    def watch(self, tape, tensor) -> None:
+        """``tape.watch`` as a step: it takes effect where it stands among the batch's
+        steps (ops before it that read the tensor pass it no gradient, as in
+        TensorFlow, where a direct ``tape.watch`` takes effect before all of them), and
+        it may watch outputs of earlier steps. Its result in ``run()`` is None."""
+        tape._require_id()
+
+        def step(tensors: list[Any], held: Callable[[], None]) -> None:
+            request, named = tape.watch_request(tensors)
+            index = len(self._steps)
+            self._name(named, index)
+            recorded = tape.recorded()
+            # In the order op steps name them (as a gradient step): in their request.
+            tapes = tuple(t.recorded() for t in self._client._recording.tapes)
+            if recorded not in tapes:
+                tapes = (recorded, *tapes)
+            self._steps.append(("WatchTensors", request, lambda r: held(), tapes))
+            self._last_need[recorded.id] = index
+
+        tape.watch_each(tensor, step, step_outputs=True)
+
     def __len__(self) -> int:
         return len(self._steps)
 
@@ -495,9 +516,9 @@ def _rebase(
         # helper-79): one whose recording was released goes by its id all the same, and
         # the server answers as for any tensor of that id (NOT_FOUND where none holds
         # it; a source no tape here saw is None, as in TensorFlow).
-        named_only = isinstance(message, tape_pb2.GradientsRequest) and field.name != (
-            "output_gradients"
-        )
+        named_only = isinstance(
+            message, (tape_pb2.GradientsRequest, tape_pb2.WatchTensorsRequest)
+        ) and field.name != ("output_gradients")
         for item in [value] if isinstance(value, Message) else value:
             if isinstance(item, tensor_pb2.TensorInput) and item.WhichOneof("source") == "ref":
                 if item.ref in earlier.released and not named_only:

@@ -954,7 +954,7 @@ def _stub(channel: grpc.Channel) -> Any:
 
 
 #: RPCs that record on the gradient tapes active when they are called.
-_RECORDED = (set(protocol.BATCH_FIELDS) | {"Batch"}) - {"Gradients"}
+_RECORDED = (set(protocol.BATCH_FIELDS) | {"Batch"}) - {"Gradients", "WatchTensors"}
 
 #: The smallest chunk ``put`` cuts (the server's floor as well).
 _MIN_CHUNK_BYTES = 64 * 1024

@@ -255,30 +255,61 @@ class GradientTape:
         """Watch resident tensors (``TensorRef``) or tape outputs (``TapedArray``), one or
         a nested structure of them: they become sources one can differentiate with
         respect to. An output whose tapes were released or dropped is held by this
-        tape from now on (``_adopt``), as TensorFlow watches any tensor."""
+        tape from now on (``_adopt``), as TensorFlow watches any tensor. The watch
+        takes effect now, before the steps of a batch not yet run: to watch among a
+        batch's steps (or an output of one), ``batch.watch(tape, tensor)``."""
         self._require_id()
-        tensors = nest.flatten(tensor)
-        bad = next((n for n, t in enumerate(tensors) if not _watchable(t)), None)
-        if bad is not None:
-            # TensorFlow watches the tensors before the first that is none, then raises.
-            if bad:
-                self.watch(tensors[:bad])
-            raise ValueError(
-                f"Passed in object {tensors[bad]} of type {type(tensors[bad]).__name__!r}, not "
-                "tf.Tensor or tf.Variable or ExtensionType. (gradserve: watch a TensorRef "
-                "from client.put or an op's keep=True, or an op output computed under a tape)"
-            )
-        for t in tensors:
-            if isinstance(t, TapedArray) and t.tape_id is not None and not t.held:
-                self._adopt(t)
+        self.watch_each(tensor, self._watch_now)
+
+    def _watch_now(self, tensors: list[Any], held: Any) -> None:
         ids = [_tensor_id(t, "watch") for t in tensors]
         part = protocol.MAX_REQUEST_FIELDS - 1  # ids a request may hold beside the tape's
         for start in range(0, max(len(ids), 1), part):
             request = tape_pb2.WatchTensorsRequest(tape_id=self.id, ids=ids[start : start + part])
             self._client._call("WatchTensors", request, tapes=[self])
-        for t in tensors:  # this tape holds it too now, whatever becomes of its own
-            if isinstance(t, TapedArray) and self not in t.live_tapes():
-                t._tapes += tape_refs([self])
+        held()
+
+    def watch_each(self, tensor: Any, send: Any, *, step_outputs: bool = False) -> None:
+        """``tensor`` flattened, checked and ``send(tensors, held)``: by ``watch`` now, or
+        by a batch's watch step (``step_outputs``: a batch step's outputs may be watched
+        there). ``held()``, called once the server watches them, notes that this tape
+        holds the ``TapedArray``s among them too."""
+        tensors = nest.flatten(tensor)
+        bad = next((n for n, t in enumerate(tensors) if not _watchable(t, step_outputs)), None)
+        if bad is not None:
+            # TensorFlow watches the tensors before the first that is none, then raises.
+            if bad:
+                self.watch_each(tensors[:bad], send, step_outputs=step_outputs)
+            hint = (
+                "a batch step's output: watch it among the batch's steps, with "
+                "batch.watch(tape, ...)"
+                if isinstance(tensors[bad], StepOutput)
+                else "watch a TensorRef from client.put or an op's keep=True, or an op "
+                "output computed under a tape"
+            )
+            raise ValueError(
+                f"Passed in object {tensors[bad]} of type {type(tensors[bad]).__name__!r}, not "
+                f"tf.Tensor or tf.Variable or ExtensionType. (gradserve: {hint})"
+            )
+        for t in tensors:
+            if isinstance(t, TapedArray) and t.tape_id is not None and not t.held:
+                self._adopt(t)
+
+        def held() -> None:  # this tape holds it too now, whatever becomes of its own
+            for t in tensors:
+                if isinstance(t, TapedArray) and self not in t.live_tapes():
+                    t._tapes += tape_refs([self])
+
+        send(tensors, held)
+
+    def watch_request(self, tensors: list[Any]) -> tuple[tape_pb2.WatchTensorsRequest, list[Any]]:
+        """A batch's watch step: the ``WatchTensorsRequest`` naming ``tensors`` (by id,
+        or by step output), and the tapes whose outputs it names (held for the batch)."""
+        msg = tape_pb2.WatchTensorsRequest(tape_id=self.id)
+        for t in tensors:
+            _name(t, msg.tensors.add(), "watch")
+        named = [tape for t in tensors if isinstance(t, TapedArray) for tape in t.live_tapes()]
+        return msg, named
 
     def _adopt(self, output: TapedArray) -> None:
         """Give ``output``, an output the server no longer holds (its tapes were
@@ -433,11 +464,16 @@ def _is_list(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and not isinstance(value, StepOutput)
 
 
-def _watchable(value: Any) -> bool:
-    """What ``tape.watch`` takes: a tensor the server holds or held. A value the
-    client has (a NumPy array, a Python number) is TensorFlow's NumPy array or
-    constant, not a tensor: TensorFlow's ValueError."""
-    return isinstance(value, TensorRef) or (isinstance(value, TapedArray) and bool(value.tape_id))
+def _watchable(value: Any, step_outputs: bool = False) -> bool:
+    """What ``tape.watch`` takes: a tensor the server holds or held (and in a batch's
+    watch step, an earlier step's output). A value the client has (a NumPy array, a
+    Python number) is TensorFlow's NumPy array or constant, not a tensor:
+    TensorFlow's ValueError."""
+    return (
+        isinstance(value, TensorRef)
+        or (isinstance(value, TapedArray) and bool(value.tape_id))
+        or (step_outputs and isinstance(value, StepOutput))
+    )
 
 
 def _tensor_id(value: Any, what: str) -> str:

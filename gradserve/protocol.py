@@ -107,6 +107,7 @@ BATCH_FIELDS: dict[str, str] = {
     "BlockLSTM": "block_lstm",
     "BlockLSTMGrad": "block_lstm_grad",
     "Gradients": "gradients",
+    "WatchTensors": "watch_tensors",
 }
 
 #: The first bytes of a shared-memory region hold the nonce that registered it: no

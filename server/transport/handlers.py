@@ -71,6 +71,7 @@ OPS: tuple[Op, ...] = (
     Op(lstm.BlockLSTM, heavy=True),
     Op(lstm.BlockLSTMGrad, heavy=True),
     Op(tape.Gradients, heavy=True),
+    Op(tape.WatchTensors),
 )
 
 OPS_BY_BATCH_FIELD = {op.batch_field: op for op in OPS}

@@ -295,14 +295,6 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         return await self.light.run(functools.partial(tape_handlers.start_tape, session, request))
 
     @boundary.guarded
-    async def WatchTensors(self, request: Any, context: Any) -> Message:
-        session = self._session(context)
-        _tapes(session, _metadata(context))  # a tape proposed by the client starts here
-        return await self.light.run(
-            functools.partial(tape_handlers.watch_tensors, session, request)
-        )
-
-    @boundary.guarded
     async def ReleaseTape(self, request: Any, context: Any) -> Message:
         session = self._session(context)
         # A proposed tape is not started to be released (at the session's limit of

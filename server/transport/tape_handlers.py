@@ -1,6 +1,6 @@
-"""The gradient-tape RPCs: ``Gradients`` (an op: also a Batch step) and the tape's
-life cycle (start, watch, release), translated to ``core.gradients`` and the
-session's tape methods."""
+"""The gradient-tape RPCs: ``Gradients`` and ``WatchTensors`` (ops: also Batch
+steps) and the tape's life cycle (start, release), translated to ``core.gradients``
+and the session's tape methods."""
 
 from __future__ import annotations
 
@@ -77,10 +77,13 @@ def start_tape(session: Session, req: tape_pb2.StartTapeRequest) -> tape_pb2.Sta
     return tape_pb2.StartTapeResponse(tape_id=tape.id)
 
 
-def watch_tensors(
-    session: Session, req: tape_pb2.WatchTensorsRequest
-) -> tape_pb2.WatchTensorsResponse:
-    session.watch(session.tape(req.tape_id), list(req.ids))
+def WatchTensors(io: CallIO, req: tape_pb2.WatchTensorsRequest) -> tape_pb2.WatchTensorsResponse:
+    """tape.watch: the tensors named (``ids``, and ``tensors`` by ref or by an earlier
+    Batch step's output) become sources of the tape from here on. An op, so that a
+    Batch orders it among its steps: ops that ran before it read them unwatched."""
+    tape = io.session.tape(req.tape_id)
+    named = [_tensor_id(io, t, f"tensors[{n}]") for n, t in enumerate(req.tensors)]
+    io.session.watch(tape, [*req.ids, *named])
     return tape_pb2.WatchTensorsResponse()
 
 

@@ -635,6 +635,59 @@ def test_a_batch_step_records_on_the_recording_it_was_added_in(client):
         batch.gradient(tape, r, x)
 
 
+def test_a_watch_step_takes_effect_where_it_stands_among_the_batch_steps(client):
+    """``batch.watch(tape, x)``: ops before it read x unwatched and pass it no gradient,
+    as in TensorFlow (2.21 eager: ``y1 = tf.identity(x); tape.watch(x); y2 =
+    tf.identity(x)`` gives None for y1, ones for y2). A direct ``tape.watch`` runs at
+    once, before every step of a batch not yet run, so it could not place a watch
+    between two steps: both got ones."""
+    x = client.put(np.array([1.0, 2.0], F32))
+    with client.gradient_tape(persistent=True, watch_accessed_variables=False) as tape:
+        batch = client.batch()
+        _batch_copy(batch, x)  # steps 0-2: before the watch
+        assert batch.watch(tape, x) is None  # step 3
+        _batch_copy(batch, x)  # steps 4-6
+        results = batch.run()
+    assert results[3] is None
+    assert tape.gradient(results[2], x) is None
+    np.testing.assert_array_equal(tape.gradient(results[6], x), [1.0, 1.0])
+
+
+def test_a_watch_step_watches_an_earlier_steps_output(client):
+    """A batch step's output kept (or held by a tape) may be watched among the
+    steps, by its placeholder; later steps that read it are differentiable with
+    respect to it. A direct ``tape.watch`` of a placeholder is TensorFlow's
+    ValueError, pointing to ``batch.watch``; a watch step naming an output that went
+    by value (neither kept nor held) is refused at its step, changing nothing."""
+    x = client.put(np.array([1.0, 2.0], F32))
+    with client.gradient_tape(persistent=True, watch_accessed_variables=False) as tape:
+        batch = client.batch()
+        h, flow = batch.raw_ops.TensorArrayV3(size=1, dtype=F32)
+        flow = batch.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+        y = batch.raw_ops.TensorArrayReadV3(h, 0, flow, F32, keep=True)  # step 2
+        with pytest.raises(ValueError, match=r"batch\.watch\(tape"):
+            tape.watch(y)
+        batch.watch(tape, [y])
+        z = _batch_copy(batch, y)
+        results = batch.run()
+    y_ref = results[2]
+    assert isinstance(y_ref, TensorRef)
+    np.testing.assert_array_equal(tape.gradient(results[6], y_ref), [1.0, 1.0])
+    assert tape.gradient(results[6], x) is None  # x itself was never watched
+    assert z is not None
+
+    batch = client.batch()
+    h, flow = batch.raw_ops.TensorArrayV3(size=1, dtype=F32)
+    flow = batch.raw_ops.TensorArrayWriteV3(h, 0, x, flow)
+    by_value = batch.raw_ops.TensorArrayReadV3(h, 0, flow, F32)  # no tape: a value
+    with client.gradient_tape(watch_accessed_variables=False) as tape:
+        batch.watch(tape, by_value)
+        with pytest.raises(InvalidArgumentError, match="must name a tensor") as caught:
+            batch.run()
+    assert caught.value.step == 3
+    assert len(caught.value.results) == 3  # the steps before it ran
+
+
 def test_a_loop_of_resets_in_one_batch_holds_only_what_it_needs(client, server):
     """helper-73: every recording a batch's steps were on was started when it ran and
     held to its end: 70 resets in one batch ran into the session's 64 tapes. One that

@@ -25,29 +25,29 @@ _sym_db = _symbol_database.Default()
 from gradserve.v1 import tensor_pb2 as gradserve_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17gradserve/v1/tape.proto\x12\x0cgradserve.v1\x1a\x19gradserve/v1/tensor.proto\"H\n\x10StartTapeRequest\x12\x12\n\npersistent\x18\x01 \x01(\x08\x12 \n\x18watch_accessed_variables\x18\x02 \x01(\x08\"$\n\x11StartTapeResponse\x12\x0f\n\x07tape_id\x18\x01 \x01(\t\"3\n\x13WatchTensorsRequest\x12\x0f\n\x07tape_id\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x03(\t\"\x16\n\x14WatchTensorsResponse\"%\n\x12ReleaseTapeRequest\x12\x0f\n\x07tape_id\x18\x01 \x01(\t\"-\n\x13ReleaseTapeResponse\x12\x16\n\x0ereleased_bytes\x18\x01 \x01(\x03\"\x89\x02\n\x10GradientsRequest\x12\x0f\n\x07tape_id\x18\x01 \x01(\t\x12*\n\x07targets\x18\x02 \x03(\x0b\x32\x19.gradserve.v1.TensorInput\x12*\n\x07sources\x18\x03 \x03(\x0b\x32\x19.gradserve.v1.TensorInput\x12\x33\n\x10output_gradients\x18\x04 \x03(\x0b\x32\x19.gradserve.v1.TensorInput\x12\x41\n\x15unconnected_gradients\x18\x05 \x01(\x0e\x32\".gradserve.v1.UnconnectedGradients\x12\x14\n\x0ckeep_outputs\x18\x06 \x01(\x08\"R\n\x11GradientsResponse\x12-\n\tgradients\x18\x01 \x03(\x0b\x32\x1a.gradserve.v1.TensorOutput\x12\x0e\n\x06source\x18\x02 \x01(\t*B\n\x14UnconnectedGradients\x12\x14\n\x10UNCONNECTED_NONE\x10\x00\x12\x14\n\x10UNCONNECTED_ZERO\x10\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17gradserve/v1/tape.proto\x12\x0cgradserve.v1\x1a\x19gradserve/v1/tensor.proto\"H\n\x10StartTapeRequest\x12\x12\n\npersistent\x18\x01 \x01(\x08\x12 \n\x18watch_accessed_variables\x18\x02 \x01(\x08\"$\n\x11StartTapeResponse\x12\x0f\n\x07tape_id\x18\x01 \x01(\t\"_\n\x13WatchTensorsRequest\x12\x0f\n\x07tape_id\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x03(\t\x12*\n\x07tensors\x18\x03 \x03(\x0b\x32\x19.gradserve.v1.TensorInput\"\x16\n\x14WatchTensorsResponse\"%\n\x12ReleaseTapeRequest\x12\x0f\n\x07tape_id\x18\x01 \x01(\t\"-\n\x13ReleaseTapeResponse\x12\x16\n\x0ereleased_bytes\x18\x01 \x01(\x03\"\x89\x02\n\x10GradientsRequest\x12\x0f\n\x07tape_id\x18\x01 \x01(\t\x12*\n\x07targets\x18\x02 \x03(\x0b\x32\x19.gradserve.v1.TensorInput\x12*\n\x07sources\x18\x03 \x03(\x0b\x32\x19.gradserve.v1.TensorInput\x12\x33\n\x10output_gradients\x18\x04 \x03(\x0b\x32\x19.gradserve.v1.TensorInput\x12\x41\n\x15unconnected_gradients\x18\x05 \x01(\x0e\x32\".gradserve.v1.UnconnectedGradients\x12\x14\n\x0ckeep_outputs\x18\x06 \x01(\x08\"R\n\x11GradientsResponse\x12-\n\tgradients\x18\x01 \x03(\x0b\x32\x1a.gradserve.v1.TensorOutput\x12\x0e\n\x06source\x18\x02 \x01(\t*B\n\x14UnconnectedGradients\x12\x14\n\x10UNCONNECTED_NONE\x10\x00\x12\x14\n\x10UNCONNECTED_ZERO\x10\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gradserve.v1.tape_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_UNCONNECTEDGRADIENTS']._serialized_start=695
-  _globals['_UNCONNECTEDGRADIENTS']._serialized_end=761
+  _globals['_UNCONNECTEDGRADIENTS']._serialized_start=739
+  _globals['_UNCONNECTEDGRADIENTS']._serialized_end=805
   _globals['_STARTTAPEREQUEST']._serialized_start=68
   _globals['_STARTTAPEREQUEST']._serialized_end=140
   _globals['_STARTTAPERESPONSE']._serialized_start=142
   _globals['_STARTTAPERESPONSE']._serialized_end=178
   _globals['_WATCHTENSORSREQUEST']._serialized_start=180
-  _globals['_WATCHTENSORSREQUEST']._serialized_end=231
-  _globals['_WATCHTENSORSRESPONSE']._serialized_start=233
-  _globals['_WATCHTENSORSRESPONSE']._serialized_end=255
-  _globals['_RELEASETAPEREQUEST']._serialized_start=257
-  _globals['_RELEASETAPEREQUEST']._serialized_end=294
-  _globals['_RELEASETAPERESPONSE']._serialized_start=296
-  _globals['_RELEASETAPERESPONSE']._serialized_end=341
-  _globals['_GRADIENTSREQUEST']._serialized_start=344
-  _globals['_GRADIENTSREQUEST']._serialized_end=609
-  _globals['_GRADIENTSRESPONSE']._serialized_start=611
-  _globals['_GRADIENTSRESPONSE']._serialized_end=693
+  _globals['_WATCHTENSORSREQUEST']._serialized_end=275
+  _globals['_WATCHTENSORSRESPONSE']._serialized_start=277
+  _globals['_WATCHTENSORSRESPONSE']._serialized_end=299
+  _globals['_RELEASETAPEREQUEST']._serialized_start=301
+  _globals['_RELEASETAPEREQUEST']._serialized_end=338
+  _globals['_RELEASETAPERESPONSE']._serialized_start=340
+  _globals['_RELEASETAPERESPONSE']._serialized_end=385
+  _globals['_GRADIENTSREQUEST']._serialized_start=388
+  _globals['_GRADIENTSREQUEST']._serialized_end=653
+  _globals['_GRADIENTSRESPONSE']._serialized_start=655
+  _globals['_GRADIENTSRESPONSE']._serialized_end=737
 # @@protoc_insertion_point(module_scope)

@@ -30,12 +30,14 @@ class StartTapeResponse(_message.Message):
     def __init__(self, tape_id: _Optional[str] = ...) -> None: ...
 
 class WatchTensorsRequest(_message.Message):
-    __slots__ = ("tape_id", "ids")
+    __slots__ = ("tape_id", "ids", "tensors")
     TAPE_ID_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
     tape_id: str
     ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, tape_id: _Optional[str] = ..., ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorInput]
+    def __init__(self, tape_id: _Optional[str] = ..., ids: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorInput, _Mapping]]] = ...) -> None: ...
 
 class WatchTensorsResponse(_message.Message):
     __slots__ = ()
