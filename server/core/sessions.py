@@ -41,7 +41,11 @@ from gradserve.server.core.grad_registry import GradRegistry
 from gradserve.server.core.regions import RegionTable
 from gradserve.server.core.snapshot_gate import SnapshotGate
 from gradserve.server.core.tape import MAX_TAPES_PER_SESSION, Tape
-from gradserve.server.core.tensor_array import TensorArray, TensorArrayState
+from gradserve.server.core.tensor_array import (
+    TensorArray,
+    TensorArrayState,
+    array_record_bytes,
+)
 from gradserve.warm_buffers import DEFAULT_LIMIT_BYTES, WarmBuffers
 
 #: The principal of every session when authentication is off.
@@ -323,20 +327,27 @@ class Session:
         Its name is ``tensor_array_name`` (or "TensorArrayV3") plus a counter,
         as TensorFlow names arrays, so messages read like TensorFlow's.
         """
-        with self._lock:
-            self._check_open()
-            self._name_counter += 1
-            name = f"{tensor_array_name or 'TensorArrayV3'}_{self._name_counter}"
-            ta = TensorArray(
-                name=name,
-                max_output_bytes=self.max_tensor_bytes,
-                max_size=self.max_tensor_array_size,
-                budget=self.budget,
-                **attrs,
-            )
-            handle = new_token()
-            self._arrays[handle] = ta
-            return handle, ta
+        prefix = tensor_array_name or "TensorArrayV3"
+
+        def next_name() -> str:
+            return f"{prefix}_{self._name_counter + 1}"
+
+        def create() -> tuple[str, TensorArray]:
+            with self._lock:
+                self._check_open()
+                ta = TensorArray(
+                    name=next_name(),
+                    max_output_bytes=self.max_tensor_bytes,
+                    max_size=self.max_tensor_array_size,
+                    budget=self.budget,
+                    **attrs,
+                )
+                self._name_counter += 1  # (a refused one takes no number)
+                handle = new_token()
+                self._arrays[handle] = ta
+                return handle, ta
+
+        return self._reclaiming(create, lambda: array_record_bytes(next_name()))
 
     def close_tensor_array(self, handle: str) -> None:
         """TensorArrayCloseV3. The closed array stays, so that its handle says "already
@@ -428,30 +439,35 @@ class Session:
         of the session's (``drop_grad_arrays``).
         """
         forward = self.grad_source(handle)
-        with self._lock:
-            self._check_open()
-            key = (handle, source)
-            grads = self._grads if registry is None else registry
-            grad_handle = grads.get(key) or new_token()
+        name = f"{forward.name}@{source}"
 
-            def lookup() -> TensorArray | None:
-                return self._arrays.get(grad_handle) if key in grads else None
+        def lookup_or_make() -> tuple[str, TensorArray]:
+            with self._lock:
+                self._check_open()
+                key = (handle, source)
+                grads = self._grads if registry is None else registry
+                grad_handle = grads.get(key) or new_token()
 
-            def register(grad: TensorArray) -> None:
-                self._arrays[grad_handle] = grad
-                grads.add(key, grad_handle)
-                if registry is not None:
-                    self._private_grads.add(grad_handle)
-                else:
-                    self._frozen_for_good(handle)
+                def lookup() -> TensorArray | None:
+                    return self._arrays.get(grad_handle) if key in grads else None
 
-            grad = forward.make_grad(
-                name=f"{forward.name}@{source}",
-                shape_to_prepend=shape_to_prepend,
-                lookup=lookup,
-                register=register,
-            )
-            return grad_handle, grad
+                def register(grad: TensorArray) -> None:
+                    self._arrays[grad_handle] = grad
+                    grads.add(key, grad_handle)
+                    if registry is not None:
+                        self._private_grads.add(grad_handle)
+                    else:
+                        self._frozen_for_good(handle)
+
+                grad = forward.make_grad(
+                    name=name,
+                    shape_to_prepend=shape_to_prepend,
+                    lookup=lookup,
+                    register=register,
+                )
+                return grad_handle, grad
+
+        return self._reclaiming(lookup_or_make, lambda: forward.grad_charge(name))
 
     # ---------------------------------------------------------------- tensors
     def check_tensor_bytes(self, nbytes: int) -> None:
@@ -474,14 +490,21 @@ class Session:
         or giving back the difference; all given back if the put fails.
         """
         nbytes = dtypes.nbytes(array) if nbytes is None else nbytes
-        try:
+
+        def alias_put() -> str | None:
             with self._lock:
                 self._check_open()
                 alias = self._alias_locked(array, 1, paid)
-                if alias is not None:
-                    kept, tensor_id = alias
-                    self._resident[tensor_id] = kept
-                    return tensor_id
+                if alias is None:
+                    return None
+                kept, tensor_id = alias
+                self._resident[tensor_id] = kept
+                return tensor_id
+
+        try:
+            tensor_id = self._reclaiming(alias_put, lambda: TENSOR_RECORD_BYTES - (paid or 0))
+            if tensor_id is not None:
+                return tensor_id
             reservation = self.reserve_tensor(nbytes, paid=paid)
         except BaseException:
             if paid:
@@ -510,12 +533,14 @@ class Session:
 
     def _reclaiming(self, attempt: Callable[[], T], needed: Callable[[], int]) -> T:
         """``attempt()``, which reserves under the session's lock (where the budget's
-        own ``reclaim`` gives up) and changes nothing when refused: refused, it is
-        tried once more if ``reclaim_read_out(needed())`` freed anything."""
+        own ``reclaim`` gives up) and changes nothing when refused: refused by a
+        budget, it is tried once more if ``reclaim_read_out(needed())`` freed anything.
+        Used by every reservation made under that lock: tensors (``reserve_tensor``,
+        a put's alias record), ``keep_for_tapes``, new TensorArrays and grad arrays."""
         try:
             return attempt()
-        except ResourceExhaustedError:
-            if not self.reclaim_read_out(needed()):
+        except ResourceExhaustedError as e:
+            if e.reason != "MEMORY_LIMIT" or not self.reclaim_read_out(needed()):
                 raise
         return attempt()
 

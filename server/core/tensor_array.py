@@ -53,6 +53,13 @@ CHECK_EVERY = 1024
 #: Bytes charged for one array's own records, besides twice its name (its name, and
 #: a gradient array's source in its session's index); measured at about 610.
 ARRAY_BYTES = 1024
+
+
+def array_record_bytes(name: str) -> int:
+    """What an array named ``name`` charges its budget for its own records."""
+    return ARRAY_BYTES + 2 * len(name)
+
+
 #: Bytes charged for one slot record (its ``_Slot``, shape, dict entry: about 220).
 SLOT_BYTES = 256
 #: An op that grows an array reserves in the budget as it goes, once it has grown by
@@ -170,7 +177,7 @@ class TensorArray:
         self._op_start_nbytes = 0
         self._reserved_ahead = 0
         self._handed_over = 0
-        self._own_bytes = ARRAY_BYTES + 2 * len(name)  # held until ``discard``
+        self._own_bytes = array_record_bytes(name)  # held until ``discard``
         if budget is not None:
             budget.reserve(self._own_bytes)  # past a limit: raises, nothing made
         #: Charged to ``budget``: the values' bytes and the records' (module docstring).
@@ -737,6 +744,11 @@ class TensorArray:
         if self._budget is not None:
             self._budget.release(freed)
         return freed
+
+    def grad_charge(self, name: str) -> int:
+        """What ``make_grad`` reserves for a new gradient array named ``name``: its own
+        records and one per slot of this array (an estimate: slots may come meanwhile)."""
+        return array_record_bytes(name) + SLOT_BYTES * len(self._slots)
 
     def make_grad(
         self,

@@ -769,6 +769,40 @@ def test_an_output_kept_for_a_tape_makes_room_as_a_put_does(monkeypatch):
     assert store.budget.used == 0
 
 
+@pytest.mark.parametrize("then", ["new array", "grad array", "alias"])
+def test_records_made_under_the_sessions_lock_make_room_as_a_put_does(then, monkeypatch):
+    """A new TensorArray, a new grad array and a put of an array the session holds
+    already (an alias: its id's record alone) reserve under the session's lock, where
+    the budget's reclaim gives up: refused with outputs read out holding the bytes,
+    where a put fitted. They free those outputs and try once more, as ``put`` does."""
+    from gradserve.server.core import sessions
+    from gradserve.server.core.sessions import HandedOutReply, SessionStore
+
+    monkeypatch.setattr(sessions, "RECLAIM_AFTER_SECONDS", 0.0)
+    store = SessionStore(max_session_bytes=2 * MIB, max_tensor_array_size=1000)
+    session = store.create()
+    forward, _ = session.create_tensor_array(tensor_array_name="", dtype=np.float32, size=2)
+    x = session.put(np.ones(4, np.float32))
+    out = session.put(np.zeros(MIB // 4, np.float32))
+    session.handed_out(out, HandedOutReply())
+    session.fetched(out)
+    room = session.budget.limit - session.budget.used
+    session.put(np.zeros(room - sessions.TENSOR_RECORD_BYTES - 500, np.uint8))  # 500 left
+    if then == "new array":
+        with pytest.raises(ResourceExhaustedError, match="1000"):  # not the budget's:
+            session.create_tensor_array(tensor_array_name="", dtype=np.float32, size=1001)
+        assert session.get(out) is not None  # nothing given way for it
+        session.create_tensor_array(tensor_array_name="", dtype=np.float32, size=2)
+    elif then == "grad array":
+        session.grad_array(forward, "gradients")
+    else:
+        session.put(session.get(x))
+    with pytest.raises(gradserve.errors.NotFoundError):
+        session.get(out)  # it gave way
+    session.close()
+    assert store.budget.used == 0
+
+
 def test_outputs_that_share_one_array_give_way_together_and_never_for_a_refusal_above(
     monkeypatch,
 ):
