@@ -361,6 +361,7 @@ def start(config: ServerConfig) -> Server:
             config.stream_idle_timeout, config.stream_min_rate, config.stream_rate_grace
         ),
         max_message_bytes=config.max_message_bytes,
+        max_inline_reply_bytes=config.max_inline_reply_bytes,
         request_freed=trimmer.released,
     )
     loop = asyncio.new_event_loop()

@@ -95,6 +95,12 @@ SERVE_FLAGS = [
     ("tls_key", str, "PEM private key of --tls-cert"),
     ("tls_client_ca", str, "PEM CA bundle: require client certificates (mutual TLS)"),
     ("max_message_bytes", int, "ceiling of one unary message, each direction"),
+    (
+        "max_inline_reply_bytes",
+        _optional(int),
+        "tensor bytes one reply carries inline; larger outputs go as transient tensors, "
+        "streamed (a large reply holds the server's other calls while it is copied)",
+    ),
     ("max_tensor_bytes", _optional(int), "largest tensor the server holds or builds"),
     ("max_tensor_array_size", _optional(int), "most elements of one TensorArray"),
     ("max_sessions", _optional(int), "open sessions, all principals together"),

@@ -85,6 +85,7 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         observer: Observer | None = None,
         stream_limits: StreamLimits | None = None,
         max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
+        max_inline_reply_bytes: int | None = None,
         chunk_bytes: int = protocol.DEFAULT_CHUNK_BYTES,
         request_freed: Callable[[int], None] = lambda nbytes: None,
     ) -> None:
@@ -97,6 +98,7 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         self.observer = observer or Observer()
         self.stream_limits = stream_limits or StreamLimits()
         self.max_message_bytes = max_message_bytes
+        self.max_inline_reply_bytes = max_inline_reply_bytes
         self.chunk_bytes = chunk_bytes
         #: Told the size of every request message as it is parsed (``app``, through
         #: ``boundary.lenient``): the server's trimmer, so that memory a request held
@@ -146,18 +148,15 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
 
     def _io(self, context: Any) -> CallIO:
         """The call's inputs and outputs: the whole response carries at most
-        ``--max-message-bytes`` (less room for its other fields) of inline tensors, or
-        less where the client's channel takes less."""
+        ``reply_budget`` bytes of inline tensors (``--max-message-bytes``, less room
+        for its other fields; ``--max-inline-reply-bytes``; the client's channel)."""
         metadata = _metadata(context)
-        budget = self.max_message_bytes - protocol.MESSAGE_OVERHEAD_BYTES
         client_budget = _int_metadata(metadata, protocol.RESPONSE_BUDGET_METADATA_KEY)
-        if client_budget is not None:
-            budget = min(budget, client_budget)
         session = self._session(context, metadata)
         io = CallIO(
             session,
             self.compute,
-            inline_budget=max(0, budget),
+            inline_budget=self.reply_budget(client_budget),
             inline_limit=_int_metadata(metadata, protocol.INLINE_LIMIT_METADATA_KEY),
             check_alive=Liveness(context, session),
             tapes=_tapes(session, metadata),

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from gradserve import protocol
 from gradserve.errors import DeadlineExceededError, GradserveError
 from gradserve.server.core.sessions import Session
 
@@ -22,9 +23,25 @@ class ServicerPart:
     light: Any
     compute: Any
     max_message_bytes: int
+    #: ``--max-inline-reply-bytes`` (None: the message limit alone).
+    max_inline_reply_bytes: int | None
 
     def _session(self, context: Any) -> Session:  # pragma: no cover - the servicer's
         raise NotImplementedError
+
+    def reply_budget(self, client_budget: int | None) -> int:
+        """The tensor bytes one reply may carry inline: what the message limit leaves,
+        within the client's ``x-gradserve-response-budget`` and the server's
+        ``--max-inline-reply-bytes``. Outputs beyond go as transient tensors, which
+        the SDK streams: a reply's bytes are copied into gRPC holding Python's lock,
+        and a client pulling 128 MiB replies held every other call of the server
+        (another session's KeepAlive: p90 150-380 ms, 3 ms with the same bytes
+        streamed; ``make bench``, hostile section 8)."""
+        budget = self.max_message_bytes - protocol.MESSAGE_OVERHEAD_BYTES
+        for limit in (client_budget, self.max_inline_reply_bytes):
+            if limit is not None:
+                budget = min(budget, limit)
+        return max(0, budget)
 
 
 def check_reply_in_time(context: Any) -> None:

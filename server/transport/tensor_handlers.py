@@ -66,14 +66,14 @@ class InlineTensorRPCs(ServicerPart):
     async def GetTensorInline(self, request: service_pb2.GetTensorRequest, context: Any) -> Any:
         """The resident tensor in one message (a ``tensor_pb2.Tensor``, serialized
         here); RESOURCE_EXHAUSTED (reason ``USE_GET_TENSOR``) if it would not fit the
-        response (the server's message limit, or the client's
-        ``x-gradserve-response-budget``)."""
+        response (``reply_budget``)."""
         session = self._session(context)
         read_out = ReadOut(session, request, context)
-        budget = self.max_message_bytes - protocol.MESSAGE_OVERHEAD_BYTES
+        client_budget = None
         for key, value in context.invocation_metadata() or ():
             if key == protocol.RESPONSE_BUDGET_METADATA_KEY and str(value).isdigit():
-                budget = min(budget, int(value))
+                client_budget = int(value)
+        budget = self.reply_budget(client_budget)
 
         def get() -> codec.Serialized:
             with session.reading(request.id) as kept:

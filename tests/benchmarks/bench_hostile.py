@@ -20,7 +20,11 @@ on loopback, every loop bounded in count and time:
    RSS baseline, peak, after;
 7. fairness: with a token file of three principals, b's small TensorArray writes
    alone and while a floods the light lane (32 threads of 64 MiB gathers), and b's
-   refusals while a and c flood LSTM calls past ``--max-concurrent-rpcs``.
+   refusals while a and c flood LSTM calls past ``--max-concurrent-rpcs``;
+8. replies: another session's KeepAlive while a client pulls large gathers with
+   its inline limit raised, on a server with the default ``--max-inline-reply-bytes``
+   (the outputs come as transient tensors, streamed) and one with ``none`` (one
+   reply each), in alternating windows.
 
 ``python -m tests.benchmarks.bench_hostile [--quick] [--only stalls,sigterm,...]``
 """
@@ -1014,6 +1018,79 @@ def _short_lstm_beside_long(tokens: str, args: argparse.Namespace) -> tuple[list
     return after, pauses
 
 
+# ------------------------------------------------------------------ 8. large replies
+def _pull(target: str, nbytes: int, threads: int) -> tuple[Callable[[], int], Callable[[], None]]:
+    """``threads`` SDK clients gathering ``nbytes`` each call, with the inline limit
+    raised past it (``stream_threshold``): what they want inline, the server decides.
+    Returns a function counting the calls made so far, and one that stops them."""
+    stop = threading.Event()
+    calls = [0] * threads
+
+    def loop(n: int) -> None:
+        with gradserve.Client(
+            target, shared_memory=False, keepalive=False, stream_threshold=2 * nbytes
+        ) as client:
+            ta = client.tensor_array(np.float32, size=1, clear_after_read=False)
+            ta.write(0, np.ones(MIB // 4, np.float32))
+            indices = np.zeros(nbytes // MIB, np.int32)
+            while not stop.is_set():
+                client.raw_ops.TensorArrayGatherV3(ta.handle, indices, ta.flow, np.float32)
+                calls[n] += 1
+
+    workers = [threading.Thread(target=loop, args=(n,), daemon=True) for n in range(threads)]
+    for w in workers:
+        w.start()
+
+    def stop_all() -> None:
+        stop.set()
+        for w in workers:
+            w.join(120)
+
+    return (lambda: sum(calls)), stop_all
+
+
+def bench_replies(args: argparse.Namespace) -> None:
+    nbytes = (64 if args.quick else 128) * MIB
+    window, rounds = (2.0, 2) if args.quick else (4.0, 3)
+    print(
+        f"\n[8] another session's KeepAlive while 2 clients pull {nbytes // MIB} MiB gathers "
+        f"(inline limit raised), {rounds} alternating rounds of {window:g} s"
+    )
+    flags = {"default": (), "none": ("--max-inline-reply-bytes", "none")}
+    waits: dict[str, list[float]] = {key: [] for key in flags}
+    pulled: dict[str, float] = {key: 0.0 for key in flags}
+    with contextlib.ExitStack() as stack:
+        servers = {key: stack.enter_context(server_process(*f)) for key, f in flags.items()}
+        for _ in range(rounds):
+            for key, server in servers.items():
+                count, stop = _pull(server.target, nbytes, 2)
+                time.sleep(1.0)  # (their setup is not what is measured)
+                start, t_start = count(), time.monotonic()
+                with gradserve.Client(server.target, keepalive=False) as probe:
+                    end = time.monotonic() + window
+                    while time.monotonic() < end:
+                        t0 = time.perf_counter()
+                        probe.keep_alive()
+                        waits[key].append(time.perf_counter() - t0)
+                        time.sleep(0.01)
+                pulled[key] += (count() - start) * nbytes / (time.monotonic() - t_start) / rounds
+                stop()
+    for key in flags:
+        print(
+            f"  --max-inline-reply-bytes {key}: KeepAlive {ms(waits[key])}, "
+            f"p90 {pct(waits[key], 90) * 1e3:.1f} ms, max {max(waits[key]) * 1e3:.1f} ms; "
+            f"pulled {pulled[key] / 1e9:.2f} GB/s"
+        )
+    p90 = pct(waits["default"], 90)
+    summarize(
+        "replies",
+        f"another session's KeepAlive p90 {p90 * 1e3:.1f} ms while {nbytes // MIB} MiB "
+        f"replies are pulled (target <= 50 ms; {pct(waits['none'], 90) * 1e3:.1f} ms "
+        "with --max-inline-reply-bytes none)",
+        p90 <= 0.050,
+    )
+
+
 # ------------------------------------------------------------------ main
 SECTIONS = {
     "stalls": bench_stalls,
@@ -1023,6 +1100,7 @@ SECTIONS = {
     "sigterm": bench_sigterm,
     "churn": bench_churn,
     "fairness": bench_fairness,
+    "replies": bench_replies,
 }
 
 

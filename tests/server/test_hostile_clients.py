@@ -291,7 +291,11 @@ def test_unread_replies_past_the_budget_refuse_their_principals_calls_not_all():
     message's worth), the principal's calls are refused, but those that free what it
     holds or keep its session; reading or cancelling them lets it in again."""
     with run_server(
-        device="cpu", max_concurrent_rpcs=8, max_server_bytes=64 * MIB, max_message_bytes=20 * MIB
+        device="cpu",
+        max_concurrent_rpcs=8,
+        max_server_bytes=64 * MIB,
+        max_message_bytes=20 * MIB,
+        max_inline_reply_bytes=None,  # 16 MiB replies, one message each
     ) as server:
         target = f"127.0.0.1:{server.port}"
         with gradserve.Client(target, shared_memory=False) as client:

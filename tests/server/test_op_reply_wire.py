@@ -439,3 +439,57 @@ def test_large_batch_and_gradients_replies_reach_grpc_serialized(monkeypatch):
     kinds = [name for name, _ in seen]  # (bytes: a stream's chunks, serialized as made)
     assert {"BatchResponse", "GradientsResponse"} & {type(m).__name__ for _, m in seen} == set()
     assert kinds.count("Serialized") >= 3 and set(kinds) <= {"Serialized", "bytes"}, kinds
+
+
+@pytest.mark.parametrize("cap", ["default", "none"])
+def test_a_reply_carries_no_more_inline_than_the_servers_inline_reply_bytes(cap):
+    """``--max-inline-reply-bytes`` (16 MiB by default) bounds the tensors a reply
+    carries inline, whatever the client's budget: the outputs beyond are transient
+    (the SDK streams them), and a get beyond it is USE_GET_TENSOR. A reply's bytes
+    are copied holding Python's lock, and a client pulling 128 MiB replies held every
+    other call of the server (p90 150-380 ms; ``make bench``, hostile section 8).
+    ``none``: the message limit alone, as before."""
+    import grpc
+
+    from gradserve.server import run_server
+    from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_array_pb2
+
+    value = np.arange(5 << 20, dtype=np.float32)  # 20 MiB
+    flags = {} if cap == "default" else {"max_inline_reply_bytes": None}
+    with run_server(device="cpu", **flags) as server:
+        target = f"127.0.0.1:{server.port}"
+        # The SDK, asking for outputs up to 64 MiB inline, gets the value either way.
+        with gradserve.Client(target, shared_memory=False, stream_threshold=64 << 20) as c:
+            ref = c.put(value)
+            assert same(c.raw_ops.StopGradient(ref), value)
+            assert same(c.get(ref), value)
+            limits = gradserve.protocol.channel_options()
+            # A client of its own, asking for everything inline.
+            metadata = (
+                (gradserve.protocol.SESSION_METADATA_KEY, c.session_id),
+                (gradserve.protocol.RESPONSE_BUDGET_METADATA_KEY, str(200 << 20)),
+                (gradserve.protocol.INLINE_LIMIT_METADATA_KEY, str(200 << 20)),
+            )
+            with grpc.insecure_channel(target, options=limits) as channel:
+                stub = service_pb2_grpc.GradServeStub(channel)
+                request = tensor_array_pb2.StopGradientRequest(
+                    input=tensor_pb2.TensorInput(ref=ref.id)
+                )
+                out = stub.StopGradient(request, metadata=metadata).output
+                get = service_pb2.GetTensorRequest(id=ref.id)
+                if cap == "none":
+                    assert same(codec.decode(out.value), value)
+                    assert same(codec.decode(stub.GetTensorInline(get, metadata=metadata)), value)
+                    return
+                assert out.WhichOneof("result") == "ref" and out.ref.transient
+                fetched = b"".join(
+                    chunk.data
+                    for chunk in stub.GetTensor(
+                        service_pb2.GetTensorRequest(id=out.ref.id), metadata=metadata
+                    )
+                )
+                assert fetched == value.tobytes()
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.GetTensorInline(get, metadata=metadata)
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "USE_GET_TENSOR" in str(refused.value.trailing_metadata())
