@@ -27,7 +27,12 @@ from gradserve.client import _nest as nest
 from gradserve.client._errors import typed_error
 from gradserve.client._raw_ops import RawOps, Staging, Submit
 from gradserve.client._types import StepOutput
-from gradserve.errors import GradserveError, InvalidArgumentError, NotFoundError
+from gradserve.errors import (
+    FailedPreconditionError,
+    GradserveError,
+    InvalidArgumentError,
+    NotFoundError,
+)
 from gradserve.lstm_signature import LSTMActivations, LSTMGrads
 from gradserve.protocol import BATCH_FIELDS
 from gradserve.v1 import service_pb2, tape_pb2, tensor_array_pb2, tensor_pb2
@@ -36,6 +41,8 @@ _METHODS = service_pb2.DESCRIPTOR.services_by_name["GradServe"].methods_by_name
 #: The ops whose flow output is their flow input (the others' is 0.0).
 _FLOW_THROUGH = frozenset({"TensorArrayWriteV3", "TensorArrayScatterV3", "TensorArraySplitV3"})
 _NAMED_OUTPUTS = (tensor_pb2.TensorOutput.DESCRIPTOR, tensor_array_pb2.TensorArrayHandle.DESCRIPTOR)
+#: Tensors one watch step names (each a few fields): within a request's field limit.
+WATCH_STEP_TENSORS = 8192
 
 
 def placeholders(
@@ -220,22 +227,32 @@ class Batch:
         """``tape.watch`` as a step: it takes effect where it stands among the batch's
         steps (ops before it that read the tensor pass it no gradient, as in
         TensorFlow, where a direct ``tape.watch`` takes effect before all of them), and
-        it may watch outputs of earlier steps. Its result in ``run()`` is None."""
+        it may watch outputs of earlier steps that are kept or held by a tape. Its
+        result in ``run()`` is None; ``WATCH_STEP_TENSORS`` tensors a step. As
+        ``tape.watch``, it records nothing while no tape records on this thread."""
         tape._require_id()
 
-        def step(tensors: list[Any], held: Callable[[], None]) -> None:
-            request, named = tape.watch_request(tensors)
-            index = len(self._steps)
-            self._name(named, index)
+        def steps(tensors: list[Any], held: Callable[[], None]) -> None:
             recorded = tape.recorded()
             # In the order op steps name them (as a gradient step): in their request.
             tapes = tuple(t.recorded() for t in self._client._recording.tapes)
             if recorded not in tapes:
                 tapes = (recorded, *tapes)
-            self._steps.append(("WatchTensors", request, lambda r: held(), tapes))
-            self._last_need[recorded.id] = index
+            # A step each ``WATCH_STEP_TENSORS``, within a request's field limit (one
+            # step of 40,000 was refused, the whole batch with it: a review helper).
+            for start in range(0, max(len(tensors), 1), WATCH_STEP_TENSORS):
+                part = tensors[start : start + WATCH_STEP_TENSORS]
+                request, named, outputs = tape.watch_request(part)
+                index = len(self._steps)
+                self._name(named, index)
+                for value, lives in outputs:
+                    self._outputs_named[value.tape_id] = (value, lives)
+                last = start + WATCH_STEP_TENSORS >= len(tensors)
+                parse = (lambda r: held()) if last else (lambda r: None)
+                self._steps.append(("WatchTensors", request, parse, tapes))
+                self._last_need[recorded.id] = index
 
-        tape.watch_each(tensor, step, step_outputs=True)
+        tape.watch_each(tensor, steps, step_outputs=True)
 
     def __len__(self) -> int:
         return len(self._steps)
@@ -519,8 +536,16 @@ def _rebase(
         named_only = isinstance(
             message, (tape_pb2.GradientsRequest, tape_pb2.WatchTensorsRequest)
         ) and field.name != ("output_gradients")
+        watching = isinstance(message, tape_pb2.WatchTensorsRequest)
         for item in [value] if isinstance(value, Message) else value:
             if isinstance(item, tensor_pb2.TensorInput) and item.WhichOneof("source") == "ref":
+                if item.ref in earlier.released and watching:
+                    raise FailedPreconditionError(
+                        f"'{field.name}' names an output whose tapes were all released "
+                        "before this watch ran (release(), or a non-persistent tape's "
+                        "gradient): the server holds it no more; watch it before, or "
+                        "directly with tape.watch, which adopts it"
+                    )
                 if item.ref in earlier.released and not named_only:
                     earlier.encode_released(item, room)
             elif isinstance(item, tensor_pb2.TensorInput) and item.HasField("step_output"):
@@ -538,6 +563,13 @@ def _rebase(
                     item.ref = out.tape_id  # held by the tape: differentiable onwards
                 elif out.WhichOneof("result") == "ref" and not out.ref.transient:
                     item.ref = out.ref.id
+                elif named_only:  # as the server says it of a value in the same request
+                    raise InvalidArgumentError(
+                        f"'{field.name}' must name a tensor of the session or tape (a ref, "
+                        "or in a Batch a step's output), not carry a value: a value sent "
+                        f"inline has no gradient (step {ref.step}'s '{ref.field}' went by "
+                        "value)"
+                    )
                 else:
                     earlier.encode(ref.step, ref.field, item, room)
             elif isinstance(item, tensor_array_pb2.TensorArrayHandle) and item.HasField(

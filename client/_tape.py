@@ -255,9 +255,11 @@ class GradientTape:
         """Watch resident tensors (``TensorRef``) or tape outputs (``TapedArray``), one or
         a nested structure of them: they become sources one can differentiate with
         respect to. An output whose tapes were released or dropped is held by this
-        tape from now on (``_adopt``), as TensorFlow watches any tensor. The watch
-        takes effect now, before the steps of a batch not yet run: to watch among a
-        batch's steps (or an output of one), ``batch.watch(tape, tensor)``."""
+        tape from now on (``_adopt``), as TensorFlow watches any tensor; the tape holds
+        what it watches. As in TensorFlow, nothing is watched while no tape records on
+        this thread (outside every tape's block, or inside ``stop_recording``). The
+        watch takes effect now, before the steps of a batch not yet run: to watch
+        among a batch's steps (or an output of one), ``batch.watch(tape, tensor)``."""
         self._require_id()
         self.watch_each(tensor, self._watch_now)
 
@@ -291,6 +293,11 @@ class GradientTape:
                 f"Passed in object {tensors[bad]} of type {type(tensors[bad]).__name__!r}, not "
                 f"tf.Tensor or tf.Variable or ExtensionType. (gradserve: {hint})"
             )
+        if not self._client._recording.tapes:
+            # TensorFlow 2.21 watches nothing while no tape records on the thread
+            # (outside every tape's block, or inside ``stop_recording``): the
+            # gradient is None (a review helper; it was watched here).
+            return
         for t in tensors:
             if isinstance(t, TapedArray) and t.tape_id is not None and not t.held:
                 self._adopt(t)
@@ -302,14 +309,23 @@ class GradientTape:
 
         send(tensors, held)
 
-    def watch_request(self, tensors: list[Any]) -> tuple[tape_pb2.WatchTensorsRequest, list[Any]]:
+    def watch_request(
+        self, tensors: list[Any]
+    ) -> tuple[tape_pb2.WatchTensorsRequest, list[Any], list[tuple[Any, tuple[Any, ...]]]]:
         """A batch's watch step: the ``WatchTensorsRequest`` naming ``tensors`` (by id,
-        or by step output), and the tapes whose outputs it names (held for the batch)."""
+        or by step output), the tapes whose outputs it names (held for the batch), and
+        those outputs with the recordings that hold them now (``Staging.outputs_named``:
+        the batch tells one they all released before it ran)."""
         msg = tape_pb2.WatchTensorsRequest(tape_id=self.id)
         for t in tensors:
             _name(t, msg.tensors.add(), "watch")
-        named = [tape for t in tensors if isinstance(t, TapedArray) for tape in t.live_tapes()]
-        return msg, named
+        outputs = [
+            (t, tuple(tape.life for tape in t.live_tapes()))
+            for t in tensors
+            if isinstance(t, TapedArray)
+        ]
+        named = [tape for t, _ in outputs for tape in t.live_tapes()]
+        return msg, named, outputs
 
     def _adopt(self, output: TapedArray) -> None:
         """Give ``output``, an output the server no longer holds (its tapes were

@@ -1216,12 +1216,20 @@ class Session:
             tape.watched_at.setdefault(tensor_id, len(tape.records))
 
     def watch(self, tape: Tape, tensor_ids: Iterable[str]) -> None:
-        """``tape.watch``: the tensors (which must exist) become differentiable sources."""
+        """``tape.watch``: the tensors (which must exist) become differentiable sources,
+        held by the tape from now on, as any tensor it recorded: a TensorFlow tape keeps
+        what it watches, and an output of another tape released after the watch was
+        NOT_FOUND to the ops that read it next (a review helper)."""
         with self._lock:
             self._check_tape_live(tape)
-            tensor_ids = list(tensor_ids)
-            for tensor_id in tensor_ids:
-                self._kept(tensor_id)
+            tensor_ids = list(dict.fromkeys(tensor_ids))
+            kept = [self._kept(tensor_id) for tensor_id in tensor_ids]
+            for tensor_id, tensor in zip(tensor_ids, kept):
+                if tensor_id not in tape.held:
+                    tensor.refs += 1
+                    tape.held[tensor_id] = tensor
+                    tape.holds[tensor_id] = 1
+                    self._entry_added(tensor_id)
             self._watch_locked(tape, tensor_ids)
 
     def publish(self, tensor_id: str) -> bool:

@@ -13,8 +13,9 @@ from gradserve.v1 import tape_pb2, tensor_pb2
 
 
 def _tensor_id(io: CallIO, msg: tensor_pb2.TensorInput, field: str) -> str:
-    """A target's or source's id: a tensor named by ref (or by an earlier step)."""
-    arg = io.tensor(msg, field)
+    """A target's, source's or watched tensor's id: a tensor named by ref (or by an
+    earlier step: held by a tape, or kept)."""
+    arg = io.named(msg, field)
     if not isinstance(arg, Resident):
         raise InvalidArgumentError(
             f"'{field}' must name a tensor of the session or tape (a ref, or in a Batch a "

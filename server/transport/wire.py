@@ -180,6 +180,11 @@ class CallIO:
         #: op argument, or a TensorArray handle id).
         self.step: int | None = None
         self.produced: dict[int, dict[str, TensorArg | str]] = {}
+        #: The ids under which steps kept outputs no tape holds (``produced`` has
+        #: their arrays, which later ops take as values), by (step, field): what a
+        #: later step that must name a tensor (a watch, a gradient's target or
+        #: source) names, as a later request does by the reply's ref.
+        self.kept_ids: dict[tuple[int, str], str] = {}
         #: What messages add to a step's index: the batch-wide index of the request's
         #: first step (``BatchRequest.first_step``).
         self.first_step = 0
@@ -252,6 +257,8 @@ class CallIO:
             self._undo(self._kept, self._arrays_of_op, self.cleared_by_op, self._spent_by_op)
             if self.step is not None:
                 self.produced.pop(self.step, None)
+                for key in [k for k in self.kept_ids if k[0] == self.step]:
+                    del self.kept_ids[key]
             raise
         finally:
             self._kept = []
@@ -667,6 +674,16 @@ class CallIO:
             return value
         return handle_id(msg, field)
 
+    def named(self, msg: tensor_pb2.TensorInput, field: str) -> TensorArg:
+        """``tensor``, but an earlier step's output that step kept is named by its id
+        (a tensor of the session), not taken as its value."""
+        if msg.WhichOneof("source") == "step_output":
+            ref = msg.step_output
+            kept = self.kept_ids.get((ref.step, ref.field))
+            if kept is not None and 0 <= ref.step < (self.step or 0):
+                return Resident(kept)
+        return self.tensor(msg, field)
+
     def produce(self, field: str, value: TensorArg | str) -> None:
         """In a Batch, remember the running step's output ``field`` for later steps."""
         if self.step is not None:
@@ -728,6 +745,8 @@ class CallIO:
             else:
                 ref.id = self._keep(array, place.nbytes)
             self._kept.append(ref.id)
+            if place.where is Where.KEPT and not tape_id and self.step is not None:
+                self.kept_ids[(self.step, field)] = ref.id
             ref.dtype = codec.dtype_to_enum(array.dtype)
             ref.shape[:] = array.shape
             ref.transient = place.where is Where.TRANSIENT

@@ -33,6 +33,7 @@ from gradserve.errors import (
 from gradserve.server import run_server
 from gradserve.server.core.sessions import TENSOR_RECORD_BYTES
 from gradserve.server.core.tape import MAX_TAPES_PER_SESSION, RECORD_BYTES
+from gradserve.v1 import tensor_pb2
 
 F32 = np.float32
 
@@ -686,6 +687,114 @@ def test_a_watch_step_watches_an_earlier_steps_output(client):
             batch.run()
     assert caught.value.step == 3
     assert len(caught.value.results) == 3  # the steps before it ran
+
+
+def test_watch_steps_of_many_tensors_and_of_outputs_kept_in_the_same_request(client):
+    """A watch of more tensors than one request's fields takes several steps (one of
+    40,000 was refused, and the whole batch with it); an output a step kept under no
+    tape is watched by its id in the same request too (it was refused as a value
+    there, and watched from a later request: a review helper)."""
+    x = client.put(np.array([1.0, 2.0], F32))
+    with client.gradient_tape(persistent=True, watch_accessed_variables=False) as tape:
+        batch = client.batch()
+        y = batch.raw_ops.StopGradient(x, keep=True)  # x unwatched: untaped, kept
+        batch.watch(tape, y)
+        batch.watch(tape, [x] * 20_000)
+        assert len(batch) == 5  # 8,192 a step
+        z = _batch_copy(batch, y)
+        results = batch.run()
+    assert isinstance(results[0], TensorRef) and results[1:5] == [None] * 4
+    np.testing.assert_array_equal(tape.gradient(results[7], results[0]), [1.0, 1.0])
+    assert tape.gradient(results[7], x) is None  # y was computed before x was watched
+    assert z is not None
+
+
+def test_a_watch_step_names_an_output_kept_by_an_untaped_step_of_its_request(client, server):
+    """The protocol: a request naming no tape, whose step keeps an output, then a
+    watch step on a tape started before: the output is watched by its id (it was
+    taken as its value, refused; from a later request the SDK names its id, watched:
+    a review helper). The SDK splits such steps; another client may not."""
+    from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_array_pb2
+
+    x = client.put(np.array([1.0, 2.0], F32))
+    tape = client.gradient_tape(persistent=True, watch_accessed_variables=False)
+    with tape:
+        tape.watch(x)  # started on the server
+    request = service_pb2.BatchRequest()
+    request.steps.add().stop_gradient.CopyFrom(
+        tensor_array_pb2.StopGradientRequest(
+            input=tensor_pb2.TensorInput(ref=x.id), keep_outputs=True
+        )
+    )
+    watch = request.steps.add().watch_tensors
+    watch.tape_id = tape.id
+    kept = watch.tensors.add().step_output
+    kept.step, kept.field = 0, "output"
+    stub = service_pb2_grpc.GradServeStub(client._channel)
+    metadata = ((gradserve.protocol.SESSION_METADATA_KEY, client.session_id),)
+    reply = stub.Batch(request, metadata=metadata)
+    assert not reply.HasField("failed_step"), reply.error.message
+    kept_id = reply.results[0].stop_gradient.output.ref.id
+    assert kept_id in session_of(server, client).tape(tape.id).watched_at
+
+
+def test_a_watch_step_refuses_what_it_cannot_watch_before_sending_it(client):
+    """Found by a review helper: an output that went by value, carried by an upload
+    in a later request, was watched silently (a temporary upload, deleted after the
+    batch); one whose tapes were all released before the watch ran was NOT_FOUND. Both
+    are refused at the watch step now, the steps before it run."""
+    x = client.put(np.arange(4096, dtype=F32))
+    batch = client.batch()
+    by_value = _batch_copy(batch, x)  # no tape: a value
+    saved, client.request_budget = client.request_budget, 2000  # it travels as an upload
+    try:
+        with client.gradient_tape(watch_accessed_variables=False) as tape:
+            batch.watch(tape, by_value)
+            with pytest.raises(InvalidArgumentError, match="went by value") as caught:
+                batch.run()
+    finally:
+        client.request_budget = saved
+    assert caught.value.step == 3 and len(caught.value.results) == 3
+
+    with client.gradient_tape(persistent=True) as first:
+        first.watch(x)
+        y = _copy(client, x)
+    with client.gradient_tape(persistent=True) as second:
+        batch = client.batch()
+        batch.watch(second, y)
+        first.release()
+        with pytest.raises(FailedPreconditionError, match="released before this watch"):
+            batch.run()
+        second.watch(y)  # directly, it is adopted: held by this tape alone
+        z = _copy(client, y)
+    np.testing.assert_array_equal(second.gradient(z, y), np.ones(4096, F32))
+
+
+def test_a_tape_holds_what_it_watches_and_watches_only_while_a_tape_records(client):
+    """A tape holds the tensors it watches: an output of another tape, watched and
+    then released by its own, was NOT_FOUND to the ops that read it next (a review
+    helper). And as in TensorFlow 2.21, a watch while no tape records on the thread
+    (after the block, inside ``stop_recording``) watches nothing: the gradient is
+    None there (it was watched)."""
+    x = client.put(np.array([1.0, 2.0], F32))
+    with client.gradient_tape(persistent=True) as first:
+        first.watch(x)
+        y = _copy(client, x)
+    with client.gradient_tape(persistent=True, watch_accessed_variables=False) as second:
+        second.watch(y)
+        first.release()
+        z = _copy(client, y)
+    np.testing.assert_array_equal(second.gradient(z, y), [1.0, 1.0])
+
+    with client.gradient_tape(persistent=True, watch_accessed_variables=False) as tape:
+        with tape.stop_recording():
+            tape.watch(x)
+        inside = _copy(client, x)
+    tape.watch(x)  # after the block
+    with tape:
+        after = _copy(client, x)
+    assert tape.gradient(inside, x) is None
+    assert tape.gradient(after, x) is None
 
 
 def test_a_loop_of_resets_in_one_batch_holds_only_what_it_needs(client, server):
