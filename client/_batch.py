@@ -233,6 +233,14 @@ class Batch:
         tape._require_id()
 
         def steps(tensors: list[Any], held: Callable[[], None]) -> None:
+            for t in tensors:
+                if isinstance(t, StepOutput) and self._released_before_run(t):
+                    raise FailedPreconditionError(
+                        f"batch.watch: step {t.step}'s '{t.field}' is held only by tapes "
+                        "that an earlier step's gradient releases (or that were released): "
+                        "when this watch runs the server holds it no more; keep it "
+                        "(keep=True), or watch it before that gradient step"
+                    )
             recorded = tape.recorded()
             # In the order op steps name them (as a gradient step): in their request.
             tapes = tuple(t.recorded() for t in self._client._recording.tapes)
@@ -253,6 +261,20 @@ class Batch:
                 self._last_need[recorded.id] = index
 
         tape.watch_each(tensor, steps, step_outputs=True)
+
+    def _released_before_run(self, output: StepOutput) -> bool:
+        """Whether every recording that holds step ``output.step``'s outputs is
+        released, or ends at a gradient step of this batch added since, and the step
+        does not keep them: a later step can name them no more (the server: NOT_FOUND).
+        A recording another batch's gradient step ends may still hold them when this
+        batch runs: not judged here."""
+        if not 0 <= output.step < len(self._steps):
+            return False  # (the server says what is wrong with it)
+        _, request, _, tapes = self._steps[output.step]
+        if getattr(request, "keep_outputs", False) or not tapes:
+            return False
+        ending = {id(r.life) for step, r in self._releases if step > output.step}
+        return all(r.life.released or id(r.life) in ending for r in tapes)
 
     def __len__(self) -> int:
         return len(self._steps)

@@ -36,7 +36,7 @@ class ServicerPart:
         the SDK streams: a reply's bytes are copied into gRPC holding Python's lock,
         and a client pulling 128 MiB replies held every other call of the server
         (another session's KeepAlive: p90 150-380 ms, 3 ms with the same bytes
-        streamed; ``make bench``, hostile section 8)."""
+        streamed; ``make bench``, bench_hostile section 8, replies)."""
         budget = self.max_message_bytes - protocol.MESSAGE_OVERHEAD_BYTES
         for limit in (client_budget, self.max_inline_reply_bytes):
             if limit is not None:

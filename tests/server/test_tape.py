@@ -769,6 +769,18 @@ def test_a_watch_step_refuses_what_it_cannot_watch_before_sending_it(client):
         z = _copy(client, y)
     np.testing.assert_array_equal(second.gradient(z, y), np.ones(4096, F32))
 
+    # An output of a step whose tape this batch's gradient step releases before the
+    # watch: refused as it is added (the run was NOT_FOUND at the watch step).
+    batch = client.batch()
+    with client.gradient_tape() as spent:
+        spent.watch(x)
+        y = _batch_copy(batch, x)
+    batch.gradient(spent, y, x)
+    with client.gradient_tape() as other:
+        with pytest.raises(FailedPreconditionError, match="keep=True"):
+            batch.watch(other, y)
+    assert len(batch.run()) == 4
+
 
 def test_a_tape_holds_what_it_watches_and_watches_only_while_a_tape_records(client):
     """A tape holds the tensors it watches: an output of another tape, watched and
