@@ -404,9 +404,18 @@ class GradientTape:
         )
         for t in targets:
             _name(t, msg.targets.add(), "target")
-        for s in source_list:
-            _name(s, msg.sources.add(), "source")
         temps = self._client._staging()
+        for s in source_list:
+            if isinstance(s, TapedArray) and s.tape_id is not None and not s.held:
+                # The output of recordings released or dropped (one before a reset
+                # among them): no tape here saw it, so TensorFlow gives it None (zeros
+                # with "zero"). Its value goes as a temporary tensor the server names
+                # a source of no record: it was a TypeError.
+                ref = self._client.put(np.asarray(s))
+                temps.append(ref.id)
+                msg.sources.add().ref = ref.id
+            else:
+                _name(s, msg.sources.add(), "source")
         if output_gradients is not None:
             for seed in _seeds(target, output_gradients):
                 entry = msg.output_gradients.add()  # left unset for None

@@ -598,6 +598,42 @@ def test_reset_forgets_the_recording_and_records_afresh(client, server):
         tape.reset()
 
 
+def test_a_source_from_before_a_reset_or_a_released_tape_gets_no_gradient(client):
+    """TensorFlow 2.21: ``y = x * 2; tape.reset(); ...; tape.gradient(z, y)`` is None
+    (zeros with ``unconnected_gradients="zero"``), and so for a source computed under
+    a tape released since: no tape here saw it. It was a TypeError (the server holds
+    it no more); its value now goes as a temporary tensor that no record names. A
+    target from before the reset stays an error (a target not recorded on the tape,
+    as the README lists)."""
+    x = client.put(np.array([1.0, 2.0], F32))
+    with client.gradient_tape(persistent=True) as tape:
+        tape.watch(x)
+        y = _copy(client, x)
+        tape.reset()
+        tape.watch(x)
+        z = _copy(client, x)
+    assert not y.held
+    gx, gy = tape.gradient(z, [x, y])
+    np.testing.assert_array_equal(gx, [1.0, 1.0])
+    assert gy is None
+    gy = tape.gradient(z, y, unconnected_gradients="zero")
+    np.testing.assert_array_equal(gy, [0.0, 0.0])
+    batch = client.batch()
+    batch.gradient(tape, z, [y, x])
+    assert batch.run()[0][0] is None
+    with pytest.raises(TypeError, match="released or dropped"):
+        tape.gradient(y, x)
+    with client.gradient_tape() as spent:
+        spent.watch(x)
+        a = _copy(client, x)
+    spent.gradient(a, x)  # released by its gradient
+    with client.gradient_tape() as fresh:
+        fresh.watch(x)
+        b = _copy(client, x)
+    assert fresh.gradient(b, [x, a]) == [pytest.approx([1.0, 1.0]), None]
+    tape.release()
+
+
 def _batch_copy(batch, value):
     h, flow = batch.raw_ops.TensorArrayV3(size=1, dtype=F32)
     flow = batch.raw_ops.TensorArrayWriteV3(h, 0, value, flow)
