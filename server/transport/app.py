@@ -313,6 +313,10 @@ def start(config: ServerConfig) -> Server:
         calls_per_principal = config.rpcs_per_principal()
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if config.max_inline_reply_bytes is not None and config.max_inline_reply_bytes < 0:
+        raise ConfigError(
+            f"--max-inline-reply-bytes {config.max_inline_reply_bytes}: at least 0 (or none)"
+        )
     device = select_device(config.device)
     trimmer = Trimmer()
     try:

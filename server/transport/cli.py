@@ -97,7 +97,7 @@ SERVE_FLAGS = [
     ("max_message_bytes", int, "ceiling of one unary message, each direction"),
     (
         "max_inline_reply_bytes",
-        _optional(int),
+        _optional(int, none="the message limit alone"),
         "tensor bytes one reply carries inline; larger outputs go as transient tensors, "
         "streamed (a large reply holds the server's other calls while it is copied)",
     ),

@@ -147,16 +147,18 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         return session
 
     def _io(self, context: Any) -> CallIO:
-        """The call's inputs and outputs: the whole response carries at most
-        ``reply_budget`` bytes of inline tensors (``--max-message-bytes``, less room
-        for its other fields; ``--max-inline-reply-bytes``; the client's channel)."""
+        """The call's inputs and outputs: the whole response grows by at most
+        ``response_budget`` (``--max-message-bytes``, less room for its other fields;
+        the client's channel), of which inline tensors at most ``reply_budget``
+        (``--max-inline-reply-bytes``)."""
         metadata = _metadata(context)
         client_budget = _int_metadata(metadata, protocol.RESPONSE_BUDGET_METADATA_KEY)
         session = self._session(context, metadata)
         io = CallIO(
             session,
             self.compute,
-            inline_budget=self.reply_budget(client_budget),
+            inline_budget=self.response_budget(client_budget),
+            inline_tensor_budget=self.reply_budget(client_budget),
             inline_limit=_int_metadata(metadata, protocol.INLINE_LIMIT_METADATA_KEY),
             check_alive=Liveness(context, session),
             tapes=_tapes(session, metadata),

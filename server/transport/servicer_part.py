@@ -29,18 +29,24 @@ class ServicerPart:
     def _session(self, context: Any) -> Session:  # pragma: no cover - the servicer's
         raise NotImplementedError
 
+    def response_budget(self, client_budget: int | None) -> int:
+        """The bytes one reply may grow by: what the message limit leaves, within the
+        client's ``x-gradserve-response-budget``."""
+        budget = self.max_message_bytes - protocol.MESSAGE_OVERHEAD_BYTES
+        if client_budget is not None:
+            budget = min(budget, client_budget)
+        return max(0, budget)
+
     def reply_budget(self, client_budget: int | None) -> int:
-        """The tensor bytes one reply may carry inline: what the message limit leaves,
-        within the client's ``x-gradserve-response-budget`` and the server's
-        ``--max-inline-reply-bytes``. Outputs beyond go as transient tensors, which
-        the SDK streams: a reply's bytes are copied into gRPC holding Python's lock,
-        and a client pulling 128 MiB replies held every other call of the server
+        """The tensor bytes one reply may carry inline: ``response_budget`` within the
+        server's ``--max-inline-reply-bytes``. Outputs beyond go as transient tensors,
+        which the SDK streams: a reply's bytes are copied into gRPC holding Python's
+        lock, and a client pulling 128 MiB replies held every other call of the server
         (another session's KeepAlive: p90 150-380 ms, 3 ms with the same bytes
         streamed; ``make bench``, bench_hostile section 8, replies)."""
-        budget = self.max_message_bytes - protocol.MESSAGE_OVERHEAD_BYTES
-        for limit in (client_budget, self.max_inline_reply_bytes):
-            if limit is not None:
-                budget = min(budget, limit)
+        budget = self.response_budget(client_budget)
+        if self.max_inline_reply_bytes is not None:
+            budget = min(budget, self.max_inline_reply_bytes)
         return max(0, budget)
 
 

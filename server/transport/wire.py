@@ -137,6 +137,7 @@ class CallIO:
         *,
         inline_budget: int,
         inline_limit: int | None = None,
+        inline_tensor_budget: int | None = None,
         check_alive: Callable[[], None] = _never_stop,
         tapes: list[Tape] | None = None,
     ) -> None:
@@ -144,6 +145,12 @@ class CallIO:
         self.compute = compute
         self.response_left = inline_budget
         self.inline_limit = inline_budget if inline_limit is None else inline_limit
+        #: The tensor bytes the response may still carry inline (the server's
+        #: ``--max-inline-reply-bytes``), apart from ``response_left``, which also
+        #: counts refs and ids and says when a Batch's response is full: a cap on
+        #: tensors must not end a Batch of refs after a step (a review helper: a cap
+        #: of 0 ran a batch of 3,000 kept outputs as 3,000 calls).
+        self.inline_left = _UNLIMITED if inline_tensor_budget is None else inline_tensor_budget
         self.check_alive = check_alive
         self._kept: list[str] = []  # ids stored by the op running now
         self._arrays_of_op: list[str] = []  # TensorArrays the op running now made
@@ -454,10 +461,10 @@ class CallIO:
         after it are paid for as ``emit`` would place them then; what goes unused is
         given back when the op ends. Any other op that fits the session is never
         refused for it: a failed region then fails it cleanly, undone."""
-        staying, left = [], self.response_left
+        staying, left, inline = [], self.response_left, self.inline_left
         offset = self.shared_out.offset if self.shared_out is not None else 0
         for a, keep in zip(outputs, keeps):
-            place = self._placement(a, keep, left, offset)
+            place = self._placement(a, keep, left, offset, inline)
             if place.region_end is not None:  # the region's, unless it fails
                 offset = place.region_end
                 if not irreversible:
@@ -472,6 +479,8 @@ class CallIO:
                 left -= REF_BYTES
                 continue
             left -= place.response_bytes
+            if place.where is Where.INLINE:
+                inline -= place.response_bytes
             if place.stays:
                 staying.append((a, *self.session.keeping_charges(a, place.nbytes)))
         return staying
@@ -499,13 +508,21 @@ class CallIO:
                 return
         self.session.let_go_ids(tensor_ids)
 
-    def _placement(self, array: Any, keep: bool, response_left: int, offset: int) -> Placement:
+    def _placement(
+        self,
+        array: Any,
+        keep: bool,
+        response_left: int,
+        offset: int,
+        inline_left: int | None = None,
+    ) -> Placement:
         """Where ``emit`` puts output ``array`` (the one definition, so that what an op
         pays for ahead, ``_staying``, is what ``emit`` then keeps): not kept, into the
         call's output region from ``offset`` if it fits there; else inline if it fits
-        the ``response_left`` bytes the response may still grow by and is under the
-        inline limit (``_inline_limit``); else by reference (kept, or transient:
-        fetched, then deleted)."""
+        the ``response_left`` bytes the response may still grow by and the
+        ``inline_left`` tensor bytes (default ``self.inline_left``), and is under the
+        inline limit (``_inline_limit``; without limits, as it, once the region
+        failed); else by reference (kept, or transient: fetched, then deleted)."""
         if not keep and self.shared_out is not None:
             end = self.shared_out.end_of(array, offset)
             if end is not None:
@@ -514,7 +531,13 @@ class CallIO:
         size = protocol.encoded_size(nbytes, array.ndim)
         if keep:
             return Placement(Where.KEPT, REF_BYTES, nbytes)
-        if nbytes >= self._inline_limit() or size > response_left - REF_BYTES:
+        limit = self._inline_limit()
+        tensors_left = self.inline_left if inline_left is None else inline_left
+        if (
+            nbytes >= limit
+            or size > response_left - REF_BYTES
+            or (limit != _UNLIMITED and size > tensors_left)  # (unless the region failed)
+        ):
             return Placement(Where.TRANSIENT, REF_BYTES, nbytes)
         return Placement(Where.INLINE, size, nbytes)
 
@@ -738,6 +761,8 @@ class CallIO:
             # The region failed (the worker shrank or removed it): placed without it.
             place = self._placement(array, keep, self.response_left, offset)
         self.response_left -= place.response_bytes
+        if place.where is Where.INLINE:
+            self.inline_left -= place.response_bytes
         if place.where is not Where.INLINE:
             ref = out.ref
             if tape_id and self.session.publish(tape_id):

@@ -493,3 +493,29 @@ def test_a_reply_carries_no_more_inline_than_the_servers_inline_reply_bytes(cap)
                     stub.GetTensorInline(get, metadata=metadata)
                 assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 assert "USE_GET_TENSOR" in str(refused.value.trailing_metadata())
+
+
+def test_the_inline_cap_counts_tensors_only_and_never_splits_a_batch_of_refs(monkeypatch):
+    """``--max-inline-reply-bytes`` limits the tensors inline, not the refs and ids of a
+    reply: it lowered the whole response's budget, so a Batch of kept outputs was
+    RESPONSE_FULL after each step below 4 KiB (a review helper: a cap of 0 ran 3,000
+    steps as 3,000 calls, 35 s). Under a cap of 0 every output comes by reference, and
+    the batch is one call."""
+    from gradserve.server import run_server
+
+    with run_server(device="cpu", max_inline_reply_bytes=0) as server:
+        with gradserve.Client(f"127.0.0.1:{server.port}", shared_memory=False) as client:
+            calls = []
+            call = client._call
+            monkeypatch.setattr(
+                client, "_call", lambda rpc, *a, **k: calls.append(rpc) or call(rpc, *a, **k)
+            )
+            batch = client.batch()
+            for n in range(300):
+                batch.raw_ops.StopGradient(np.full(2, n, np.float32), keep=True)
+            batch.raw_ops.StopGradient(np.arange(3, dtype=np.float32))  # by reference too
+            results = batch.run()
+            assert calls.count("Batch") == 1
+            assert all(isinstance(r, gradserve.client.TensorRef) for r in results[:300])
+            assert same(results[300], np.arange(3, dtype=np.float32))
+            assert same(results[299].numpy(), np.full(2, 299, np.float32))
