@@ -1225,11 +1225,15 @@ class Session:
             tensor_ids = list(dict.fromkeys(tensor_ids))
             kept = [self._kept(tensor_id) for tensor_id in tensor_ids]
             for tensor_id, tensor in zip(tensor_ids, kept):
-                if tensor_id not in tape.held:
-                    tensor.refs += 1
-                    tape.held[tensor_id] = tensor
-                    tape.holds[tensor_id] = 1
-                    self._entry_added(tensor_id)
+                if tensor_id in tape.held:
+                    # A hold of its own: a running op's hold, released if that op
+                    # fails (``release_held``), must not take the watch's with it.
+                    tape.holds[tensor_id] += 1
+                    continue
+                tensor.refs += 1
+                tape.held[tensor_id] = tensor
+                tape.holds[tensor_id] = 1
+                self._entry_added(tensor_id)
             self._watch_locked(tape, tensor_ids)
 
     def publish(self, tensor_id: str) -> bool:

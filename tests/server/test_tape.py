@@ -2139,6 +2139,26 @@ def test_a_failed_op_takes_off_a_tape_only_the_holds_it_took(server):
         server.store.close(session.id)
 
 
+def test_a_watch_holds_on_its_own_beside_a_running_ops_hold(server):
+    """A watch of a tensor a running op holds for the tape takes a hold of its own:
+    the op's failure took the tensor off the tape with the op's hold, and the watched
+    tensor, deleted by its client, was gone from the tape (a review helper)."""
+    session = server.store.create()
+    try:
+        x = session.put(np.array([1.0, 2.0], F32))
+        tape = session.start_tape(persistent=True, watch_accessed_variables=False)
+        assert session.hold_for_tape(tape, x)  # an op, running
+        session.watch(tape, [x])
+        session.release_held([(tape, x)])  # the op failed
+        session.delete([x])  # the client's
+        assert x in tape.held and x in tape.watched_at
+        np.testing.assert_array_equal(session.get(x), [1.0, 2.0])
+        session.release_tape(tape.id)
+        assert session.budget.used == session.record_bytes()
+    finally:
+        server.store.close(session.id)
+
+
 @pytest.mark.parametrize("watch", ["after", "before", "between", "after, on a flow"])
 def test_a_watch_passes_gradients_only_from_ops_recorded_after_it(client, watch):
     """TensorFlow records an op only if one of its inputs is on the tape when it runs,
