@@ -271,10 +271,20 @@ class Batch:
         if not 0 <= output.step < len(self._steps):
             return False  # (the server says what is wrong with it)
         _, request, _, tapes = self._steps[output.step]
-        if getattr(request, "keep_outputs", False) or not tapes:
+        if getattr(request, "keep_outputs", False):
             return False
-        ending = {id(r.life) for step, r in self._releases if step > output.step}
-        return all(r.life.released or id(r.life) in ending for r in tapes)
+        # A gradient step's outputs are recorded on the other tapes only, not on the
+        # recording it asks (a review helper: accepted, then NOT_FOUND at the run).
+        asked = {id(r) for step, r in self._releases if step == output.step}
+        holders = [r for r in tapes if id(r) not in asked]
+        if not holders:
+            return False  # (no tape holds it: it goes by value, refused as that)
+        # Only a non-persistent recording ends at its gradient step (a persistent
+        # tape's output was refused: a review helper).
+        ending = {
+            id(r.life) for step, r in self._releases if step > output.step and not r.tape.persistent
+        }
+        return all(r.life.released or id(r.life) in ending for r in holders)
 
     def __len__(self) -> int:
         return len(self._steps)

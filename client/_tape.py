@@ -404,23 +404,33 @@ class GradientTape:
         )
         for t in targets:
             _name(t, msg.targets.add(), "target")
-        temps = self._client._staging()
-        for s in source_list:
-            if isinstance(s, TapedArray) and s.tape_id is not None and not s.held:
-                # The output of recordings released or dropped (one before a reset
-                # among them): no tape here saw it, so TensorFlow gives it None (zeros
-                # with "zero"). Its value goes as a temporary tensor the server names
-                # a source of no record: it was a TypeError.
-                ref = self._client.put(np.asarray(s))
-                temps.append(ref.id)
-                msg.sources.add().ref = ref.id
+        released = [
+            isinstance(s, TapedArray) and s.tape_id is not None and not s.held for s in source_list
+        ]
+        for s, gone in zip(source_list, released):
+            if not gone:
+                _name(s, msg.sources.add(), "source")  # (raises before any upload)
             else:
-                _name(s, msg.sources.add(), "source")
-        if output_gradients is not None:
-            for seed in _seeds(target, output_gradients):
-                entry = msg.output_gradients.add()  # left unset for None
-                if seed is not None:
-                    self._client.encode_input(seed, entry, temps)
+                msg.sources.add()
+        temps = self._client._staging()
+        try:
+            for n, (s, gone) in enumerate(zip(source_list, released)):
+                if gone:
+                    # The output of recordings released or dropped (one before a reset
+                    # among them): no tape here saw it, so TensorFlow gives it None
+                    # (zeros with "zero"). Its value goes as a temporary tensor the
+                    # server names a source of no record: it was a TypeError.
+                    ref = self._client.put(np.asarray(s))
+                    temps.append(ref.id)
+                    msg.sources[n].ref = ref.id
+            if output_gradients is not None:
+                for seed in _seeds(target, output_gradients):
+                    entry = msg.output_gradients.add()  # left unset for None
+                    if seed is not None:
+                        self._client.encode_input(seed, entry, temps)
+        except BaseException as e:  # what was uploaded goes (a review helper: it stayed)
+            self._client._clean_up(list(temps), failure=e)
+            raise
         named = [
             t for v in (*targets, *source_list) if isinstance(v, TapedArray) for t in v.live_tapes()
         ]

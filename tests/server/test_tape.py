@@ -598,7 +598,7 @@ def test_reset_forgets_the_recording_and_records_afresh(client, server):
         tape.reset()
 
 
-def test_a_source_from_before_a_reset_or_a_released_tape_gets_no_gradient(client):
+def test_a_source_from_before_a_reset_or_a_released_tape_gets_no_gradient(client, server):
     """TensorFlow 2.21: ``y = x * 2; tape.reset(); ...; tape.gradient(z, y)`` is None
     (zeros with ``unconnected_gradients="zero"``), and so for a source computed under
     a tape released since: no tape here saw it. It was a TypeError (the server holds
@@ -623,6 +623,10 @@ def test_a_source_from_before_a_reset_or_a_released_tape_gets_no_gradient(client
     assert batch.run()[0][0] is None
     with pytest.raises(TypeError, match="released or dropped"):
         tape.gradient(y, x)
+    resident = len(session_of(server, client)._resident)
+    with pytest.raises(TypeError, match="expected a tensor"):  # a view has no tape id
+        tape.gradient(z, [y, y[:1]])
+    assert len(session_of(server, client)._resident) == resident  # nothing uploaded left
     with client.gradient_tape() as spent:
         spent.watch(x)
         a = _copy(client, x)
@@ -816,6 +820,30 @@ def test_a_watch_step_refuses_what_it_cannot_watch_before_sending_it(client):
         with pytest.raises(FailedPreconditionError, match="keep=True"):
             batch.watch(other, y)
     assert len(batch.run()) == 4
+
+    # A persistent tape's gradient step ends nothing (it was refused), and a gradient
+    # step's own outputs are held by the other tapes only (accepted: NOT_FOUND).
+    batch = client.batch()
+    with client.gradient_tape(persistent=True) as kept_on:
+        kept_on.watch(x)
+        y = _batch_copy(batch, x)
+    batch.gradient(kept_on, y, x)
+    with client.gradient_tape(persistent=True, watch_accessed_variables=False) as other:
+        batch.watch(other, y)
+        z = _batch_copy(batch, y)
+    results = batch.run()
+    np.testing.assert_array_equal(other.gradient(results[-1], results[2]), np.ones(4096, F32))
+    assert z is not None
+    with client.gradient_tape() as outer:
+        batch = client.batch()
+        with client.gradient_tape() as inner:
+            inner.watch(x)
+            y = _batch_copy(batch, x)
+        (g,) = batch.gradient(inner, y, x)  # recorded on outer
+    batch.gradient(outer, g, x)  # ends outer, the only holder of g
+    with client.gradient_tape() as other:
+        with pytest.raises(FailedPreconditionError, match="keep=True"):
+            batch.watch(other, g)
 
 
 def test_a_tape_holds_what_it_watches_and_watches_only_while_a_tape_records(client):
