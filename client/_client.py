@@ -225,6 +225,9 @@ class Client:
         #: channel's and the server's limits, learnt from KeepAlive).
         self.max_message_bytes = max_message_bytes
         self.inline_budget = max(0, max_message_bytes - protocol.MESSAGE_OVERHEAD_BYTES)
+        #: The server's ``--max-inline-reply-bytes`` (``KeepAlive``): a get of more is
+        #: streamed without asking for it inline first (a refused call each).
+        self._server_inline_reply = self.inline_budget
         #: The largest request both ends take (the server's limit comes with KeepAlive).
         self.request_limit = max_message_bytes
         self.request_budget = self.inline_budget
@@ -363,10 +366,13 @@ class Client:
         """Refresh the session's idle timer; returns the server's idle timeout (s).
 
         The reply also names the server's message limit: requests (and streamed
-        chunks) are budgeted against the smaller of it and this channel's."""
+        chunks) are budgeted against the smaller of it and this channel's; and its
+        inline reply limit, past which a get streams at once."""
         md = (*self._auth, (protocol.SESSION_METADATA_KEY, self.session_id))
         reply = self._call("KeepAlive", service_pb2.KeepAliveRequest(), metadata=md)
         self._server_deletes_fetched = reply.deletes_fetched
+        if reply.HasField("max_inline_reply_bytes"):  # (an older server: none said)
+            self._server_inline_reply = reply.max_inline_reply_bytes
         if reply.max_message_bytes:
             self.request_limit = min(self.max_message_bytes, reply.max_message_bytes)
             self.request_budget = max(0, self.request_limit - protocol.MESSAGE_OVERHEAD_BYTES)
@@ -714,7 +720,8 @@ class Client:
             and isinstance(ref, TensorRef)
             and ref.dtype != dtypes.STRING
             and ref.nbytes < self.stream_threshold
-            and protocol.encoded_size(ref.nbytes, len(ref.shape)) <= self.inline_budget
+            and protocol.encoded_size(ref.nbytes, len(ref.shape))
+            <= min(self.inline_budget, self._server_inline_reply)
         ):  # one unary call: cheaper than a stream
             request = service_pb2.GetTensorRequest(id=ref.id)
             try:

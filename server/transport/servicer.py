@@ -210,6 +210,7 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
             idle_timeout_seconds=self.store.idle_timeout,
             max_message_bytes=self.max_message_bytes,
             deletes_fetched=True,
+            max_inline_reply_bytes=self.max_inline_reply_bytes,
         )
 
     # ---------------------------------------------------------------- resident tensors

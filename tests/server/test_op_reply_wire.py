@@ -519,3 +519,27 @@ def test_the_inline_cap_counts_tensors_only_and_never_splits_a_batch_of_refs(mon
             assert all(isinstance(r, gradserve.client.TensorRef) for r in results[:300])
             assert same(results[300], np.arange(3, dtype=np.float32))
             assert same(results[299].numpy(), np.full(2, 299, np.float32))
+
+
+def test_a_get_past_the_servers_inline_cap_streams_without_asking_inline(monkeypatch):
+    """KeepAlive names the server's ``--max-inline-reply-bytes``: an SDK whose own
+    inline limit is larger streams a get past the cap at once, instead of a
+    GetTensorInline refused USE_GET_TENSOR first (a review helper)."""
+    from gradserve.server import run_server
+
+    value = np.arange(3 << 20, dtype=np.float32)  # 12 MiB
+    with run_server(device="cpu", max_inline_reply_bytes=8 << 20) as server:
+        with gradserve.Client(
+            f"127.0.0.1:{server.port}", shared_memory=False, stream_threshold=64 << 20
+        ) as client:
+            ref = client.put(value)
+            calls = []
+            call = client._call
+            monkeypatch.setattr(
+                client, "_call", lambda rpc, *a, **k: calls.append(rpc) or call(rpc, *a, **k)
+            )
+            assert same(client.get(ref), value)
+            assert "GetTensorInline" not in calls
+            small = client.put(value[:1000])
+            assert same(client.get(small), value[:1000])
+            assert calls.count("GetTensorInline") == 1  # under the cap: inline

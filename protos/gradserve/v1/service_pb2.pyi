@@ -36,14 +36,16 @@ class KeepAliveRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KeepAliveResponse(_message.Message):
-    __slots__ = ("idle_timeout_seconds", "max_message_bytes", "deletes_fetched")
+    __slots__ = ("idle_timeout_seconds", "max_message_bytes", "deletes_fetched", "max_inline_reply_bytes")
     IDLE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DELETES_FETCHED_FIELD_NUMBER: _ClassVar[int]
+    MAX_INLINE_REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
     idle_timeout_seconds: float
     max_message_bytes: int
     deletes_fetched: bool
-    def __init__(self, idle_timeout_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., deletes_fetched: _Optional[bool] = ...) -> None: ...
+    max_inline_reply_bytes: int
+    def __init__(self, idle_timeout_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., deletes_fetched: _Optional[bool] = ..., max_inline_reply_bytes: _Optional[int] = ...) -> None: ...
 
 class GetTensorRequest(_message.Message):
     __slots__ = ("id", "chunk_bytes", "delete_after")
