@@ -492,9 +492,14 @@ class CallIO:
         state (a read that cleared its element, Gradients on a tape it released) must
         not be refused now for want of room to keep them: each goes inline if the
         response has room for it at all."""
-        if self.shared_out is not None and self.shared_out.broken:
+        if self._region_failed():
             return _UNLIMITED
         return self.inline_limit
+
+    def _region_failed(self) -> bool:
+        """The call's output region failed: its outputs go inline where the response
+        has room at all, whatever the inline limits (``_inline_limit``)."""
+        return self.shared_out is not None and self.shared_out.broken
 
     def paid_for(self, value: Any, charge: int) -> None:
         self._paid_outputs.add(value, charge)
@@ -531,12 +536,11 @@ class CallIO:
         size = protocol.encoded_size(nbytes, array.ndim)
         if keep:
             return Placement(Where.KEPT, REF_BYTES, nbytes)
-        limit = self._inline_limit()
         tensors_left = self.inline_left if inline_left is None else inline_left
         if (
-            nbytes >= limit
+            nbytes >= self._inline_limit()
             or size > response_left - REF_BYTES
-            or (limit != _UNLIMITED and size > tensors_left)  # (unless the region failed)
+            or (size > tensors_left and not self._region_failed())
         ):
             return Placement(Where.TRANSIENT, REF_BYTES, nbytes)
         return Placement(Where.INLINE, size, nbytes)

@@ -543,3 +543,31 @@ def test_a_get_past_the_servers_inline_cap_streams_without_asking_inline(monkeyp
             small = client.put(value[:1000])
             assert same(client.get(small), value[:1000])
             assert calls.count("GetTensorInline") == 1  # under the cap: inline
+
+
+def test_no_inline_limit_a_client_names_lifts_the_servers_cap():
+    """The cap held unless the client's ``x-gradserve-inline-limit`` equalled the
+    value standing for a failed output region (2**62): then the cap was lifted."""
+    import grpc
+
+    from gradserve.server import run_server
+    from gradserve.v1 import service_pb2_grpc, tensor_array_pb2
+
+    value = np.arange(1 << 20, dtype=np.float32)  # 4 MiB
+    with run_server(device="cpu", max_inline_reply_bytes=1 << 20) as server:
+        target = f"127.0.0.1:{server.port}"
+        with gradserve.Client(target, shared_memory=False) as c:
+            ref = c.put(value)
+            with grpc.insecure_channel(target) as channel:
+                stub = service_pb2_grpc.GradServeStub(channel)
+                for limit in (str(1 << 62), str(1 << 30)):
+                    metadata = (
+                        (gradserve.protocol.SESSION_METADATA_KEY, c.session_id),
+                        (gradserve.protocol.INLINE_LIMIT_METADATA_KEY, limit),
+                    )
+                    request = tensor_array_pb2.StopGradientRequest(
+                        input=tensor_pb2.TensorInput(ref=ref.id)
+                    )
+                    out = stub.StopGradient(request, metadata=metadata).output
+                    assert out.WhichOneof("result") == "ref" and out.ref.transient, limit
+                    c.delete(out.ref.id)
