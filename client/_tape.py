@@ -340,6 +340,14 @@ class GradientTape:
             held = self._client.raw_ops.StopGradient(input=np.asarray(output))
         finally:
             recording.tapes = others
+        if getattr(held, "tape_id", None) is None:
+            # This tape was released meanwhile (another thread), and the op ran
+            # unrecorded: TensorFlow's watch of a released tape is an error too (a
+            # review helper: AttributeError on the plain array).
+            raise TapeReleasedError(
+                "this gradient tape was released while it watched the tensor (by another "
+                "thread): nothing was watched"
+            )
         output.tape_id, output._tapes = held.tape_id, held._tapes
 
     # ---------------------------------------------------------------- gradients

@@ -40,7 +40,7 @@ from gradserve.server.core.budget import MemoryBudget
 from gradserve.server.core.grad_registry import GradRegistry
 from gradserve.server.core.regions import RegionTable
 from gradserve.server.core.snapshot_gate import SnapshotGate
-from gradserve.server.core.tape import MAX_TAPES_PER_SESSION, Tape
+from gradserve.server.core.tape import MAX_TAPES_PER_SESSION, RECORD_BYTES, Tape
 from gradserve.server.core.tensor_array import (
     TensorArray,
     TensorArrayState,
@@ -1219,11 +1219,20 @@ class Session:
         """``tape.watch``: the tensors (which must exist) become differentiable sources,
         held by the tape from now on, as any tensor it recorded: a TensorFlow tape keeps
         what it watches, and an output of another tape released after the watch was
-        NOT_FOUND to the ops that read it next (a review helper)."""
+        NOT_FOUND to the ops that read it next (a review helper). Each tensor new to
+        the tape is charged a record (``RECORD_BYTES``) until the tape goes: 64 tapes
+        watching 4,094 ids took 39 MB of a 4 MiB session's server uncharged (a review
+        helper)."""
         with self._lock:
             self._check_tape_live(tape)
             tensor_ids = list(dict.fromkeys(tensor_ids))
             kept = [self._kept(tensor_id) for tensor_id in tensor_ids]
+            cost = RECORD_BYTES * sum(
+                1 for t in tensor_ids if t not in tape.held and t not in tape.watched_at
+            )
+            if cost:
+                self.budget.reserve(cost)  # refused: nothing changed
+                tape.record_bytes += cost
             for tensor_id, tensor in zip(tensor_ids, kept):
                 if tensor_id in tape.held:
                     # A hold of its own: a running op's hold, released if that op

@@ -313,10 +313,9 @@ def start(config: ServerConfig) -> Server:
         calls_per_principal = config.rpcs_per_principal()
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if config.max_inline_reply_bytes is not None and config.max_inline_reply_bytes < 0:
-        raise ConfigError(
-            f"--max-inline-reply-bytes {config.max_inline_reply_bytes}: at least 0 (or none)"
-        )
+    cap = config.max_inline_reply_bytes
+    if cap is not None and not 0 <= cap < 1 << 63:  # (KeepAlive says it as an int64)
+        raise ConfigError(f"--max-inline-reply-bytes {cap}: from 0 to 2**63-1 (or none)")
     device = select_device(config.device)
     trimmer = Trimmer()
     try:

@@ -571,3 +571,15 @@ def test_no_inline_limit_a_client_names_lifts_the_servers_cap():
                     out = stub.StopGradient(request, metadata=metadata).output
                     assert out.WhichOneof("result") == "ref" and out.ref.transient, limit
                     c.delete(out.ref.id)
+
+
+@pytest.mark.parametrize("cap", [-1, 1 << 63])
+def test_an_inline_cap_out_of_range_is_refused_at_start(cap):
+    """KeepAlive says the cap as an int64: a cap of 2**63 started, and every KeepAlive
+    then failed INTERNAL, so no SDK client could connect (a review helper)."""
+    from gradserve.server import run_server
+    from gradserve.server.transport.app import ConfigError
+
+    with pytest.raises(ConfigError, match="max-inline-reply-bytes"):
+        with run_server(device="cpu", max_inline_reply_bytes=cap):
+            pass
