@@ -16,7 +16,7 @@ import contextlib
 import secrets
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -263,7 +263,7 @@ class GradientTape:
         self._require_id()
         self.watch_each(tensor, self._watch_now)
 
-    def _watch_now(self, tensors: list[Any], held: Any) -> None:
+    def _watch_now(self, tensors: list[Any], held: Callable[[], None]) -> None:
         ids = [_tensor_id(t, "watch") for t in tensors]
         part = protocol.MAX_REQUEST_FIELDS - 1  # ids a request may hold beside the tape's
         for start in range(0, max(len(ids), 1), part):
@@ -271,7 +271,13 @@ class GradientTape:
             self._client._call("WatchTensors", request, tapes=[self])
         held()
 
-    def watch_each(self, tensor: Any, send: Any, *, step_outputs: bool = False) -> None:
+    def watch_each(
+        self,
+        tensor: Any,
+        send: Callable[[list[Any], Callable[[], None]], None],
+        *,
+        step_outputs: bool = False,
+    ) -> None:
         """``tensor`` flattened, checked and ``send(tensors, held)``: by ``watch`` now, or
         by a batch's watch step (``step_outputs``: a batch step's outputs may be watched
         there). ``held()``, called once the server watches them, notes that this tape
