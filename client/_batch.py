@@ -15,6 +15,7 @@ steps.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -43,10 +44,15 @@ _FLOW_THROUGH = frozenset({"TensorArrayWriteV3", "TensorArrayScatterV3", "Tensor
 _NAMED_OUTPUTS = (tensor_pb2.TensorOutput.DESCRIPTOR, tensor_array_pb2.TensorArrayHandle.DESCRIPTOR)
 #: Tensors one watch step names (each a few fields): within a request's field limit.
 WATCH_STEP_TENSORS = 8192
+_BATCH_IDS = itertools.count(1)
 
 
 def placeholders(
-    rpc: str, step: int, dtype: np.dtype | None = None, request: Message | None = None
+    rpc: str,
+    step: int,
+    dtype: np.dtype | None = None,
+    request: Message | None = None,
+    batch: int | None = None,
 ) -> Any:
     """What recording ``rpc`` as step ``step`` returns: its outputs as ``StepOutput``s
     in the order the typed call returns them (one output: the output itself).
@@ -56,7 +62,8 @@ def placeholders(
     fields = _METHODS[rpc].output_type.fields
     flow = np.float32(getattr(request, "flow_in", 0.0) if rpc in _FLOW_THROUGH else 0.0)
     outs = [
-        StepOutput(step, f.name, _output_dtype(f, dtype)) if f.message_type in _NAMED_OUTPUTS
+        StepOutput(step, f.name, _output_dtype(f, dtype), batch)
+        if f.message_type in _NAMED_OUTPUTS
         else flow
         for f in fields
     ]  # fmt: skip
@@ -136,15 +143,33 @@ class Batch:
         #: released by it, once it ran).
         self._releases: list[tuple[int, Any]] = []
         self.raw_ops = RawOps(client, _recorder(self), client._staging)
+        #: What this batch's placeholders carry (``StepOutput.batch``).
+        self._id = next(_BATCH_IDS)
 
     def _record(self, rpc: str, request: Message, parse, temps: Staging) -> Any:
+        try:
+            self._check_own(temps.placeholders)
+        except BaseException as e:
+            self._client._clean_up(list(temps), failure=e)  # (its uploads go)
+            raise
         tapes = tuple(t.recorded() for t in self._client._recording.tapes)
         self._steps.append((rpc, request, parse, tapes))
         self._temps.extend(temps)
         self._name(temps.tapes_named, len(self._steps) - 1)
         for value, lives in temps.outputs_named:
             self._outputs_named[value.tape_id] = (value, lives)
-        return placeholders(rpc, len(self._steps) - 1, temps.output_dtype, request)
+        return placeholders(rpc, len(self._steps) - 1, temps.output_dtype, request, self._id)
+
+    def _check_own(self, values: Any) -> None:
+        """Refuse a placeholder of another batch among ``values`` (nested): it would
+        name this batch's step of that index (a review helper: silently)."""
+        for value in nest.flatten(values):
+            if isinstance(value, StepOutput) and value.batch not in (None, self._id):
+                raise InvalidArgumentError(
+                    f"a placeholder of another batch (step {value.step}'s '{value.field}'): "
+                    "a batch's steps take the outputs of its own earlier steps; run that "
+                    "batch first and pass its result"
+                )
 
     def _name(self, tapes: list[Any], step: int) -> None:
         """Step ``step`` names outputs of ``tapes``' current recordings by id."""
@@ -191,6 +216,7 @@ class Batch:
         sources' tuple or dict structure; ``run()`` returns the gradients so as this
         step's result."""
         tape._require_id()
+        self._check_own((target, sources, output_gradients))
         built = tape.gradients_request(
             target, sources, output_gradients, unconnected_gradients, keep=keep
         )
@@ -221,7 +247,9 @@ class Batch:
         tape.end_in_batch()  # a non-persistent tape's recording ends here
         # A gradient has its source's dtype (an LSTM step given one takes its T).
         dtypes_ = [_known_dtype(source) for source in nest.flatten(sources)]
-        return shaped([StepOutput(step, f"gradients[{n}]", d) for n, d in enumerate(dtypes_)])
+        return shaped(
+            [StepOutput(step, f"gradients[{n}]", d, self._id) for n, d in enumerate(dtypes_)]
+        )
 
     def watch(self, tape, tensor) -> None:
         """``tape.watch`` as a step: it takes effect where it stands among the batch's
@@ -233,6 +261,7 @@ class Batch:
         tape._require_id()
 
         def steps(tensors: list[Any], held: Callable[[], None]) -> None:
+            self._check_own(tensors)
             for t in tensors:
                 if isinstance(t, StepOutput) and self._released_before_run(t):
                     raise FailedPreconditionError(

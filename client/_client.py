@@ -623,6 +623,7 @@ class Client:
             msg.ref = value.id
             return
         if isinstance(value, StepOutput):
+            temps.placeholders.append(value)
             msg.step_output.step, msg.step_output.field = value.step, value.field
             return
         if isinstance(value, TapedArray) and value.tape_id is not None and value.held:

@@ -51,6 +51,9 @@ class Staging(list):
         #: The outputs named by their tape ids, each with the recordings that held it
         #: then: a batch sends by value one that all of them released before it ran.
         self.outputs_named: list[tuple[Any, tuple[Any, ...]]] = []
+        #: The batch placeholders the request names: a batch refuses another's
+        #: (``StepOutput.batch``), a direct call any.
+        self.placeholders: list[StepOutput] = []
 
 
 class TensorArrayV3Output(NamedTuple):
@@ -94,9 +97,10 @@ def _flow_in(value: Any) -> float:
     return float(np.asarray(array, np.float32).flat[0]) if array.size else 0.0
 
 
-def _handle_msg(handle: Any) -> pb.TensorArrayHandle:
+def _handle_msg(handle: Any, temps: Staging) -> pb.TensorArrayHandle:
     handle = getattr(handle, "handle", handle)  # a gradserve.TensorArray
     if isinstance(handle, StepOutput):  # made by an earlier step of a batch
+        temps.placeholders.append(handle)
         msg = pb.TensorArrayHandle()
         msg.from_step.step, msg.from_step.field = handle.step, handle.field
         return msg
@@ -195,7 +199,9 @@ class RawOps:
 
     def TensorArrayWriteV3(self, handle, index, value, flow_in, name=None) -> np.float32:
         temps = self._staging()
-        req = pb.TensorArrayWriteV3Request(handle=_handle_msg(handle), flow_in=_flow_in(flow_in))
+        req = pb.TensorArrayWriteV3Request(
+            handle=_handle_msg(handle, temps), flow_in=_flow_in(flow_in)
+        )
         self._in(index, req.index, temps, np.int32)
         self._in(value, req.value, temps)
         return self._op("TensorArrayWriteV3", req, lambda r: _flow(r.flow_out), temps)
@@ -204,7 +210,7 @@ class RawOps:
         temps = self._staging()
         dtype = _dtype(dtype)
         req = pb.TensorArrayReadV3Request(
-            handle=_handle_msg(handle),
+            handle=_handle_msg(handle, temps),
             flow_in=_flow_in(flow_in),
             dtype=codec.dtype_to_enum(dtype),
             keep_outputs=keep,
@@ -219,7 +225,7 @@ class RawOps:
         temps = self._staging()
         dtype = _dtype(dtype)
         req = pb.TensorArrayGatherV3Request(
-            handle=_handle_msg(handle),
+            handle=_handle_msg(handle, temps),
             flow_in=_flow_in(flow_in),
             dtype=codec.dtype_to_enum(dtype),
             keep_outputs=keep,
@@ -231,7 +237,9 @@ class RawOps:
 
     def TensorArrayScatterV3(self, handle, indices, value, flow_in, name=None) -> np.float32:
         temps = self._staging()
-        req = pb.TensorArrayScatterV3Request(handle=_handle_msg(handle), flow_in=_flow_in(flow_in))
+        req = pb.TensorArrayScatterV3Request(
+            handle=_handle_msg(handle, temps), flow_in=_flow_in(flow_in)
+        )
         self._in(indices, req.indices, temps, np.int32)
         self._in(value, req.value, temps)
         return self._op("TensorArrayScatterV3", req, lambda r: _flow(r.flow_out), temps)
@@ -240,14 +248,14 @@ class RawOps:
         self, handle, flow_in, dtype, element_shape_except0=None, name=None, *, keep=False
     ) -> TensorArrayConcatV3Output:
         dtype = _dtype(dtype)
+        temps = self._staging()  # no inputs to stage: its placeholder, if any
         req = pb.TensorArrayConcatV3Request(
-            handle=_handle_msg(handle),
+            handle=_handle_msg(handle, temps),
             flow_in=_flow_in(flow_in),
             dtype=codec.dtype_to_enum(dtype),
             keep_outputs=keep,
         )
         _set_shape(req, "element_shape_except0", element_shape_except0)
-        temps = self._staging()  # no inputs to stage
         temps.output_dtype = dtype
         return self._op(
             "TensorArrayConcatV3",
@@ -258,26 +266,29 @@ class RawOps:
 
     def TensorArraySplitV3(self, handle, value, lengths, flow_in, name=None) -> np.float32:
         temps = self._staging()
-        req = pb.TensorArraySplitV3Request(handle=_handle_msg(handle), flow_in=_flow_in(flow_in))
+        req = pb.TensorArraySplitV3Request(
+            handle=_handle_msg(handle, temps), flow_in=_flow_in(flow_in)
+        )
         self._in(value, req.value, temps)
         self._in(lengths, req.lengths, temps, np.int64)
         return self._op("TensorArraySplitV3", req, lambda r: _flow(r.flow_out), temps)
 
     def TensorArraySizeV3(self, handle, flow_in, name=None) -> np.int32:
-        req = pb.TensorArraySizeV3Request(handle=_handle_msg(handle), flow_in=_flow_in(flow_in))
-        return self._op(
-            "TensorArraySizeV3", req, lambda r: self._out(r.size)[()], self._staging()
-        )  # no inputs to stage
+        temps = self._staging()  # no inputs to stage: its placeholder, if any
+        req = pb.TensorArraySizeV3Request(
+            handle=_handle_msg(handle, temps), flow_in=_flow_in(flow_in)
+        )
+        return self._op("TensorArraySizeV3", req, lambda r: self._out(r.size)[()], temps)
 
     def TensorArrayCloseV3(self, handle, name=None) -> None:
-        req = pb.TensorArrayCloseV3Request(handle=_handle_msg(handle))
-        return self._op(
-            "TensorArrayCloseV3", req, lambda r: None, self._staging()
-        )  # no inputs to stage
+        temps = self._staging()  # no inputs to stage: its placeholder, if any
+        req = pb.TensorArrayCloseV3Request(handle=_handle_msg(handle, temps))
+        return self._op("TensorArrayCloseV3", req, lambda r: None, temps)
 
     def TensorArrayGradV3(self, handle, flow_in, source, name=None) -> TensorArrayGradV3Output:
+        temps = self._staging()  # no inputs to stage: its placeholder, if any
         req = pb.TensorArrayGradV3Request(
-            handle=_handle_msg(handle),
+            handle=_handle_msg(handle, temps),
             flow_in=_flow_in(flow_in),
             source=attrs.make_str(source, "source"),
         )
@@ -285,7 +296,7 @@ class RawOps:
             "TensorArrayGradV3",
             req,
             lambda r: TensorArrayGradV3Output(_handle(r.grad_handle), _flow(r.flow_out)),
-            self._staging(),  # no inputs to stage
+            temps,
         )
 
     def TensorArrayGradWithShape(
@@ -293,7 +304,7 @@ class RawOps:
     ) -> TensorArrayGradV3Output:
         temps = self._staging()
         req = pb.TensorArrayGradWithShapeRequest(
-            handle=_handle_msg(handle),
+            handle=_handle_msg(handle, temps),
             flow_in=_flow_in(flow_in),
             source=attrs.make_str(source, "source"),
         )

@@ -118,8 +118,13 @@ class StepOutput(NamedTuple):
     of a TensorArray read, gather or concat, an LSTM op's outputs, StopGradient's),
     else None: an LSTM step that takes it sets ``T`` from it and converts its other
     inputs to it, as TensorFlow does with a tensor (found by a review helper: a
-    float16 gathered ``x`` next to float64 arrays was refused)."""
+    float16 gathered ``x`` next to float64 arrays was refused).
+
+    ``batch`` numbers the batch that made it: another batch's step, or a direct call,
+    refuses it (a review helper: batch A's placeholder named batch B's step of that
+    index, silently); None (one made by hand) is taken as the batch's own."""
 
     step: int
     field: str
     dtype: np.dtype | None = None
+    batch: int | None = None

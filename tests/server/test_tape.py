@@ -638,6 +638,32 @@ def test_a_source_from_before_a_reset_or_a_released_tape_gets_no_gradient(client
     tape.release()
 
 
+def test_a_placeholder_of_another_batch_is_refused_as_it_is_recorded(client, server):
+    """A ``StepOutput`` names a step by its index: batch A's placeholder given to batch
+    B named B's step of that index, silently (a review helper). It carries its batch
+    now: B refuses it in an op (its uploads deleted), a handle, a gradient, a watch."""
+    x = client.put(np.array([1.0, 2.0], F32))
+    first, second = client.batch(), client.batch()
+    h, flow = first.raw_ops.TensorArrayV3(size=1, dtype=F32)
+    y = _batch_copy(first, x)
+    _batch_copy(second, x)
+    resident = len(session_of(server, client)._resident)
+    big = np.ones(1 << 20, F32)  # uploaded before the placeholder is looked at
+    with pytest.raises(InvalidArgumentError, match="another batch"):
+        second.raw_ops.StopGradient(y)
+    with pytest.raises(InvalidArgumentError, match="another batch"):
+        second.raw_ops.TensorArrayWriteV3(h, 0, big, flow)
+    assert len(session_of(server, client)._resident) == resident
+    with client.gradient_tape() as tape:
+        with pytest.raises(InvalidArgumentError, match="another batch"):
+            second.gradient(tape, y, x)
+        with pytest.raises(InvalidArgumentError, match="another batch"):
+            second.watch(tape, y)
+    assert len(second) == 3
+    np.testing.assert_array_equal(second.run()[2], [1.0, 2.0])
+    np.testing.assert_array_equal(first.run()[3], [1.0, 2.0])
+
+
 def _batch_copy(batch, value):
     h, flow = batch.raw_ops.TensorArrayV3(size=1, dtype=F32)
     flow = batch.raw_ops.TensorArrayWriteV3(h, 0, value, flow)
