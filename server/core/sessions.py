@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import re
 import secrets
 import threading
@@ -440,34 +441,43 @@ class Session:
         """
         forward = self.grad_source(handle)
         name = f"{forward.name}@{source}"
-
-        def lookup_or_make() -> tuple[str, TensorArray]:
-            with self._lock:
-                self._check_open()
-                key = (handle, source)
-                grads = self._grads if registry is None else registry
-                grad_handle = grads.get(key) or new_token()
-
-                def lookup() -> TensorArray | None:
-                    return self._arrays.get(grad_handle) if key in grads else None
-
-                def register(grad: TensorArray) -> None:
-                    self._arrays[grad_handle] = grad
-                    grads.add(key, grad_handle)
-                    if registry is not None:
-                        self._private_grads.add(grad_handle)
-                    else:
-                        self._frozen_for_good(handle)
-
-                grad = forward.make_grad(
-                    name=name,
-                    shape_to_prepend=shape_to_prepend,
-                    lookup=lookup,
-                    register=register,
-                )
-                return grad_handle, grad
-
+        lookup_or_make = functools.partial(
+            self._grad_array_once, forward, handle, source, name, shape_to_prepend, registry
+        )
         return self._reclaiming(lookup_or_make, lambda: forward.grad_charge(name))
+
+    def _grad_array_once(
+        self,
+        forward: TensorArray,
+        handle: str,
+        source: str,
+        name: str,
+        shape_to_prepend: tuple[int, ...],
+        registry: GradRegistry | None,
+    ) -> tuple[str, TensorArray]:
+        """``grad_array``'s lookup-or-create under the session's lock; a refusal changes
+        nothing (``TensorArray.make_grad``), so ``_reclaiming`` may try it again."""
+        with self._lock:
+            self._check_open()
+            key = (handle, source)
+            grads = self._grads if registry is None else registry
+            grad_handle = grads.get(key) or new_token()
+
+            def lookup() -> TensorArray | None:
+                return self._arrays.get(grad_handle) if key in grads else None
+
+            def register(grad: TensorArray) -> None:
+                self._arrays[grad_handle] = grad
+                grads.add(key, grad_handle)
+                if registry is not None:
+                    self._private_grads.add(grad_handle)
+                else:
+                    self._frozen_for_good(handle)
+
+            grad = forward.make_grad(
+                name=name, shape_to_prepend=shape_to_prepend, lookup=lookup, register=register
+            )
+            return grad_handle, grad
 
     # ---------------------------------------------------------------- tensors
     def check_tensor_bytes(self, nbytes: int) -> None:

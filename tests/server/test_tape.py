@@ -735,13 +735,12 @@ def test_a_watch_step_watches_an_earlier_steps_output(client):
         with pytest.raises(ValueError, match=r"batch\.watch\(tape"):
             tape.watch(y)
         batch.watch(tape, [y])
-        z = _batch_copy(batch, y)
+        _batch_copy(batch, y)
         results = batch.run()
     y_ref = results[2]
     assert isinstance(y_ref, TensorRef)
     np.testing.assert_array_equal(tape.gradient(results[6], y_ref), [1.0, 1.0])
     assert tape.gradient(results[6], x) is None  # x itself was never watched
-    assert z is not None
 
     batch = client.batch()
     h, flow = batch.raw_ops.TensorArrayV3(size=1, dtype=F32)
@@ -767,12 +766,11 @@ def test_watch_steps_of_many_tensors_and_of_outputs_kept_in_the_same_request(cli
         batch.watch(tape, y)
         batch.watch(tape, [x] * 20_000)
         assert len(batch) == 5  # 8,192 a step
-        z = _batch_copy(batch, y)
+        _batch_copy(batch, y)
         results = batch.run()
     assert isinstance(results[0], TensorRef) and results[1:5] == [None] * 4
     np.testing.assert_array_equal(tape.gradient(results[7], results[0]), [1.0, 1.0])
     assert tape.gradient(results[7], x) is None  # y was computed before x was watched
-    assert z is not None
 
 
 def test_a_watch_step_names_an_output_kept_by_an_untaped_step_of_its_request(client, server):
@@ -856,10 +854,9 @@ def test_a_watch_step_refuses_what_it_cannot_watch_before_sending_it(client):
     batch.gradient(kept_on, y, x)
     with client.gradient_tape(persistent=True, watch_accessed_variables=False) as other:
         batch.watch(other, y)
-        z = _batch_copy(batch, y)
+        _batch_copy(batch, y)
     results = batch.run()
     np.testing.assert_array_equal(other.gradient(results[-1], results[2]), np.ones(4096, F32))
-    assert z is not None
     with client.gradient_tape() as outer:
         batch = client.batch()
         with client.gradient_tape() as inner:
