@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from gradserve.kernels import blas_threads, lstm, lstm_cpu
+from gradserve.kernels import blas_threads, lstm, lstm_cpu, native
 from gradserve.kernels.backends import get_backend
 
 if TYPE_CHECKING:
@@ -24,6 +24,7 @@ class Compute:
         empty: lstm.Empty | None = None,
         blas: blas_threads.BlasThreads | None = None,
         formulation: lstm_cpu.Formulation | None = None,
+        step_kernel: native.Mode = native.Mode.AUTO,
     ) -> None:
         self.backend = backend
         #: A ``cuda_graphs.GraphCache``, or None for the eager loop.
@@ -37,15 +38,20 @@ class Compute:
         #: On the CPU, the forward's GEMM formulation for every shape (None: measured
         #: per shape, ``lstm_cpu.Planner``).
         self.formulation = formulation
+        #: On the CPU, the forward's elementwise pass in float32 (``native.Mode``).
+        self.step_kernel = step_kernel
 
     @contextlib.contextmanager
     def _computing(self) -> Iterator[None]:
-        """Around an eager LSTM op: its share of the BLAS threads, its formulation."""
+        """Around an eager LSTM op: its share of the BLAS threads, its formulation and
+        elementwise pass."""
         pinned = lstm_cpu.PINNED.set(self.formulation)
+        step_kernel = lstm_cpu.STEP_KERNEL.set(self.step_kernel)
         try:
             with contextlib.nullcontext() if self.blas is None else self.blas.share():
                 yield
         finally:
+            lstm_cpu.STEP_KERNEL.reset(step_kernel)
             lstm_cpu.PINNED.reset(pinned)
 
     @property
@@ -102,6 +108,7 @@ def compute_for(
     host_empty: lstm.Empty | None = None,
     share_blas_threads: bool = False,
     lstm_formulation: str | None = None,
+    cpu_step_kernel: str = native.Mode.AUTO.value,
 ) -> Compute:
     """The ``Compute`` of a resolved device name ("cpu" or "cuda").
 
@@ -112,17 +119,26 @@ def compute_for(
     threads (``blas_threads.BLAS``), taking the count they divide now.
     ``lstm_formulation`` (CPU only; a ``lstm_cpu.Formulation`` value): every forward
     computes in it, instead of the formulation measured fastest for its shape.
+    ``cpu_step_kernel`` (CPU only; a ``native.Mode`` value): the forward's elementwise
+    pass in float32; ``native`` raises ``native.NativeBuildError`` where the compiled
+    step cannot be built, and ``auto`` builds it now (NumPy's pass where it cannot).
     """
     backend = get_backend(device)
     if not cuda_graphs:
         if device != "cpu":
             return Compute(backend)
+        step_kernel = native.Mode(cpu_step_kernel)
+        if step_kernel is not native.Mode.NUMPY and native.NATIVE.library() is None:
+            if step_kernel is native.Mode.NATIVE:
+                raise native.NativeBuildError(native.NATIVE.failure or "not built")
         blas = None
         if share_blas_threads:
             blas = blas_threads.BLAS
             blas.start()
         pinned = None if lstm_formulation is None else lstm_cpu.Formulation(lstm_formulation)
-        return Compute(backend, empty=host_empty, blas=blas, formulation=pinned)
+        return Compute(
+            backend, empty=host_empty, blas=blas, formulation=pinned, step_kernel=step_kernel
+        )
     if device != "cuda":
         raise ValueError("CUDA graphs need --device cuda")
     from gradserve.kernels import cuda_graphs as graphs

@@ -48,6 +48,7 @@ import numpy as np
 
 from gradserve import heap, pauses
 from gradserve.kernels import blas_threads as blas
+from gradserve.kernels import native
 
 Array = Any  # numpy.ndarray; ``Any`` as in backend_numpy (in-place ufunc annotations)
 Offsets = tuple[int, int, int, int]
@@ -168,7 +169,7 @@ def _new_workspace(key: WorkspaceKey) -> Workspace:
     )
 
 
-PlanKey = tuple[int, int, int, str, int | None, bool]
+PlanKey = tuple[int, int, int, str, int | None, bool, bool]
 #: ``_run`` with its arrays and attributes bound: (formulation, steps, check).
 Run = Callable[[Formulation, int, Callable[[], None] | None], None]
 
@@ -257,6 +258,14 @@ PINNED: contextvars.ContextVar[Formulation | None] = contextvars.ContextVar(
 )
 
 
+#: The elementwise pass of the forwards run in this context (``native.Mode``): a
+#: server sets its ``--cpu-step-kernel`` around each op (``compute.Compute``), as
+#: ``PINNED``. The compiled step and NumPy's pass give other last bits.
+STEP_KERNEL: contextvars.ContextVar[native.Mode] = contextvars.ContextVar(
+    "gradserve_cpu_step_kernel", default=native.Mode.AUTO
+)
+
+
 def blas_threads() -> int | None:
     """The BLAS thread count of the plan key, since the best formulation differs
     between 1 and 2 threads: the process's count, not an op's share of it while others
@@ -285,7 +294,8 @@ def forward_sequence(
     if formulation is None:
         formulation = PINNED.get()
     if formulation is None:
-        key: PlanKey = (batch, inputs, units, x.dtype.str, blas_threads(), use_peephole)
+        fused = _native_step(x, outs) is not None
+        key: PlanKey = (batch, inputs, units, x.dtype.str, blas_threads(), use_peephole, fused)
         formulation = PLANNER.plan(key, functools.partial(_measure, run, length, check), check)
     run(formulation, length, check)
 
@@ -309,6 +319,20 @@ def _measure(run: Run, length: int, check: Callable[[], None] | None) -> dict[Fo
                 run(form, probe, check)
                 best[form] = min(best[form], time.perf_counter() - t0)
     return best
+
+
+def _native_step(x: Array, outs: Sequence[Array]) -> Any | None:
+    """The compiled elementwise step if it serves this call (float32, contiguous
+    outputs, ``STEP_KERNEL`` not NumPy's, a library built here), else None: NumPy's
+    pass. (A server with ``native`` refused to start without the library.)"""
+    if STEP_KERNEL.get() is native.Mode.NUMPY:
+        return None
+    if x.dtype != np.float32 or not all(
+        o.dtype == np.float32 and o.flags.c_contiguous for o in outs
+    ):
+        return None
+    lib = native.NATIVE.library()
+    return None if lib is None else getattr(lib, native.STEP)
 
 
 def _chunk_steps(batch: int, length: int) -> int:
@@ -374,6 +398,15 @@ def _recur(
     gi, gf, gc, go = (g[:, off : off + units] for off in offsets)
     wci, wcf, wco = ws.peep
     tmp = ws.tmp
+    step = _native_step(x, outs)
+    if step is not None:
+        cs_prev = np.ascontiguousarray(cs_prev, dtype=np.float32)
+        bases = [o.ctypes.data for o in outs]  # i, cs, f, o, ci, co, h
+        row_bytes = batch * units * x.dtype.itemsize
+        peep_ptr = ws.peep.ctypes.data if use_peephole else None
+        gates_ptr, gates_stride = g.ctypes.data, g.shape[1]
+        bias_ptr = ws.b.ctypes.data
+        clip = float(cell_clip) if cell_clip > 0 else 0.0
     for t in range(length):
         if check is not None:
             check()
@@ -384,21 +417,36 @@ def _recur(
             xh[:, :inputs] = x[t]
             xh[:, inputs:] = h_last
             np.matmul(xh, ws.w, out=g)
-            g += ws.b
+            add_ptr, add_stride = None, 0
+            if step is None:
+                g += ws.b
         else:
             k = t % chunk
             if k == 0:  # the input projection of the next chunk of steps, bias added
                 n = min(chunk, length - t)
                 proj = ws.proj[: n * batch]
                 np.matmul(x[t : t + n].reshape(n * batch, inputs), w_x, out=proj)
-                proj += ws.b
+                if step is None:  # (the compiled step adds the bias itself)
+                    proj += ws.b
             proj_t = ws.proj[k * batch : (k + 1) * batch]
             if form is Formulation.HOISTED_T:
                 np.matmul(ws.w_h_t, h_last.T, out=ws.gates_t)
                 np.add(ws.gates_t.T, proj_t, out=g)
+                add_ptr, add_stride = None, 0
             else:
                 np.matmul(h_last, w_h, out=g)
-                g += proj_t
+                if step is not None:  # the projection added by the step
+                    add_ptr, add_stride = proj_t.ctypes.data, proj_t.shape[1]
+                else:
+                    g += proj_t
+        if step is not None:
+            at = t * row_bytes
+            c_ptr = cs_prev.ctypes.data if t == 0 else bases[1] + at - row_bytes
+            step(
+                gates_ptr, gates_stride, add_ptr, add_stride, bias_ptr, c_ptr, peep_ptr, batch,
+                units, *offsets, clip, *(base + at for base in bases),
+            )  # fmt: skip
+            continue
         i, f, o, ci = out_i[t], out_f[t], out_o[t], out_ci[t]
         cs, co, h = out_cs[t], out_co[t], out_h[t]
         if use_peephole:

@@ -44,12 +44,13 @@ from gradserve import codec, heap
 from gradserve.errors import InvalidArgumentError
 from gradserve.kernels.compute import Compute, compute_for
 from gradserve.kernels.device import select_device
+from gradserve.kernels.native import NativeBuildError
 from gradserve.server.core import persistence
 from gradserve.server.core.sessions import SessionStore
 from gradserve.server.transport import boundary
 from gradserve.server.transport.admission import Admission
 from gradserve.server.transport.auth import TokenTable, is_loopback
-from gradserve.server.transport.config import LSTM_FORMULATIONS, ServerConfig
+from gradserve.server.transport.config import CPU_STEP_KERNELS, LSTM_FORMULATIONS, ServerConfig
 from gradserve.server.transport.lanes import Lane
 from gradserve.server.transport.memory import Trimmer
 from gradserve.server.transport.observability import Metrics, Observer
@@ -218,14 +219,23 @@ def _compute(config: ServerConfig, device: str, store: SessionStore) -> Compute:
         log.warning("--lstm-formulation has no effect on device %s: it is the CPU's", device)
     elif config.lstm_formulation is not None:
         log.info("LSTM forward formulation: %s for every shape", config.lstm_formulation)
-    return compute_for(
-        device,
-        cuda_graphs=config.cuda_graphs and device == "cuda",
-        graph_cache_bytes=config.cuda_graph_cache_bytes,
-        host_empty=store.buffers.array,
-        share_blas_threads=config.share_blas_threads,
-        lstm_formulation=config.lstm_formulation if device == "cpu" else None,
-    )
+    if config.cpu_step_kernel not in CPU_STEP_KERNELS:
+        raise ConfigError(
+            f"--cpu-step-kernel {config.cpu_step_kernel!r}: expected one of "
+            f"{', '.join(CPU_STEP_KERNELS)}"
+        )
+    try:
+        return compute_for(
+            device,
+            cuda_graphs=config.cuda_graphs and device == "cuda",
+            graph_cache_bytes=config.cuda_graph_cache_bytes,
+            host_empty=store.buffers.array,
+            share_blas_threads=config.share_blas_threads,
+            lstm_formulation=config.lstm_formulation if device == "cpu" else None,
+            cpu_step_kernel=config.cpu_step_kernel,
+        )
+    except NativeBuildError as e:
+        raise ConfigError(f"--cpu-step-kernel native: {e}") from None
 
 
 def _tokens(config: ServerConfig) -> TokenTable | None:

@@ -11,7 +11,7 @@ import sys
 import threading
 from typing import Any
 
-from gradserve.server.transport.config import LSTM_FORMULATIONS, ServerConfig
+from gradserve.server.transport.config import CPU_STEP_KERNELS, LSTM_FORMULATIONS, ServerConfig
 from gradserve.server.transport.log_writer import LogWriter
 
 #: Seconds the log's thread gets at exit to write what is queued.
@@ -73,6 +73,19 @@ def _formulation(text: str) -> str | None:
 
 _formulation.__name__ = "formulation"
 _formulation.none_means = "auto"  # type: ignore[attr-defined]
+
+
+def _step_kernel(text: str) -> str:
+    """One of ``CPU_STEP_KERNELS``."""
+    value = text.lower()
+    if value not in CPU_STEP_KERNELS:
+        raise argparse.ArgumentTypeError(
+            f"expected one of {', '.join(CPU_STEP_KERNELS)}, got {text!r}"
+        )
+    return value
+
+
+_step_kernel.__name__ = "step kernel"
 
 # (config field, value type, help). Flags are the field names with dashes.
 SERVE_FLAGS = [
@@ -150,6 +163,13 @@ SERVE_FLAGS = [
         "auto | concat | hoisted | hoisted-t: the CPU LSTM forward's GEMMs (auto: the "
         "fastest, measured per shape; fixed: every replica and restart computes the "
         "same bits)",
+    ),
+    (
+        "cpu_step_kernel",
+        _step_kernel,
+        "auto | native | numpy: the CPU LSTM forward's elementwise pass in float32 "
+        "(native: compiled here with the host's C compiler, refused start without one; "
+        "auto: native where it builds; the two differ in the last bits)",
     ),
     ("max_queued_compute", int, "heavy ops waiting for a slot; more get RESOURCE_EXHAUSTED"),
     (

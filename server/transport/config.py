@@ -10,7 +10,7 @@ import dataclasses
 import os
 
 from gradserve import protocol
-from gradserve.kernels import blas_threads, lstm_cpu
+from gradserve.kernels import blas_threads, lstm_cpu, native
 from gradserve.kernels.cuda_graphs import DEFAULT_CACHE_BYTES
 from gradserve.warm_buffers import DEFAULT_LIMIT_BYTES as DEFAULT_HOST_CACHE_BYTES
 
@@ -34,6 +34,8 @@ def _half_of_memory() -> int | None:
 
 #: ``--lstm-formulation``'s values (besides auto).
 LSTM_FORMULATIONS = tuple(form.value for form in lstm_cpu.Formulation)
+#: ``--cpu-step-kernel``'s values.
+CPU_STEP_KERNELS = tuple(mode.value for mode in native.Mode)
 
 
 @dataclasses.dataclass
@@ -105,6 +107,11 @@ class ServerConfig:
     #: fastest on the first call of a shape, which another process may measure
     #: otherwise, so replicas (or a restart) could differ in the last bits.
     lstm_formulation: str | None = None
+    #: On the CPU, the LSTM forward's elementwise pass in float32 (``kernels/native.py``):
+    #: "auto" (the step compiled here with the host's C compiler, else NumPy's),
+    #: "native" (compiled, or the server does not start), "numpy". The two give other
+    #: last bits: replicas meant to agree bit for bit name one.
+    cpu_step_kernel: str = "auto"
     max_queued_compute: int = 64
     #: A heavy op that has computed this long (seconds) gives its slot to another
     #: principal's waiting op at its next step, and goes on when its turn comes again

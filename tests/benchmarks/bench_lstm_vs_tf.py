@@ -220,14 +220,16 @@ def floor_times(t: dict) -> None:
 
 
 @contextlib.contextmanager
-def server_process(threads: int):
+def server_process(threads: int, step_kernel: str = "auto"):
     """A gradserve server in its own process, its BLAS at ``threads`` threads."""
     from tests.server_process import ServerProcess
 
     saved = os.environ.get("OPENBLAS_NUM_THREADS")
     os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
     try:
-        server = ServerProcess("--max-message-bytes", str(1 << 30))
+        server = ServerProcess(
+            "--max-message-bytes", str(1 << 30), "--cpu-step-kernel", step_kernel
+        )
     finally:
         if saved is None:
             del os.environ["OPENBLAS_NUM_THREADS"]
@@ -259,8 +261,9 @@ def clients(target: str) -> dict:
 
 
 def compare(
-    threads: int, tf_python: str, rounds: int, peephole: bool, rpc: bool, pause: float
-) -> list:
+    threads: int, tf_python: str, rounds: int, peephole: bool, rpc: bool, pause: float,
+    step_kernel: str = "auto",
+) -> list:  # fmt: skip
     """Every size at ``threads`` threads, against a fresh TensorFlow worker and server."""
     tf = TensorFlowWorker(tf_python, threads)
     results = []
@@ -268,7 +271,7 @@ def compare(
         with contextlib.ExitStack() as stack:
             sdk = {}
             if rpc:
-                target = stack.enter_context(server_process(threads))
+                target = stack.enter_context(server_process(threads, step_kernel))
                 sdk = clients(target)
                 for c in sdk.values():
                     if not isinstance(c, str):
@@ -437,6 +440,8 @@ def main() -> None:
     parser.add_argument("--no-rpc", action="store_true", help="only the in-process rows")
     parser.add_argument("--pause", type=float, default=0.2,
                         help="seconds between timed calls (spinning threads settle)")  # fmt: skip
+    parser.add_argument("--cpu-step-kernel", default="auto", choices=("auto", "native", "numpy"),
+                        help="the forward's elementwise pass, here and in the server")  # fmt: skip
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -444,22 +449,29 @@ def main() -> None:
         return
     if not args.tf_python:
         parser.error("--tf-python is required (a Python with tensorflow-cpu installed)")
+    from gradserve.kernels import lstm_cpu, native
     from tests.benchmarks.bench_lstm import blas_environment, blas_info
 
     peephole = not args.no_peephole
+    step_kernel = native.Mode(args.cpu_step_kernel)
+    lstm_cpu.STEP_KERNEL.set(step_kernel)  # this process's forwards (the server: its flag)
+    fused = step_kernel is not native.Mode.NUMPY and native.NATIVE.library() is not None
     print(
         f"# ours (NumPy {np.__version__}) vs TensorFlow's BlockLSTMV2 / BlockLSTMGradV2 C++ "
         f"kernels, CPU, float32, {'with' if peephole else 'no'} peepholes; {os.cpu_count()} "
         f"CPUs; medians of {args.rounds} interleaved rounds, {args.pause} s between calls; "
         f"'Nx TF' = TF time / ours\n"
         f"# commit {commit()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n"
-        f"# BLAS here: {blas_info()}; {blas_environment()} (the server inherits them)"
+        f"# BLAS here: {blas_info()}; {blas_environment()} (the server inherits them)\n"
+        f"# the forward's elementwise pass: --cpu-step-kernel {step_kernel.value} ("
+        f"{'the compiled step' if fused else 'NumPy'})"
     )
     results = []
     for threads in args.threads or [1, os.cpu_count()]:
         results += compare(
-            threads, args.tf_python, args.rounds, peephole, not args.no_rpc, args.pause
-        )
+            threads, args.tf_python, args.rounds, peephole, not args.no_rpc, args.pause,
+            step_kernel.value,
+        )  # fmt: skip
     print("\n# the CPU forward's formulation per shape (measured on the first call):")
     print(plan_summary())
     print("\n" + table(results))

@@ -1,7 +1,8 @@
-"""The CPU forward's formulations (``kernels/lstm_cpu.py``): each one alone gives
-TensorFlow's golden outputs and the generic per-step loop's (the CUDA path's
-algorithm); the planner measures once per shape and caches its choice; the workspace
-cache is bounded and hands a workspace to one caller at a time."""
+"""The CPU forward's formulations (``kernels/lstm_cpu.py``): each one alone, with
+either elementwise pass (the compiled step, NumPy's), gives TensorFlow's golden
+outputs and the generic per-step loop's (the CUDA path's algorithm); the planner
+measures once per shape and caches its choice; the workspace cache is bounded and
+hands a workspace to one caller at a time."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from gradserve import pauses
-from gradserve.kernels import backend_numpy, lstm, lstm_cpu
+from gradserve.kernels import backend_numpy, lstm, lstm_cpu, native
 from gradserve.kernels.compute import Compute, compute_for
 from gradserve.lstm_signature import LSTMInputs
 from tests.kernels.lstm_cases import (
@@ -28,6 +29,28 @@ from tests.kernels.lstm_cases import (
 )
 
 FORMULATIONS = list(lstm_cpu.Formulation)
+STEP_KERNELS = [native.Mode.NATIVE, native.Mode.NUMPY]
+
+
+@pytest.fixture
+def step_kernel(request):
+    """Run the test's forwards with the elementwise pass of the parameter
+    (``test_lstm_cpu_native.py`` checks that the compiled step runs when asked for)."""
+    mode = request.param
+    if mode is native.Mode.NATIVE:
+        require_native()
+    token = lstm_cpu.STEP_KERNEL.set(mode)
+    yield mode
+    lstm_cpu.STEP_KERNEL.reset(token)
+
+
+def require_native() -> None:
+    """Skip where the host has no C compiler at all; fail where it has one and the
+    step does not build (a broken build must not pass as a skip)."""
+    if native.NATIVE.library() is None:
+        if "no C compiler" in (native.NATIVE.failure or ""):
+            pytest.skip("no C compiler: the compiled step cannot be built here")
+        pytest.fail(f"the compiled step did not build: {native.NATIVE.failure}")
 
 
 @pytest.fixture
@@ -41,15 +64,16 @@ def only(monkeypatch):
 
 
 @pytest.mark.golden
+@pytest.mark.parametrize("step_kernel", STEP_KERNELS, ids=lambda m: m.value, indirect=True)
 @pytest.mark.parametrize("form", FORMULATIONS, ids=lambda f: f.value)
 @pytest.mark.parametrize("name", [c["name"] for c in INDEX])
-def test_each_formulation_matches_tensorflow(only, form, name):
+def test_each_formulation_matches_tensorflow(only, step_kernel, form, name):
     only(form)
     d = golden(name)
     tol = TOLERANCE[str(d["x"].dtype)]
     length = int(d["seq_len_max"])
     out = (
-        compute_for("cpu")
+        compute_for("cpu", cpu_step_kernel=step_kernel.value)
         .lstm_forward(LSTMInputs(*(d[k] for k in INPUTS)), **forward_attrs(d))
         ._asdict()
     )
@@ -60,6 +84,7 @@ def test_each_formulation_matches_tensorflow(only, form, name):
         assert not out[k][length:].any(), f"{k} past seq_len_max must be zero"
 
 
+@pytest.mark.parametrize("step_kernel", STEP_KERNELS, ids=lambda m: m.value, indirect=True)
 @pytest.mark.parametrize("form", FORMULATIONS, ids=lambda f: f.value)
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 @pytest.mark.parametrize(
@@ -74,7 +99,7 @@ def test_each_formulation_matches_tensorflow(only, form, name):
     ],
 )
 def test_each_formulation_matches_the_generic_loop(
-    only, form, dtype, steps, batch, units, length, layout, peephole, clip, forget_bias
+    only, step_kernel, form, dtype, steps, batch, units, length, layout, peephole, clip, forget_bias
 ):
     only(form)
     case = random_case(

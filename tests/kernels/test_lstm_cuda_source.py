@@ -1,12 +1,15 @@
 """The CUDA kernels, without a GPU: NVRTC compiles them for sm_90, and the same
-source, compiled for the CPU through a host shim, matches the NumPy path."""
+source, compiled for the CPU through a host shim, matches the NumPy path (its forward
+with NumPy's elementwise pass: the CUDA source's tanh and exp are libm's, as close to
+the true functions as NumPy's; the compiled CPU step's rational tanh is a few ulps off,
+``test_lstm_cpu_native.py``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from gradserve.kernels import backend_numpy, lstm
+from gradserve.kernels import backend_numpy, lstm, lstm_cpu, native
 from tests.kernels import lstm_cases, nvrtc, shim_backend
 from tests.kernels.lstm_cases import (
     GRADS,
@@ -37,6 +40,13 @@ def test_cuda_backend_instantiates_the_same_names():
     from gradserve.kernels import cuda_source
 
     assert cuda_source.name_expressions() == NAMES
+
+
+@pytest.fixture(autouse=True)
+def numpys_pass():
+    token = lstm_cpu.STEP_KERNEL.set(native.Mode.NUMPY)
+    yield
+    lstm_cpu.STEP_KERNEL.reset(token)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """``--lstm-formulation``: a CPU server that computes every LSTM forward in one GEMM
-formulation instead of the one it measures fastest per shape. A timed choice may differ
-between processes, so replicas, or a server before and after a restart, could return
-other last bits for one call; pinned, every one computes the same."""
+formulation instead of the one it measures fastest per shape; ``--cpu-step-kernel``:
+its elementwise pass. A timed choice may differ between processes, so replicas, or a
+server before and after a restart, could return other last bits for one call; pinned,
+every one computes the same."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import numpy as np
 import pytest
 
 import gradserve
-from gradserve.kernels import backend_numpy, lstm_cpu
+from gradserve.kernels import backend_numpy, lstm_cpu, native
 from gradserve.server import run_server
 from gradserve.server.transport.app import ConfigError
 from gradserve.server.transport.cli import build_parser
 from gradserve.server.transport.config import LSTM_FORMULATIONS
 from tests.kernels.lstm_cases import INPUTS, LAYOUT, OUTPUTS, forward, random_case
+from tests.kernels.test_lstm_cpu_forward import require_native
 
 FORMULATIONS = list(lstm_cpu.Formulation)
 
@@ -76,4 +78,66 @@ def test_the_flag_and_its_values():
         parse(["serve", "--lstm-formulation", "fastest"])
     with pytest.raises(ConfigError, match="--lstm-formulation 'fastest'"):
         with run_server(lstm_formulation="fastest"):
+            pass
+
+
+# --- --cpu-step-kernel: the forward's elementwise pass ---------------------------------
+
+
+def _served_with(kernel: str, case: dict) -> dict:
+    with run_server(lstm_formulation="hoisted", cpu_step_kernel=kernel) as server:
+        with gradserve.Client(f"127.0.0.1:{server.port}", shared_memory=False) as client:
+            got = client.raw_ops.BlockLSTMV2(
+                np.int64(5), *(case[k] for k in INPUTS), use_peephole=True
+            )
+    return dict(zip(OUTPUTS, got))
+
+
+def test_a_server_computes_with_the_step_kernel_it_names(monkeypatch):
+    require_native()
+    case = _case()
+    served = {kernel: _served_with(kernel, case) for kernel in ("native", "numpy", "auto")}
+    for kernel in (native.Mode.NATIVE, native.Mode.NUMPY):
+        token = lstm_cpu.STEP_KERNEL.set(kernel)
+        pinned = lstm_cpu.PINNED.set(lstm_cpu.Formulation.HOISTED)
+        try:
+            own = forward(
+                backend_numpy, *(case[k] for k in INPUTS), seq_len_max=5, use_peephole=True,
+                layout=LAYOUT["BlockLSTMV2"],
+            )  # fmt: skip
+        finally:
+            lstm_cpu.PINNED.reset(pinned)
+            lstm_cpu.STEP_KERNEL.reset(token)
+        for k, want in zip(OUTPUTS, own):
+            np.testing.assert_array_equal(served[kernel.value][k], want, err_msg=f"{kernel} {k}")
+    for k in OUTPUTS:  # auto: the compiled step, where it builds
+        np.testing.assert_array_equal(served["auto"][k], served["native"][k])
+    assert not np.array_equal(served["native"]["h"], served["numpy"]["h"])
+
+
+def test_a_server_asked_for_the_compiled_step_refuses_to_start_without_it(tmp_path, monkeypatch):
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(native, "NATIVE", native.NativeStep())
+    with pytest.raises(ConfigError, match="--cpu-step-kernel native: no C compiler"):
+        with run_server(cpu_step_kernel="native"):
+            pass
+    with run_server(cpu_step_kernel="auto") as server:  # auto: NumPy's pass, and serves
+        with gradserve.Client(f"127.0.0.1:{server.port}", shared_memory=False) as client:
+            case = _case()
+            got = client.raw_ops.BlockLSTMV2(np.int64(5), *(case[k] for k in INPUTS))
+    assert np.isfinite(got[6]).all()
+
+
+def test_the_step_kernel_flag_and_its_values():
+    parse = build_parser().parse_args
+    assert parse(["serve"]).cpu_step_kernel == "auto"
+    for value in ("auto", "native", "numpy", "NumPy"):
+        assert parse(["serve", "--cpu-step-kernel", value]).cpu_step_kernel == value.lower()
+    with pytest.raises(SystemExit):
+        parse(["serve", "--cpu-step-kernel", "fast"])
+    with pytest.raises(ConfigError, match="--cpu-step-kernel 'fast'"):
+        with run_server(cpu_step_kernel="fast"):
             pass
