@@ -136,3 +136,97 @@ void gradserve_lstm_forward_step_f32(
 #undef STEP_ROW
     }
 }
+
+/* One step of the backward's recurrence (``lstm_cpu_backward.py`` states it), in the
+ * NumPy pass's grouping: the products of activations first (its per-block factors),
+ * then each sum in its order, so with the ISO C floating point this file is compiled
+ * with (no contraction into fused multiply-adds, ``native.FLAGS``) it gives NumPy's
+ * bits, NaN and infinities included. No transcendental function: float64 too.
+ *
+ * dh [batch, units]: the carry from the step above (dgates @ W_h^T), h_grad added in
+ * place; dcs [batch, units]: the cell's carry, replaced by the carry to the step
+ * below; i, f, o, ci, co, cs, cs_last, h_grad, cs_grad: this step's [batch, units];
+ * peep (wci, wcf, wco) [3, units] or NULL; clip_at > 0: the forward's cell clip (a
+ * clipped cell passes nothing to i, f, ci or the past); dgates [batch, 4 units]: this
+ * step's gate gradients at the columns off_*. */
+#define DEFINE_BACKWARD_STEP(T, NAME)                                                      \
+    static inline void NAME##_row(                                                         \
+        T *restrict dh, T *restrict dcs, const T *restrict i, const T *restrict f,         \
+        const T *restrict o, const T *restrict ci, const T *restrict co,                   \
+        const T *restrict cs, const T *restrict cs_last, const T *restrict h_grad,         \
+        const T *restrict cs_grad, const T *restrict wci, const T *restrict wcf,           \
+        const T *restrict wco, T clip_at, const int peephole, const int clip,              \
+        long units, T *restrict di_out, T *restrict df_out, T *restrict dc_out,            \
+        T *restrict do_out)                                                                \
+    {                                                                                      \
+        const T one = 1;                                                                   \
+        for (long k = 0; k < units; k++) {                                                 \
+            const T ig = i[k], fg = f[k], og = o[k], cig = ci[k], coa = co[k];              \
+            const T a_o = (one - og) * og * coa;                                           \
+            const T b_h = (one - coa * coa) * og;                                          \
+            const T a_i = (one - ig) * ig * cig;                                           \
+            const T a_f = (one - fg) * fg * cs_last[k];                                    \
+            const T a_c = (one - cig * cig) * ig;                                          \
+            const T dhk = dh[k] + h_grad[k];                                               \
+            dh[k] = dhk;                                                                   \
+            const T d_o = a_o * dhk;                                                       \
+            T d = dcs[k] + b_h * dhk;                                                      \
+            d = d + cs_grad[k];                                                            \
+            if (peephole) d = d + d_o * wco[k];                                            \
+            T d_i = a_i * d, d_f = a_f * d, d_c = a_c * d;                                 \
+            T carry = d * fg;                                                              \
+            if (peephole) {                                                                \
+                carry = carry + d_i * wci[k];                                              \
+                carry = carry + d_f * wcf[k];                                              \
+            }                                                                              \
+            if (clip) {                                                                    \
+                const T a = cs[k] < 0 ? -cs[k] : cs[k];                                    \
+                const T unclipped = a < clip_at ? one : (T)0;                              \
+                carry *= unclipped;                                                        \
+                d_i *= unclipped;                                                          \
+                d_f *= unclipped;                                                          \
+                d_c *= unclipped;                                                          \
+            }                                                                              \
+            dcs[k] = carry;                                                                \
+            di_out[k] = d_i;                                                               \
+            df_out[k] = d_f;                                                               \
+            dc_out[k] = d_c;                                                               \
+            do_out[k] = d_o;                                                               \
+        }                                                                                  \
+    }                                                                                      \
+                                                                                           \
+    void NAME(T *restrict dh, T *restrict dcs, const T *restrict i, const T *restrict f,   \
+              const T *restrict o, const T *restrict ci, const T *restrict co,             \
+              const T *restrict cs, const T *restrict cs_last, const T *restrict h_grad,   \
+              const T *restrict cs_grad, const T *restrict peep, T clip_at, long batch,    \
+              long units, long off_i, long off_f, long off_c, long off_o,                  \
+              T *restrict dgates)                                                          \
+    {                                                                                      \
+        const T *wci = peep;                                                               \
+        const T *wcf = peep != NULL ? peep + units : NULL;                                 \
+        const T *wco = peep != NULL ? peep + 2 * units : NULL;                             \
+        for (long b = 0; b < batch; b++) {                                                 \
+            const long r = b * units;                                                      \
+            T *g = dgates + b * 4 * units;                                                 \
+            /* specialised per flag, as step_row: see there */                             \
+            if (peep != NULL && clip_at > 0)                                               \
+                NAME##_row(dh + r, dcs + r, i + r, f + r, o + r, ci + r, co + r, cs + r,   \
+                           cs_last + r, h_grad + r, cs_grad + r, wci, wcf, wco, clip_at,   \
+                           1, 1, units, g + off_i, g + off_f, g + off_c, g + off_o);       \
+            else if (peep != NULL)                                                         \
+                NAME##_row(dh + r, dcs + r, i + r, f + r, o + r, ci + r, co + r, cs + r,   \
+                           cs_last + r, h_grad + r, cs_grad + r, wci, wcf, wco, clip_at,   \
+                           1, 0, units, g + off_i, g + off_f, g + off_c, g + off_o);       \
+            else if (clip_at > 0)                                                          \
+                NAME##_row(dh + r, dcs + r, i + r, f + r, o + r, ci + r, co + r, cs + r,   \
+                           cs_last + r, h_grad + r, cs_grad + r, wci, wcf, wco, clip_at,   \
+                           0, 1, units, g + off_i, g + off_f, g + off_c, g + off_o);       \
+            else                                                                           \
+                NAME##_row(dh + r, dcs + r, i + r, f + r, o + r, ci + r, co + r, cs + r,   \
+                           cs_last + r, h_grad + r, cs_grad + r, wci, wcf, wco, clip_at,   \
+                           0, 0, units, g + off_i, g + off_f, g + off_c, g + off_o);       \
+        }                                                                                  \
+    }
+
+DEFINE_BACKWARD_STEP(float, gradserve_lstm_backward_step_f32)
+DEFINE_BACKWARD_STEP(double, gradserve_lstm_backward_step_f64)

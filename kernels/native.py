@@ -46,6 +46,8 @@ FLAGS = ("-O3", "-march=native", "-std=c99", "-fPIC", "-shared")
 #: Seconds a compilation may take before it counts as failed.
 COMPILE_TIMEOUT_SECONDS = 120
 STEP = "gradserve_lstm_forward_step_f32"
+BACKWARD_F32 = "gradserve_lstm_backward_step_f32"
+BACKWARD_F64 = "gradserve_lstm_backward_step_f64"
 TANH = "gradserve_rational_tanh_f32"
 
 
@@ -184,6 +186,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     tanh = getattr(lib, TANH)
     tanh.argtypes = [ptr, ptr, long_]
     tanh.restype = None
+    for name, real in ((BACKWARD_F32, ctypes.c_float), (BACKWARD_F64, ctypes.c_double)):
+        backward = getattr(lib, name)
+        # dh, dcs, i, f, o, ci, co, cs, cs_last, h_grad, cs_grad, peep; clip_at; batch,
+        # units, the four offsets; dgates
+        backward.argtypes = [*[ptr] * 12, real, *[long_] * 6, ptr]
+        backward.restype = None
 
 
 class NativeStep:

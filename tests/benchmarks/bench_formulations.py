@@ -1,11 +1,15 @@
-"""What ``--lstm-formulation`` costs (``make bench``): not a test, prints figures.
+"""What ``--lstm-formulation`` and ``--cpu-step-kernel`` cost (``make bench``): not a
+test, prints figures.
 
 The CPU forward computes a shape in the GEMM formulation it measured fastest on the
 first call (``kernels/lstm_cpu.py``'s planner); a server started with
 ``--lstm-formulation`` computes every shape in one, so that replicas return the same
-bits. This times the in-process forward (``Compute.lstm_forward``, float32, peepholes)
-in each formulation and as the planner chooses ("auto", with its choice), interleaved
-call by call, at the LSTM benchmark's sizes and at 1 and all BLAS threads; medians.
+bits. Each step's elementwise pass is the compiled step where it builds
+(``kernels/native.py``), else NumPy's (``--cpu-step-kernel``). This times the
+in-process forward (``Compute.lstm_forward``, float32, peepholes) in each formulation
+with each pass ("hoisted/native", "hoisted/numpy", ...) and as the planner chooses
+("auto", the default pass, with its choice), interleaved call by call, at the LSTM
+benchmark's sizes and at 1 and all BLAS threads; medians.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import os
 import statistics
 import time
 
-from gradserve.kernels import backend_numpy, lstm_cpu
+from gradserve.kernels import backend_numpy, lstm_cpu, native
 from gradserve.kernels.compute import Compute
 from gradserve.lstm_signature import LSTMInputs
 from tests.benchmarks.bench_lstm import (
@@ -30,8 +34,13 @@ from tests.benchmarks.bench_lstm import (
 def bench_size(steps: int, batch: int, units: int, calls: int) -> None:
     weights, _, _ = make_inputs(steps, batch, units)
     inputs = LSTMInputs(*weights)
+    kernels = [native.Mode.NUMPY]
+    if native.NATIVE.library() is not None:
+        kernels.insert(0, native.Mode.NATIVE)
     computes = {
-        form.value: Compute(backend_numpy, formulation=form) for form in lstm_cpu.Formulation
+        f"{form.value}/{kernel.value}": Compute(backend_numpy, formulation=form, step_kernel=kernel)
+        for form in lstm_cpu.Formulation
+        for kernel in kernels
     }
     computes["auto"] = Compute(backend_numpy)
     for compute in computes.values():  # warm: workspaces, the planner's measurement
@@ -42,7 +51,8 @@ def bench_size(steps: int, batch: int, units: int, calls: int) -> None:
             start = time.perf_counter()
             compute.lstm_forward(inputs, seq_len_max=steps, use_peephole=True)
             samples[name].append(time.perf_counter() - start)
-    key = (batch, units, units, "<f4", lstm_cpu.blas_threads(), True)
+    fused = kernels[0] is native.Mode.NATIVE  # what "auto" ran
+    key = (batch, units, units, "<f4", lstm_cpu.blas_threads(), True, fused)
     chosen = lstm_cpu.PLANNER.lookup(key)
     medians = {name: statistics.median(s) for name, s in samples.items()}
     best = min(medians.values())
@@ -55,6 +65,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=0, help="per formulation (0: 15, 5 large)")
     args = parser.parse_args()
     print(f"# LSTM forward per formulation (CPU, float32): {os.cpu_count()} CPUs; {blas_info()}")
+    if native.NATIVE.library() is None:
+        print(f"# no compiled step here ({native.NATIVE.failure}): NumPy's pass only")
     print(f"# {blas_environment()}; medians of interleaved calls; (x) = / the fastest")
     for threads in (1, None):
         with blas_threads(threads):

@@ -391,12 +391,12 @@ def plan_summary() -> str:
         return "#   (one formulation: this tree has no planner)"
     lines = []
     for key, timings in lstm_cpu.PLANNER.measured.items():
-        batch, inputs, units, _, threads, _ = key
+        batch, inputs, units, _, threads, *_, fused = key
         chosen = min(timings, key=lambda f: timings[f])
         probe = ", ".join(f"{f.value} {s * 1e3:.2f} ms" for f, s in timings.items())
         lines.append(
-            f"#   B={batch} I={inputs} H={units}, {threads} BLAS thread(s): "
-            f"{chosen.value} (probe: {probe})"
+            f"#   B={batch} I={inputs} H={units}, {threads} BLAS thread(s), "
+            f"{'compiled' if fused else 'NumPy'} step: {chosen.value} (probe: {probe})"
         )
     return "\n".join(lines)
 

@@ -13,8 +13,9 @@ import pathlib
 import types
 
 import numpy as np
+import pytest
 
-from gradserve.kernels import backend_numpy, lstm
+from gradserve.kernels import backend_numpy, lstm, native
 from gradserve.lstm_signature import LSTMActivations, LSTMGrads, LSTMInputs, LSTMOutputGrads
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
@@ -129,3 +130,17 @@ def backward(backend, *arrays, **attrs) -> LSTMGrads:
         LSTMOutputGrads(*output_grads),
         **attrs,
     )
+
+
+#: The CPU forward's and backward's elementwise passes (``--cpu-step-kernel``), for
+#: tests parametrized over both with the ``step_kernel`` fixture (conftest.py).
+STEP_KERNELS = [native.Mode.NATIVE, native.Mode.NUMPY]
+
+
+def require_native() -> None:
+    """Skip where the host has no C compiler at all; fail where it has one and the
+    compiled step does not build (a broken build must not pass as a skip)."""
+    if native.NATIVE.library() is None:
+        if "no C compiler" in (native.NATIVE.failure or ""):
+            pytest.skip("no C compiler: the compiled step cannot be built here")
+        pytest.fail(f"the compiled step did not build: {native.NATIVE.failure}")

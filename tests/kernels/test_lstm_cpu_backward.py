@@ -3,23 +3,30 @@ per-step loop of ``bwd_step`` (the CUDA path's algorithm, itself checked against
 TensorFlow's recordings and finite differences in ``test_lstm_golden`` and
 ``test_lstm_gradcheck``, which run this module on the NumPy backend): every dtype,
 both gate layouts, with and without peepholes, clipped cells, steps past
-``seq_len_max``, and blocks that do not divide the sequence."""
+``seq_len_max``, and blocks that do not divide the sequence; with either elementwise
+pass (the compiled step gives the NumPy passes' bits)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from gradserve.kernels import backend_numpy, lstm, lstm_cpu_backward
+from gradserve.kernels import backend_numpy, lstm, lstm_cpu, lstm_cpu_backward, native
 from gradserve.lstm_signature import LSTMInputs, LSTMOutputGrads
 from tests.kernels.lstm_cases import (
     GENERIC,
     GRADS,
     INPUTS,
     OUTPUT_GRADS,
+    STEP_KERNELS,
     TOLERANCE,
     random_case,
+    require_native,
     scaled_error,
+)
+
+BY_STEP_KERNEL = pytest.mark.parametrize(
+    "step_kernel", STEP_KERNELS, ids=lambda m: m.value, indirect=True
 )
 
 
@@ -33,6 +40,7 @@ def _grads(backend, case, activations, **attrs):
     )
 
 
+@BY_STEP_KERNEL
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 @pytest.mark.parametrize("block_steps", [1, 3, 1000])  # 3: blocks of 3, 3, ..., and a rest
 @pytest.mark.parametrize(
@@ -48,7 +56,17 @@ def _grads(backend, case, activations, **attrs):
     ],
 )
 def test_matches_the_generic_loop(
-    monkeypatch, dtype, block_steps, steps, batch, units, length, layout, peephole, clip
+    monkeypatch,
+    step_kernel,
+    dtype,
+    block_steps,
+    steps,
+    batch,
+    units,
+    length,
+    layout,
+    peephole,
+    clip,
 ):
     monkeypatch.setattr(lstm_cpu_backward, "BLOCK_ELEMENTS", block_steps * max(1, batch * units))
     case = random_case(
@@ -88,6 +106,7 @@ def test_check_runs_before_every_step_and_can_abandon_the_call(monkeypatch):
         _grads(backend_numpy, case, activations, seq_len_max=7, check=deadline)
 
 
+@BY_STEP_KERNEL
 @pytest.mark.parametrize("layout", list(lstm.GateLayout), ids=lambda g: g.value)
 @pytest.mark.parametrize("peephole", [False, True])
 @pytest.mark.parametrize("clip", [0.0, 0.3])
@@ -101,7 +120,9 @@ def test_check_runs_before_every_step_and_can_abandon_the_call(monkeypatch):
     ],
     ids=["inf-and-zero-weights", "minus-inf", "nan", "overflow"],
 )
-def test_non_finite_gradients_match_the_generic_loop_exactly(poison, peephole, clip, layout):
+def test_non_finite_gradients_match_the_generic_loop_exactly(
+    step_kernel, poison, peephole, clip, layout
+):
     """Only products are regrouped, never sums: NaN and infinity land where the generic
     loop (and the CUDA kernel) put them."""
     case = random_case(np.random.default_rng(5), 6, 3, 4, 5, np.float32, 6, 1.0)
@@ -122,3 +143,45 @@ def test_non_finite_gradients_match_the_generic_loop_exactly(poison, peephole, c
         np.testing.assert_array_equal(np.isneginf(a), np.isneginf(b), err_msg=k)
         finite = np.isfinite(b)
         assert scaled_error(a[finite], b[finite]) < TOLERANCE["float32"], k
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize(
+    ("layout", "peephole", "clip", "length", "poison"),
+    [
+        (lstm.GateLayout.IFCO, True, 0.0, 9, None),
+        (lstm.GateLayout.ICFO, True, 0.3, 7, None),
+        (lstm.GateLayout.IFCO, False, 0.2, 9, None),
+        (lstm.GateLayout.ICFO, False, 0.0, 1, None),
+        (lstm.GateLayout.IFCO, True, 0.3, 9, "h_grad"),  # NaN and inf on the way back
+        (lstm.GateLayout.ICFO, True, 0.0, 9, "cs_grad"),
+    ],
+)
+def test_the_compiled_backward_step_gives_the_numpy_passes_bits(
+    monkeypatch, dtype, layout, peephole, clip, length, poison
+):
+    require_native()
+    calls = []
+    real = lstm_cpu_backward._native_step
+
+    def counting(ct, arrays):
+        step = real(ct, arrays)
+        return None if step is None else (lambda *a: calls.append(1) or step(*a))
+
+    monkeypatch.setattr(lstm_cpu_backward, "_native_step", counting)
+    case = random_case(np.random.default_rng(11), 9, 6, 5, 19, dtype, length, 1.0)
+    if poison:
+        case[poison][4, 1, :3] = (np.nan, np.inf, -np.inf)
+    attrs = dict(seq_len_max=length, layout=layout, use_peephole=peephole, cell_clip=clip)
+    activations = lstm.block_lstm_forward(GENERIC, LSTMInputs(*(case[k] for k in INPUTS)), **attrs)
+    grads = {}
+    for mode in (native.Mode.NATIVE, native.Mode.NUMPY):
+        token = lstm_cpu.STEP_KERNEL.set(mode)
+        try:
+            with np.errstate(all="ignore"):
+                grads[mode] = _grads(backend_numpy, case, activations, **attrs)
+        finally:
+            lstm_cpu.STEP_KERNEL.reset(token)
+    assert len(calls) == length  # one compiled step per step, none for NumPy's passes
+    for k, a, b in zip(GRADS, grads[native.Mode.NATIVE], grads[native.Mode.NUMPY]):
+        np.testing.assert_array_equal(a, b, err_msg=k)

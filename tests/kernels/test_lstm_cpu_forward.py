@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from gradserve import pauses
-from gradserve.kernels import backend_numpy, lstm, lstm_cpu, native
+from gradserve.kernels import backend_numpy, lstm, lstm_cpu
 from gradserve.kernels.compute import Compute, compute_for
 from gradserve.lstm_signature import LSTMInputs
 from tests.kernels.lstm_cases import (
@@ -20,6 +20,7 @@ from tests.kernels.lstm_cases import (
     INDEX,
     INPUTS,
     OUTPUTS,
+    STEP_KERNELS,
     TOLERANCE,
     UNINITIALISED_PAST_END,
     forward_attrs,
@@ -29,28 +30,6 @@ from tests.kernels.lstm_cases import (
 )
 
 FORMULATIONS = list(lstm_cpu.Formulation)
-STEP_KERNELS = [native.Mode.NATIVE, native.Mode.NUMPY]
-
-
-@pytest.fixture
-def step_kernel(request):
-    """Run the test's forwards with the elementwise pass of the parameter
-    (``test_lstm_cpu_native.py`` checks that the compiled step runs when asked for)."""
-    mode = request.param
-    if mode is native.Mode.NATIVE:
-        require_native()
-    token = lstm_cpu.STEP_KERNEL.set(mode)
-    yield mode
-    lstm_cpu.STEP_KERNEL.reset(token)
-
-
-def require_native() -> None:
-    """Skip where the host has no C compiler at all; fail where it has one and the
-    step does not build (a broken build must not pass as a skip)."""
-    if native.NATIVE.library() is None:
-        if "no C compiler" in (native.NATIVE.failure or ""):
-            pytest.skip("no C compiler: the compiled step cannot be built here")
-        pytest.fail(f"the compiled step did not build: {native.NATIVE.failure}")
 
 
 @pytest.fixture

@@ -18,8 +18,7 @@ import pytest
 from gradserve.kernels import backend_numpy, lstm, lstm_cpu, native
 from gradserve.kernels.compute import compute_for
 from gradserve.lstm_signature import LSTMInputs
-from tests.kernels.lstm_cases import INPUTS, random_case, scaled_error
-from tests.kernels.test_lstm_cpu_forward import require_native
+from tests.kernels.lstm_cases import INPUTS, random_case, require_native, scaled_error
 
 #: The rational tanh's largest error measured over every 7th float32 in [-10, 10]
 #: (312 million values): 6 ulps, at 3.9; NumPy's float32 tanh: 1.

@@ -71,8 +71,9 @@ def test_the_statefulset_gives_each_replica_an_identity_a_volume_and_time_to_sav
 
 
 def test_the_replicas_compute_the_same_bits_within_their_cpu_request():
-    """One LSTM formulation, the BLAS threads of the CPU request, and as many compute
-    slots as those fill: the flags parse, and agree with the request."""
+    """One LSTM formulation and elementwise pass, the BLAS threads of the CPU request,
+    and as many compute slots as those fill: the flags parse, and agree with the
+    request."""
     from gradserve.server.transport.cli import build_parser
 
     (sts,) = by_kind("StatefulSet")
@@ -81,6 +82,7 @@ def test_the_replicas_compute_the_same_bits_within_their_cpu_request():
     env = {e["name"]: e.get("value") for e in container["env"]}
     threads, cpus = int(env["OPENBLAS_NUM_THREADS"]), int(container["resources"]["requests"]["cpu"])
     assert flags.lstm_formulation is not None
+    assert flags.cpu_step_kernel != "auto"
     assert flags.compute_slots == max(1, cpus // threads)
 
 

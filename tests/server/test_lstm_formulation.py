@@ -15,8 +15,14 @@ from gradserve.server import run_server
 from gradserve.server.transport.app import ConfigError
 from gradserve.server.transport.cli import build_parser
 from gradserve.server.transport.config import LSTM_FORMULATIONS
-from tests.kernels.lstm_cases import INPUTS, LAYOUT, OUTPUTS, forward, random_case
-from tests.kernels.test_lstm_cpu_forward import require_native
+from tests.kernels.lstm_cases import (
+    INPUTS,
+    LAYOUT,
+    OUTPUTS,
+    forward,
+    random_case,
+    require_native,
+)
 
 FORMULATIONS = list(lstm_cpu.Formulation)
 
