@@ -140,7 +140,7 @@ void gradserve_lstm_forward_step_f32(
 /* One step of the backward's recurrence (``lstm_cpu_backward.py`` states it), in the
  * NumPy pass's grouping: the products of activations first (its per-block factors),
  * then each sum in its order, so with the ISO C floating point this file is compiled
- * with (no contraction into fused multiply-adds, ``native.FLAGS``) it gives NumPy's
+ * with (``-ffp-contract=off``: no fused multiply-adds, ``native.FLAGS``) it gives NumPy's
  * bits, NaN and infinities included. No transcendental function: float64 too.
  *
  * dh [batch, units]: the carry from the step above (dgates @ W_h^T), h_grad added in

@@ -42,7 +42,9 @@ import threading
 log = logging.getLogger("gradserve.kernels")
 
 SOURCE = pathlib.Path(__file__).with_name("lstm_cpu_step.c")
-FLAGS = ("-O3", "-march=native", "-std=c99", "-fPIC", "-shared")
+#: ``-ffp-contract=off``: no fused multiply-adds, so the backward step gives the NumPy
+#: passes' bits (Clang contracts within an expression by default, GCC outside ISO C).
+FLAGS = ("-O3", "-march=native", "-std=c99", "-ffp-contract=off", "-fPIC", "-shared")
 #: Seconds a compilation may take before it counts as failed.
 COMPILE_TIMEOUT_SECONDS = 120
 STEP = "gradserve_lstm_forward_step_f32"
