@@ -45,6 +45,8 @@ from gradserve.server.transport.servicer_part import (
     ForgottenUnlessReplied,
     ReadOut,
     check_reply_in_time,
+    int_metadata,
+    text_metadata,
 )
 from gradserve.server.transport.shm_handlers import SharedMemoryRPCs
 from gradserve.server.transport.streams import (
@@ -126,7 +128,7 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
     def _session(self, context: Any, metadata: dict[str, str] | None = None) -> Session:
         """The call's session; first deletes the transient tensors the client says it
         has read in full (``x-gradserve-fetched``). ``metadata``: the call's, if read."""
-        metadata = _metadata(context) if metadata is None else metadata
+        metadata = text_metadata(context) if metadata is None else metadata
         session_id = metadata.get(protocol.SESSION_METADATA_KEY)
         if not session_id:
             raise InvalidArgumentError(
@@ -151,15 +153,15 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         ``response_budget`` (``--max-message-bytes``, less room for its other fields;
         the client's channel), of which inline tensors at most ``reply_budget``
         (``--max-inline-reply-bytes``)."""
-        metadata = _metadata(context)
-        client_budget = _int_metadata(metadata, protocol.RESPONSE_BUDGET_METADATA_KEY)
+        metadata = text_metadata(context)
+        client_budget = int_metadata(metadata, protocol.RESPONSE_BUDGET_METADATA_KEY)
         session = self._session(context, metadata)
         io = CallIO(
             session,
             self.compute,
             inline_budget=self.response_budget(client_budget),
             inline_tensor_budget=self.reply_budget(client_budget),
-            inline_limit=_int_metadata(metadata, protocol.INLINE_LIMIT_METADATA_KEY),
+            inline_limit=int_metadata(metadata, protocol.INLINE_LIMIT_METADATA_KEY),
             check_alive=Liveness(context, session),
             tapes=_tapes(session, metadata),
         )
@@ -301,7 +303,7 @@ class GradServeServicer(SharedMemoryRPCs, InlineTensorRPCs, service_pb2_grpc.Gra
         session = self._session(context)
         # A proposed tape is not started to be released (at the session's limit of
         # tapes that failed): the session marks an id it never had released.
-        proposed = request.tape_id in _proposed_ids(_metadata(context))
+        proposed = request.tape_id in _proposed_ids(text_metadata(context))
         release = functools.partial(tape_handlers.release_tape, proposed=proposed)
         return await self.light.run(functools.partial(release, session, request))
 
@@ -460,11 +462,6 @@ def _log_failed_undo(future: asyncio.Future[None]) -> None:
         )
 
 
-def _metadata(context: Any) -> dict[str, str]:
-    """The call's text metadata."""
-    return {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
-
-
 def _tapes(session: Session, metadata: dict[str, str]) -> list[Tape]:
     """The live tapes the call records on (``x-gradserve-tape``): ids of started
     tapes, or ``+ID.PW`` to start tape ID if it does not exist yet (P, W: 1 or 0 for
@@ -505,11 +502,3 @@ def _proposed_ids(metadata: dict[str, str]) -> set[str]:
     """The ids the call's tape header proposes ("+ID.PW" entries)."""
     raw = metadata.get(protocol.TAPE_METADATA_KEY) or ""
     return {t[1:].partition(".")[0] for t in raw.split(",") if t.startswith("+")}
-
-
-def _int_metadata(metadata: dict[str, str], key: str) -> int | None:
-    raw = metadata.get(key)
-    try:
-        return int(raw) if raw else None
-    except ValueError:
-        raise InvalidArgumentError(f"'{key}' must be an integer, got {raw!r}") from None

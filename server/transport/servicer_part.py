@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gradserve import protocol
-from gradserve.errors import DeadlineExceededError, GradserveError
+from gradserve.errors import DeadlineExceededError, GradserveError, InvalidArgumentError
 from gradserve.server.core.sessions import Session
 
 
@@ -48,6 +48,22 @@ class ServicerPart:
         if self.max_inline_reply_bytes is not None:
             budget = min(budget, self.max_inline_reply_bytes)
         return max(0, budget)
+
+
+def text_metadata(context: Any) -> dict[str, str]:
+    """The call's text metadata."""
+    return {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+
+
+def int_metadata(metadata: dict[str, str], key: str) -> int | None:
+    """An integer header (None where absent); INVALID_ARGUMENT where malformed, in
+    every RPC alike (GetTensorInline ignored a malformed response budget that an op's
+    call refused)."""
+    raw = metadata.get(key)
+    try:
+        return int(raw) if raw else None
+    except ValueError:
+        raise InvalidArgumentError(f"'{key}' must be an integer, got {raw!r}") from None
 
 
 def check_reply_in_time(context: Any) -> None:

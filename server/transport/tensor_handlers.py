@@ -28,6 +28,8 @@ from gradserve.server.transport.servicer_part import (
     ForgottenUnlessReplied,
     ReadOut,
     ServicerPart,
+    int_metadata,
+    text_metadata,
 )
 from gradserve.server.transport.wire import host_array
 from gradserve.v1 import service_pb2, tensor_pb2
@@ -68,12 +70,9 @@ class InlineTensorRPCs(ServicerPart):
         here); RESOURCE_EXHAUSTED (reason ``USE_GET_TENSOR``) if it would not fit the
         response (``reply_budget``)."""
         session = self._session(context)
+        metadata = text_metadata(context)
+        budget = self.reply_budget(int_metadata(metadata, protocol.RESPONSE_BUDGET_METADATA_KEY))
         read_out = ReadOut(session, request, context)
-        client_budget = None
-        for key, value in context.invocation_metadata() or ():
-            if key == protocol.RESPONSE_BUDGET_METADATA_KEY and str(value).isdigit():
-                client_budget = int(value)
-        budget = self.reply_budget(client_budget)
 
         def get() -> codec.Serialized:
             with session.reading(request.id) as kept:

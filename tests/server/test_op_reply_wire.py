@@ -583,3 +583,45 @@ def test_an_inline_cap_out_of_range_is_refused_at_start(cap):
     with pytest.raises(ConfigError, match="max-inline-reply-bytes"):
         with run_server(device="cpu", max_inline_reply_bytes=cap):
             pass
+
+
+def test_a_malformed_response_budget_is_refused_by_every_rpc_alike():
+    """GetTensorInline read ``x-gradserve-response-budget`` only when it was digits and
+    otherwise ignored it, where an op's call refused it: INVALID_ARGUMENT in both now,
+    and a negative budget leaves room for nothing inline in both."""
+    import grpc
+
+    from gradserve.server import run_server
+    from gradserve.v1 import service_pb2, service_pb2_grpc, tensor_array_pb2
+
+    value = np.arange(1000, dtype=np.float32)
+    with run_server(device="cpu") as server:
+        target = f"127.0.0.1:{server.port}"
+        with gradserve.Client(target, shared_memory=False) as c:
+            ref = c.put(value)
+            with grpc.insecure_channel(target) as channel:
+                stub = service_pb2_grpc.GradServeStub(channel)
+                get = service_pb2.GetTensorRequest(id=ref.id)
+                op = tensor_array_pb2.StopGradientRequest(input=tensor_pb2.TensorInput(ref=ref.id))
+                for budget, code in (
+                    ("lots", grpc.StatusCode.INVALID_ARGUMENT),
+                    ("1e9", grpc.StatusCode.INVALID_ARGUMENT),
+                    ("-5", None),  # room for nothing inline
+                ):
+                    metadata = (
+                        (gradserve.protocol.SESSION_METADATA_KEY, c.session_id),
+                        (gradserve.protocol.RESPONSE_BUDGET_METADATA_KEY, budget),
+                    )
+                    if code is None:
+                        out = stub.StopGradient(op, metadata=metadata).output
+                        assert out.WhichOneof("result") == "ref", budget
+                        c.delete(out.ref.id)
+                        code = grpc.StatusCode.RESOURCE_EXHAUSTED  # USE_GET_TENSOR
+                    else:
+                        with pytest.raises(grpc.RpcError) as refused:
+                            stub.StopGradient(op, metadata=metadata)
+                        assert refused.value.code() == code, budget
+                    with pytest.raises(grpc.RpcError) as refused:
+                        stub.GetTensorInline(get, metadata=metadata)
+                    assert refused.value.code() == code, budget
+            assert same(c.get(ref), value)  # nothing else changed
