@@ -322,14 +322,14 @@ def _measure(run: Run, length: int, check: Callable[[], None] | None) -> dict[Fo
 
 
 def _native_step(x: Array, outs: Sequence[Array]) -> Any | None:
-    """The compiled elementwise step if it serves this call (float32, contiguous
-    outputs, ``STEP_KERNEL`` not NumPy's, a library built here), else None: NumPy's
-    pass. (A server with ``native`` refused to start without the library.)"""
-    if STEP_KERNEL.get() is native.Mode.NUMPY:
+    """The compiled elementwise step if it serves this call (float32, outputs
+    contiguous and of [T, B, H] with x's T and B, ``STEP_KERNEL`` not NumPy's, a
+    library built here), else None: NumPy's pass. (A server with ``native`` refused
+    to start without the library.)"""
+    if STEP_KERNEL.get() is native.Mode.NUMPY or x.dtype != np.float32:
         return None
-    if x.dtype != np.float32 or not all(
-        o.dtype == np.float32 and o.flags.c_contiguous for o in outs
-    ):
+    shape = (*x.shape[:2], outs[0].shape[-1]) if outs and outs[0].ndim == 3 else None
+    if not all(o.dtype == np.float32 and o.flags.c_contiguous and o.shape == shape for o in outs):
         return None
     lib = native.NATIVE.library()
     return None if lib is None else getattr(lib, native.STEP)
@@ -400,7 +400,8 @@ def _recur(
     tmp = ws.tmp
     step = _native_step(x, outs)
     if step is not None:
-        cs_prev = np.ascontiguousarray(cs_prev, dtype=np.float32)
+        # (the C step reads [B, H]: one NumPy broadcasts, a row of [1, H] say, is spread)
+        cs_prev = np.ascontiguousarray(np.broadcast_to(cs_prev, (batch, units)), np.float32)
         bases = [o.ctypes.data for o in outs]  # i, cs, f, o, ci, co, h
         row_bytes = batch * units * x.dtype.itemsize
         peep_ptr = ws.peep.ctypes.data if use_peephole else None

@@ -84,7 +84,13 @@ def backward_sequence(
     transpose_into(w_h, w_h_t)
     per_step = (i, cs, f, o, ci, co, cs_grad, h_grad)
     step = _native_step(ct, (cs_prev, *per_step, dgates, dh, dcs))
-    if step is not None:
+    shapes_read = (
+        all(a.ndim == 3 and a.shape[0] >= length and a.shape[1:] == dh.shape for a in per_step)
+        and cs_prev.shape == dh.shape == dcs.shape
+        and dgates.shape[:2] == (length, batch)
+        and dgates.shape[2:] == (4 * units,)
+    )
+    if step is not None and shapes_read:  # the C step reads [B, H] rows of each
         peep = np.stack([wci, wcf, wco]).astype(ct, copy=False) if use_peephole else None
         _recur_native(
             step, cs_prev, per_step, peep, w_h_t, dgates, dh, dcs, length, offsets,

@@ -14,16 +14,19 @@
  * sigmoid(z) = 0.5 * tanh(z / 2) + 0.5 takes the halved pre-activation as it is.
  * tanh is a rational function (an odd degree-13 numerator over an even degree-6
  * denominator, as Eigen's float tanh, which TensorFlow's CPU kernel evaluates): no
- * exp, no branch, so it vectorizes; within a few float32 ulps of the true tanh
- * (``test_lstm_cpu_native.py`` measures it), where NumPy's tanh is within one or two.
+ * exp, no branch, so it vectorizes; within 7 float32 ulps of the true tanh over every
+ * float32 (``test_lstm_cpu_native.py`` checks a sample), where NumPy's is within one, and
+ * never past +-1.
  * float32 only: the rational function is not accurate enough for float64, which
  * stays on NumPy.
  */
 
 #include <stddef.h>
 
-/* Beyond +-9, tanh rounds to +-1 in float32. */
-#define TANH_CLAMP 9.0f
+/* Where the rational function reaches 1 (Eigen's clamp): beyond it tanh rounds to +-1
+ * in float32, and the function itself, clamped at 9 instead, rose past 1 by up to 2 ulps
+ * from 8.1 on (so a gate of 1.0000001; a review helper). */
+#define TANH_CLAMP 7.90531110763549805f
 
 static inline float rational_tanh(float z) {
     /* NaN passes through both comparisons and stays NaN; +-inf clamp to +-1. */
@@ -103,8 +106,9 @@ static inline void step_row(
 /* One step: gates [batch, gates_stride] (the i, f, c, o columns at off_*, units wide
  * each; i, f, o halved), plus proj [batch, proj_stride] at the same columns when proj
  * is not NULL (the hoisted input projection), plus bias [4 units] (as the gates'
- * columns, i, f, o halved, the forget bias added): z = (bias + proj) + gates, the
- * order NumPy's pass adds them in; c_last [batch, units]; peep [3, units] (wci, wcf, wco, halved)
+ * columns, i, f, o halved, the forget bias added): z = (bias + proj) + gates (NumPy's
+ * pass adds them in that order too, but for the transposed formulation, whose
+ * projection the caller adds to the gates first); c_last [batch, units]; peep [3, units] (wci, wcf, wco, halved)
  * or NULL for no peepholes; cell_clip > 0 clips the cell. The seven outputs are
  * [batch, units] each, contiguous. */
 void gradserve_lstm_forward_step_f32(

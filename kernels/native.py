@@ -1,31 +1,36 @@
-"""The CPU forward's fused elementwise step (``lstm_cpu_step.c``), compiled for this host.
+"""The CPU LSTM's fused elementwise steps (``lstm_cpu_step.c``), compiled for this host.
 
-NumPy runs a step's elementwise pass as about twenty ufunc calls, each a pass over
-memory and a call's overhead; at (50, 32, 256) they cost 3 ms of a 15 ms forward with
-one BLAS thread, against TensorFlow's Eigen expressions fused in one pass. The C
-source does the pass in one loop. No binary ships with the package (the core install
-stays pure Python); as CuPy compiles its kernels with NVRTC on first use and PyTorch's
-inductor compiles C++ with the host's compiler, the source is compiled here on first
-use with the host's C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) for this
-CPU (``-march=native``) and cached, keyed by the source, the flags, the compiler's
-version and the CPU, so a cache shared between machines never hands one another's
-instructions.
+NumPy runs a forward step's elementwise pass as about twenty ufunc calls (a backward
+step's as about fifteen), each a pass over memory and a call's overhead; at (50, 32,
+256) they cost 3 ms of a 15 ms forward with one BLAS thread, against TensorFlow's
+Eigen expressions fused in one pass. The C source does each in one loop. No binary
+ships with the package (the core install stays pure Python); as CuPy compiles its
+kernels with NVRTC on first use and PyTorch's inductor compiles C++ with the host's
+compiler, the source is compiled here on first use with the host's C compiler
+(``$CC``, split as a shell would, else ``cc``, ``gcc`` or ``clang``) for this CPU
+(``-march=native``, where ``/proc/cpuinfo`` tells the CPU apart: else for the
+architecture's baseline) and cached, keyed by the source, the compiler's command,
+flags and version, and the CPU, so a cache shared between machines never hands one
+another's instructions.
 
-Where no compiler is found, or it fails, or the cache cannot be trusted, the forward
-runs its NumPy pass as before (``Mode.AUTO``); a server started with
-``--cpu-step-kernel native`` refuses to start instead, and ``numpy`` never compiles.
-The two passes give other last bits (the C step's tanh is a rational function within
-a few ulps, NumPy's within one or two), so replicas meant to agree bit for bit pin
-the mode as they pin ``--lstm-formulation``.
+Where no compiler is found, or it fails (or runs past ``COMPILE_TIMEOUT_SECONDS``:
+killed with what it started), or the cache cannot be trusted, or anything else goes
+wrong, the passes stay NumPy's (``Mode.AUTO``), said once in the log; a server
+started with ``--cpu-step-kernel native`` refuses to start instead, and ``numpy``
+never compiles. The backward step gives NumPy's bits; the forward's does not (its
+tanh is a rational function within 7 ulps, NumPy's within one), so replicas meant to
+agree bit for bit pin the mode as they pin ``--lstm-formulation``.
 
 The cache directory (``$GRADSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/gradserve``,
-else ``~/.cache/gradserve``) is made private (0700); a directory or library owned by
-another user, or writable by others, is never loaded from (anyone who can write there
-could run code in the server): a fresh private temporary directory is used instead.
+else ``~/.cache/gradserve``; its links resolved) is made private (0700); a directory
+or library owned by another user, or writable by others, is never loaded from
+(anyone who can write there could run code in the server): a fresh private
+temporary directory is used instead, removed once the library is loaded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
 import hashlib
@@ -33,7 +38,9 @@ import logging
 import os
 import pathlib
 import platform
+import shlex
 import shutil
+import signal
 import stat
 import subprocess
 import tempfile
@@ -45,8 +52,10 @@ SOURCE = pathlib.Path(__file__).with_name("lstm_cpu_step.c")
 #: ``-ffp-contract=off``: no fused multiply-adds, so the backward step gives the NumPy
 #: passes' bits (Clang contracts within an expression by default, GCC outside ISO C).
 FLAGS = ("-O3", "-march=native", "-std=c99", "-ffp-contract=off", "-fPIC", "-shared")
-#: Seconds a compilation may take before it counts as failed.
-COMPILE_TIMEOUT_SECONDS = 120
+#: Seconds a compilation (and the compiler's ``--version``) may take before it is killed
+#: and counts as failed: a forward of the process waits for the build meanwhile.
+COMPILE_TIMEOUT_SECONDS = 60
+VERSION_TIMEOUT_SECONDS = 15
 STEP = "gradserve_lstm_forward_step_f32"
 BACKWARD_F32 = "gradserve_lstm_backward_step_f32"
 BACKWARD_F64 = "gradserve_lstm_backward_step_f64"
@@ -65,66 +74,123 @@ class NativeBuildError(RuntimeError):
     """The compiled step could not be built or loaded here (the message says why)."""
 
 
-def _cpu_identity() -> str:
-    """What ``-march=native`` compiles for: the CPU's model and feature flags."""
-    try:
-        text = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    keep = [ln for ln in text.splitlines() if ln.split(":")[0].strip() in ("model name", "flags")]
-    return "\n".join(dict.fromkeys(keep))  # one line of each kind per distinct CPU
+#: The lines of ``/proc/cpuinfo`` that say what ``-march=native`` compiles for: x86's
+#: model and feature flags, ARM's implementer, part, variant and features.
+CPU_IDENTITY_KEYS = frozenset(
+    ("vendor_id", "cpu family", "model", "model name", "stepping", "flags",
+     "CPU implementer", "CPU architecture", "CPU variant", "CPU part", "CPU revision",
+     "Features", "isa", "uarch")
+)  # fmt: skip
 
 
-def _compiler() -> str:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and (path := shutil.which(name)):
-            return path
+def cpu_identity(cpuinfo: str | None = None) -> str:
+    """What ``-march=native`` compiles for (``cpuinfo``: the text of ``/proc/cpuinfo``,
+    read here when None): "" where it cannot be told, and then the step is compiled
+    for the machine's baseline instead (``flags``), never for a CPU a shared cache
+    could not tell from another."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = pathlib.Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            return ""
+    keep = [ln for ln in cpuinfo.splitlines() if ln.split(":")[0].strip() in CPU_IDENTITY_KEYS]
+    if not keep:
+        return ""
+    # one line of each kind per distinct CPU, with the architecture's name
+    return "\n".join((platform.machine(), *dict.fromkeys(ln.strip() for ln in keep)))
+
+
+def flags(identity: str) -> tuple[str, ...]:
+    """The compiler's flags: ``-march=native`` only where the CPU can be told apart."""
+    return FLAGS if identity else tuple(f for f in FLAGS if f != "-march=native")
+
+
+def _compiler() -> list[str]:
+    """The compiler's command: ``$CC`` (split as a shell would: "ccache gcc" works),
+    else ``cc``, ``gcc`` or ``clang``."""
+    configured = os.environ.get("CC")
+    if configured:
+        args = shlex.split(configured)
+        if args and (path := shutil.which(args[0])):
+            return [path, *args[1:]]
+        log.warning("$CC=%r names no executable: trying cc, gcc, clang", configured)
+    for name in ("cc", "gcc", "clang"):
+        if path := shutil.which(name):
+            return [path]
     raise NativeBuildError("no C compiler found ($CC, cc, gcc, clang)")
 
 
-def _compiler_version(compiler: str) -> str:
+def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """``command`` in a session of its own, killed with everything it started (the
+    driver's cc1, as, ld) if it runs past ``timeout``."""
     try:
-        done = subprocess.run(
-            [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
-        )
-    except (OSError, subprocess.SubprocessError) as e:
-        raise NativeBuildError(f"{compiler} --version failed: {e}") from e
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            errors="replace", start_new_session=True,
+        )  # fmt: skip
+    except OSError as e:
+        raise NativeBuildError(f"{command[0]} failed to run: {e}") from e
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise NativeBuildError(f"{' '.join(command[:2])} ran past {timeout} s: killed") from None
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def _compiler_version(compiler: list[str]) -> str:
+    done = _run([*compiler, "--version"], VERSION_TIMEOUT_SECONDS)
+    if done.returncode != 0:
+        raise NativeBuildError(f"{compiler[0]} --version failed: {done.stderr.strip()[-500:]}")
     return done.stdout
 
 
+def _owned_privately(st: os.stat_result) -> bool:
+    return st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
 def _private(directory: pathlib.Path) -> bool:
-    """Owned by this user and writable by no one else (a symlink is not followed)."""
+    """A directory owned by this user and writable by no one else."""
     try:
         st = os.lstat(directory)
     except OSError:
         return False
-    return (
-        stat.S_ISDIR(st.st_mode)
-        and st.st_uid == os.getuid()
-        and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    )
+    return stat.S_ISDIR(st.st_mode) and _owned_privately(st)
 
 
-def cache_dir() -> pathlib.Path:
-    """The configured cache directory, made if missing; a private temporary one when it
-    cannot be made or is not private."""
+def configured_cache_dir() -> pathlib.Path:
+    """``$GRADSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/gradserve``, else
+    ``~/.cache/gradserve``."""
     configured = os.environ.get("GRADSERVE_CACHE_DIR")
     if configured:
-        directory = pathlib.Path(configured)
-    else:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        directory = pathlib.Path(base) / "gradserve"
+        return pathlib.Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "gradserve"
+
+
+def cache_dir() -> tuple[pathlib.Path, bool]:
+    """The cache directory, made if missing, with its links resolved (the checks and
+    every use name the same directory), and whether it is a temporary one: a fresh
+    private directory when the configured one cannot be made or is not private (the
+    caller removes it once the library is loaded)."""
+    directory = configured_cache_dir()
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError:
+        directory = directory.resolve(strict=True)
+    except (OSError, RuntimeError):
         pass
     if _private(directory):
-        return directory
-    log.warning("cache %s is missing or not private: compiling into a temporary one", directory)
-    return pathlib.Path(tempfile.mkdtemp(prefix="gradserve-native-"))
+        return directory, False
+    log.warning("cache %s cannot be made or is not private: compiling into a temporary one",
+                directory)  # fmt: skip
+    return pathlib.Path(tempfile.mkdtemp(prefix="gradserve-native-")), True
 
 
-def _build(directory: pathlib.Path, compiler: str, key: str) -> pathlib.Path:
+def _build(
+    directory: pathlib.Path, compiler: list[str], build_flags: tuple[str, ...], key: str
+) -> pathlib.Path:
     """Compile into ``directory`` under a name made of ``key``: to a temporary name
     first, then renamed, so a concurrent builder or reader never sees half a file."""
     target = directory / f"lstm_cpu_step-{key}.so"
@@ -133,49 +199,48 @@ def _build(directory: pathlib.Path, compiler: str, key: str) -> pathlib.Path:
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=directory)
     os.close(fd)
     try:
-        try:
-            done = subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", tmp],
-                capture_output=True, text=True, timeout=COMPILE_TIMEOUT_SECONDS,
-            )  # fmt: skip
-        except (OSError, subprocess.SubprocessError) as e:
-            raise NativeBuildError(f"{compiler} failed to run: {e}") from e
+        done = _run([*compiler, *build_flags, str(SOURCE), "-o", tmp], COMPILE_TIMEOUT_SECONDS)
         if done.returncode != 0:
-            raise NativeBuildError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+            raise NativeBuildError(f"{compiler[0]} failed: {done.stderr.strip()[-2000:]}")
         os.chmod(tmp, 0o700)
         os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
     return target
 
 
 def _trusted(library: pathlib.Path) -> bool:
+    """A regular file (not a link) owned by this user and writable by no one else."""
     try:
         st = os.lstat(library)
     except OSError:
         return False
-    return (
-        stat.S_ISREG(st.st_mode)
-        and st.st_uid == os.getuid()
-        and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    )
+    return stat.S_ISREG(st.st_mode) and _owned_privately(st)
 
 
 def build_and_load() -> ctypes.CDLL:
     """The compiled step's library, built now unless cached (NativeBuildError if not)."""
     compiler = _compiler()
-    source = SOURCE.read_bytes()
-    parts = (source, " ".join(FLAGS).encode(), _compiler_version(compiler).encode())
-    key = hashlib.sha256(b"\0".join((*parts, _cpu_identity().encode()))).hexdigest()[:32]
-    directory = cache_dir()
-    library = _build(directory, compiler, key)
-    if not _trusted(library):
-        raise NativeBuildError(f"{library} is not a private file of this user: not loaded")
+    identity = cpu_identity()
+    build_flags = flags(identity)
     try:
-        lib = ctypes.CDLL(str(library))
-    except OSError as e:
-        raise NativeBuildError(f"{library} failed to load: {e}") from e
+        source = SOURCE.read_bytes()
+        parts = (source, " ".join((*compiler[1:], *build_flags)), _compiler_version(compiler))
+        key = hashlib.sha256(
+            b"\0".join(p if isinstance(p, bytes) else p.encode() for p in (*parts, identity))
+        ).hexdigest()[:32]
+        directory, temporary = cache_dir()
+        try:
+            library = _build(directory, compiler, build_flags, key)
+            if not _trusted(library):
+                raise NativeBuildError(f"{library} is not a private file of this user: not loaded")
+            lib = ctypes.CDLL(str(library))
+        finally:
+            if temporary:  # a loaded library stays mapped without its file
+                shutil.rmtree(directory, ignore_errors=True)
+    except (OSError, UnicodeError) as e:
+        raise NativeBuildError(f"{type(e).__name__}: {e}") from e
     _declare(lib)
     return lib
 
@@ -215,10 +280,10 @@ class NativeStep:
             if self._lib is None and self._failure is None:
                 try:
                     self._lib = build_and_load()
-                    log.info("CPU forward: the compiled elementwise step (%s)", SOURCE.name)
-                except NativeBuildError as e:
-                    self._failure = str(e)
-                    log.warning("CPU forward: NumPy's elementwise pass (%s)", e)
+                    log.info("CPU LSTM: the compiled elementwise step (%s)", SOURCE.name)
+                except Exception as e:  # noqa: BLE001 - any failure: NumPy's pass, said once
+                    self._failure = str(e) if isinstance(e, NativeBuildError) else repr(e)
+                    log.warning("CPU LSTM: NumPy's elementwise passes (%s)", self._failure)
             return self._lib
 
     @property

@@ -224,6 +224,8 @@ def _compute(config: ServerConfig, device: str, store: SessionStore) -> Compute:
             f"--cpu-step-kernel {config.cpu_step_kernel!r}: expected one of "
             f"{', '.join(CPU_STEP_KERNELS)}"
         )
+    if config.cpu_step_kernel != "auto" and device != "cpu":
+        log.warning("--cpu-step-kernel has no effect on device %s: it is the CPU's", device)
     try:
         return compute_for(
             device,
