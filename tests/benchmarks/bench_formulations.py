@@ -8,8 +8,9 @@ bits. Each step's elementwise pass is the compiled step where it builds
 (``kernels/native.py``), else NumPy's (``--cpu-step-kernel``). This times the
 in-process forward (``Compute.lstm_forward``, float32, peepholes) in each formulation
 with each pass ("hoisted/native", "hoisted/numpy", ...) and as the planner chooses
-("auto", the default pass, with its choice), interleaved call by call, at the LSTM
-benchmark's sizes and at 1 and all BLAS threads; medians.
+("auto", the default pass, with its choice), and the backward with each pass,
+interleaved call by call, at the LSTM benchmark's sizes and at 1 and all BLAS
+threads; medians.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 
 from gradserve.kernels import backend_numpy, lstm_cpu, native
 from gradserve.kernels.compute import Compute
-from gradserve.lstm_signature import LSTMInputs
+from gradserve.lstm_signature import LSTMInputs, LSTMOutputGrads
 from tests.benchmarks.bench_lstm import (
     SIZES,
     blas_environment,
@@ -58,6 +59,25 @@ def bench_size(steps: int, batch: int, units: int, calls: int) -> None:
     best = min(medians.values())
     cells = ", ".join(f"{name} {1e3 * m:.1f} ms ({m / best:.2f}x)" for name, m in medians.items())
     print(f"  ({steps}, {batch}, {units}): {cells}; auto chose {chosen and chosen.value}")
+    bench_backward(inputs, steps, kernels, calls)
+
+
+def bench_backward(inputs: LSTMInputs, steps: int, kernels: list, calls: int) -> None:
+    """The backward with each elementwise pass (the same bits either way), interleaved."""
+    attrs = dict(seq_len_max=steps, use_peephole=True)
+    acts = Compute(backend_numpy).lstm_forward(inputs, **attrs)
+    grads = LSTMOutputGrads(acts.cs, acts.h)
+    computes = {k.value: Compute(backend_numpy, step_kernel=k) for k in kernels}
+    samples: dict[str, list[float]] = {name: [] for name in computes}
+    for _ in range(calls + 1):  # the first round warms
+        for name, compute in computes.items():
+            start = time.perf_counter()
+            compute.lstm_backward(inputs, acts, grads, **attrs)
+            samples[name].append(time.perf_counter() - start)
+    medians = {name: statistics.median(s[1:]) for name, s in samples.items()}
+    best = min(medians.values())
+    cells = ", ".join(f"{name} {1e3 * m:.1f} ms ({m / best:.2f}x)" for name, m in medians.items())
+    print(f"    backward: {cells}")
 
 
 def main() -> None:
