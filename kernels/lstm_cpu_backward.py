@@ -43,8 +43,9 @@ one strided copy of the whole matrix.
 Where the forward's compiled step is built (``native``; ``lstm_cpu.STEP_KERNEL`` not
 NumPy's), each step's elementwise part is one call of its backward step instead, in
 float32 and float64: the same products and sums in the same order, compiled without
-fused multiply-adds, so the same bits as the NumPy passes (the tests compare them
-bit for bit), in one pass over the step's arrays instead of about fifteen.
+fused multiply-adds, so the same bits as the NumPy passes but for a NaN's sign (the
+tests compare them bit for bit), in one pass over the step's arrays instead of about
+fifteen.
 """
 
 from __future__ import annotations
@@ -170,7 +171,8 @@ def _recur_native(
     i, cs, f, o, ci, co, cs_grad, h_grad = (a.ctypes.data for a in per_step)
     gates_row = dgates.strides[0]
     peep_ptr = None if peep is None else peep.ctypes.data
-    clip = 0.0 if clip_at is None else clip_at
+    # a flag of its own: a float16 clip of 1e-8 is stored as 0, and clips every cell
+    clip, clip_value = (0, 0.0) if clip_at is None else (1, clip_at)
     dh_ptr, dcs_ptr, gates, first = dh.ctypes.data, dcs.ctypes.data, dgates.ctypes.data, cs_prev
     for t in range(length - 1, -1, -1):
         if check is not None:
@@ -179,7 +181,7 @@ def _recur_native(
         cs_last = first.ctypes.data if t == 0 else cs + at - row
         step(
             dh_ptr, dcs_ptr, i + at, f + at, o + at, ci + at, co + at, cs + at, cs_last,
-            h_grad + at, cs_grad + at, peep_ptr, clip, batch, units, *offsets,
+            h_grad + at, cs_grad + at, peep_ptr, clip, clip_value, batch, units, *offsets,
             gates + t * gates_row,
         )  # fmt: skip
         np.matmul(dgates[t], w_h_t, out=dh)

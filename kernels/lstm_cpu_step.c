@@ -21,6 +21,7 @@
  * stays on NumPy.
  */
 
+#include <math.h>
 #include <stddef.h>
 
 /* Where the rational function reaches 1 (Eigen's clamp): beyond it tanh rounds to +-1
@@ -49,6 +50,51 @@ static inline float rational_tanh(float z) {
 /* Exported for the accuracy test: ``out[k] = tanh(z[k])`` as the step computes it. */
 void gradserve_rational_tanh_f32(const float *restrict z, float *restrict out, long n) {
     for (long k = 0; k < n; k++) out[k] = rational_tanh(z[k]);
+}
+
+/* sigmoid(z) from z / 2 where the rational tanh has reached -1 (z below -15.8):
+ * 0.5 * tanh(z / 2) + 0.5 is exactly 0 there, where sigmoid(z) is not (4e-8 at -17;
+ * NumPy's pass gives 6e-8 down to -18, and a forget gate of 0 meeting an infinite cell
+ * made NaN where NumPy's pass made an infinity: a review helper). exp(z) / (1 + exp(z)),
+ * from libm: rare, so the rows' loops stay vectorized and only these elements are
+ * recomputed (``fix_saturated``). */
+static float saturated_sigmoid(float z_half) {
+    const float e = expf(2.0f * z_half);
+    return e / (1.0f + e);
+}
+
+static inline float sigmoid_half(float z_half) {
+    return 0.5f * rational_tanh(z_half) + 0.5f;
+}
+
+/* One element of a step, as ``step_row``'s loop computes it but with the gates whose
+ * sigmoid saturated taken from ``saturated_sigmoid`` (the same operations otherwise,
+ * so the elements that did not saturate come out the same). */
+static void element(float zi, float zf, float zc, float zo, float c, float wci, float wcf,
+                    float wco, float cell_clip, int peephole, float *i_out, float *f_out,
+                    float *cs_out, float *o_out, float *ci_out, float *co_out, float *h_out)
+{
+    if (peephole) {
+        zi += c * wci;
+        zf += c * wcf;
+    }
+    const float i = zi < -TANH_CLAMP ? saturated_sigmoid(zi) : sigmoid_half(zi);
+    const float f = zf < -TANH_CLAMP ? saturated_sigmoid(zf) : sigmoid_half(zf);
+    const float ci = rational_tanh(zc);
+    float cs = i * ci + f * c;
+    if (cell_clip > 0.0f) {
+        cs = cs > cell_clip ? cell_clip : (cs < -cell_clip ? -cell_clip : cs);
+    }
+    const float co = rational_tanh(cs);
+    if (peephole) zo += cs * wco;
+    const float o = zo < -TANH_CLAMP ? saturated_sigmoid(zo) : sigmoid_half(zo);
+    *i_out = i;
+    *f_out = f;
+    *ci_out = ci;
+    *cs_out = cs;
+    *co_out = co;
+    *o_out = o;
+    *h_out = o * co;
 }
 
 /* One batch row, specialised by the caller for each combination of ``add`` (proj
@@ -83,8 +129,8 @@ static inline void step_row(
             zi += c * wci[k];
             zf += c * wcf[k];
         }
-        const float i = 0.5f * rational_tanh(zi) + 0.5f;
-        const float f = 0.5f * rational_tanh(zf) + 0.5f;
+        const float i = sigmoid_half(zi);
+        const float f = sigmoid_half(zf);
         const float ci = rational_tanh(zc);
         float cs = i * ci + f * c;
         if (cell_clip > 0.0f) {
@@ -92,7 +138,7 @@ static inline void step_row(
         }
         const float co = rational_tanh(cs);
         if (peephole) zo += cs * wco[k];
-        const float o = 0.5f * rational_tanh(zo) + 0.5f;
+        const float o = sigmoid_half(zo);
         out_i[k] = i;
         out_f[k] = f;
         out_ci[k] = ci;
@@ -100,6 +146,44 @@ static inline void step_row(
         out_co[k] = co;
         out_o[k] = o;
         out_h[k] = o * co;
+    }
+}
+
+/* Whether a gate of the row saturated (exactly 0: ``saturated_sigmoid``). A loop of its
+ * own: the same test inside ``step_row``'s loop stopped GCC from vectorizing it. */
+static inline int any_saturated(const float *restrict i, const float *restrict f,
+                                const float *restrict o, long units)
+{
+    int any = 0;
+    for (long k = 0; k < units; k++) any |= (i[k] == 0.0f) | (f[k] == 0.0f) | (o[k] == 0.0f);
+    return any;
+}
+
+/* The elements of a row where a gate saturated, again through ``element``. */
+static void fix_saturated(
+    const float *g, const float *pr, const float *bias, const float *c_row,
+    const float *wci, const float *wcf, const float *wco, long units, long off_i,
+    long off_f, long off_c, long off_o, float cell_clip, float *out_i, float *out_cs,
+    float *out_f, float *out_o, float *out_ci, float *out_co, float *out_h)
+{
+    for (long k = 0; k < units; k++) {
+        if (out_i[k] != 0.0f && out_f[k] != 0.0f && out_o[k] != 0.0f) continue;
+        float zi = bias[off_i + k], zf = bias[off_f + k], zc = bias[off_c + k];
+        float zo = bias[off_o + k];
+        if (pr != NULL) {
+            zi += pr[off_i + k];
+            zf += pr[off_f + k];
+            zc += pr[off_c + k];
+            zo += pr[off_o + k];
+        }
+        zi += g[off_i + k];
+        zf += g[off_f + k];
+        zc += g[off_c + k];
+        zo += g[off_o + k];
+        const int peephole = wci != NULL;
+        element(zi, zf, zc, zo, c_row[k], peephole ? wci[k] : 0.0f, peephole ? wcf[k] : 0.0f,
+                peephole ? wco[k] : 0.0f, cell_clip, peephole, out_i + k, out_f + k,
+                out_cs + k, out_o + k, out_ci + k, out_co + k, out_h + k);
     }
 }
 
@@ -138,6 +222,11 @@ void gradserve_lstm_forward_step_f32(
         else if (peep != NULL) STEP_ROW(0, 1);
         else STEP_ROW(0, 0);
 #undef STEP_ROW
+        if (any_saturated(out_i + r, out_f + r, out_o + r, units)) {
+            fix_saturated(g, pr, bias, c_row, wci, wcf, wco, units, off_i, off_f, off_c,
+                          off_o, cell_clip, out_i + r, out_cs + r, out_f + r, out_o + r,
+                          out_ci + r, out_co + r, out_h + r);
+        }
     }
 }
 
@@ -145,13 +234,17 @@ void gradserve_lstm_forward_step_f32(
  * NumPy pass's grouping: the products of activations first (its per-block factors),
  * then each sum in its order, so with the ISO C floating point this file is compiled
  * with (``-ffp-contract=off``: no fused multiply-adds, ``native.FLAGS``) it gives NumPy's
- * bits, NaN and infinities included. No transcendental function: float64 too.
+ * bits, infinities included; a NaN may carry the other sign (where two NaNs meet, which
+ * one an operation keeps depends on its operands' order, which the compiler may swap:
+ * a review helper). No transcendental function: float64 too.
  *
  * dh [batch, units]: the carry from the step above (dgates @ W_h^T), h_grad added in
  * place; dcs [batch, units]: the cell's carry, replaced by the carry to the step
  * below; i, f, o, ci, co, cs, cs_last, h_grad, cs_grad: this step's [batch, units];
- * peep (wci, wcf, wco) [3, units] or NULL; clip_at > 0: the forward's cell clip (a
- * clipped cell passes nothing to i, f, ci or the past); dgates [batch, 4 units]: this
+ * peep (wci, wcf, wco) [3, units] or NULL; clip: whether the forward clipped its
+ * cells, at clip_at as stored (a clipped cell passes nothing to i, f, ci or the past;
+ * a float16 clip of 1e-8 is stored as 0, where every cell is clipped: clip_at alone
+ * could not say so, a review helper); dgates [batch, 4 units]: this
  * step's gate gradients at the columns off_*. */
 #define DEFINE_BACKWARD_STEP(T, NAME)                                                      \
     static inline void NAME##_row(                                                         \
@@ -202,8 +295,8 @@ void gradserve_lstm_forward_step_f32(
     void NAME(T *restrict dh, T *restrict dcs, const T *restrict i, const T *restrict f,   \
               const T *restrict o, const T *restrict ci, const T *restrict co,             \
               const T *restrict cs, const T *restrict cs_last, const T *restrict h_grad,   \
-              const T *restrict cs_grad, const T *restrict peep, T clip_at, long batch,    \
-              long units, long off_i, long off_f, long off_c, long off_o,                  \
+              const T *restrict cs_grad, const T *restrict peep, int clip, T clip_at,      \
+              long batch, long units, long off_i, long off_f, long off_c, long off_o,      \
               T *restrict dgates)                                                          \
     {                                                                                      \
         const T *wci = peep;                                                               \
@@ -213,7 +306,7 @@ void gradserve_lstm_forward_step_f32(
             const long r = b * units;                                                      \
             T *g = dgates + b * 4 * units;                                                 \
             /* specialised per flag, as step_row: see there */                             \
-            if (peep != NULL && clip_at > 0)                                               \
+            if (peep != NULL && clip)                                                      \
                 NAME##_row(dh + r, dcs + r, i + r, f + r, o + r, ci + r, co + r, cs + r,   \
                            cs_last + r, h_grad + r, cs_grad + r, wci, wcf, wco, clip_at,   \
                            1, 1, units, g + off_i, g + off_f, g + off_c, g + off_o);       \
@@ -221,7 +314,7 @@ void gradserve_lstm_forward_step_f32(
                 NAME##_row(dh + r, dcs + r, i + r, f + r, o + r, ci + r, co + r, cs + r,   \
                            cs_last + r, h_grad + r, cs_grad + r, wci, wcf, wco, clip_at,   \
                            1, 0, units, g + off_i, g + off_f, g + off_c, g + off_o);       \
-            else if (clip_at > 0)                                                          \
+            else if (clip)                                                                 \
                 NAME##_row(dh + r, dcs + r, i + r, f + r, o + r, ci + r, co + r, cs + r,   \
                            cs_last + r, h_grad + r, cs_grad + r, wci, wcf, wco, clip_at,   \
                            0, 1, units, g + off_i, g + off_f, g + off_c, g + off_o);       \

@@ -17,7 +17,8 @@ Where no compiler is found, or it fails (or runs past ``COMPILE_TIMEOUT_SECONDS`
 killed with what it started), or the cache cannot be trusted, or anything else goes
 wrong, the passes stay NumPy's (``Mode.AUTO``), said once in the log; a server
 started with ``--cpu-step-kernel native`` refuses to start instead, and ``numpy``
-never compiles. The backward step gives NumPy's bits; the forward's does not (its
+never compiles. The backward step gives NumPy's bits (a NaN's sign aside); the
+forward's does not (its
 tanh is a rational function within 7 ulps, NumPy's within one), so replicas meant to
 agree bit for bit pin the mode as they pin ``--lstm-formulation``.
 
@@ -199,7 +200,9 @@ def _build(
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=directory)
     os.close(fd)
     try:
-        done = _run([*compiler, *build_flags, str(SOURCE), "-o", tmp], COMPILE_TIMEOUT_SECONDS)
+        done = _run(
+            [*compiler, *build_flags, str(SOURCE), "-lm", "-o", tmp], COMPILE_TIMEOUT_SECONDS
+        )
         if done.returncode != 0:
             raise NativeBuildError(f"{compiler[0]} failed: {done.stderr.strip()[-2000:]}")
         os.chmod(tmp, 0o700)
@@ -234,8 +237,16 @@ def build_and_load() -> ctypes.CDLL:
         try:
             library = _build(directory, compiler, build_flags, key)
             if not _trusted(library):
-                raise NativeBuildError(f"{library} is not a private file of this user: not loaded")
-            lib = ctypes.CDLL(str(library))
+                raise NativeBuildError(
+                    f"{library} is not a private file of this user: not loaded (delete it, "
+                    "and the server builds it again)"
+                )
+            try:
+                lib = ctypes.CDLL(str(library))
+            except OSError as e:  # a cached file cut short, say: built again, once
+                log.warning("cached %s failed to load (%s): building it again", library, e)
+                os.unlink(library)
+                lib = ctypes.CDLL(str(_build(directory, compiler, build_flags, key)))
         finally:
             if temporary:  # a loaded library stays mapped without its file
                 shutil.rmtree(directory, ignore_errors=True)
@@ -255,9 +266,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     tanh.restype = None
     for name, real in ((BACKWARD_F32, ctypes.c_float), (BACKWARD_F64, ctypes.c_double)):
         backward = getattr(lib, name)
-        # dh, dcs, i, f, o, ci, co, cs, cs_last, h_grad, cs_grad, peep; clip_at; batch,
-        # units, the four offsets; dgates
-        backward.argtypes = [*[ptr] * 12, real, *[long_] * 6, ptr]
+        # dh, dcs, i, f, o, ci, co, cs, cs_last, h_grad, cs_grad, peep; clip, clip_at;
+        # batch, units, the four offsets; dgates
+        backward.argtypes = [*[ptr] * 12, ctypes.c_int, real, *[long_] * 6, ptr]
         backward.restype = None
 
 

@@ -390,3 +390,47 @@ def test_a_broadcast_cell_state_is_spread_before_the_compiled_steps_read_it():
         results.append((dgates, dh, dcs))
     for a, b in zip(*results):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_saturated_gate_is_its_sigmoid_not_zero():
+    """0.5 * tanh(z / 2) + 0.5 is exactly 0 once the rational tanh reaches -1 (z below
+    -15.8), where sigmoid(z) is not: a forget gate of 0 meeting an infinite cell gave
+    NaN where NumPy's pass gives an infinity (a review helper). Those gates are
+    exp(z) / (1 + exp(z)) now: each gate here is its bias alone (no weights)."""
+    require_native()
+    units = 8
+    z = np.array([-15.0, -15.9, -17.0, -20.0, -30.0, -60.0, -87.0, -100.0], np.float32)
+    case = random_case(np.random.default_rng(13), 1, 3, 4, units, np.float32)
+    case["w"][:] = 0
+    case["b"][:] = 0
+    case["b"][units : 2 * units] = z  # the forget gate (IFCO)
+    case["cs_prev"][:] = [[1.0] * units, [np.inf] * units, [1e30] * units]
+    f = _forward(native.Mode.NATIVE, case, seq_len_max=1, use_peephole=False)
+    want = 1 / (1 + np.exp(-z.astype(np.float64)))
+    np.testing.assert_allclose(f.f[0, 0], want, atol=1.5e-7)  # as NumPy's pass
+    np.testing.assert_allclose(f.f[0, 0, 1:7], want[1:7], rtol=1e-5)  # the saturated, normal
+    assert (f.f[0] > 0).all()
+    assert np.isposinf(f.cs[0, 1]).all()  # f * inf: inf, as NumPy's pass gives
+    ufuncs = _forward(native.Mode.NUMPY, case, seq_len_max=1, use_peephole=False)
+    np.testing.assert_allclose(f.f[0, 0, :2], ufuncs.f[0, 0, :2], atol=1.5e-7)
+
+
+def test_a_cached_library_cut_short_is_built_again(cache, compilations):
+    """A cached file that fails to load (cut short) was refused at every start."""
+    require_native()
+    compiler, identity = native._compiler(), native.cpu_identity()
+    flags = native.flags(identity)
+    native.build_and_load()  # the cache's file for this compiler and CPU
+    (library,) = cache.iterdir()
+    cut = cache / "cut"
+    cut.mkdir(mode=0o700)
+    monkey_cache = cut / library.name  # a path this process has not loaded yet
+    monkey_cache.write_bytes(b"")
+    monkey_cache.chmod(0o700)
+    built = len(compilations)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GRADSERVE_CACHE_DIR", str(cut))
+        lib = native.build_and_load()
+    assert getattr(lib, native.STEP) is not None
+    assert len(compilations) == built + 1 and monkey_cache.stat().st_size > 0
+    assert compiler and flags  # (the key is the one the cache holds)

@@ -706,7 +706,10 @@ def test_lstms_paused_many_times_compute_what_they_compute_alone(tokens):
             gradserve.Client(server.target, token="token-a", timeout=60) as a,
             gradserve.Client(server.target, token="token-b", timeout=60) as b,
         ):
-            inputs = lstm_args(20_000)
+            # Long enough that each call computes while the other is sent, however fast
+            # the steps: with the compiled step 20,000 took 0.1 s, and under load one
+            # call could end before the other came.
+            inputs = lstm_args(80_000)
             alone = [a.raw_ops.BlockLSTMV2(*inputs) for _ in range(2)]
             assert server.metric("gradserve_compute_pauses_total") == 0
             for got, expected in zip(*alone):
