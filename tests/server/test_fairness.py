@@ -670,7 +670,9 @@ def test_a_long_lstm_lends_the_compute_slot_to_another_principals_call(tokens):
     flags = ("--token-file", tokens, "--compute-slots", "1", "--compute-quantum", "0.02")
     with server_apart(*flags) as server:
         with (
-            gradserve.Client(server.target, token="token-a", timeout=5) as a,
+            # a's deadline well inside its op's time (1,000,000 steps: 5-8 s with the
+            # compiled step, about 10 s with NumPy's passes)
+            gradserve.Client(server.target, token="token-a", timeout=2) as a,
             gradserve.Client(server.target, token="token-b", timeout=60) as b,
         ):
             alone = b.raw_ops.BlockLSTMV2(*lstm_args())  # nobody waits: no pause
