@@ -57,29 +57,56 @@ void gradserve_rational_tanh_f32(const float *restrict z, float *restrict out, l
  * NumPy's pass gives 6e-8 down to -18, and a forget gate of 0 meeting an infinite cell
  * made NaN where NumPy's pass made an infinity: a review helper). exp(z) / (1 + exp(z)),
  * from libm: rare, so the rows' loops stay vectorized and only these elements are
- * recomputed (``fix_saturated``). */
+ * computed again (``fix_saturated``). */
 static float saturated_sigmoid(float z_half) {
     const float e = expf(2.0f * z_half);
     return e / (1.0f + e);
 }
 
-static inline float sigmoid_half(float z_half) {
+/* sigmoid(z) from z / 2; ``exact_saturation``: from ``saturated_sigmoid`` where the
+ * tanh saturated (a constant where inlined: 0 in the vectorized loop). */
+static inline float sigmoid_half(float z_half, const int exact_saturation) {
+    if (exact_saturation && z_half < -TANH_CLAMP) return saturated_sigmoid(z_half);
     return 0.5f * rational_tanh(z_half) + 0.5f;
 }
 
-/* One element of a step, as ``step_row``'s loop computes it but with the gates whose
- * sigmoid saturated taken from ``saturated_sigmoid`` (the same operations otherwise,
- * so the elements that did not saturate come out the same). */
-static void element(float zi, float zf, float zc, float zo, float c, float wci, float wcf,
-                    float wco, float cell_clip, int peephole, float *i_out, float *f_out,
-                    float *cs_out, float *o_out, float *ci_out, float *co_out, float *h_out)
+/* Element k's four pre-activations: bias, plus the projection (``add``), plus the GEMM's,
+ * in that order. */
+static inline void pre_activations(
+    const float *restrict g, const float *restrict pr, const float *restrict bias, long k,
+    long off_i, long off_f, long off_c, long off_o, const int add,
+    float *zi, float *zf, float *zc, float *zo)
+{
+    *zi = bias[off_i + k];
+    *zf = bias[off_f + k];
+    *zc = bias[off_c + k];
+    *zo = bias[off_o + k];
+    if (add) {
+        *zi += pr[off_i + k];
+        *zf += pr[off_f + k];
+        *zc += pr[off_c + k];
+        *zo += pr[off_o + k];
+    }
+    *zi += g[off_i + k];
+    *zf += g[off_f + k];
+    *zc += g[off_c + k];
+    *zo += g[off_o + k];
+}
+
+/* Element k's seven outputs from its pre-activations (``lstm.py`` states the gates). */
+static inline void cell(
+    float zi, float zf, float zc, float zo, float c, float wci, float wcf, float wco,
+    float cell_clip, const int peephole, const int exact_saturation, long k,
+    float *restrict out_i, float *restrict out_cs, float *restrict out_f,
+    float *restrict out_o, float *restrict out_ci, float *restrict out_co,
+    float *restrict out_h)
 {
     if (peephole) {
         zi += c * wci;
         zf += c * wcf;
     }
-    const float i = zi < -TANH_CLAMP ? saturated_sigmoid(zi) : sigmoid_half(zi);
-    const float f = zf < -TANH_CLAMP ? saturated_sigmoid(zf) : sigmoid_half(zf);
+    const float i = sigmoid_half(zi, exact_saturation);
+    const float f = sigmoid_half(zf, exact_saturation);
     const float ci = rational_tanh(zc);
     float cs = i * ci + f * c;
     if (cell_clip > 0.0f) {
@@ -87,14 +114,14 @@ static void element(float zi, float zf, float zc, float zo, float c, float wci, 
     }
     const float co = rational_tanh(cs);
     if (peephole) zo += cs * wco;
-    const float o = zo < -TANH_CLAMP ? saturated_sigmoid(zo) : sigmoid_half(zo);
-    *i_out = i;
-    *f_out = f;
-    *ci_out = ci;
-    *cs_out = cs;
-    *co_out = co;
-    *o_out = o;
-    *h_out = o * co;
+    const float o = sigmoid_half(zo, exact_saturation);
+    out_i[k] = i;
+    out_f[k] = f;
+    out_ci[k] = ci;
+    out_cs[k] = cs;
+    out_co[k] = co;
+    out_o[k] = o;
+    out_h[k] = o * co;
 }
 
 /* One batch row, specialised by the caller for each combination of ``add`` (proj
@@ -112,40 +139,11 @@ static inline void step_row(
     float *restrict out_h)
 {
     for (long k = 0; k < units; k++) {
-        float zi = bias[off_i + k], zf = bias[off_f + k], zc = bias[off_c + k];
-        float zo = bias[off_o + k];
-        if (add) {
-            zi += pr[off_i + k];
-            zf += pr[off_f + k];
-            zc += pr[off_c + k];
-            zo += pr[off_o + k];
-        }
-        zi += g[off_i + k];
-        zf += g[off_f + k];
-        zc += g[off_c + k];
-        zo += g[off_o + k];
-        const float c = c_row[k];
-        if (peephole) {
-            zi += c * wci[k];
-            zf += c * wcf[k];
-        }
-        const float i = sigmoid_half(zi);
-        const float f = sigmoid_half(zf);
-        const float ci = rational_tanh(zc);
-        float cs = i * ci + f * c;
-        if (cell_clip > 0.0f) {
-            cs = cs > cell_clip ? cell_clip : (cs < -cell_clip ? -cell_clip : cs);
-        }
-        const float co = rational_tanh(cs);
-        if (peephole) zo += cs * wco[k];
-        const float o = sigmoid_half(zo);
-        out_i[k] = i;
-        out_f[k] = f;
-        out_ci[k] = ci;
-        out_cs[k] = cs;
-        out_co[k] = co;
-        out_o[k] = o;
-        out_h[k] = o * co;
+        float zi, zf, zc, zo;
+        pre_activations(g, pr, bias, k, off_i, off_f, off_c, off_o, add, &zi, &zf, &zc, &zo);
+        cell(zi, zf, zc, zo, c_row[k], peephole ? wci[k] : 0.0f, peephole ? wcf[k] : 0.0f,
+             peephole ? wco[k] : 0.0f, cell_clip, peephole, 0, k, out_i, out_cs, out_f,
+             out_o, out_ci, out_co, out_h);
     }
 }
 
@@ -159,31 +157,23 @@ static inline int any_saturated(const float *restrict i, const float *restrict f
     return any;
 }
 
-/* The elements of a row where a gate saturated, again through ``element``. */
+/* The elements of a row where a gate saturated, computed again with its exact sigmoid
+ * (the same operations otherwise: the other gates and outputs come out the same). */
 static void fix_saturated(
     const float *g, const float *pr, const float *bias, const float *c_row,
     const float *wci, const float *wcf, const float *wco, long units, long off_i,
     long off_f, long off_c, long off_o, float cell_clip, float *out_i, float *out_cs,
     float *out_f, float *out_o, float *out_ci, float *out_co, float *out_h)
 {
+    const int peephole = wci != NULL;
     for (long k = 0; k < units; k++) {
         if (out_i[k] != 0.0f && out_f[k] != 0.0f && out_o[k] != 0.0f) continue;
-        float zi = bias[off_i + k], zf = bias[off_f + k], zc = bias[off_c + k];
-        float zo = bias[off_o + k];
-        if (pr != NULL) {
-            zi += pr[off_i + k];
-            zf += pr[off_f + k];
-            zc += pr[off_c + k];
-            zo += pr[off_o + k];
-        }
-        zi += g[off_i + k];
-        zf += g[off_f + k];
-        zc += g[off_c + k];
-        zo += g[off_o + k];
-        const int peephole = wci != NULL;
-        element(zi, zf, zc, zo, c_row[k], peephole ? wci[k] : 0.0f, peephole ? wcf[k] : 0.0f,
-                peephole ? wco[k] : 0.0f, cell_clip, peephole, out_i + k, out_f + k,
-                out_cs + k, out_o + k, out_ci + k, out_co + k, out_h + k);
+        float zi, zf, zc, zo;
+        pre_activations(g, pr, bias, k, off_i, off_f, off_c, off_o, pr != NULL, &zi, &zf,
+                        &zc, &zo);
+        cell(zi, zf, zc, zo, c_row[k], peephole ? wci[k] : 0.0f, peephole ? wcf[k] : 0.0f,
+             peephole ? wco[k] : 0.0f, cell_clip, peephole, 1, k, out_i, out_cs, out_f,
+             out_o, out_ci, out_co, out_h);
     }
 }
 

@@ -46,6 +46,7 @@ import stat
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 
 log = logging.getLogger("gradserve.kernels")
 
@@ -148,17 +149,18 @@ def _compiler_version(compiler: list[str]) -> str:
     return done.stdout
 
 
-def _owned_privately(st: os.stat_result) -> bool:
-    return st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-
-
-def _private(directory: pathlib.Path) -> bool:
-    """A directory owned by this user and writable by no one else."""
+def _private(path: pathlib.Path, is_kind: Callable[[int], bool] = stat.S_ISDIR) -> bool:
+    """``path`` itself (a link is not followed) is of that kind (a directory, or with
+    ``stat.S_ISREG`` a regular file), owned by this user and writable by no one else."""
     try:
-        st = os.lstat(directory)
+        st = os.lstat(path)
     except OSError:
         return False
-    return stat.S_ISDIR(st.st_mode) and _owned_privately(st)
+    return (
+        is_kind(st.st_mode)
+        and st.st_uid == os.getuid()
+        and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    )
 
 
 def configured_cache_dir() -> pathlib.Path:
@@ -213,15 +215,6 @@ def _build(
     return target
 
 
-def _trusted(library: pathlib.Path) -> bool:
-    """A regular file (not a link) owned by this user and writable by no one else."""
-    try:
-        st = os.lstat(library)
-    except OSError:
-        return False
-    return stat.S_ISREG(st.st_mode) and _owned_privately(st)
-
-
 def build_and_load() -> ctypes.CDLL:
     """The compiled step's library, built now unless cached (NativeBuildError if not)."""
     compiler = _compiler()
@@ -236,7 +229,7 @@ def build_and_load() -> ctypes.CDLL:
         directory, temporary = cache_dir()
         try:
             library = _build(directory, compiler, build_flags, key)
-            if not _trusted(library):
+            if not _private(library, stat.S_ISREG):
                 raise NativeBuildError(
                     f"{library} is not a private file of this user: not loaded (delete it, "
                     "and the server builds it again)"

@@ -163,6 +163,15 @@ def cache(tmp_path, monkeypatch):
     return directory
 
 
+def _assert_auto_is_numpys_pass() -> None:
+    """A forward in ``auto`` computes NumPy's pass's bits (no library was built)."""
+    case = random_case(np.random.default_rng(9), 4, 3, 5, 4, np.float32)
+    got = _forward(native.Mode.AUTO, case, seq_len_max=4)
+    want = _forward(native.Mode.NUMPY, case, seq_len_max=4)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
 def _no_compiler(monkeypatch, tmp_path) -> None:
     empty = tmp_path / "empty-bin"
     empty.mkdir(exist_ok=True)
@@ -177,11 +186,7 @@ def test_without_a_compiler_the_forward_runs_numpys_pass_and_native_refuses(
     step = native.NativeStep()
     monkeypatch.setattr(native, "NATIVE", step)
     assert step.library() is None and "no C compiler" in step.failure
-    case = random_case(np.random.default_rng(9), 4, 3, 5, 4, np.float32)
-    got = _forward(native.Mode.AUTO, case, seq_len_max=4)
-    want = _forward(native.Mode.NUMPY, case, seq_len_max=4)
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(a, b)
+    _assert_auto_is_numpys_pass()
     with pytest.raises(native.NativeBuildError, match="no C compiler"):
         compute_for("cpu", cpu_step_kernel="native")
     compute_for("cpu", cpu_step_kernel="auto")  # starts, on NumPy's pass
@@ -295,11 +300,7 @@ def test_any_failure_of_the_build_falls_back_to_numpys_pass(tmp_path, monkeypatc
     monkeypatch.setattr(native, "NATIVE", step)
     monkeypatch.setattr(native, "build_and_load", lambda: 1 / 0)
     assert step.library() is None and "ZeroDivisionError" in step.failure
-    case = random_case(np.random.default_rng(9), 4, 3, 5, 4, np.float32)
-    got = _forward(native.Mode.AUTO, case, seq_len_max=4)
-    want = _forward(native.Mode.NUMPY, case, seq_len_max=4)
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(a, b)
+    _assert_auto_is_numpys_pass()
     compute_for("cpu", cpu_step_kernel="auto")  # a server in auto starts
 
 
