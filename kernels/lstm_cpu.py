@@ -294,7 +294,7 @@ def forward_sequence(
     if formulation is None:
         formulation = PINNED.get()
     if formulation is None:
-        fused = _native_step(x, outs) is not None
+        fused = _native_step(x, outs, units) is not None
         key: PlanKey = (batch, inputs, units, x.dtype.str, blas_threads(), use_peephole, fused)
         formulation = PLANNER.plan(key, functools.partial(_measure, run, length, check), check)
     run(formulation, length, check)
@@ -321,14 +321,14 @@ def _measure(run: Run, length: int, check: Callable[[], None] | None) -> dict[Fo
     return best
 
 
-def _native_step(x: Array, outs: Sequence[Array]) -> Any | None:
+def _native_step(x: Array, outs: Sequence[Array], units: int) -> Any | None:
     """The compiled elementwise step if it serves this call (float32, outputs
     contiguous and of [T, B, H] with x's T and B, ``STEP_KERNEL`` not NumPy's, a
     library built here), else None: NumPy's pass. (A server with ``native`` refused
     to start without the library.)"""
     if STEP_KERNEL.get() is native.Mode.NUMPY or x.dtype != np.float32:
         return None
-    shape = (*x.shape[:2], outs[0].shape[-1]) if outs and outs[0].ndim == 3 else None
+    shape = (*x.shape[:2], units)
     if not all(o.dtype == np.float32 and o.flags.c_contiguous and o.shape == shape for o in outs):
         return None
     lib = native.NATIVE.library()
@@ -398,7 +398,7 @@ def _recur(
     gi, gf, gc, go = (g[:, off : off + units] for off in offsets)
     wci, wcf, wco = ws.peep
     tmp = ws.tmp
-    step = _native_step(x, outs)
+    step = _native_step(x, outs, units)
     if step is not None:
         # (the C step reads [B, H]: one NumPy broadcasts, a row of [1, H] say, is spread)
         cs_prev = np.ascontiguousarray(np.broadcast_to(cs_prev, (batch, units)), np.float32)

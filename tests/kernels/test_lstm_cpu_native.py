@@ -90,8 +90,8 @@ def counted(monkeypatch):
     calls = []
     real = lstm_cpu._native_step
 
-    def counting(x, outs):
-        step = real(x, outs)
+    def counting(x, outs, units):
+        step = real(x, outs, units)
         if step is None:
             return None
         return lambda *args: calls.append(1) or step(*args)
@@ -120,7 +120,7 @@ def test_float64_and_views_keep_numpys_pass(counted):
     _forward(native.Mode.AUTO, case, seq_len_max=4)
     assert not counted  # float64: the rational tanh is not accurate enough
     outs = [np.empty((4, 3, 8), np.float32)[:, :, :4] for _ in range(7)]  # not contiguous
-    assert lstm_cpu._native_step(np.zeros((4, 3, 5), np.float32), outs) is None
+    assert lstm_cpu._native_step(np.zeros((4, 3, 5), np.float32), outs, 4) is None
     case16 = random_case(np.random.default_rng(6), 4, 3, 5, 4, np.float16)
     _forward(native.Mode.AUTO, case16, seq_len_max=4)
     assert len(counted) == 4  # float16 computes in float32
