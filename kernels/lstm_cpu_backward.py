@@ -84,14 +84,8 @@ def backward_sequence(
     w_h_t = empty((w_h.shape[1], w_h.shape[0]), ct)
     transpose_into(w_h, w_h_t)
     per_step = (i, cs, f, o, ci, co, cs_grad, h_grad)
-    step = _native_step(ct, (cs_prev, *per_step, dgates, dh, dcs))
-    shapes_read = (
-        all(a.ndim == 3 and a.shape[0] >= length and a.shape[1:] == dh.shape for a in per_step)
-        and cs_prev.shape == dh.shape == dcs.shape
-        and dgates.shape[:2] == (length, batch)
-        and dgates.shape[2:] == (4 * units,)
-    )
-    if step is not None and shapes_read:  # the C step reads [B, H] rows of each
+    step = _native_step(cs_prev, per_step, dgates, dh, dcs, length)
+    if step is not None:
         peep = np.stack([wci, wcf, wco]).astype(ct, copy=False) if use_peephole else None
         _recur_native(
             step, cs_prev, per_step, peep, w_h_t, dgates, dh, dcs, length, offsets,
@@ -147,14 +141,26 @@ _NATIVE_STEPS = {
 }
 
 
-def _native_step(ct: np.dtype[Any], arrays: tuple[Array, ...]) -> Any | None:
-    """The compiled backward step if it serves this call (float32 or float64, every
-    array contiguous in that dtype, ``STEP_KERNEL`` not NumPy's, a library built
-    here), else None: the NumPy passes."""
+def _native_step(
+    cs_prev: Array, per_step: tuple[Array, ...], dgates: Array, dh: Array, dcs: Array,
+    length: int,
+) -> Any | None:  # fmt: skip
+    """The compiled backward step if it serves this call, else None: the NumPy passes.
+    It serves float32 and float64 where ``STEP_KERNEL`` is not NumPy's and a library
+    was built here, and reads [B, H] rows of each array: every one contiguous in the
+    compute dtype, of its full shape (NumPy's passes broadcast a [1, H] ``cs_prev``)."""
+    ct = dh.dtype
     name = _NATIVE_STEPS.get(np.dtype(ct))
     if name is None or lstm_cpu.STEP_KERNEL.get() is native.Mode.NUMPY:
         return None
-    if not all(a.dtype == ct and a.flags.c_contiguous for a in arrays):
+    batch, units = dh.shape
+    shapes = (
+        all(a.ndim == 3 and a.shape[0] >= length and a.shape[1:] == dh.shape for a in per_step)
+        and cs_prev.shape == dcs.shape == dh.shape
+        and dgates.shape == (length, batch, 4 * units)
+    )
+    arrays = (cs_prev, *per_step, dgates, dh, dcs)
+    if not shapes or not all(a.dtype == ct and a.flags.c_contiguous for a in arrays):
         return None
     lib = native.NATIVE.library()
     return None if lib is None else getattr(lib, name)

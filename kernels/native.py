@@ -221,11 +221,9 @@ def build_and_load() -> ctypes.CDLL:
     identity = cpu_identity()
     build_flags = flags(identity)
     try:
-        source = SOURCE.read_bytes()
-        parts = (source, " ".join((*compiler[1:], *build_flags)), _compiler_version(compiler))
-        key = hashlib.sha256(
-            b"\0".join(p if isinstance(p, bytes) else p.encode() for p in (*parts, identity))
-        ).hexdigest()[:32]
+        said = (" ".join((*compiler[1:], *build_flags)), _compiler_version(compiler), identity)
+        parts = (SOURCE.read_bytes(), *(text.encode() for text in said))
+        key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:32]
         directory, temporary = cache_dir()
         try:
             library = _build(directory, compiler, build_flags, key)
@@ -294,12 +292,6 @@ class NativeStep:
     def failure(self) -> str | None:
         """Why the build failed (None: it did not, or none was tried)."""
         return self._failure
-
-    def reset(self) -> None:
-        """Forget the library and any failure (the tests; a later call builds again)."""
-        with self._lock:
-            self._lib = None
-            self._failure = None
 
 
 NATIVE = NativeStep()

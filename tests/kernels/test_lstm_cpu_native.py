@@ -372,7 +372,6 @@ def test_a_broadcast_cell_state_is_spread_before_the_compiled_steps_read_it():
     # the backward's recurrence: such a call stays on NumPy's passes
     from gradserve.kernels import lstm_cpu_backward
 
-    assert lstm_cpu_backward._native_step(np.dtype(np.float32), ()) is not None
     units, batch = 16, 64
     results = []
     for mode in (native.Mode.NATIVE, native.Mode.NUMPY):
@@ -419,19 +418,16 @@ def test_a_saturated_gate_is_its_sigmoid_not_zero():
 def test_a_cached_library_cut_short_is_built_again(cache, compilations):
     """A cached file that fails to load (cut short) was refused at every start."""
     require_native()
-    compiler, identity = native._compiler(), native.cpu_identity()
-    flags = native.flags(identity)
-    native.build_and_load()  # the cache's file for this compiler and CPU
+    native.build_and_load()  # names the cache's file for this compiler and CPU
     (library,) = cache.iterdir()
     cut = cache / "cut"
     cut.mkdir(mode=0o700)
-    monkey_cache = cut / library.name  # a path this process has not loaded yet
-    monkey_cache.write_bytes(b"")
-    monkey_cache.chmod(0o700)
+    cut_short = cut / library.name  # a path this process has not loaded yet
+    cut_short.write_bytes(b"")
+    cut_short.chmod(0o700)
     built = len(compilations)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("GRADSERVE_CACHE_DIR", str(cut))
         lib = native.build_and_load()
     assert getattr(lib, native.STEP) is not None
-    assert len(compilations) == built + 1 and monkey_cache.stat().st_size > 0
-    assert compiler and flags  # (the key is the one the cache holds)
+    assert len(compilations) == built + 1 and cut_short.stat().st_size > 0
