@@ -122,20 +122,30 @@ def compute_for(
     ``cpu_step_kernel`` (CPU only; a ``native.Mode`` value): the forward's elementwise
     pass in float32; ``native`` raises ``native.NativeBuildError`` where the compiled
     step cannot be built, and ``auto`` builds it now (NumPy's pass where it cannot).
+    ``lstm_formulation`` ``fused`` needs the compiled step as ``native`` does (its
+    float32 forwards run in it; other dtypes compute as ``hoisted``).
     """
     backend = get_backend(device)
     if not cuda_graphs:
         if device != "cpu":
             return Compute(backend)
         step_kernel = native.Mode(cpu_step_kernel)
+        pinned = None if lstm_formulation is None else lstm_cpu.Formulation(lstm_formulation)
+        # the flag that needs the compiled step, if one does
+        needs = (
+            "--cpu-step-kernel native" if step_kernel is native.Mode.NATIVE
+            else "--lstm-formulation fused" if pinned is lstm_cpu.Formulation.FUSED
+            else None
+        )  # fmt: skip
+        if needs is not None and step_kernel is native.Mode.NUMPY:
+            raise native.NativeBuildError(f"{needs}: not with --cpu-step-kernel numpy")
         if step_kernel is not native.Mode.NUMPY and native.NATIVE.library() is None:
-            if step_kernel is native.Mode.NATIVE:
-                raise native.NativeBuildError(native.NATIVE.failure or "not built")
+            if needs is not None:
+                raise native.NativeBuildError(f"{needs}: {native.NATIVE.failure or 'not built'}")
         blas = None
         if share_blas_threads:
             blas = blas_threads.BLAS
             blas.start()
-        pinned = None if lstm_formulation is None else lstm_cpu.Formulation(lstm_formulation)
         return Compute(
             backend, empty=host_empty, blas=blas, formulation=pinned, step_kernel=step_kernel
         )

@@ -13,6 +13,15 @@ the same function (``lstm``'s docstring states the gates) in one of several
   (OpenBLAS's Haswell kernels) and 27-46% (its SkylakeX kernels) faster at the two
   benchmark sizes; whether that pays for the transposition is the planner's call.
 * ``CONCAT``: TensorFlow's; per step one ``[x_t, h] @ W`` GEMM, twice as deep.
+* ``FUSED``: the input projection hoisted as in ``HOISTED``; W_h packed once per call
+  into panels of a few units by the four gates, and each step one call of the
+  compiled step (``lstm_cpu_step.c``) that computes ``h @ W_h`` tile by tile in
+  registers and turns each tile into its outputs while it is in cache. BLAS packs
+  W_h again on every step's GEMM (a megabyte at 256 units, for 32 rows) and the
+  step then reads the gates back from memory; on the project's machine a step at
+  (32, 256) took 138 against 179 us. float32 with the compiled step only, and one
+  thread: elsewhere (float64, NumPy's pass) it computes as ``HOISTED``, and the
+  planner measures it only where it can run.
 
 Each step then runs one elementwise pass on the gate pre-activations. The ``i``, ``f``
 and ``o`` columns of the weights, bias and peepholes are halved once per call, so that
@@ -67,6 +76,8 @@ PROBE_STEPS = 24
 PROBE_ROUNDS = 3
 #: A call waiting for another's measurement of its shape checks this often.
 PLAN_WAIT_CHECK_SECONDS = 0.01
+#: Bytes to which FUSED's packed W_h is aligned: a cache line.
+PACK_ALIGNMENT = 64
 
 
 class Formulation(enum.Enum):
@@ -75,6 +86,7 @@ class Formulation(enum.Enum):
     HOISTED = "hoisted"
     HOISTED_T = "hoisted-t"
     CONCAT = "concat"
+    FUSED = "fused"
 
 
 @dataclass
@@ -89,10 +101,11 @@ class Workspace:
     gates: Array  # one step's pre-activations: [B, 4H]
     gates_t: Array  # HOISTED_T: h @ W_h transposed, [4H, B] (else empty)
     tmp: Array  # [B, H] scratch
+    packed: Array  # FUSED: W_h packed for the compiled step, 64-byte aligned (else empty)
 
     def arrays(self) -> tuple[Array, ...]:
         return (self.w, self.w_h_t, self.b, self.peep, self.proj, self.gates, self.gates_t,
-                self.tmp)  # fmt: skip
+                self.tmp, self.packed)  # fmt: skip
 
     @property
     def nbytes(self) -> int:
@@ -152,6 +165,7 @@ def _new_workspace(key: WorkspaceKey) -> Workspace:
     form, chunk, batch, inputs, units, dtype_str = key
     dt = np.dtype(dtype_str)
     transposed = form is Formulation.HOISTED_T
+    fused = form is Formulation.FUSED
     gates = 4 * units
     if form is Formulation.CONCAT:
         proj = np.empty((batch, inputs + units), dt)
@@ -163,10 +177,21 @@ def _new_workspace(key: WorkspaceKey) -> Workspace:
         b=np.empty((gates,), dt),
         peep=np.empty((3, units), dt),
         proj=proj,
-        gates=np.empty((batch, gates), dt),
+        gates=np.empty((0, gates) if fused else (batch, gates), dt),
         gates_t=np.empty((gates, batch) if transposed else (0,), dt),
-        tmp=np.empty((batch, units), dt),
+        tmp=np.empty((0,) if fused else (batch, units), dt),
+        packed=_aligned_empty(native.packed_floats(units) if fused else 0, dt),
     )
+
+
+def _aligned_empty(count: int, dtype: np.dtype[Any]) -> Array:
+    """``count`` elements starting at a multiple of ``PACK_ALIGNMENT`` bytes: the
+    compiled step's vector loads of a panel then never straddle two cache lines (with
+    NumPy's 16-byte alignment they did, and its GEMM ran at 142 against 156 GFLOP/s)."""
+    pad = PACK_ALIGNMENT // dtype.itemsize
+    raw = np.empty(count + pad, dtype)
+    start = (-raw.ctypes.data % PACK_ALIGNMENT) // dtype.itemsize
+    return raw[start : start + count]
 
 
 PlanKey = tuple[int, int, int, str, int | None, bool, bool]
@@ -294,20 +319,34 @@ def forward_sequence(
     if formulation is None:
         formulation = PINNED.get()
     if formulation is None:
-        fused = _native_step(x, outs, units) is not None
-        key: PlanKey = (batch, inputs, units, x.dtype.str, blas_threads(), use_peephole, fused)
-        formulation = PLANNER.plan(key, functools.partial(_measure, run, length, check), check)
+        compiled = _native_step(x, outs, units) is not None
+        key: PlanKey = (batch, inputs, units, x.dtype.str, blas_threads(), use_peephole, compiled)
+        candidates = _candidates(compiled)
+        measure = functools.partial(_measure, run, candidates, length, check)
+        formulation = PLANNER.plan(key, measure, check)
     run(formulation, length, check)
 
 
-def _measure(run: Run, length: int, check: Callable[[], None] | None) -> dict[Formulation, float]:
+def _candidates(compiled: bool) -> tuple[Formulation, ...]:
+    """The planner's candidates for a call, FUSED as HOISTED where the compiled step
+    does not serve it (``compiled`` false: ``_run`` computes it so)."""
+
+    def served(form: Formulation) -> Formulation:
+        return Formulation.HOISTED if form is Formulation.FUSED and not compiled else form
+
+    return tuple(dict.fromkeys(served(form) for form in PLANNER.candidates))
+
+
+def _measure(
+    run: Run, candidates: Sequence[Formulation], length: int, check: Callable[[], None] | None
+) -> dict[Formulation, float]:
     """Seconds per candidate: the best of ``PROBE_ROUNDS`` interleaved runs of a prefix
     of the sequence (the real call then overwrites the outputs)."""
     probe = min(length, PROBE_STEPS)
-    best = {f: float("inf") for f in PLANNER.candidates}
-    run(PLANNER.candidates[0], probe, check)  # warms the workspaces and caches
+    best = {f: float("inf") for f in candidates}
+    run(candidates[0], probe, check)  # warms the workspaces and caches
     for _ in range(PROBE_ROUNDS):
-        for form in PLANNER.candidates:
+        for form in candidates:
             # A pause inside a timed run would be timed; between runs the op may
             # pause (a call of a new shape measures for ~10 calls of ``probe`` steps:
             # unpaused throughout, a tenant changing its batch size every call held
@@ -345,9 +384,12 @@ def _run(
     check: Callable[[], None] | None, *, offsets: Offsets, forget_bias: float,
     cell_clip: float, use_peephole: bool,
 ) -> None:  # fmt: skip
-    """Steps 0 .. ``length - 1`` in formulation ``form``, in a workspace of the cache."""
+    """Steps 0 .. ``length - 1`` in formulation ``form``, in a workspace of the cache
+    (FUSED as HOISTED where the compiled step does not serve the call)."""
     steps, batch, inputs = x.shape
     units = cs_prev.shape[1]
+    if form is Formulation.FUSED and _native_step(x, outs, units) is None:
+        form = Formulation.HOISTED
     chunk = _chunk_steps(batch, length) if form is not Formulation.CONCAT else 1
     key: WorkspaceKey = (form, chunk, batch, inputs, units, x.dtype.str)
     ws = WORKSPACES.take(key)
@@ -375,6 +417,8 @@ def _prepare(
         np.multiply(p, 0.5, out=ws.peep[row])
     if form is Formulation.HOISTED_T:
         transpose_into(ws.w[w.shape[0] - units :], ws.w_h_t)
+    elif form is Formulation.FUSED:
+        native.pack_recurrent(ws.w[w.shape[0] - units :], offsets, ws.packed)
 
 
 def transpose_into(matrix: Array, out: Array) -> None:
@@ -408,6 +452,10 @@ def _recur(
         gates_ptr, gates_stride = g.ctypes.data, g.shape[1]
         bias_ptr = ws.b.ctypes.data
         clip = float(cell_clip) if cell_clip > 0 else 0.0
+        if form is Formulation.FUSED:
+            fused_step = native.fused_step()
+            h_prev = np.ascontiguousarray(np.broadcast_to(h_prev, (batch, units)), np.float32)
+            packed_ptr = ws.packed.ctypes.data
     for t in range(length):
         if check is not None:
             check()
@@ -430,6 +478,15 @@ def _recur(
                 if step is None:  # (the compiled step adds the bias itself)
                     proj += ws.b
             proj_t = ws.proj[k * batch : (k + 1) * batch]
+            if form is Formulation.FUSED:  # (``_run`` made sure the step serves)
+                at = t * row_bytes
+                c_ptr = cs_prev.ctypes.data if t == 0 else bases[1] + at - row_bytes
+                h_ptr = h_prev.ctypes.data if t == 0 else bases[6] + at - row_bytes
+                fused_step(
+                    h_ptr, packed_ptr, proj_t.ctypes.data, proj_t.shape[1], bias_ptr, c_ptr,
+                    peep_ptr, batch, units, *offsets, clip, *(base + at for base in bases),
+                )  # fmt: skip
+                continue
             if form is Formulation.HOISTED_T:
                 np.matmul(ws.w_h_t, h_last.T, out=ws.gates_t)
                 np.add(ws.gates_t.T, proj_t, out=g)

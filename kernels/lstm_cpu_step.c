@@ -317,3 +317,194 @@ void gradserve_lstm_forward_step_f32(
 
 DEFINE_BACKWARD_STEP(float, gradserve_lstm_backward_step_f32)
 DEFINE_BACKWARD_STEP(double, gradserve_lstm_backward_step_f64)
+
+/* ---- The fused formulation: the recurrent GEMM and the step in one loop ----
+ *
+ * ``lstm_cpu``'s HOISTED formulation computes each step's h @ W_h with NumPy's BLAS,
+ * which packs both operands again on every call (W_h, a megabyte at 256 units, for a
+ * GEMM of 32 rows) and runs at about 60% of its large-GEMM speed there; the step above
+ * then reads the gates back from memory. FUSED packs W_h once per call, into panels of
+ * VL units by the four gates (``gradserve_lstm_pack_recurrent_f32``), and each step
+ * (``gradserve_lstm_forward_fused_step_f32``) computes a tile of MR batch rows by one
+ * panel in registers (a register-blocked GEMM: MR x 4 vectors of accumulators, as BLAS
+ * libraries' micro-kernels), starting from the bias and the projection, and turns it
+ * into the seven outputs of those rows and units while it is still in the L1 cache.
+ *
+ * VL and MR follow the vector registers the compiler targets: 32 of 16 floats with
+ * AVX-512, 16 of 8 with AVX, 32 of 4 on AArch64, else SSE's or the baseline's 4 (GCC's
+ * and Clang's vector extensions compile the same code for each). The GEMM's products
+ * are summed with fused multiply-adds where the CPU has them (the rest of this file is
+ * compiled without contraction: ``FMA_FUNCTION``), in the order of k: its last bits
+ * differ from the BLAS formulations', as those differ from each other. */
+
+#if defined(__AVX512F__)
+#define VL 16
+#define MR 6
+#elif defined(__AVX__)
+#define VL 8
+#define MR 2
+#elif defined(__aarch64__)
+#define VL 4
+#define MR 6
+#else
+#define VL 4
+#define MR 2
+#endif
+#define PANEL_WIDTH (4 * VL) /* one panel's columns: VL units of each of the 4 gates */
+
+/* Loads and stores through this type are unaligned ones (aligned(4)) and may alias
+ * the floats they read. */
+typedef float vfloat __attribute__((vector_size(VL * sizeof(float)), aligned(4), may_alias));
+
+#if defined(__clang__)
+#define FMA_FUNCTION
+#define CONTRACT_FMA _Pragma("clang fp contract(fast)")
+#else
+#define FMA_FUNCTION __attribute__((optimize("fp-contract=fast")))
+#define CONTRACT_FMA
+#endif
+
+static long panels_of(long units) { return (units + VL - 1) / VL; }
+
+/* Floats of the packed W_h of ``units`` units (the caller aligns it to 64 bytes). */
+long gradserve_lstm_packed_floats(long units) { return panels_of(units) * units * PANEL_WIDTH; }
+
+/* packed[p][k][g][u] = w_h[k][off_g + p * VL + u] for each gate g (i, f, c, o), 0 past
+ * the last unit: w_h is [units, 4 units], the gates' columns at off_*. */
+void gradserve_lstm_pack_recurrent_f32(
+    const float *restrict w_h, long units, long off_i, long off_f, long off_c, long off_o,
+    float *restrict packed)
+{
+    const long offs[4] = {off_i, off_f, off_c, off_o};
+    for (long p = 0; p < panels_of(units); p++) {
+        const long u0 = p * VL, n = units - u0 < VL ? units - u0 : VL;
+        for (long k = 0; k < units; k++) {
+            const float *row = w_h + k * 4 * units + u0;
+            float *dst = packed + (p * units + k) * PANEL_WIDTH;
+            for (int g = 0; g < 4; g++) {
+                if (n == VL) {
+                    for (long u = 0; u < VL; u++) dst[g * VL + u] = row[offs[g] + u];
+                } else {
+                    for (long u = 0; u < VL; u++) dst[g * VL + u] = u < n ? row[offs[g] + u] : 0.0f;
+                }
+            }
+        }
+    }
+}
+
+/* z [mr][PANEL_WIDTH] += h [mr rows of ``units``] @ panel [units][PANEL_WIDTH]: the
+ * accumulators stay in registers over all of k (mr a constant where inlined). */
+static inline __attribute__((always_inline)) FMA_FUNCTION void panel_tile(
+    const float *restrict h, long units, const float *restrict panel, float *restrict z,
+    const int mr)
+{
+    CONTRACT_FMA
+    vfloat acc[MR][4];
+    for (int r = 0; r < mr; r++)
+        for (int g = 0; g < 4; g++) acc[r][g] = *(const vfloat *)(z + r * PANEL_WIDTH + g * VL);
+    for (long k = 0; k < units; k++) {
+        const float *w = panel + k * PANEL_WIDTH;
+        const vfloat w0 = *(const vfloat *)w, w1 = *(const vfloat *)(w + VL);
+        const vfloat w2 = *(const vfloat *)(w + 2 * VL), w3 = *(const vfloat *)(w + 3 * VL);
+        for (int r = 0; r < mr; r++) {
+            const float a = h[r * units + k];
+            acc[r][0] = a * w0 + acc[r][0];
+            acc[r][1] = a * w1 + acc[r][1];
+            acc[r][2] = a * w2 + acc[r][2];
+            acc[r][3] = a * w3 + acc[r][3];
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int g = 0; g < 4; g++) *(vfloat *)(z + r * PANEL_WIDTH + g * VL) = acc[r][g];
+}
+
+/* ``panel_tile`` for 1 .. MR rows, each count compiled on its own. */
+static FMA_FUNCTION void panel_tile_rows(
+    const float *restrict h, long units, const float *restrict panel, float *restrict z, int mr)
+{
+    switch (mr) {
+#if MR >= 6
+    case 6: panel_tile(h, units, panel, z, 6); break;
+    case 5: panel_tile(h, units, panel, z, 5); break;
+    case 4: panel_tile(h, units, panel, z, 4); break;
+    case 3: panel_tile(h, units, panel, z, 3); break;
+#endif
+    case 2: panel_tile(h, units, panel, z, 2); break;
+    default: panel_tile(h, units, panel, z, 1); break;
+    }
+}
+
+/* The outputs of one row's n units of a tile: z holds their pre-activations, gate g's
+ * at z[g * VL ..]; the outputs and c_row point at the row's first unit of the panel. */
+static inline __attribute__((always_inline)) void tile_row_cells(
+    const float *restrict z, const float *restrict c_row, const float *restrict wci,
+    const float *restrict wcf, const float *restrict wco, long n, float cell_clip,
+    const int peephole, const int exact_saturation,
+    float *restrict out_i, float *restrict out_cs, float *restrict out_f,
+    float *restrict out_o, float *restrict out_ci, float *restrict out_co,
+    float *restrict out_h)
+{
+    for (long u = 0; u < n; u++) {
+        cell(z[u], z[VL + u], z[2 * VL + u], z[3 * VL + u], c_row[u],
+             peephole ? wci[u] : 0.0f, peephole ? wcf[u] : 0.0f, peephole ? wco[u] : 0.0f,
+             cell_clip, peephole, exact_saturation, u, out_i, out_cs, out_f, out_o, out_ci,
+             out_co, out_h);
+    }
+}
+
+/* One step of FUSED: h_last [batch, units] (contiguous) @ the packed W_h, plus bias and
+ * proj as ``gradserve_lstm_forward_step_f32`` takes them (z = (bias + proj) + the
+ * GEMM's terms), into the seven outputs [batch, units]. The batch's rows are split into
+ * blocks of at most MR, as even as they come (32 rows: 6, 6, 5, 5, 5, 5), so no block
+ * runs a narrow tail. */
+void gradserve_lstm_forward_fused_step_f32(
+    const float *restrict h_last, const float *restrict packed,
+    const float *restrict proj, long proj_stride, const float *restrict bias,
+    const float *restrict c_last, const float *restrict peep,
+    long batch, long units, long off_i, long off_f, long off_c, long off_o,
+    float cell_clip,
+    float *restrict out_i, float *restrict out_cs, float *restrict out_f,
+    float *restrict out_o, float *restrict out_ci, float *restrict out_co,
+    float *restrict out_h)
+{
+    const long offs[4] = {off_i, off_f, off_c, off_o};
+    const long blocks = (batch + MR - 1) / MR;
+    float z[MR * PANEL_WIDTH] __attribute__((aligned(64)));
+    for (long p = 0; p < panels_of(units); p++) {
+        const long u0 = p * VL, n = units - u0 < VL ? units - u0 : VL;
+        const float *wci = peep != NULL ? peep + u0 : NULL;
+        const float *wcf = peep != NULL ? peep + units + u0 : NULL;
+        const float *wco = peep != NULL ? peep + 2 * units + u0 : NULL;
+        for (long block = 0, r0 = 0; block < blocks; block++) {
+            const int mr = (int)((batch - r0 + (blocks - block) - 1) / (blocks - block));
+            for (int r = 0; r < mr; r++) {
+                const float *pr = proj != NULL ? proj + (r0 + r) * proj_stride : NULL;
+                for (int g = 0; g < 4; g++) {
+                    float *zg = z + r * PANEL_WIDTH + g * VL;
+                    const float *bg = bias + offs[g] + u0;
+                    for (long u = 0; u < VL; u++) zg[u] = u < n ? bg[u] : 0.0f;
+                    if (pr != NULL)
+                        for (long u = 0; u < n; u++) zg[u] += pr[offs[g] + u0 + u];
+                }
+            }
+            panel_tile_rows(h_last + r0 * units, units, packed + p * units * PANEL_WIDTH, z, mr);
+            for (int r = 0; r < mr; r++) {
+                const long at = (r0 + r) * units + u0;
+                const float *zr = z + r * PANEL_WIDTH;
+#define ROW_CELLS(PEEP, EXACT)                                                            \
+    tile_row_cells(zr, c_last + at, wci, wcf, wco, n, cell_clip, PEEP, EXACT, out_i + at, \
+                   out_cs + at, out_f + at, out_o + at, out_ci + at, out_co + at, out_h + at)
+                if (peep != NULL) ROW_CELLS(1, 0);
+                else ROW_CELLS(0, 0);
+                if (any_saturated(out_i + at, out_f + at, out_o + at, n)) {
+                    /* the whole row's units again, each gate's sigmoid exact where it
+                     * saturated (the others come out the same) */
+                    if (peep != NULL) ROW_CELLS(1, 1);
+                    else ROW_CELLS(0, 1);
+                }
+#undef ROW_CELLS
+            }
+            r0 += mr;
+        }
+    }
+}

@@ -47,6 +47,7 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("gradserve.kernels")
 
@@ -62,6 +63,9 @@ STEP = "gradserve_lstm_forward_step_f32"
 BACKWARD_F32 = "gradserve_lstm_backward_step_f32"
 BACKWARD_F64 = "gradserve_lstm_backward_step_f64"
 TANH = "gradserve_rational_tanh_f32"
+PACKED_FLOATS = "gradserve_lstm_packed_floats"
+PACK = "gradserve_lstm_pack_recurrent_f32"
+FUSED_STEP = "gradserve_lstm_forward_fused_step_f32"
 
 
 class Mode(enum.Enum):
@@ -255,6 +259,16 @@ def _declare(lib: ctypes.CDLL) -> None:
     tanh = getattr(lib, TANH)
     tanh.argtypes = [ptr, ptr, long_]
     tanh.restype = None
+    packed_floats = getattr(lib, PACKED_FLOATS)
+    packed_floats.argtypes = [long_]
+    packed_floats.restype = long_
+    pack = getattr(lib, PACK)
+    pack.argtypes = [ptr, long_, *[long_] * 4, ptr]  # w_h, units, the offsets; packed
+    pack.restype = None
+    fused = getattr(lib, FUSED_STEP)
+    # h_last, packed, proj, proj_stride, then as the step's
+    fused.argtypes = [ptr, ptr, ptr, long_, ptr, ptr, ptr, *[long_] * 6, f32, *[ptr] * 7]
+    fused.restype = None
     for name, real in ((BACKWARD_F32, ctypes.c_float), (BACKWARD_F64, ctypes.c_double)):
         backward = getattr(lib, name)
         # dh, dcs, i, f, o, ci, co, cs, cs_last, h_grad, cs_grad, peep; clip, clip_at;
@@ -295,3 +309,34 @@ class NativeStep:
 
 
 NATIVE = NativeStep()
+
+
+def _built() -> ctypes.CDLL:
+    lib = NATIVE.library()
+    if lib is None:
+        raise NativeBuildError(NATIVE.failure or "not built")
+    return lib
+
+
+def packed_floats(units: int) -> int:
+    """The floats of W_h packed for the FUSED formulation's step, at ``units`` units."""
+    return int(getattr(_built(), PACKED_FLOATS)(units))
+
+
+def pack_recurrent(w_h: Any, offsets: tuple[int, int, int, int], out: Any) -> None:
+    """W_h ([units, 4 units] float32, C-contiguous; the i, f, c, o columns at
+    ``offsets``) packed into ``out`` (``packed_floats(units)`` float32) for
+    ``fused_step``."""
+    units = w_h.shape[0]
+    if (
+        w_h.shape != (units, 4 * units) or not w_h.flags.c_contiguous
+        or out.shape != (packed_floats(units),) or not out.flags.c_contiguous
+        or w_h.dtype.str != "<f4" or out.dtype.str != "<f4"
+    ):  # fmt: skip
+        raise ValueError(f"pack_recurrent: W_h {w_h.shape} into {out.shape}")
+    getattr(_built(), PACK)(w_h.ctypes.data, units, *offsets, out.ctypes.data)
+
+
+def fused_step() -> Callable[..., None]:
+    """The FUSED formulation's step (``lstm_cpu_step.c`` states its arguments)."""
+    return getattr(_built(), FUSED_STEP)  # type: ignore[no-any-return]

@@ -236,8 +236,8 @@ def _compute(config: ServerConfig, device: str, store: SessionStore) -> Compute:
             lstm_formulation=config.lstm_formulation if device == "cpu" else None,
             cpu_step_kernel=config.cpu_step_kernel,
         )
-    except NativeBuildError as e:
-        raise ConfigError(f"--cpu-step-kernel native: {e}") from None
+    except NativeBuildError as e:  # (its message names the flag)
+        raise ConfigError(str(e)) from None
 
 
 def _tokens(config: ServerConfig) -> TokenTable | None:

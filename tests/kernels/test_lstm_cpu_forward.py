@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from gradserve import pauses
-from gradserve.kernels import backend_numpy, lstm, lstm_cpu
+from gradserve.kernels import backend_numpy, lstm, lstm_cpu, native
 from gradserve.kernels.compute import Compute, compute_for
 from gradserve.lstm_signature import LSTMInputs
 from tests.kernels.lstm_cases import (
@@ -237,8 +237,10 @@ def test_a_pinned_formulation_is_computed_without_measuring(monkeypatch):
         own = lstm.block_lstm_forward(backend_numpy, inputs, **attrs)
         for a, b in zip(pinned[form], own):
             np.testing.assert_array_equal(a, b)
-    hoisted, hoisted_t, concat = (pinned[f].h for f in FORMULATIONS)
+    hoisted, hoisted_t, concat, fused = (pinned[f].h for f in FORMULATIONS)
     assert not np.array_equal(hoisted, concat) and not np.array_equal(hoisted_t, concat)
+    if native.NATIVE.library() is not None:  # (else FUSED computes as HOISTED)
+        assert not np.array_equal(fused, hoisted) and not np.array_equal(fused, concat)
     # The two hoisted forms differ too on OpenBLAS's Haswell kernels; its SkylakeX
     # kernels (an AVX-512 CPU's default) sum both GEMM orientations alike.
     monkeypatch.setattr(lstm_cpu, "PLANNER", planner)

@@ -85,7 +85,8 @@ def _forward(
 
 @pytest.fixture
 def counted(monkeypatch):
-    """The number of compiled steps run so far (the step wrapped in a counter)."""
+    """The number of compiled steps run so far (the steps wrapped in a counter: the
+    elementwise one and FUSED's)."""
     require_native()
     calls = []
     real = lstm_cpu._native_step
@@ -97,6 +98,10 @@ def counted(monkeypatch):
         return lambda *args: calls.append(1) or step(*args)
 
     monkeypatch.setattr(lstm_cpu, "_native_step", counting)
+    real_fused = native.fused_step
+    monkeypatch.setattr(
+        native, "fused_step", lambda: lambda *args: calls.append(1) or real_fused()(*args)
+    )
     return calls
 
 

@@ -32,6 +32,12 @@ def _case() -> dict:
     return random_case(np.random.default_rng(3), 5, 8, 48, 40, np.float32)
 
 
+def _startable(forms: list[lstm_cpu.Formulation]) -> list[lstm_cpu.Formulation]:
+    """The formulations a server starts with here: ``fused`` needs the compiled step."""
+    built = native.NATIVE.library() is not None
+    return [form for form in forms if built or form is not lstm_cpu.Formulation.FUSED]
+
+
 def _served(form: str, case: dict) -> dict:
     with run_server(lstm_formulation=form) as server:
         with gradserve.Client(f"127.0.0.1:{server.port}", shared_memory=False) as client:
@@ -45,12 +51,12 @@ def test_pinned_servers_return_their_formulations_bits_and_measure_nothing(monke
     planner = lstm_cpu.Planner()
     monkeypatch.setattr(lstm_cpu, "PLANNER", planner)
     case = _case()
-    served = {form: _served(form.value, case) for form in FORMULATIONS}
+    served = {form: _served(form.value, case) for form in _startable(FORMULATIONS)}
     assert not planner.measured  # no server timed anything
     again = _served(FORMULATIONS[0].value, case)  # another server: the same bits
     for k in OUTPUTS:
         np.testing.assert_array_equal(again[k], served[FORMULATIONS[0]][k])
-    for form in FORMULATIONS:
+    for form in served:
         monkeypatch.setattr(lstm_cpu, "PLANNER", lstm_cpu.Planner((form,)))
         own = forward(
             backend_numpy, *(case[k] for k in INPUTS), seq_len_max=5, use_peephole=True,
@@ -135,6 +141,23 @@ def test_a_server_asked_for_the_compiled_step_refuses_to_start_without_it(tmp_pa
             case = _case()
             got = client.raw_ops.BlockLSTMV2(np.int64(5), *(case[k] for k in INPUTS))
     assert np.isfinite(got[6]).all()
+
+
+def test_a_fused_server_needs_the_compiled_step(tmp_path, monkeypatch):
+    """``--lstm-formulation fused`` runs its float32 forwards in the compiled step: a
+    server refuses to start where NumPy's pass is asked for or no compiler builds it
+    (as ``--cpu-step-kernel native``), rather than compute another formulation."""
+    with pytest.raises(ConfigError, match="--lstm-formulation fused: not with --cpu-step-ker"):
+        with run_server(lstm_formulation="fused", cpu_step_kernel="numpy"):
+            pass
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(native, "NATIVE", native.NativeStep())
+    with pytest.raises(ConfigError, match="--lstm-formulation fused: no C compiler"):
+        with run_server(lstm_formulation="fused"):
+            pass
 
 
 def test_the_step_kernel_flag_and_its_values():
