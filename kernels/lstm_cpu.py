@@ -44,6 +44,7 @@ warm instead of page-faulting afresh (4 ms of a 10-16 ms forward at (50, 32, 256
 from __future__ import annotations
 
 import collections
+import contextlib
 import contextvars
 import enum
 import functools
@@ -180,7 +181,7 @@ def _new_workspace(key: WorkspaceKey) -> Workspace:
         gates=np.empty((0, gates) if fused else (batch, gates), dt),
         gates_t=np.empty((gates, batch) if transposed else (0,), dt),
         tmp=np.empty((0,) if fused else (batch, units), dt),
-        packed=_aligned_empty(native.packed_floats(units) if fused else 0, dt),
+        packed=_aligned_empty(native.packed_floats(inputs + units, units) if fused else 0, dt),
     )
 
 
@@ -394,18 +395,33 @@ def _run(
     key: WorkspaceKey = (form, chunk, batch, inputs, units, x.dtype.str)
     ws = WORKSPACES.take(key)
     try:
-        _prepare(ws, form, w, b, wci, wcf, wco, offsets, units, forget_bias)
-        _recur(ws, form, chunk, x, cs_prev, h_prev, outs, length, offsets, cell_clip,
-               use_peephole, check)  # fmt: skip
+        with _team(form) as team:
+            _prepare(ws, form, w, b, wci, wcf, wco, offsets, units, forget_bias, team)
+            _recur(ws, form, chunk, x, cs_prev, h_prev, outs, length, offsets, cell_clip,
+                   use_peephole, check, team)  # fmt: skip
     finally:
         WORKSPACES.give(key, ws)
 
 
+def _team(form: Formulation) -> contextlib.AbstractContextManager[int | None]:
+    """FUSED's team of threads for a call: as many as the op's BLAS threads now (its
+    share of them with ``--share-blas-threads``), where the BLAS threads sleep soon
+    after a call (``BlasThreads.sleep_soon``: the server's setting). Where they spin on
+    (OpenBLAS's default: 0.1 s after each call), a team computed on the cores they spun
+    on: 10-15 against 7 ms a call at (50, 32, 256), two threads. None:
+    no team (another formulation, one thread): the caller computes alone."""
+    if form is not Formulation.FUSED:
+        return contextlib.nullcontext()
+    threads = blas.BLAS.count() or 1
+    return native.TEAMS.team(threads if blas.BLAS.sleep_soon() else 1)
+
+
 def _prepare(
     ws: Workspace, form: Formulation, w: Array, b: Array, wci: Array, wcf: Array, wco: Array,
-    offsets: Offsets, units: int, forget_bias: float,
+    offsets: Offsets, units: int, forget_bias: float, team: int | None,
 ) -> None:  # fmt: skip
-    """Weights, bias (with the forget bias) and peepholes, sigmoid gates halved."""
+    """Weights, bias (with the forget bias) and peepholes, sigmoid gates halved; FUSED's
+    packed: W_h alone, or with a team all of W (its steps project the input too)."""
     off_c, off_f = offsets[2], offsets[1]
     np.multiply(w, 0.5, out=ws.w)
     np.multiply(b, 0.5, out=ws.b)
@@ -418,7 +434,8 @@ def _prepare(
     if form is Formulation.HOISTED_T:
         transpose_into(ws.w[w.shape[0] - units :], ws.w_h_t)
     elif form is Formulation.FUSED:
-        native.pack_recurrent(ws.w[w.shape[0] - units :], offsets, ws.packed)
+        rows = ws.w if team is not None else ws.w[w.shape[0] - units :]
+        native.pack(rows, offsets, ws.packed[: native.packed_floats(rows.shape[0], units)])
 
 
 def transpose_into(matrix: Array, out: Array) -> None:
@@ -432,7 +449,7 @@ def transpose_into(matrix: Array, out: Array) -> None:
 def _recur(
     ws: Workspace, form: Formulation, chunk: int, x: Array, cs_prev: Array, h_prev: Array,
     outs: Sequence[Array], length: int, offsets: Offsets, cell_clip: float,
-    use_peephole: bool, check: Callable[[], None] | None,
+    use_peephole: bool, check: Callable[[], None] | None, team: int | None,
 ) -> None:  # fmt: skip
     steps, batch, inputs = x.shape
     units = cs_prev.shape[1]
@@ -455,12 +472,29 @@ def _recur(
         if form is Formulation.FUSED:
             fused_step = native.fused_step()
             h_prev = np.ascontiguousarray(np.broadcast_to(h_prev, (batch, units)), np.float32)
+            x_rows = np.ascontiguousarray(x)
             packed_ptr = ws.packed.ctypes.data
+
+            def _fused_step(t: int, x_ptr: int | None, proj_t: Array) -> None:
+                at = t * row_bytes
+                c_ptr = cs_prev.ctypes.data if t == 0 else bases[1] + at - row_bytes
+                h_ptr = h_prev.ctypes.data if t == 0 else bases[6] + at - row_bytes
+                proj_ptr, proj_stride = (None, 0) if proj_t is None else (
+                    proj_t.ctypes.data, proj_t.shape[1])  # fmt: skip
+                fused_step(
+                    team, x_ptr, inputs, h_ptr, packed_ptr, proj_ptr, proj_stride, bias_ptr,
+                    c_ptr, peep_ptr, batch, units, *offsets, clip,
+                    *(base + at for base in bases),
+                )  # fmt: skip
+
     for t in range(length):
         if check is not None:
             check()
         c_last = cs_prev if t == 0 else out_cs[t - 1]
         h_last = h_prev if t == 0 else out_h[t - 1]
+        if form is Formulation.FUSED and team is not None:  # the projection in the step
+            _fused_step(t, x_rows[t].ctypes.data, None)
+            continue
         if form is Formulation.CONCAT:
             xh = ws.proj
             xh[:, :inputs] = x[t]
@@ -479,13 +513,7 @@ def _recur(
                     proj += ws.b
             proj_t = ws.proj[k * batch : (k + 1) * batch]
             if form is Formulation.FUSED:  # (``_run`` made sure the step serves)
-                at = t * row_bytes
-                c_ptr = cs_prev.ctypes.data if t == 0 else bases[1] + at - row_bytes
-                h_ptr = h_prev.ctypes.data if t == 0 else bases[6] + at - row_bytes
-                fused_step(
-                    h_ptr, packed_ptr, proj_t.ctypes.data, proj_t.shape[1], bias_ptr, c_ptr,
-                    peep_ptr, batch, units, *offsets, clip, *(base + at for base in bases),
-                )  # fmt: skip
+                _fused_step(t, None, proj_t)
                 continue
             if form is Formulation.HOISTED_T:
                 np.matmul(ws.w_h_t, h_last.T, out=ws.gates_t)

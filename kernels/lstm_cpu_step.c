@@ -21,8 +21,13 @@
  * stays on NumPy.
  */
 
+#define _POSIX_C_SOURCE 200809L /* pthreads under -std=c99 */
+
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
 #include <stddef.h>
+#include <stdlib.h>
 
 /* Where the rational function reaches 1 (Eigen's clamp): beyond it tanh rounds to +-1
  * in float32, and the function itself, clamped at 9 instead, rose past 1 by up to 2 ulps
@@ -366,21 +371,24 @@ typedef float vfloat __attribute__((vector_size(VL * sizeof(float)), aligned(4),
 
 static long panels_of(long units) { return (units + VL - 1) / VL; }
 
-/* Floats of the packed W_h of ``units`` units (the caller aligns it to 64 bytes). */
-long gradserve_lstm_packed_floats(long units) { return panels_of(units) * units * PANEL_WIDTH; }
+/* Floats of a packed [rows, 4 units] weight matrix (the caller aligns it to 64 bytes). */
+long gradserve_lstm_packed_floats(long rows, long units) {
+    return panels_of(units) * rows * PANEL_WIDTH;
+}
 
-/* packed[p][k][g][u] = w_h[k][off_g + p * VL + u] for each gate g (i, f, c, o), 0 past
- * the last unit: w_h is [units, 4 units], the gates' columns at off_*. */
-void gradserve_lstm_pack_recurrent_f32(
-    const float *restrict w_h, long units, long off_i, long off_f, long off_c, long off_o,
-    float *restrict packed)
+/* packed[p][k][g][u] = w[k][off_g + p * VL + u] for each gate g (i, f, c, o), 0 past the
+ * last unit: w is [rows, 4 units] (W_h, or all of W: W_x's rows, then W_h's), the gates'
+ * columns at off_*. */
+void gradserve_lstm_pack_f32(
+    const float *restrict w, long rows, long units, long off_i, long off_f, long off_c,
+    long off_o, float *restrict packed)
 {
     const long offs[4] = {off_i, off_f, off_c, off_o};
     for (long p = 0; p < panels_of(units); p++) {
         const long u0 = p * VL, n = units - u0 < VL ? units - u0 : VL;
-        for (long k = 0; k < units; k++) {
-            const float *row = w_h + k * 4 * units + u0;
-            float *dst = packed + (p * units + k) * PANEL_WIDTH;
+        for (long k = 0; k < rows; k++) {
+            const float *row = w + k * 4 * units + u0;
+            float *dst = packed + (p * rows + k) * PANEL_WIDTH;
             for (int g = 0; g < 4; g++) {
                 if (n == VL) {
                     for (long u = 0; u < VL; u++) dst[g * VL + u] = row[offs[g] + u];
@@ -392,26 +400,26 @@ void gradserve_lstm_pack_recurrent_f32(
     }
 }
 
-/* z [mr][PANEL_WIDTH] += h [mr rows of ``units``] @ panel [units][PANEL_WIDTH]: the
+/* z [mr][PANEL_WIDTH] += a [mr rows of depth] @ panel [depth][PANEL_WIDTH]: the
  * accumulators stay in registers over all of k (mr a constant where inlined). */
 static inline __attribute__((always_inline)) FMA_FUNCTION void panel_tile(
-    const float *restrict h, long units, const float *restrict panel, float *restrict z,
+    const float *restrict a, long depth, const float *restrict panel, float *restrict z,
     const int mr)
 {
     CONTRACT_FMA
     vfloat acc[MR][4];
     for (int r = 0; r < mr; r++)
         for (int g = 0; g < 4; g++) acc[r][g] = *(const vfloat *)(z + r * PANEL_WIDTH + g * VL);
-    for (long k = 0; k < units; k++) {
+    for (long k = 0; k < depth; k++) {
         const float *w = panel + k * PANEL_WIDTH;
         const vfloat w0 = *(const vfloat *)w, w1 = *(const vfloat *)(w + VL);
         const vfloat w2 = *(const vfloat *)(w + 2 * VL), w3 = *(const vfloat *)(w + 3 * VL);
         for (int r = 0; r < mr; r++) {
-            const float a = h[r * units + k];
-            acc[r][0] = a * w0 + acc[r][0];
-            acc[r][1] = a * w1 + acc[r][1];
-            acc[r][2] = a * w2 + acc[r][2];
-            acc[r][3] = a * w3 + acc[r][3];
+            const float ark = a[r * depth + k];
+            acc[r][0] = ark * w0 + acc[r][0];
+            acc[r][1] = ark * w1 + acc[r][1];
+            acc[r][2] = ark * w2 + acc[r][2];
+            acc[r][3] = ark * w3 + acc[r][3];
         }
     }
     for (int r = 0; r < mr; r++)
@@ -420,17 +428,17 @@ static inline __attribute__((always_inline)) FMA_FUNCTION void panel_tile(
 
 /* ``panel_tile`` for 1 .. MR rows, each count compiled on its own. */
 static FMA_FUNCTION void panel_tile_rows(
-    const float *restrict h, long units, const float *restrict panel, float *restrict z, int mr)
+    const float *restrict a, long depth, const float *restrict panel, float *restrict z, int mr)
 {
     switch (mr) {
 #if MR >= 6
-    case 6: panel_tile(h, units, panel, z, 6); break;
-    case 5: panel_tile(h, units, panel, z, 5); break;
-    case 4: panel_tile(h, units, panel, z, 4); break;
-    case 3: panel_tile(h, units, panel, z, 3); break;
+    case 6: panel_tile(a, depth, panel, z, 6); break;
+    case 5: panel_tile(a, depth, panel, z, 5); break;
+    case 4: panel_tile(a, depth, panel, z, 4); break;
+    case 3: panel_tile(a, depth, panel, z, 3); break;
 #endif
-    case 2: panel_tile(h, units, panel, z, 2); break;
-    default: panel_tile(h, units, panel, z, 1); break;
+    case 2: panel_tile(a, depth, panel, z, 2); break;
+    default: panel_tile(a, depth, panel, z, 1); break;
     }
 }
 
@@ -452,25 +460,34 @@ static inline __attribute__((always_inline)) void tile_row_cells(
     }
 }
 
-/* One step of FUSED: h_last [batch, units] (contiguous) @ the packed W_h, plus bias and
- * proj as ``gradserve_lstm_forward_step_f32`` takes them (z = (bias + proj) + the
- * GEMM's terms), into the seven outputs [batch, units]. The batch's rows are split into
- * blocks of at most MR, as even as they come (32 rows: 6, 6, 5, 5, 5, 5), so no block
- * runs a narrow tail. */
-void gradserve_lstm_forward_fused_step_f32(
+/* One step's arguments (``gradserve_lstm_forward_fused_step_f32`` states them). */
+struct fused_step {
+    const float *x_t, *h_last, *packed, *proj, *bias, *c_last, *peep;
+    long inputs, proj_stride, batch, units, offs[4];
+    float cell_clip;
+    float *out_i, *out_cs, *out_f, *out_o, *out_ci, *out_co, *out_h;
+};
+
+/* Panels [p_begin, p_end) of one step: their units of every row. The batch's rows are
+ * split into blocks of at most MR, as even as they come (32 rows: 6, 6, 5, 5, 5, 5), so
+ * no block runs a narrow tail. */
+static __attribute__((noinline)) void fused_panels(
+    long p_begin, long p_end, const float *restrict x_t, long inputs,
     const float *restrict h_last, const float *restrict packed,
     const float *restrict proj, long proj_stride, const float *restrict bias,
-    const float *restrict c_last, const float *restrict peep,
-    long batch, long units, long off_i, long off_f, long off_c, long off_o,
-    float cell_clip,
+    const float *restrict c_last, const float *restrict peep, long batch, long units,
+    const long offs[4], float cell_clip,
     float *restrict out_i, float *restrict out_cs, float *restrict out_f,
     float *restrict out_o, float *restrict out_ci, float *restrict out_co,
     float *restrict out_h)
 {
-    const long offs[4] = {off_i, off_f, off_c, off_o};
+    /* (restrict parameters: through a struct's fields GCC assumed the outputs might
+     * alias the operands, and the step ran 2.2x slower; ``panels_of_step`` unpacks) */
     const long blocks = (batch + MR - 1) / MR;
+    const long rows = inputs + units; /* of each packed panel */
     float z[MR * PANEL_WIDTH] __attribute__((aligned(64)));
-    for (long p = 0; p < panels_of(units); p++) {
+    for (long p = p_begin; p < p_end; p++) {
+        const float *panel = packed + p * rows * PANEL_WIDTH;
         const long u0 = p * VL, n = units - u0 < VL ? units - u0 : VL;
         const float *wci = peep != NULL ? peep + u0 : NULL;
         const float *wcf = peep != NULL ? peep + units + u0 : NULL;
@@ -487,12 +504,13 @@ void gradserve_lstm_forward_fused_step_f32(
                         for (long u = 0; u < n; u++) zg[u] += pr[offs[g] + u0 + u];
                 }
             }
-            panel_tile_rows(h_last + r0 * units, units, packed + p * units * PANEL_WIDTH, z, mr);
+            if (inputs > 0) panel_tile_rows(x_t + r0 * inputs, inputs, panel, z, mr);
+            panel_tile_rows(h_last + r0 * units, units, panel + inputs * PANEL_WIDTH, z, mr);
             for (int r = 0; r < mr; r++) {
                 const long at = (r0 + r) * units + u0;
                 const float *zr = z + r * PANEL_WIDTH;
-#define ROW_CELLS(PEEP, EXACT)                                                            \
-    tile_row_cells(zr, c_last + at, wci, wcf, wco, n, cell_clip, PEEP, EXACT, out_i + at, \
+#define ROW_CELLS(PEEP, EXACT)                                                              \
+    tile_row_cells(zr, c_last + at, wci, wcf, wco, n, cell_clip, PEEP, EXACT, out_i + at,  \
                    out_cs + at, out_f + at, out_o + at, out_ci + at, out_co + at, out_h + at)
                 if (peep != NULL) ROW_CELLS(1, 0);
                 else ROW_CELLS(0, 0);
@@ -506,5 +524,193 @@ void gradserve_lstm_forward_fused_step_f32(
             }
             r0 += mr;
         }
+    }
+}
+
+/* ``fused_panels`` of a step's arguments. */
+static void panels_of_step(const struct fused_step *s, long p_begin, long p_end) {
+    fused_panels(p_begin, p_end, s->x_t, s->inputs, s->h_last, s->packed, s->proj,
+                 s->proj_stride, s->bias,
+                 s->c_last, s->peep, s->batch, s->units, s->offs, s->cell_clip, s->out_i,
+                 s->out_cs, s->out_f, s->out_o, s->out_ci, s->out_co, s->out_h);
+}
+
+/* ---- A team of threads for FUSED's steps ----
+ *
+ * With more than one BLAS thread, a step's panels are shared by a team: the calling
+ * thread and ``threads - 1`` workers (``gradserve_fused_team_start``; ``native.py``
+ * keeps teams between calls). The steps then project the input themselves (x_t given):
+ * between chunks of steps, the BLAS projection's own threads woke, and spun for a while
+ * after it (OpenBLAS's, 0.1 s by default) on the cores the team computes on.
+ *
+ * Per step the caller publishes it (a new generation in the ticket, under the team's
+ * mutex so that no worker going to sleep misses it) and every member claims panels one
+ * at a time by moving the ticket on, until none is left; the caller then waits for the
+ * panels claimed to be done. A member the scheduler does not run claims nothing, so the
+ * step never waits for it beyond a panel it had claimed (statically divided, a step
+ * waited for a worker that shared the caller's core). Each panel is computed by one
+ * member, in one order, so a team's outputs are the same bits at any team size (and
+ * the same as the caller alone with x_t given). Between steps a worker spins a while
+ * (``SPIN_ROUNDS``: the next step comes within microseconds), then sleeps on the
+ * condition variable: an op paused, or between calls, costs no core. */
+
+#define SPIN_ROUNDS 4000L /* pause instructions: tens of microseconds */
+#define YIELD_ROUNDS 64L  /* pause instructions: a few microseconds */
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+struct fused_team;
+
+struct team_member {
+    struct fused_team *team;
+    pthread_t thread;
+};
+
+struct fused_team {
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    long started;              /* workers running */
+    unsigned long long ticket; /* the step's generation << 32 | its next untaken panel */
+    long panels;               /* of the current step */
+    long done;                 /* panels of the current step computed */
+    int stop;
+    struct fused_step step;
+    struct team_member members[];
+};
+
+#define GENERATION(ticket) ((ticket) >> 32)
+#define PANEL(ticket) ((long)((ticket) & 0xffffffffULL))
+
+/* A member's part of step ``generation``: a panel at a time, claimed by moving the
+ * ticket on, until none is left. A member that comes late (after the step ended, its
+ * core busy with another thread) finds the ticket of another generation and claims
+ * nothing, so no member ever waits for a member that is not running. */
+static void take_panels(struct fused_team *t, unsigned long long generation) {
+    unsigned long long ticket = __atomic_load_n(&t->ticket, __ATOMIC_ACQUIRE);
+    while (GENERATION(ticket) == generation &&
+           PANEL(ticket) < __atomic_load_n(&t->panels, __ATOMIC_RELAXED)) {
+        if (__atomic_compare_exchange_n(&t->ticket, &ticket, ticket + 1, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE)) {
+            panels_of_step(&t->step, PANEL(ticket), PANEL(ticket) + 1);
+            __atomic_fetch_add(&t->done, 1, __ATOMIC_RELEASE);
+            ticket = __atomic_load_n(&t->ticket, __ATOMIC_ACQUIRE);
+        } /* else ticket holds its current value: try again */
+    }
+}
+
+/* The generation after ``seen``: spun for, then slept for. */
+static unsigned long long next_generation(struct fused_team *t, unsigned long long seen) {
+    unsigned long long g;
+    for (long spin = 0; spin < SPIN_ROUNDS; spin++) {
+        g = GENERATION(__atomic_load_n(&t->ticket, __ATOMIC_ACQUIRE));
+        if (g != seen) return g;
+        cpu_relax();
+    }
+    pthread_mutex_lock(&t->lock);
+    while ((g = GENERATION(__atomic_load_n(&t->ticket, __ATOMIC_ACQUIRE))) == seen)
+        pthread_cond_wait(&t->wake, &t->lock);
+    pthread_mutex_unlock(&t->lock);
+    return g;
+}
+
+static void *team_worker(void *arg) {
+    struct fused_team *t = ((struct team_member *)arg)->team;
+    unsigned long long seen = 0;
+    for (;;) {
+        seen = next_generation(t, seen);
+        if (__atomic_load_n(&t->stop, __ATOMIC_ACQUIRE)) return NULL;
+        take_panels(t, seen);
+    }
+}
+
+/* The next generation, its panels unclaimed, under the lock so no worker going to
+ * sleep misses it; returns it. */
+static unsigned long long publish(struct fused_team *t) {
+    pthread_mutex_lock(&t->lock);
+    const unsigned long long g = GENERATION(__atomic_load_n(&t->ticket, __ATOMIC_RELAXED)) + 1;
+    __atomic_store_n(&t->ticket, g << 32, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&t->wake);
+    pthread_mutex_unlock(&t->lock);
+    return g;
+}
+
+void gradserve_fused_team_stop(struct fused_team *t);
+
+/* A team of ``threads`` (the caller and threads - 1 workers), or NULL where no worker
+ * could be started (the caller then computes alone). */
+struct fused_team *gradserve_fused_team_start(long threads) {
+    if (threads < 2) return NULL;
+    struct fused_team *t = calloc(1, sizeof *t + (size_t)(threads - 1) * sizeof t->members[0]);
+    if (t == NULL) return NULL;
+    pthread_mutex_init(&t->lock, NULL);
+    pthread_cond_init(&t->wake, NULL);
+    for (long k = 0; k < threads - 1; k++) {
+        t->members[k].team = t;
+        if (pthread_create(&t->members[k].thread, NULL, team_worker, &t->members[k]) != 0) break;
+        t->started++;
+    }
+    if (t->started == 0) {
+        gradserve_fused_team_stop(t);
+        return NULL;
+    }
+    return t;
+}
+
+void gradserve_fused_team_stop(struct fused_team *t) {
+    if (t == NULL) return;
+    __atomic_store_n(&t->stop, 1, __ATOMIC_RELEASE);
+    publish(t);
+    for (long k = 0; k < t->started; k++) pthread_join(t->members[k].thread, NULL);
+    pthread_cond_destroy(&t->wake);
+    pthread_mutex_destroy(&t->lock);
+    free(t);
+}
+
+/* One step of FUSED into the seven outputs [batch, units]: z = (bias + proj) + h_last @
+ * W_h, bias and proj as ``gradserve_lstm_forward_step_f32`` takes them, where x_t is
+ * NULL (packed: W_h's rows, ``gradserve_lstm_pack_f32``); else z = bias + x_t @ W_x +
+ * h_last @ W_h, the input projection in the step too (packed: W's rows, W_x's first;
+ * proj unused): x_t [batch, inputs] and h_last [batch, units], contiguous. By ``team``'s
+ * members where it is not NULL (``gradserve_fused_team_start``), else by the caller
+ * alone. */
+void gradserve_lstm_forward_fused_step_f32(
+    struct fused_team *team, const float *restrict x_t, long inputs,
+    const float *restrict h_last, const float *restrict packed,
+    const float *restrict proj, long proj_stride, const float *restrict bias,
+    const float *restrict c_last, const float *restrict peep,
+    long batch, long units, long off_i, long off_f, long off_c, long off_o,
+    float cell_clip,
+    float *restrict out_i, float *restrict out_cs, float *restrict out_f,
+    float *restrict out_o, float *restrict out_ci, float *restrict out_co,
+    float *restrict out_h)
+{
+    if (x_t == NULL) inputs = 0;
+    else proj = NULL;
+    const struct fused_step step = {
+        x_t, h_last, packed, proj, bias, c_last, peep, inputs, proj_stride, batch, units,
+        {off_i, off_f, off_c, off_o}, cell_clip,
+        out_i, out_cs, out_f, out_o, out_ci, out_co, out_h,
+    };
+    if (team == NULL) {
+        panels_of_step(&step, 0, panels_of(units));
+        return;
+    }
+    team->step = step;
+    const long panels = panels_of(units);
+    __atomic_store_n(&team->panels, panels, __ATOMIC_RELAXED);
+    __atomic_store_n(&team->done, 0, __ATOMIC_RELAXED);
+    take_panels(team, publish(team));
+    /* the workers' last panels: spun for, the core offered every YIELD_ROUNDS (a
+     * worker preempted on this core, mid-panel, finishes only when this thread gives
+     * the core up; spinning long before doing so cost up to 0.1 ms a step) */
+    for (long spin = 1; __atomic_load_n(&team->done, __ATOMIC_ACQUIRE) < panels; spin++) {
+        if (spin % YIELD_ROUNDS) cpu_relax();
+        else sched_yield();
     }
 }

@@ -46,7 +46,7 @@ import stat
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 log = logging.getLogger("gradserve.kernels")
@@ -54,7 +54,7 @@ log = logging.getLogger("gradserve.kernels")
 SOURCE = pathlib.Path(__file__).with_name("lstm_cpu_step.c")
 #: ``-ffp-contract=off``: no fused multiply-adds, so the backward step gives the NumPy
 #: passes' bits (Clang contracts within an expression by default, GCC outside ISO C).
-FLAGS = ("-O3", "-march=native", "-std=c99", "-ffp-contract=off", "-fPIC", "-shared")
+FLAGS = ("-O3", "-march=native", "-std=c99", "-ffp-contract=off", "-fPIC", "-shared", "-pthread")
 #: Seconds a compilation (and the compiler's ``--version``) may take before it is killed
 #: and counts as failed: a forward of the process waits for the build meanwhile.
 COMPILE_TIMEOUT_SECONDS = 60
@@ -64,8 +64,10 @@ BACKWARD_F32 = "gradserve_lstm_backward_step_f32"
 BACKWARD_F64 = "gradserve_lstm_backward_step_f64"
 TANH = "gradserve_rational_tanh_f32"
 PACKED_FLOATS = "gradserve_lstm_packed_floats"
-PACK = "gradserve_lstm_pack_recurrent_f32"
+PACK = "gradserve_lstm_pack_f32"
 FUSED_STEP = "gradserve_lstm_forward_fused_step_f32"
+TEAM_START = "gradserve_fused_team_start"
+TEAM_STOP = "gradserve_fused_team_stop"
 
 
 class Mode(enum.Enum):
@@ -260,15 +262,22 @@ def _declare(lib: ctypes.CDLL) -> None:
     tanh.argtypes = [ptr, ptr, long_]
     tanh.restype = None
     packed_floats = getattr(lib, PACKED_FLOATS)
-    packed_floats.argtypes = [long_]
+    packed_floats.argtypes = [long_, long_]
     packed_floats.restype = long_
     pack = getattr(lib, PACK)
-    pack.argtypes = [ptr, long_, *[long_] * 4, ptr]  # w_h, units, the offsets; packed
+    pack.argtypes = [ptr, long_, long_, *[long_] * 4, ptr]  # w, rows, units, offsets; packed
     pack.restype = None
     fused = getattr(lib, FUSED_STEP)
-    # h_last, packed, proj, proj_stride, then as the step's
-    fused.argtypes = [ptr, ptr, ptr, long_, ptr, ptr, ptr, *[long_] * 6, f32, *[ptr] * 7]
+    # team, x_t, inputs, h_last, packed, proj, proj_stride, then as the step's
+    fused.argtypes = [ptr, ptr, long_, ptr, ptr, ptr, long_, ptr, ptr, ptr, *[long_] * 6, f32,
+                      *[ptr] * 7]  # fmt: skip
     fused.restype = None
+    team_start = getattr(lib, TEAM_START)
+    team_start.argtypes = [long_]
+    team_start.restype = ptr
+    team_stop = getattr(lib, TEAM_STOP)
+    team_stop.argtypes = [ptr]
+    team_stop.restype = None
     for name, real in ((BACKWARD_F32, ctypes.c_float), (BACKWARD_F64, ctypes.c_double)):
         backward = getattr(lib, name)
         # dh, dcs, i, f, o, ci, co, cs, cs_last, h_grad, cs_grad, peep; clip, clip_at;
@@ -318,25 +327,80 @@ def _built() -> ctypes.CDLL:
     return lib
 
 
-def packed_floats(units: int) -> int:
-    """The floats of W_h packed for the FUSED formulation's step, at ``units`` units."""
-    return int(getattr(_built(), PACKED_FLOATS)(units))
+def packed_floats(rows: int, units: int) -> int:
+    """The floats of a [rows, 4 units] weight matrix packed for the FUSED formulation's
+    step (W_h: ``units`` rows; all of W: inputs + units)."""
+    return int(getattr(_built(), PACKED_FLOATS)(rows, units))
 
 
-def pack_recurrent(w_h: Any, offsets: tuple[int, int, int, int], out: Any) -> None:
-    """W_h ([units, 4 units] float32, C-contiguous; the i, f, c, o columns at
-    ``offsets``) packed into ``out`` (``packed_floats(units)`` float32) for
+def pack(w: Any, offsets: tuple[int, int, int, int], out: Any) -> None:
+    """``w`` ([rows, 4 units] float32, C-contiguous; the i, f, c, o columns at
+    ``offsets``) packed into ``out`` (``packed_floats(rows, units)`` float32) for
     ``fused_step``."""
-    units = w_h.shape[0]
+    rows, columns = w.shape
+    units = columns // 4
     if (
-        w_h.shape != (units, 4 * units) or not w_h.flags.c_contiguous
-        or out.shape != (packed_floats(units),) or not out.flags.c_contiguous
-        or w_h.dtype.str != "<f4" or out.dtype.str != "<f4"
+        columns != 4 * units or not w.flags.c_contiguous or not out.flags.c_contiguous
+        or out.shape != (packed_floats(rows, units),)
+        or w.dtype.str != "<f4" or out.dtype.str != "<f4"
     ):  # fmt: skip
-        raise ValueError(f"pack_recurrent: W_h {w_h.shape} into {out.shape}")
-    getattr(_built(), PACK)(w_h.ctypes.data, units, *offsets, out.ctypes.data)
+        raise ValueError(f"pack: weights {w.shape} {w.dtype} into {out.shape} {out.dtype}")
+    getattr(_built(), PACK)(w.ctypes.data, rows, units, *offsets, out.ctypes.data)
 
 
 def fused_step() -> Callable[..., None]:
-    """The FUSED formulation's step (``lstm_cpu_step.c`` states its arguments)."""
+    """The FUSED formulation's step (``lstm_cpu_step.c`` states its arguments; the
+    first is a team of ``fused_team`` or None)."""
     return getattr(_built(), FUSED_STEP)  # type: ignore[no-any-return]
+
+
+class FusedTeams:
+    """Teams of threads for ``fused_step``, kept between calls: a team of ``threads``
+    is the caller and ``threads - 1`` workers, which sleep while no step comes. Teams
+    started per call ran a call at two threads in 6.9 ms or, about every other call,
+    in 10-13 (at (50, 32, 256)): the scheduler put a fresh worker on the core of the
+    caller (whose steps then waited for it); kept workers stay where they ran.
+
+    A team serves one call at a time (``team``); at most ``KEEP`` idle ones of each
+    size are kept, the rest stopped. A forked child forgets its parent's teams (their
+    workers are not in it) and starts its own."""
+
+    KEEP = 4
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: dict[int, list[int]] = {}
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._lock = threading.Lock()
+        self._idle = {}
+
+    @contextlib.contextmanager
+    def team(self, threads: int) -> Iterator[int | None]:
+        """A team of ``threads`` for the block, or None for the caller alone (one
+        thread, or no worker could be started)."""
+        if threads < 2:
+            yield None
+            return
+        lib = _built()
+        with self._lock:
+            idle = self._idle.setdefault(threads, [])
+            team = idle.pop() if idle else None
+        if team is None:
+            team = getattr(lib, TEAM_START)(threads)
+        try:
+            yield team
+        finally:
+            if team is not None:
+                with self._lock:
+                    idle = self._idle.setdefault(threads, [])
+                    keep = len(idle) < self.KEEP
+                    if keep:
+                        idle.append(team)
+                if not keep:
+                    getattr(lib, TEAM_STOP)(team)
+
+
+TEAMS = FusedTeams()

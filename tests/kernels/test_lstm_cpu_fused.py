@@ -7,10 +7,14 @@ computing as HOISTED elsewhere."""
 
 from __future__ import annotations
 
+import os
+import time
+import types
+
 import numpy as np
 import pytest
 
-from gradserve.kernels import backend_numpy, lstm, lstm_cpu, native
+from gradserve.kernels import backend_numpy, blas_threads, lstm, lstm_cpu, native
 from gradserve.lstm_signature import LSTMInputs
 from tests.kernels.lstm_cases import (
     GENERIC,
@@ -126,25 +130,114 @@ def test_the_planner_measures_fused_only_where_it_can_run(monkeypatch):
     assert measured["<f8"] == set(lstm_cpu.Formulation) - {FUSED}
 
 
-def test_the_packed_weights_are_aligned_and_hold_w_h_by_panel():
+def test_the_packed_weights_are_aligned_and_hold_w_by_panel():
     require_native()
-    units = 17
-    ws = lstm_cpu._new_workspace((FUSED, 2, 3, 5, units, "<f4"))
+    inputs, units = 5, 17
+    ws = lstm_cpu._new_workspace((FUSED, 2, 3, inputs, units, "<f4"))
     assert ws.packed.ctypes.data % lstm_cpu.PACK_ALIGNMENT == 0
     assert ws.gates.size == 0 and ws.tmp.size == 0  # FUSED needs neither
-    w_h = np.random.default_rng(1).standard_normal((units, 4 * units)).astype(np.float32)
+    assert ws.packed.size == native.packed_floats(inputs + units, units)  # all of W, at most
+    rng = np.random.default_rng(1)
     offsets = (2 * units, 0, 3 * units, units)  # i, f, c, o: the columns of each gate
-    native.pack_recurrent(w_h, offsets, ws.packed)
-    # packed[p][k][g][u]: panels of VL units by the four gates, zero past the last unit
-    (width,) = [vl for vl in (4, 8, 16) if ws.packed.size == -(-units // vl) * units * 4 * vl]
-    panels = ws.packed.reshape(-1, units, 4, width)
-    for g, off in enumerate(offsets):
-        unpacked = panels[:, :, g, :].transpose(1, 0, 2).reshape(units, -1)
-        np.testing.assert_array_equal(unpacked[:, :units], w_h[:, off : off + units])
-        assert not unpacked[:, units:].any()
-    with pytest.raises(ValueError, match="pack_recurrent"):
-        native.pack_recurrent(w_h[:, :-1], offsets, ws.packed)
-    with pytest.raises(ValueError, match="pack_recurrent"):
-        native.pack_recurrent(w_h, offsets, ws.packed[:-1])
-    with pytest.raises(ValueError, match="pack_recurrent"):
-        native.pack_recurrent(w_h.astype(np.float64), offsets, ws.packed)
+    for rows in (inputs + units, units):  # all of W (a team's), W_h alone
+        w = rng.standard_normal((rows, 4 * units)).astype(np.float32)
+        packed = ws.packed[: native.packed_floats(rows, units)]
+        native.pack(w, offsets, packed)
+        # packed[p][k][g][u]: panels of VL units by the four gates, 0 past the last unit
+        (width,) = [vl for vl in (4, 8, 16) if packed.size == -(-units // vl) * rows * 4 * vl]
+        panels = packed.reshape(-1, rows, 4, width)
+        for g, off in enumerate(offsets):
+            unpacked = panels[:, :, g, :].transpose(1, 0, 2).reshape(rows, -1)
+            np.testing.assert_array_equal(unpacked[:, :units], w[:, off : off + units])
+            assert not unpacked[:, units:].any()
+    for bad_w, bad_out in (
+        (w[:, :-1], packed),  # not 4 units wide
+        (w, packed[:-1]),  # not its size
+        (w.astype(np.float64), packed),
+        (np.asfortranarray(w), packed),
+    ):
+        with pytest.raises(ValueError, match="pack: weights"):
+            native.pack(bad_w, offsets, bad_out)
+
+
+# --- teams: FUSED at more than one thread ---------------------------------------------
+
+
+@pytest.fixture
+def team_of(monkeypatch):
+    """FUSED's calls in teams of n (as where the BLAS threads are n and sleep soon)."""
+    require_native()
+    monkeypatch.setattr(blas_threads.BLAS, "sleep_soon", lambda: True)
+
+    def size(n: int) -> None:
+        monkeypatch.setattr(blas_threads.BLAS, "count", lambda: n)
+
+    return size
+
+
+def test_a_team_computes_the_same_bits_at_any_size_and_the_lstm(team_of):
+    """A team's steps project the input themselves and share the panels; each panel
+    is one member's, so 2, 3 or 8 members (8 on this machine's 2 cores: members the
+    scheduler leaves waiting) give the same bits; and the LSTM's values."""
+    case = random_case(np.random.default_rng(12), 20, 13, 9, 70, np.float32, scale=0.8)
+    attrs = dict(seq_len_max=18, use_peephole=True, cell_clip=0.7, forget_bias=1.0)
+    results = {}
+    for n in (2, 3, 8, 2, 3, 8, 2):  # each size again: a race would show as other bits
+        team_of(n)
+        got = _forward(FUSED, case, **attrs)
+        for a, b in zip(results.setdefault(2, got), got):
+            np.testing.assert_array_equal(a, b, err_msg=f"{n} members")
+    want = _float64_reference(case, **attrs)
+    for name, a, b in zip(lstm.LSTMActivations._fields, results[2], want):
+        # (float32's rounding grows with the steps: the first five, as above)
+        assert scaled_error(a[:5], b[:5].astype(np.float32)) < TOLERANCE["float32"], name
+    team_of(1)  # alone: the BLAS projection, another sum's bits
+    alone = _forward(FUSED, case, **attrs)
+    assert not np.array_equal(alone.h, results[2].h)
+
+
+def test_teams_are_kept_between_calls_and_a_forked_child_starts_its_own(team_of):
+    team_of(2)
+    case = random_case(np.random.default_rng(13), 4, 5, 6, 20, np.float32)
+    attrs = dict(seq_len_max=4, use_peephole=True)
+    want = _forward(FUSED, case, **attrs)
+    teams = native.TEAMS
+    (kept,) = teams._idle[2]
+    _forward(FUSED, case, **attrs)
+    assert teams._idle[2] == [kept]  # the same team again
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its parent's workers are not here
+        try:
+            assert native.TEAMS._idle == {}
+            got = _forward(FUSED, case, **attrs)
+            ok = all(np.array_equal(a, b) for a, b in zip(got, want))
+            os.write(write, b"ok" if ok else b"differ")
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and os.waitpid(pid, os.WNOHANG) == (0, 0):
+            time.sleep(0.05)
+        said = pipe.read()
+    assert said == b"ok"
+
+
+def test_the_blas_threads_sleep_soon_only_as_the_server_sets_them(monkeypatch):
+    openblas = types.SimpleNamespace(internal_api="openblas", get_num_threads=lambda: 2)
+    mkl = types.SimpleNamespace(internal_api="mkl", get_num_threads=lambda: 2)
+    for libs, timeout, expected in (
+        ([openblas], "20", True),
+        ([openblas], "4", True),
+        ([openblas], "21", False),
+        ([openblas], None, False),  # OpenBLAS's default: 0.1 s
+        ([openblas], "soon", False),
+        ([mkl], "20", False),  # not OpenBLAS: unknown
+        ([], "20", False),
+    ):
+        if timeout is None:
+            monkeypatch.delenv("OPENBLAS_THREAD_TIMEOUT", raising=False)
+        else:
+            monkeypatch.setenv("OPENBLAS_THREAD_TIMEOUT", timeout)
+        assert blas_threads.BlasThreads(lambda libs=libs: libs).sleep_soon() is expected
