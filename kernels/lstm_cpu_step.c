@@ -472,6 +472,19 @@ static long block_start(long batch, long blocks, long b) {
 /* Panels per unit of a team's work (``take_tiles``): 4 panels of 16 units write 256
  * bytes of each output row in a row. */
 #define GROUP_PANELS 4
+/* Bytes of packed panels the row blocks go through one after another (a "cache
+ * group"), so that they stay in the L2 cache from block to block: at 512 units all of
+ * W_h block by block went through the cache once per row block (4 MB), and the forward
+ * took 52.6 against 39.8 ms panel by panel (1 thread, a probe of 24 steps). Measured at
+ * (100, 64, 512), 1 and 2 threads: 1 MB groups 163 and 92 ms, 512 KB 154 and 89, 256 KB
+ * 157 and 91 (a quarter of this machine's 2 MB L2). */
+#define CACHE_GROUP_BYTES (1L << 19)
+
+/* Panels of a cache group: a multiple of GROUP_PANELS. */
+static long cache_group_panels(long rows) {
+    const long fit = CACHE_GROUP_BYTES / (rows * PANEL_WIDTH * (long)sizeof(float));
+    return fit < GROUP_PANELS ? GROUP_PANELS : fit / GROUP_PANELS * GROUP_PANELS;
+}
 
 /* One step's arguments (``gradserve_lstm_forward_fused_step_f32`` states them). */
 struct fused_step {
@@ -617,11 +630,17 @@ struct fused_team {
 
 static long groups_of(long units) { return (panels_of(units) + GROUP_PANELS - 1) / GROUP_PANELS; }
 
-/* The tiles of claim c: row block c / groups, its panel group c % groups (block-major,
- * so a member's next claim goes on along the rows it wrote). */
+/* The tiles of claim c, in the order the caller alone computes them: cache group by
+ * cache group, in each its row blocks one after another, in each block its groups of
+ * GROUP_PANELS panels (so a member's next claim goes on along the rows it wrote). */
 static void claimed_tiles(const struct fused_step *s, long c) {
-    const long groups = groups_of(s->units), block = c / groups;
-    const long p0 = (c % groups) * GROUP_PANELS, panels = panels_of(s->units);
+    const long panels = panels_of(s->units), blocks = blocks_of(s->batch);
+    const long cache_group = cache_group_panels(s->inputs + s->units);
+    const long full_claims = blocks * (cache_group / GROUP_PANELS); /* of a whole group */
+    const long first = c / full_claims * cache_group, rest = c % full_claims;
+    const long in_group = panels - first < cache_group ? panels - first : cache_group;
+    const long subgroups = (in_group + GROUP_PANELS - 1) / GROUP_PANELS;
+    const long block = rest / subgroups, p0 = first + rest % subgroups * GROUP_PANELS;
     tiles_of_step(s, block, block + 1, p0, p0 + GROUP_PANELS < panels ? p0 + GROUP_PANELS : panels);
 }
 
@@ -736,7 +755,9 @@ void gradserve_lstm_forward_fused_step_f32(
         out_i, out_cs, out_f, out_o, out_ci, out_co, out_h,
     };
     if (team == NULL) {
-        tiles_of_step(&step, 0, blocks_of(batch), 0, panels_of(units));
+        const long panels = panels_of(units), group = cache_group_panels(inputs + units);
+        for (long p0 = 0; p0 < panels; p0 += group)
+            tiles_of_step(&step, 0, blocks_of(batch), p0, p0 + group < panels ? p0 + group : panels);
         return;
     }
     team->step = step;
