@@ -15,7 +15,7 @@ import types
 import numpy as np
 import pytest
 
-from gradserve.kernels import backend_numpy, lstm, native
+from gradserve.kernels import backend_numpy, lstm, lstm_cpu, native
 from gradserve.lstm_signature import LSTMActivations, LSTMGrads, LSTMInputs, LSTMOutputGrads
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
@@ -135,6 +135,25 @@ def backward(backend, *arrays, **attrs) -> LSTMGrads:
 #: The CPU forward's and backward's elementwise passes (``--cpu-step-kernel``), for
 #: tests parametrized over both with the ``step_kernel`` fixture (conftest.py).
 STEP_KERNELS = [native.Mode.NATIVE, native.Mode.NUMPY]
+
+
+def pinned_forward(
+    case: dict,
+    mode: native.Mode = native.Mode.AUTO,
+    form: lstm_cpu.Formulation = lstm_cpu.Formulation.HOISTED,
+    **attrs,
+) -> LSTMActivations:
+    """The NumPy backend's forward of ``case`` with that elementwise pass and formulation
+    (pinned: no measuring runs)."""
+    token = lstm_cpu.STEP_KERNEL.set(mode)
+    pinned = lstm_cpu.PINNED.set(form)
+    try:
+        return lstm.block_lstm_forward(
+            backend_numpy, LSTMInputs(*(case[k] for k in INPUTS)), **attrs
+        )
+    finally:
+        lstm_cpu.PINNED.reset(pinned)
+        lstm_cpu.STEP_KERNEL.reset(token)
 
 
 def require_native() -> None:

@@ -20,29 +20,13 @@ from tests.kernels.lstm_cases import (
     GENERIC,
     INPUTS,
     TOLERANCE,
+    pinned_forward,
     random_case,
     require_native,
     scaled_error,
 )
 
 FUSED, HOISTED = lstm_cpu.Formulation.FUSED, lstm_cpu.Formulation.HOISTED
-
-
-def _forward(
-    form: lstm_cpu.Formulation,
-    case: dict,
-    mode: native.Mode = native.Mode.AUTO,
-    **attrs,
-) -> lstm.LSTMActivations:
-    token = lstm_cpu.STEP_KERNEL.set(mode)
-    pinned = lstm_cpu.PINNED.set(form)
-    try:
-        return lstm.block_lstm_forward(
-            backend_numpy, LSTMInputs(*(case[k] for k in INPUTS)), **attrs
-        )
-    finally:
-        lstm_cpu.PINNED.reset(pinned)
-        lstm_cpu.STEP_KERNEL.reset(token)
 
 
 def _float64_reference(case: dict, **attrs) -> lstm.LSTMActivations:
@@ -70,9 +54,9 @@ def test_fused_computes_the_lstm_at_shapes_with_partial_panels_and_blocks(
     case = random_case(rng, 5, batch, 9, units, np.float32, scale=0.8 if units < 100 else 0.5)
     attrs = dict(seq_len_max=4, use_peephole=peephole, cell_clip=clip, layout=layout,
                  forget_bias=1.0)  # fmt: skip
-    fused = _forward(FUSED, case, **attrs)
+    fused = pinned_forward(case, form=FUSED, **attrs)
     want = _float64_reference(case, **attrs)
-    hoisted = _forward(HOISTED, case, **attrs)
+    hoisted = pinned_forward(case, form=HOISTED, **attrs)
     for name, a, b, c in zip(lstm.LSTMActivations._fields, fused, want, hoisted):
         assert a.dtype == np.float32 and a.shape == b.shape
         assert scaled_error(a, b.astype(np.float32)) < TOLERANCE["float32"], name
@@ -93,14 +77,14 @@ def test_fused_takes_a_broadcast_state_and_exact_saturated_gates():
     for k in ("cs_prev", "h_prev"):
         case[k] = case[k][:1]
     attrs = dict(seq_len_max=3, use_peephole=True)
-    fused = _forward(FUSED, case, **attrs)
+    fused = pinned_forward(case, form=FUSED, **attrs)
     spread = dict(case, cs_prev=np.repeat(case["cs_prev"], 5, 0),
                   h_prev=np.repeat(case["h_prev"], 5, 0))  # fmt: skip
-    for a, b in zip(fused, _forward(FUSED, spread, **attrs)):
+    for a, b in zip(fused, pinned_forward(spread, form=FUSED, **attrs)):
         np.testing.assert_array_equal(a, b)
     spread["b"][:] = -40.0  # every gate deep in saturation: sigmoid(-40 + ...) ~ 4e-18
-    fused = _forward(FUSED, spread, **attrs)
-    hoisted = _forward(HOISTED, spread, **attrs)
+    fused = pinned_forward(spread, form=FUSED, **attrs)
+    hoisted = pinned_forward(spread, form=HOISTED, **attrs)
     for gate in ("i", "f", "o"):
         got = getattr(fused, gate)
         assert (got > 0).all() and (got < 1e-16).all(), gate
@@ -113,7 +97,9 @@ def test_fused_computes_as_hoisted_where_the_compiled_step_does_not_serve(why):
         np.float32, native.Mode.NUMPY)  # fmt: skip
     case = random_case(np.random.default_rng(4), 4, 6, 5, 20, dtype)
     attrs = dict(seq_len_max=4, use_peephole=True)
-    for a, b in zip(_forward(FUSED, case, mode, **attrs), _forward(HOISTED, case, mode, **attrs)):
+    for a, b in zip(
+        pinned_forward(case, mode, FUSED, **attrs), pinned_forward(case, mode, HOISTED, **attrs)
+    ):
         np.testing.assert_array_equal(a, b)
 
 
@@ -186,7 +172,7 @@ def test_a_team_computes_the_same_bits_at_any_size_and_the_lstm(team_of, units):
     results = {}
     for n in (2, 3, 8, 2, 3, 8, 2):  # each size again: a race would show as other bits
         team_of(n)
-        got = _forward(FUSED, case, **attrs)
+        got = pinned_forward(case, form=FUSED, **attrs)
         for a, b in zip(results.setdefault(2, got), got):
             np.testing.assert_array_equal(a, b, err_msg=f"{n} members")
     want = _float64_reference(case, **attrs)
@@ -194,7 +180,7 @@ def test_a_team_computes_the_same_bits_at_any_size_and_the_lstm(team_of, units):
         # (float32's rounding grows with the steps: the first five, as above)
         assert scaled_error(a[:5], b[:5].astype(np.float32)) < TOLERANCE["float32"], name
     team_of(1)  # alone: the BLAS projection, another sum's bits
-    alone = _forward(FUSED, case, **attrs)
+    alone = pinned_forward(case, form=FUSED, **attrs)
     assert not np.array_equal(alone.h, results[2].h)
 
 
@@ -202,17 +188,17 @@ def test_teams_are_kept_between_calls_and_a_forked_child_starts_its_own(team_of)
     team_of(2)
     case = random_case(np.random.default_rng(13), 4, 5, 6, 20, np.float32)
     attrs = dict(seq_len_max=4, use_peephole=True)
-    want = _forward(FUSED, case, **attrs)
+    want = pinned_forward(case, form=FUSED, **attrs)
     teams = native.TEAMS
     (kept,) = teams._idle[2]
-    _forward(FUSED, case, **attrs)
+    pinned_forward(case, form=FUSED, **attrs)
     assert teams._idle[2] == [kept]  # the same team again
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: its parent's workers are not here
         try:
             assert native.TEAMS._idle == {}
-            got = _forward(FUSED, case, **attrs)
+            got = pinned_forward(case, form=FUSED, **attrs)
             ok = all(np.array_equal(a, b) for a, b in zip(got, want))
             os.write(write, b"ok" if ok else b"differ")
         finally:

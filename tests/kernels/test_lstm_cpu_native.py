@@ -16,10 +16,16 @@ import time
 import numpy as np
 import pytest
 
-from gradserve.kernels import backend_numpy, lstm, lstm_cpu, native
+from gradserve.kernels import lstm, lstm_cpu, native
 from gradserve.kernels.compute import compute_for
 from gradserve.lstm_signature import LSTMInputs
-from tests.kernels.lstm_cases import INPUTS, random_case, require_native, scaled_error
+from tests.kernels.lstm_cases import (
+    INPUTS,
+    pinned_forward,
+    random_case,
+    require_native,
+    scaled_error,
+)
 
 #: The rational tanh's largest error over every float32 (measured over all of [0, 16),
 #: past the clamp, the function being odd): 7 ulps, at 5.8566; NumPy's float32 tanh: 1.
@@ -65,24 +71,6 @@ def test_the_rational_tanh_never_passes_one():
     assert _tanh(native.NATIVE.library(), -z).min() == -1.0
 
 
-def _forward(
-    mode: native.Mode,
-    case: dict,
-    form: lstm_cpu.Formulation = lstm_cpu.Formulation.HOISTED,
-    **attrs,
-) -> lstm.LSTMActivations:
-    """The forward with that pass and formulation (pinned: no measuring runs)."""
-    token = lstm_cpu.STEP_KERNEL.set(mode)
-    pinned = lstm_cpu.PINNED.set(form)
-    try:
-        return lstm.block_lstm_forward(
-            backend_numpy, LSTMInputs(*(case[k] for k in INPUTS)), **attrs
-        )
-    finally:
-        lstm_cpu.PINNED.reset(pinned)
-        lstm_cpu.STEP_KERNEL.reset(token)
-
-
 @pytest.fixture
 def counted(monkeypatch):
     """The number of compiled steps run so far (the steps wrapped in a counter: the
@@ -109,9 +97,9 @@ def counted(monkeypatch):
 def test_the_compiled_step_runs_when_asked_and_agrees_with_numpys_pass(counted, form):
     case = random_case(np.random.default_rng(5), 9, 7, 11, 33, np.float32, scale=1.5)
     attrs = dict(seq_len_max=8, use_peephole=True, cell_clip=0.8, forget_bias=1.0)
-    fused = _forward(native.Mode.AUTO, case, form, **attrs)
+    fused = pinned_forward(case, native.Mode.AUTO, form, **attrs)
     assert len(counted) == 8  # one call per step up to seq_len_max
-    ufuncs = _forward(native.Mode.NUMPY, case, form, **attrs)
+    ufuncs = pinned_forward(case, native.Mode.NUMPY, form, **attrs)
     assert len(counted) == 8  # NumPy's pass asked for: no compiled step
     for name, a, b in zip(lstm.LSTMActivations._fields, fused, ufuncs):
         assert scaled_error(a, b) < 1e-5, name  # a few ulps per step, carried on
@@ -122,12 +110,12 @@ def test_the_compiled_step_runs_when_asked_and_agrees_with_numpys_pass(counted, 
 
 def test_float64_and_views_keep_numpys_pass(counted):
     case = random_case(np.random.default_rng(6), 4, 3, 5, 4, np.float64)
-    _forward(native.Mode.AUTO, case, seq_len_max=4)
+    pinned_forward(case, native.Mode.AUTO, seq_len_max=4)
     assert not counted  # float64: the rational tanh is not accurate enough
     outs = [np.empty((4, 3, 8), np.float32)[:, :, :4] for _ in range(7)]  # not contiguous
     assert lstm_cpu._native_step(np.zeros((4, 3, 5), np.float32), outs, 4) is None
     case16 = random_case(np.random.default_rng(6), 4, 3, 5, 4, np.float16)
-    _forward(native.Mode.AUTO, case16, seq_len_max=4)
+    pinned_forward(case16, native.Mode.AUTO, seq_len_max=4)
     assert len(counted) == 4  # float16 computes in float32
 
 
@@ -139,8 +127,8 @@ def test_nans_and_infinities_pass_through_the_step_as_through_numpys():
     case["cs_prev"][3, 1] = -np.inf
     for clip in (0.0, 2.0):
         attrs = dict(seq_len_max=3, use_peephole=True, cell_clip=clip)
-        fused = _forward(native.Mode.NATIVE, case, **attrs)
-        ufuncs = _forward(native.Mode.NUMPY, case, **attrs)
+        fused = pinned_forward(case, native.Mode.NATIVE, **attrs)
+        ufuncs = pinned_forward(case, native.Mode.NUMPY, **attrs)
         for name, a, b in zip(lstm.LSTMActivations._fields, fused, ufuncs):
             np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=name)
             np.testing.assert_array_equal(np.isinf(a), np.isinf(b), err_msg=name)
@@ -171,8 +159,8 @@ def cache(tmp_path, monkeypatch):
 def _assert_auto_is_numpys_pass() -> None:
     """A forward in ``auto`` computes NumPy's pass's bits (no library was built)."""
     case = random_case(np.random.default_rng(9), 4, 3, 5, 4, np.float32)
-    got = _forward(native.Mode.AUTO, case, seq_len_max=4)
-    want = _forward(native.Mode.NUMPY, case, seq_len_max=4)
+    got = pinned_forward(case, native.Mode.AUTO, seq_len_max=4)
+    want = pinned_forward(case, native.Mode.NUMPY, seq_len_max=4)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
 
@@ -370,8 +358,8 @@ def test_a_broadcast_cell_state_is_spread_before_the_compiled_steps_read_it():
     require_native()
     case = random_case(np.random.default_rng(12), 5, 64, 7, 16, np.float32)
     case["cs_prev"] = case["cs_prev"][:1].copy()
-    fused = _forward(native.Mode.NATIVE, case, seq_len_max=5, use_peephole=True)
-    ufuncs = _forward(native.Mode.NUMPY, case, seq_len_max=5, use_peephole=True)
+    fused = pinned_forward(case, native.Mode.NATIVE, seq_len_max=5, use_peephole=True)
+    ufuncs = pinned_forward(case, native.Mode.NUMPY, seq_len_max=5, use_peephole=True)
     for name, a, b in zip(lstm.LSTMActivations._fields, fused, ufuncs):
         assert scaled_error(a, b) < 1e-5, name
     # the backward's recurrence: such a call stays on NumPy's passes
@@ -410,13 +398,13 @@ def test_a_saturated_gate_is_its_sigmoid_not_zero():
     case["b"][:] = 0
     case["b"][units : 2 * units] = z  # the forget gate (IFCO)
     case["cs_prev"][:] = [[1.0] * units, [np.inf] * units, [1e30] * units]
-    f = _forward(native.Mode.NATIVE, case, seq_len_max=1, use_peephole=False)
+    f = pinned_forward(case, native.Mode.NATIVE, seq_len_max=1, use_peephole=False)
     want = 1 / (1 + np.exp(-z.astype(np.float64)))
     np.testing.assert_allclose(f.f[0, 0], want, atol=1.5e-7)  # as NumPy's pass
     np.testing.assert_allclose(f.f[0, 0, 1:7], want[1:7], rtol=1e-5)  # the saturated, normal
     assert (f.f[0] > 0).all()
     assert np.isposinf(f.cs[0, 1]).all()  # f * inf: inf, as NumPy's pass gives
-    ufuncs = _forward(native.Mode.NUMPY, case, seq_len_max=1, use_peephole=False)
+    ufuncs = pinned_forward(case, native.Mode.NUMPY, seq_len_max=1, use_peephole=False)
     np.testing.assert_allclose(f.f[0, 0, :2], ufuncs.f[0, 0, :2], atol=1.5e-7)
 
 

@@ -127,12 +127,17 @@ def test_a_server_computes_with_the_step_kernel_it_names(monkeypatch):
     assert not np.array_equal(served["native"]["h"], served["numpy"]["h"])
 
 
-def test_a_server_asked_for_the_compiled_step_refuses_to_start_without_it(tmp_path, monkeypatch):
+@pytest.fixture
+def no_compiler(tmp_path, monkeypatch):
+    """A process with no C compiler on its PATH and no compiled step built yet."""
     empty = tmp_path / "bin"
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setattr(native, "NATIVE", native.NativeStep())
+
+
+def test_a_server_asked_for_the_compiled_step_refuses_to_start_without_it(no_compiler):
     with pytest.raises(ConfigError, match="--cpu-step-kernel native: no C compiler"):
         with run_server(cpu_step_kernel="native"):
             pass
@@ -143,18 +148,16 @@ def test_a_server_asked_for_the_compiled_step_refuses_to_start_without_it(tmp_pa
     assert np.isfinite(got[6]).all()
 
 
-def test_a_fused_server_needs_the_compiled_step(tmp_path, monkeypatch):
+def test_a_fused_server_needs_the_compiled_step():
     """``--lstm-formulation fused`` runs its float32 forwards in the compiled step: a
     server refuses to start where NumPy's pass is asked for or no compiler builds it
     (as ``--cpu-step-kernel native``), rather than compute another formulation."""
     with pytest.raises(ConfigError, match="--lstm-formulation fused: not with --cpu-step-ker"):
         with run_server(lstm_formulation="fused", cpu_step_kernel="numpy"):
             pass
-    empty = tmp_path / "bin"
-    empty.mkdir()
-    monkeypatch.setenv("PATH", str(empty))
-    monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setattr(native, "NATIVE", native.NativeStep())
+
+
+def test_a_fused_server_refuses_to_start_without_a_compiler(no_compiler):
     with pytest.raises(ConfigError, match="--lstm-formulation fused: no C compiler"):
         with run_server(lstm_formulation="fused"):
             pass
