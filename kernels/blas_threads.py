@@ -94,17 +94,22 @@ class BlasThreads:
             return self._count()
 
     def sleep_soon(self) -> bool:
-        """Whether the BLAS threads sleep soon after a call: OpenBLAS's (and only
-        OpenBLAS) with ``OPENBLAS_THREAD_TIMEOUT`` at most ``QUICK_SLEEP_TIMEOUT``, as
-        the server process sets it (``server/transport/entry.py``; OpenBLAS reads it
-        when it loads, so this reads the environment as it is now, which is what it
-        read unless someone changed it since). With OpenBLAS's default its threads spin
+        """Whether the BLAS threads sleep soon after a call: OpenBLAS's on its own
+        threads (not OpenMP's, which ignore it) with ``OPENBLAS_THREAD_TIMEOUT`` from 1
+        to ``QUICK_SLEEP_TIMEOUT``, as the server process sets it
+        (``server/transport/entry.py``; OpenBLAS reads it when it loads, so this reads
+        the environment as it is now, which is what it read unless someone changed it
+        since; 0 or less OpenBLAS ignores). With OpenBLAS's default its threads spin
         0.1 s after each call, on the cores other threads of the process compute on."""
         libs = self._libs()
-        if not libs or any(getattr(lib, "internal_api", "") != "openblas" for lib in libs):
+        if not libs or any(
+            getattr(lib, "internal_api", "") != "openblas"
+            or getattr(lib, "threading_layer", "") != "pthreads"
+            for lib in libs
+        ):
             return False
         try:
-            return int(os.environ.get("OPENBLAS_THREAD_TIMEOUT", "")) <= QUICK_SLEEP_TIMEOUT
+            return 0 < int(os.environ.get("OPENBLAS_THREAD_TIMEOUT", "")) <= QUICK_SLEEP_TIMEOUT
         except ValueError:
             return False
 

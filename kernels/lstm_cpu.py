@@ -13,15 +13,17 @@ the same function (``lstm``'s docstring states the gates) in one of several
   (OpenBLAS's Haswell kernels) and 27-46% (its SkylakeX kernels) faster at the two
   benchmark sizes; whether that pays for the transposition is the planner's call.
 * ``CONCAT``: TensorFlow's; per step one ``[x_t, h] @ W`` GEMM, twice as deep.
-* ``FUSED``: the input projection hoisted as in ``HOISTED``; W_h packed once per call
-  into panels of a few units by the four gates, and each step one call of the
-  compiled step (``lstm_cpu_step.c``) that computes ``h @ W_h`` tile by tile in
-  registers and turns each tile into its outputs while it is in cache. BLAS packs
-  W_h again on every step's GEMM (a megabyte at 256 units, for 32 rows) and the
-  step then reads the gates back from memory; on the project's machine a step at
-  (32, 256) took 138 against 179 us. float32 with the compiled step only, and one
-  thread: elsewhere (float64, NumPy's pass) it computes as ``HOISTED``, and the
-  planner measures it only where it can run.
+* ``FUSED``: the weights packed once per call into panels of a few units by the four
+  gates, and each step one call of the compiled step (``lstm_cpu_step.c``) that
+  computes ``h @ W_h`` tile by tile in registers and turns each tile into its outputs
+  while it is in cache. BLAS packs W_h again on every step's GEMM (a megabyte at 256
+  units, for 32 rows) and the step then reads the gates back from memory; on the
+  project's machine a step at (32, 256) took 129-138 against 179-183 us. With one
+  BLAS thread the input projection is hoisted as in ``HOISTED``; with more, the steps
+  project the input themselves and a team of threads shares each step
+  (``_projects_in_step``, ``_team``). float32 with the compiled step only: elsewhere
+  (float64, NumPy's pass) it computes as ``HOISTED``, and the planner measures it only
+  where it can run.
 
 Each step then runs one elementwise pass on the gate pre-activations. The ``i``, ``f``
 and ``o`` columns of the weights, bias and peepholes are halved once per call, so that
@@ -395,33 +397,44 @@ def _run(
     key: WorkspaceKey = (form, chunk, batch, inputs, units, x.dtype.str)
     ws = WORKSPACES.take(key)
     try:
-        with _team(form) as team:
-            _prepare(ws, form, w, b, wci, wcf, wco, offsets, units, forget_bias, team)
+        in_step = form is Formulation.FUSED and _projects_in_step()
+        with _team(in_step) as team:
+            _prepare(ws, form, w, b, wci, wcf, wco, offsets, units, forget_bias, in_step)
             _recur(ws, form, chunk, x, cs_prev, h_prev, outs, length, offsets, cell_clip,
-                   use_peephole, check, team)  # fmt: skip
+                   use_peephole, check, in_step, team)  # fmt: skip
     finally:
         WORKSPACES.give(key, ws)
 
 
-def _team(form: Formulation) -> contextlib.AbstractContextManager[int | None]:
-    """FUSED's team of threads for a call: as many as the op's BLAS threads now (its
-    share of them with ``--share-blas-threads``), where the BLAS threads sleep soon
-    after a call (``BlasThreads.sleep_soon``: the server's setting). Where they spin on
-    (OpenBLAS's default: 0.1 s after each call), a team computed on the cores they spun
-    on: 10-15 against 7 ms a call at (50, 32, 256), two threads. None:
-    no team (another formulation, one thread): the caller computes alone."""
-    if form is not Formulation.FUSED:
+def _projects_in_step() -> bool:
+    """Whether FUSED's steps project the input themselves (all of W packed), rather
+    than add a chunk's projection by the BLAS: where the process has more than one BLAS
+    thread (``blas_threads``: its count, not an op's share of it), so that a team of
+    threads shares each step and no BLAS thread runs during the forward. The two sum
+    in different orders; whether a team then computes, and of how many, does not change
+    the bits, so they depend on the thread count as the other formulations' do, not
+    on the load, the environment or a thread that failed to start (a review helper)."""
+    return (blas_threads() or 1) > 1
+
+
+def _team(in_step: bool) -> contextlib.AbstractContextManager[int | None]:
+    """FUSED's team of threads for a call whose steps project the input: as many as
+    the op's BLAS threads now (its share of them with ``--share-blas-threads``), where
+    the BLAS threads sleep soon after a call (``BlasThreads.sleep_soon``: the server's
+    setting). Where they spin on (OpenBLAS's default: 0.1 s after each call), a team
+    computed on the cores they spun on: 10-15 against 7 ms a call at (50, 32, 256), two
+    threads. None: the caller computes alone."""
+    if not in_step or not blas.BLAS.sleep_soon():
         return contextlib.nullcontext()
-    threads = blas.BLAS.count() or 1
-    return native.TEAMS.team(threads if blas.BLAS.sleep_soon() else 1)
+    return native.TEAMS.team(blas.BLAS.count() or 1)
 
 
 def _prepare(
     ws: Workspace, form: Formulation, w: Array, b: Array, wci: Array, wcf: Array, wco: Array,
-    offsets: Offsets, units: int, forget_bias: float, team: int | None,
+    offsets: Offsets, units: int, forget_bias: float, in_step: bool,
 ) -> None:  # fmt: skip
     """Weights, bias (with the forget bias) and peepholes, sigmoid gates halved; FUSED's
-    packed: W_h alone, or with a team all of W (its steps project the input too)."""
+    packed: W_h alone, or all of W where its steps project the input (``in_step``)."""
     off_c, off_f = offsets[2], offsets[1]
     np.multiply(w, 0.5, out=ws.w)
     np.multiply(b, 0.5, out=ws.b)
@@ -434,7 +447,7 @@ def _prepare(
     if form is Formulation.HOISTED_T:
         transpose_into(ws.w[w.shape[0] - units :], ws.w_h_t)
     elif form is Formulation.FUSED:
-        rows = ws.w if team is not None else ws.w[w.shape[0] - units :]
+        rows = ws.w if in_step else ws.w[w.shape[0] - units :]
         native.pack(rows, offsets, ws.packed[: native.packed_floats(rows.shape[0], units)])
 
 
@@ -449,7 +462,7 @@ def transpose_into(matrix: Array, out: Array) -> None:
 def _recur(
     ws: Workspace, form: Formulation, chunk: int, x: Array, cs_prev: Array, h_prev: Array,
     outs: Sequence[Array], length: int, offsets: Offsets, cell_clip: float,
-    use_peephole: bool, check: Callable[[], None] | None, team: int | None,
+    use_peephole: bool, check: Callable[[], None] | None, in_step: bool, team: int | None,
 ) -> None:  # fmt: skip
     steps, batch, inputs = x.shape
     units = cs_prev.shape[1]
@@ -472,10 +485,10 @@ def _recur(
         if form is Formulation.FUSED:
             fused_step = native.fused_step()
             h_prev = np.ascontiguousarray(np.broadcast_to(h_prev, (batch, units)), np.float32)
-            x_rows = np.ascontiguousarray(x)
+            x_rows = np.ascontiguousarray(x) if in_step else None
             packed_ptr = ws.packed.ctypes.data
 
-            def _fused_step(t: int, x_ptr: int | None, proj_t: Array) -> None:
+            def _fused_step(t: int, x_ptr: int | None, proj_t: Array | None) -> None:
                 at = t * row_bytes
                 c_ptr = cs_prev.ctypes.data if t == 0 else bases[1] + at - row_bytes
                 h_ptr = h_prev.ctypes.data if t == 0 else bases[6] + at - row_bytes
@@ -492,7 +505,8 @@ def _recur(
             check()
         c_last = cs_prev if t == 0 else out_cs[t - 1]
         h_last = h_prev if t == 0 else out_h[t - 1]
-        if form is Formulation.FUSED and team is not None:  # the projection in the step
+        if in_step:  # FUSED, the projection in the step
+            assert x_rows is not None
             _fused_step(t, x_rows[t].ctypes.data, None)
             continue
         if form is Formulation.CONCAT:

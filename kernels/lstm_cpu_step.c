@@ -26,6 +26,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stddef.h>
 #include <stdlib.h>
 
@@ -595,7 +596,21 @@ static void tiles_of_step(const struct fused_step *s, long b_begin, long b_end, 
  * comes within microseconds), then sleeps on the
  * condition variable: an op paused, or between calls, costs no core. */
 
-#define SPIN_ROUNDS 4000L /* pause instructions: tens of microseconds */
+/* Test builds only (``-DGRADSERVE_TEAM_DELAYS``): sleeps that widen the team's race
+ * windows, so that a test sees in thousands of steps what a server might see once in
+ * millions (``test_lstm_cpu_fused.py``). */
+#ifdef GRADSERVE_TEAM_DELAYS
+#include <time.h>
+static void team_delay(long ns) {
+    const struct timespec pause = {0, ns};
+    nanosleep(&pause, NULL);
+}
+#define TEAM_DELAY(ns) team_delay(ns)
+#else
+#define TEAM_DELAY(ns) ((void)0)
+#endif
+
+#define SPIN_ROUNDS 4000L /* pause instructions: up to about 0.2 ms (140 cycles each) */
 #define YIELD_ROUNDS 64L  /* pause instructions: a few microseconds */
 
 static inline void cpu_relax(void) {
@@ -627,6 +642,7 @@ struct fused_team {
 
 #define GENERATION(ticket) ((ticket) >> 32)
 #define CLAIM(ticket) ((long)((ticket) & 0xffffffffULL))
+#define CLOSED 0xffffffffULL /* a step's claim once it is over: more than any count */
 
 static long groups_of(long units) { return (panels_of(units) + GROUP_PANELS - 1) / GROUP_PANELS; }
 
@@ -646,14 +662,19 @@ static void claimed_tiles(const struct fused_step *s, long c) {
 
 /* A member's part of step ``generation``: a claim at a time, taken by moving the ticket
  * on, until none is left. A member that comes late (after the step ended, its core busy
- * with another thread) finds the ticket of another generation and takes nothing, so no
- * member ever waits for a member that is not running. */
+ * with another thread) finds the ticket closed or of another generation and takes
+ * nothing, so no member ever waits for a member that is not running. (``claims`` is
+ * read with acquire: had it seen the next step's count, stored after the caller closed
+ * the step, its CAS sees the closed ticket and fails. Before the step was closed, a
+ * member late for the last step of a call took a claim of the next call's, where that
+ * call had more, and the step ended with it still computing: a review helper.) */
 static void take_tiles(struct fused_team *t, unsigned long long generation) {
     unsigned long long ticket = __atomic_load_n(&t->ticket, __ATOMIC_ACQUIRE);
     while (GENERATION(ticket) == generation &&
-           CLAIM(ticket) < __atomic_load_n(&t->claims, __ATOMIC_RELAXED)) {
+           CLAIM(ticket) < __atomic_load_n(&t->claims, __ATOMIC_ACQUIRE)) {
         if (__atomic_compare_exchange_n(&t->ticket, &ticket, ticket + 1, 0, __ATOMIC_ACQ_REL,
                                         __ATOMIC_ACQUIRE)) {
+            TEAM_DELAY(30000); /* a member slow to compute its claim */
             claimed_tiles(&t->step, CLAIM(ticket));
             __atomic_fetch_add(&t->done, 1, __ATOMIC_RELEASE);
             ticket = __atomic_load_n(&t->ticket, __ATOMIC_ACQUIRE);
@@ -681,16 +702,18 @@ static void *team_worker(void *arg) {
     unsigned long long seen = 0;
     for (;;) {
         seen = next_generation(t, seen);
+        TEAM_DELAY(1000 + (long)(seen % 7) * 10000); /* a member late for its step */
         if (__atomic_load_n(&t->stop, __ATOMIC_ACQUIRE)) return NULL;
         take_tiles(t, seen);
     }
 }
 
 /* The next generation, nothing of it claimed, under the lock so no worker going to
- * sleep misses it; returns it. */
+ * sleep misses it; returns it (32 bits, as the ticket holds it). */
 static unsigned long long publish(struct fused_team *t) {
     pthread_mutex_lock(&t->lock);
-    const unsigned long long g = GENERATION(__atomic_load_n(&t->ticket, __ATOMIC_RELAXED)) + 1;
+    const unsigned long long g =
+        (GENERATION(__atomic_load_n(&t->ticket, __ATOMIC_RELAXED)) + 1) & 0xffffffffULL;
     __atomic_store_n(&t->ticket, g << 32, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&t->wake);
     pthread_mutex_unlock(&t->lock);
@@ -700,18 +723,30 @@ static unsigned long long publish(struct fused_team *t) {
 void gradserve_fused_team_stop(struct fused_team *t);
 
 /* A team of ``threads`` (the caller and threads - 1 workers), or NULL where no worker
- * could be started (the caller then computes alone). */
+ * could be started (the caller then computes alone: the same bits). The workers block
+ * every signal, so that the process's signals go to the threads that handle them. */
 struct fused_team *gradserve_fused_team_start(long threads) {
     if (threads < 2) return NULL;
     struct fused_team *t = calloc(1, sizeof *t + (size_t)(threads - 1) * sizeof t->members[0]);
     if (t == NULL) return NULL;
-    pthread_mutex_init(&t->lock, NULL);
-    pthread_cond_init(&t->wake, NULL);
+    if (pthread_mutex_init(&t->lock, NULL) != 0) {
+        free(t);
+        return NULL;
+    }
+    if (pthread_cond_init(&t->wake, NULL) != 0) {
+        pthread_mutex_destroy(&t->lock);
+        free(t);
+        return NULL;
+    }
+    sigset_t all, was;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &was);
     for (long k = 0; k < threads - 1; k++) {
         t->members[k].team = t;
         if (pthread_create(&t->members[k].thread, NULL, team_worker, &t->members[k]) != 0) break;
         t->started++;
     }
+    pthread_sigmask(SIG_SETMASK, &was, NULL);
     if (t->started == 0) {
         gradserve_fused_team_stop(t);
         return NULL;
@@ -762,9 +797,11 @@ void gradserve_lstm_forward_fused_step_f32(
     }
     team->step = step;
     const long claims = blocks_of(batch) * groups_of(units);
-    __atomic_store_n(&team->claims, claims, __ATOMIC_RELAXED);
+    __atomic_store_n(&team->claims, claims, __ATOMIC_RELEASE);
     __atomic_store_n(&team->done, 0, __ATOMIC_RELAXED);
-    take_tiles(team, publish(team));
+    TEAM_DELAY(20000); /* the caller slow to publish the step it stored */
+    const unsigned long long generation = publish(team);
+    take_tiles(team, generation);
     /* the workers' last panels: spun for, the core offered every YIELD_ROUNDS (a
      * worker preempted on this core, mid-panel, finishes only when this thread gives
      * the core up; spinning long before doing so cost up to 0.1 ms a step) */
@@ -772,4 +809,7 @@ void gradserve_lstm_forward_fused_step_f32(
         if (spin % YIELD_ROUNDS) cpu_relax();
         else sched_yield();
     }
+    /* closed: a member late for this step takes nothing now, whatever comes next */
+    __atomic_store_n(&team->ticket, generation << 32 | CLOSED, __ATOMIC_SEQ_CST);
+
 }

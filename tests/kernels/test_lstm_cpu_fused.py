@@ -7,7 +7,10 @@ computing as HOISTED elsewhere."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import signal
 import time
 import types
 
@@ -151,37 +154,144 @@ def test_the_packed_weights_are_aligned_and_hold_w_by_panel():
 
 @pytest.fixture
 def team_of(monkeypatch):
-    """FUSED's calls in teams of n (as where the BLAS threads are n and sleep soon)."""
+    """FUSED's calls as in a process of two BLAS threads (its steps project the input),
+    in teams of n where the BLAS threads sleep soon (0 or 1: the caller alone)."""
     require_native()
-    monkeypatch.setattr(blas_threads.BLAS, "sleep_soon", lambda: True)
+    monkeypatch.setattr(blas_threads.BLAS, "plan_count", lambda: 2)
 
     def size(n: int) -> None:
-        monkeypatch.setattr(blas_threads.BLAS, "count", lambda: n)
+        monkeypatch.setattr(blas_threads.BLAS, "count", lambda: max(n, 1))
+        monkeypatch.setattr(blas_threads.BLAS, "sleep_soon", lambda: n > 0)
 
     return size
 
 
 @pytest.mark.parametrize("units", [70, 200])  # 200: 13 panels, cache groups of 8 and 5
 def test_a_team_computes_the_same_bits_at_any_size_and_the_lstm(team_of, units):
-    """A team's steps project the input themselves and share the tiles; each tile is
-    one member's, so 2, 3 or 8 members (8 on this machine's 2 cores: members the
-    scheduler leaves waiting) give the same bits; and the LSTM's values."""
+    """Where the process has two BLAS threads or more the steps project the input
+    themselves and a team shares their tiles; each tile is one member's, so the
+    caller alone (no team: BLAS threads that spin, a failed thread start) and 2, 3 or
+    8 members (8 on this machine's 2 cores: members the scheduler leaves waiting)
+    give the same bits; and the LSTM's values. With one BLAS thread the projection is
+    the BLAS's, another sum's bits."""
     scale = 0.8 if units < 100 else 0.5
     case = random_case(np.random.default_rng(12), 20, 13, 9, units, np.float32, scale=scale)
     attrs = dict(seq_len_max=18, use_peephole=True, cell_clip=0.7, forget_bias=1.0)
     results = {}
-    for n in (2, 3, 8, 2, 3, 8, 2):  # each size again: a race would show as other bits
+    for n in (0, 2, 3, 8, 2, 3, 8, 0):  # each size again: a race would show as other bits
         team_of(n)
         got = pinned_forward(case, form=FUSED, **attrs)
-        for a, b in zip(results.setdefault(2, got), got):
+        for a, b in zip(results.setdefault(0, got), got):
             np.testing.assert_array_equal(a, b, err_msg=f"{n} members")
     want = _float64_reference(case, **attrs)
-    for name, a, b in zip(lstm.LSTMActivations._fields, results[2], want):
+    for name, a, b in zip(lstm.LSTMActivations._fields, results[0], want):
         # (float32's rounding grows with the steps: the first five, as above)
         assert scaled_error(a[:5], b[:5].astype(np.float32)) < TOLERANCE["float32"], name
-    team_of(1)  # alone: the BLAS projection, another sum's bits
-    alone = pinned_forward(case, form=FUSED, **attrs)
-    assert not np.array_equal(alone.h, results[2].h)
+    with pytest.MonkeyPatch.context() as one_thread:
+        one_thread.setattr(blas_threads.BLAS, "plan_count", lambda: 1)
+        hoisted_projection = pinned_forward(case, form=FUSED, **attrs)
+    assert not np.array_equal(hoisted_projection.h, results[0].h)
+
+
+def _step_inputs(rng: np.random.Generator, batch: int, inputs: int, units: int) -> dict:
+    """One FUSED step's operands (all of W packed: the projection in the step)."""
+    w = rng.standard_normal((inputs + units, 4 * units)).astype(np.float32) * 0.3
+    packed = lstm_cpu._aligned_empty(native.packed_floats(inputs + units, units), np.dtype("f4"))
+    offsets = (0, units, 2 * units, 3 * units)
+    native.pack(w, offsets, packed)
+    arrays = {
+        "x": rng.standard_normal((batch, inputs)).astype(np.float32),
+        "h": rng.standard_normal((batch, units)).astype(np.float32),
+        "c": rng.standard_normal((batch, units)).astype(np.float32),
+        "bias": rng.standard_normal(4 * units).astype(np.float32),
+        "packed": packed,
+    }
+    return dict(arrays, batch=batch, inputs=inputs, units=units, offsets=offsets)
+
+
+def _run_step(team: int | None, op: dict, lib: ctypes.CDLL | None = None) -> np.ndarray:
+    """The step's seven outputs, written into NaNs (so a tile left unwritten shows)."""
+    outs = np.full((7, op["batch"], op["units"]), np.nan, np.float32)
+    step = native.fused_step() if lib is None else getattr(lib, native.FUSED_STEP)
+    step(
+        team, op["x"].ctypes.data, op["inputs"], op["h"].ctypes.data, op["packed"].ctypes.data,
+        None, 0, op["bias"].ctypes.data, op["c"].ctypes.data, None, op["batch"], op["units"],
+        *op["offsets"], 0.0, *(o.ctypes.data for o in outs),
+    )  # fmt: skip
+    return outs
+
+
+@pytest.fixture
+def delayed_build(tmp_path):
+    """The compiled step built again with ``-DGRADSERVE_TEAM_DELAYS``: sleeps where a
+    team's members may be late or slow (``lstm_cpu_step.c``), the code otherwise the
+    same."""
+    require_native()
+    target = tmp_path / "delayed.so"
+    flags = native.flags(native.cpu_identity())
+    command = [*native._compiler(), *flags, "-DGRADSERVE_TEAM_DELAYS", str(native.SOURCE)]
+    done = native._run([*command, "-lm", "-o", str(target)], native.COMPILE_TIMEOUT_SECONDS)
+    assert done.returncode == 0, done.stderr
+    lib = ctypes.CDLL(str(target))
+    native._declare(lib)
+    return lib
+
+
+def test_a_member_late_for_a_step_takes_nothing_of_the_next(delayed_build):
+    """A kept team serves steps of other shapes one after another: a member that gets a
+    core only after a small step ended must take no claim of the next, larger one (it
+    did: the larger step's claim count was stored before its generation, and the
+    caller returned with a tile still being written, reading a half-written ``h`` on
+    the next step: a review helper, 1 step in about 9,000 with 8 members on 2 cores).
+    Every large step's outputs, written into NaNs, are the caller's alone."""
+    lib = delayed_build
+    rng = np.random.default_rng(14)
+    small = _step_inputs(rng, 2, 4, 16)  # one claim
+    large = _step_inputs(rng, 2, 4, 256)  # 4 groups of panels (AVX-512): 4 claims
+    want = _run_step(None, large, lib)
+    team = getattr(lib, native.TEAM_START)(8)
+    assert team is not None
+    try:
+        for _ in range(400):
+            _run_step(team, small, lib)
+            got = _run_step(team, large, lib)
+            assert not np.isnan(got).any()
+            np.testing.assert_array_equal(got, want)
+    finally:
+        getattr(lib, native.TEAM_STOP)(team)
+
+
+def test_teams_are_kept_stopped_past_a_few_and_survive_an_abandoned_call(team_of):
+    teams = native.FusedTeams()
+    with contextlib.ExitStack() as stack:
+        taken = [stack.enter_context(teams.team(3)) for _ in range(teams.KEEP + 2)]
+        assert None not in taken and len(set(taken)) == len(taken)
+    kept = teams._idle[3]
+    assert len(kept) == teams.KEEP and set(kept) < set(taken)  # the rest stopped, joined
+    # A call that ends mid-sequence (its deadline, say) returns the team between two
+    # steps; the next call, of another shape, computes as the caller alone would.
+    team_of(2)
+    case = random_case(np.random.default_rng(15), 8, 7, 5, 40, np.float32)
+    calls = []
+
+    def deadline() -> None:
+        calls.append(1)
+        if len(calls) == 4:
+            raise TimeoutError("deadline")
+
+    inputs = LSTMInputs(*(case[k] for k in INPUTS))
+    token = lstm_cpu.PINNED.set(FUSED)
+    try:
+        with pytest.raises(TimeoutError):
+            lstm.block_lstm_forward(backend_numpy, inputs, seq_len_max=8, check=deadline)
+    finally:
+        lstm_cpu.PINNED.reset(token)
+    other = random_case(np.random.default_rng(16), 5, 13, 9, 200, np.float32, scale=0.5)
+    got = pinned_forward(other, form=FUSED, seq_len_max=5)
+    team_of(0)
+    alone = pinned_forward(other, form=FUSED, seq_len_max=5)
+    for a, b in zip(got, alone):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_teams_are_kept_between_calls_and_a_forked_child_starts_its_own(team_of):
@@ -204,24 +314,34 @@ def test_teams_are_kept_between_calls_and_a_forked_child_starts_its_own(team_of)
         finally:
             os._exit(0)
     os.close(write)
+    deadline, exited = time.monotonic() + 60, False
+    while not exited and time.monotonic() < deadline:
+        exited = os.waitpid(pid, os.WNOHANG) != (0, 0)
+        time.sleep(0 if exited else 0.05)
+    if not exited:  # a hang: killed (and the pipe then says nothing)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
     with os.fdopen(read, "rb") as pipe:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and os.waitpid(pid, os.WNOHANG) == (0, 0):
-            time.sleep(0.05)
         said = pipe.read()
     assert said == b"ok"
 
 
 def test_the_blas_threads_sleep_soon_only_as_the_server_sets_them(monkeypatch):
-    openblas = types.SimpleNamespace(internal_api="openblas", get_num_threads=lambda: 2)
-    mkl = types.SimpleNamespace(internal_api="mkl", get_num_threads=lambda: 2)
+    def lib(api: str, layer: str = "pthreads") -> types.SimpleNamespace:
+        return types.SimpleNamespace(internal_api=api, threading_layer=layer,
+                                     get_num_threads=lambda: 2)  # fmt: skip
+
+    openblas = lib("openblas")
     for libs, timeout, expected in (
         ([openblas], "20", True),
         ([openblas], "4", True),
         ([openblas], "21", False),
         ([openblas], None, False),  # OpenBLAS's default: 0.1 s
+        ([openblas], "0", False),  # OpenBLAS ignores 0 and less: its default
+        ([openblas], "-1", False),
         ([openblas], "soon", False),
-        ([mkl], "20", False),  # not OpenBLAS: unknown
+        ([lib("openblas", "openmp")], "20", False),  # OpenMP's threads ignore it
+        ([lib("mkl")], "20", False),  # not OpenBLAS: unknown
         ([], "20", False),
     ):
         if timeout is None:
