@@ -372,6 +372,13 @@ typedef float vfloat __attribute__((vector_size(VL * sizeof(float)), aligned(4),
 
 static long panels_of(long units) { return (units + VL - 1) / VL; }
 
+/* Exported for the accuracy test: ``out[k] = tanh(z[k])`` as FUSED's cells compute it,
+ * with fused multiply-adds where GCC contracts them (``fused_tiles``). */
+FMA_FUNCTION void gradserve_rational_tanh_fma_f32(const float *restrict z, float *restrict out,
+                                                 long n) {
+    for (long k = 0; k < n; k++) out[k] = rational_tanh(z[k]);
+}
+
 /* Floats of a packed [rows, 4 units] weight matrix (the caller aligns it to 64 bytes). */
 long gradserve_lstm_packed_floats(long rows, long units) {
     return panels_of(units) * rows * PANEL_WIDTH;
@@ -500,7 +507,7 @@ struct fused_step {
  * (panel by panel, the rows 1 KB apart, every write missed the cache where the outputs
  * were not in it: after 0.2 s idle a forward at (50, 32, 256) took 13.7 ms in its steps
  * against 11.1 ms busy; a block at a time, 12.7). */
-static __attribute__((noinline)) void fused_tiles(
+static __attribute__((noinline)) FMA_FUNCTION void fused_tiles(
     long b_begin, long b_end, long p_begin, long p_end, const float *restrict x_t, long inputs,
     const float *restrict h_last, const float *restrict packed,
     const float *restrict proj, long proj_stride, const float *restrict bias,

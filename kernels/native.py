@@ -63,6 +63,7 @@ STEP = "gradserve_lstm_forward_step_f32"
 BACKWARD_F32 = "gradserve_lstm_backward_step_f32"
 BACKWARD_F64 = "gradserve_lstm_backward_step_f64"
 TANH = "gradserve_rational_tanh_f32"
+TANH_FMA = "gradserve_rational_tanh_fma_f32"
 PACKED_FLOATS = "gradserve_lstm_packed_floats"
 PACK = "gradserve_lstm_pack_f32"
 FUSED_STEP = "gradserve_lstm_forward_fused_step_f32"
@@ -258,9 +259,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     step = getattr(lib, STEP)
     step.argtypes = [ptr, long_, ptr, long_, ptr, ptr, ptr, *[long_] * 6, f32, *[ptr] * 7]
     step.restype = None
-    tanh = getattr(lib, TANH)
-    tanh.argtypes = [ptr, ptr, long_]
-    tanh.restype = None
+    for name in (TANH, TANH_FMA):
+        tanh = getattr(lib, name)
+        tanh.argtypes = [ptr, ptr, long_]
+        tanh.restype = None
     packed_floats = getattr(lib, PACKED_FLOATS)
     packed_floats.argtypes = [long_, long_]
     packed_floats.restype = long_
