@@ -398,7 +398,7 @@ def _run(
     ws = WORKSPACES.take(key)
     try:
         in_step = form is Formulation.FUSED and _projects_in_step()
-        with _team(in_step) as team:
+        with _team(in_step, batch, units) as team:
             _prepare(ws, form, w, b, wci, wcf, wco, offsets, units, forget_bias, in_step)
             _recur(ws, form, chunk, x, cs_prev, h_prev, outs, length, offsets, cell_clip,
                    use_peephole, check, in_step, team)  # fmt: skip
@@ -417,16 +417,17 @@ def _projects_in_step() -> bool:
     return (blas_threads() or 1) > 1
 
 
-def _team(in_step: bool) -> contextlib.AbstractContextManager[int | None]:
+def _team(in_step: bool, batch: int, units: int) -> contextlib.AbstractContextManager[int | None]:
     """FUSED's team of threads for a call whose steps project the input: as many as
-    the op's BLAS threads now (its share of them with ``--share-blas-threads``), where
-    the BLAS threads sleep soon after a call (``BlasThreads.sleep_soon``: the server's
+    the op's BLAS threads now (its share of them with ``--share-blas-threads``), but
+    no more than a step has claims (each member wakes every step), where the BLAS
+    threads sleep soon after a call (``BlasThreads.sleep_soon``: the server's
     setting). Where they spin on (OpenBLAS's default: 0.1 s after each call), a team
     computed on the cores they spun on: 10-15 against 7 ms a call at (50, 32, 256), two
     threads. None: the caller computes alone."""
     if not in_step or not blas.BLAS.sleep_soon():
         return contextlib.nullcontext()
-    return native.TEAMS.team(blas.BLAS.count() or 1)
+    return native.TEAMS.team(min(blas.BLAS.count() or 1, native.step_claims(batch, units)))
 
 
 def _prepare(

@@ -729,6 +729,11 @@ static unsigned long long publish(struct fused_team *t) {
 
 void gradserve_fused_team_stop(struct fused_team *t);
 
+/* The claims of a step of that shape: row blocks by groups of panels. */
+long gradserve_fused_step_claims(long batch, long units) {
+    return blocks_of(batch) * groups_of(units);
+}
+
 /* A team of ``threads`` (the caller and threads - 1 workers), or NULL where no worker
  * could be started (the caller then computes alone: the same bits). The workers block
  * every signal, so that the process's signals go to the threads that handle them. */
@@ -803,7 +808,7 @@ void gradserve_lstm_forward_fused_step_f32(
         return;
     }
     team->step = step;
-    const long claims = blocks_of(batch) * groups_of(units);
+    const long claims = gradserve_fused_step_claims(batch, units);
     __atomic_store_n(&team->claims, claims, __ATOMIC_RELEASE);
     __atomic_store_n(&team->done, 0, __ATOMIC_RELAXED);
     TEAM_DELAY(20000); /* the caller slow to publish the step it stored */

@@ -68,6 +68,7 @@ PACKED_FLOATS = "gradserve_lstm_packed_floats"
 PACK = "gradserve_lstm_pack_f32"
 FUSED_STEP = "gradserve_lstm_forward_fused_step_f32"
 TEAM_START = "gradserve_fused_team_start"
+CLAIMS = "gradserve_fused_step_claims"
 TEAM_STOP = "gradserve_fused_team_stop"
 
 
@@ -274,6 +275,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     fused.argtypes = [ptr, ptr, long_, ptr, ptr, ptr, long_, ptr, ptr, ptr, *[long_] * 6, f32,
                       *[ptr] * 7]  # fmt: skip
     fused.restype = None
+    claims = getattr(lib, CLAIMS)
+    claims.argtypes = [long_, long_]
+    claims.restype = long_
     team_start = getattr(lib, TEAM_START)
     team_start.argtypes = [long_]
     team_start.restype = ptr
@@ -348,6 +352,12 @@ def pack(w: Any, offsets: tuple[int, int, int, int], out: Any) -> None:
     ):  # fmt: skip
         raise ValueError(f"pack: weights {w.shape} {w.dtype} into {out.shape} {out.dtype}")
     getattr(_built(), PACK)(w.ctypes.data, rows, units, *offsets, out.ctypes.data)
+
+
+def step_claims(batch: int, units: int) -> int:
+    """The claims a team's members take of a FUSED step of that shape (at most that
+    many members have work)."""
+    return int(getattr(_built(), CLAIMS)(batch, units))
 
 
 def fused_step() -> Callable[..., None]:

@@ -294,6 +294,22 @@ def test_teams_are_kept_stopped_past_a_few_and_survive_an_abandoned_call(team_of
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_team_has_no_more_members_than_a_step_has_claims(team_of, monkeypatch):
+    """Each member wakes every step: 8 BLAS threads and a step of one claim (one row
+    block, one group of panels) is the caller alone; of 3 claims (with AVX-512's
+    blocks of 6 rows), a team of 3."""
+    asked = []
+    real = native.TEAMS.team
+    monkeypatch.setattr(native.TEAMS, "team", lambda n: asked.append(n) or real(n))
+    team_of(8)
+    for batch, units in ((1, 16), (13, 16), (64, 512)):
+        case = random_case(np.random.default_rng(17), 2, batch, 3, units, np.float32)
+        pinned_forward(case, form=FUSED, seq_len_max=2)
+    claims = [native.step_claims(b, u) for b, u in ((1, 16), (13, 16), (64, 512))]
+    assert claims[0] == 1 and 1 < claims[1] < 8 < claims[2]
+    assert asked == [1, claims[1], 8]
+
+
 def test_teams_are_kept_between_calls_and_a_forked_child_starts_its_own(team_of):
     team_of(2)
     case = random_case(np.random.default_rng(13), 4, 5, 6, 20, np.float32)
