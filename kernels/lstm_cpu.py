@@ -21,7 +21,9 @@ the same function (``lstm``'s docstring states the gates) in one of several
   project's machine a step at (32, 256) took 129-138 against 179-183 us. With one
   BLAS thread the input projection is hoisted as in ``HOISTED``; with more, the steps
   project the input themselves and a team of threads shares each step
-  (``_projects_in_step``, ``_team``). float32 with the compiled step only: elsewhere
+  (``_projects_in_step``, ``_team``). Subnormal floats are read and written as zero
+  (``native.flushing_subnormals``), as TensorFlow's CPU kernels compute. float32
+  with the compiled step only: elsewhere
   (float64, NumPy's pass) it computes as ``HOISTED``, and the planner measures it only
   where it can run.
 
@@ -398,7 +400,8 @@ def _run(
     ws = WORKSPACES.take(key)
     try:
         in_step = form is Formulation.FUSED and _projects_in_step()
-        with _team(in_step, batch, units) as team:
+        flushing = native.flushing_subnormals() if form is Formulation.FUSED else None
+        with flushing or contextlib.nullcontext(), _team(in_step, batch, units) as team:
             _prepare(ws, form, w, b, wci, wcf, wco, offsets, units, forget_bias, in_step)
             _recur(ws, form, chunk, x, cs_prev, h_prev, outs, length, offsets, cell_clip,
                    use_peephole, check, in_step, team)  # fmt: skip

@@ -69,6 +69,8 @@ PACK = "gradserve_lstm_pack_f32"
 FUSED_STEP = "gradserve_lstm_forward_fused_step_f32"
 TEAM_START = "gradserve_fused_team_start"
 CLAIMS = "gradserve_fused_step_claims"
+FLUSH = "gradserve_flush_subnormals"
+RESTORE = "gradserve_restore_fp_mode"
 TEAM_STOP = "gradserve_fused_team_stop"
 
 
@@ -275,6 +277,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     fused.argtypes = [ptr, ptr, long_, ptr, ptr, ptr, long_, ptr, ptr, ptr, *[long_] * 6, f32,
                       *[ptr] * 7]  # fmt: skip
     fused.restype = None
+    flush = getattr(lib, FLUSH)
+    flush.argtypes = []
+    flush.restype = ctypes.c_ulong
+    restore = getattr(lib, RESTORE)
+    restore.argtypes = [ctypes.c_ulong]
+    restore.restype = None
     claims = getattr(lib, CLAIMS)
     claims.argtypes = [long_, long_]
     claims.restype = long_
@@ -352,6 +360,19 @@ def pack(w: Any, offsets: tuple[int, int, int, int], out: Any) -> None:
     ):  # fmt: skip
         raise ValueError(f"pack: weights {w.shape} {w.dtype} into {out.shape} {out.dtype}")
     getattr(_built(), PACK)(w.ctypes.data, rows, units, *offsets, out.ctypes.data)
+
+
+@contextlib.contextmanager
+def flushing_subnormals() -> Iterator[None]:
+    """This thread computes with subnormal floats read and written as zero in the block
+    (flush-to-zero and denormals-are-zero, as TensorFlow's CPU kernels: a FUSED call;
+    ``lstm_cpu_step.c`` says why), its mode as it was after it."""
+    lib = _built()
+    was = getattr(lib, FLUSH)()
+    try:
+        yield
+    finally:
+        getattr(lib, RESTORE)(was)
 
 
 def step_claims(batch: int, units: int) -> int:
