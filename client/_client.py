@@ -66,6 +66,12 @@ DEFAULT_HOST_CACHE_BYTES = 256 << 20
 #: through each backoff pause: such a try fails at once, unsent, until the channel
 #: has connected.
 CONNECT_POLL_SECONDS = 0.1
+#: The least time the SDK's own housekeeping RPCs get (``_call(once=True)``: its
+#: shared-memory regions registered and dropped, its deletes), however short the
+#: client's ``timeout``: under a timeout of 2 ms, an op's deadline on a busy server cut
+#: the unregistering of its regions short too, the server kept them, and after 64 the
+#: session refused every new region (a review helper: 648 refusals in 700 calls).
+HOUSEKEEPING_TIMEOUT_SECONDS = 1.0
 
 #: How the SDK's own channel connects (``Client.channel_options``).
 #:
@@ -437,6 +443,8 @@ class Client:
         extra = ((protocol.TAPE_METADATA_KEY, self._recording.ids(tapes)),) if recorded else ()
         method = getattr(self._stub, rpc)
         timeout = timeout if timeout is not None else self.timeout
+        if once and timeout is not None:
+            timeout = max(timeout, HOUSEKEEPING_TIMEOUT_SECONDS)
 
         sent_before = False  # the last attempt may have reached the server
         ever_sent = False  # any attempt may have

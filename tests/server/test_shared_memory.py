@@ -828,6 +828,39 @@ def test_regions_of_a_call_that_got_no_reply_are_never_reused(target):
         assert pool._held == held, "discarded regions no longer count against the pool"
 
 
+def test_a_short_timeout_does_not_cut_the_unregistering_of_a_calls_regions(target):
+    """The regions of a call that ran past the client's timeout are dropped with an
+    UnregisterSharedMemory of its own, given at least ``HOUSEKEEPING_TIMEOUT_SECONDS``:
+    under the client's 2 ms the server kept them, and after 64 the session refused
+    every new region (a review helper)."""
+    from gradserve.client import _client
+    from tests.server.test_limits import lstm_args
+
+    with gradserve.Client(target, timeout=0.05, shared_memory=True) as c:
+        real, timeouts = c._stub, []
+
+        class Recording:
+            def __getattr__(self, name):
+                method = getattr(real, name)
+                if name != "UnregisterSharedMemory":
+                    return method
+
+                def unregister(body, *, metadata=None, timeout=None):
+                    timeouts.append(timeout)
+                    return method(body, metadata=metadata, timeout=timeout)
+
+                return unregister
+
+        c._stub = Recording()
+        try:
+            with pytest.raises(DeadlineExceededError):
+                c.raw_ops.BlockLSTMV2(*lstm_args(300_000))
+        finally:
+            c._stub = real
+        assert timeouts and min(timeouts) >= _client.HOUSEKEEPING_TIMEOUT_SECONDS
+        assert c.stop_gradient(np.ones(3))[0] == 1
+
+
 def leased(pool) -> set[str]:
     """Regions of the pool neither free nor held by arrays: leased to a call."""
     return set(pool._all) - {r.name for r in pool._free} - pool._pinned
