@@ -881,6 +881,7 @@ def test_a_session_or_region_whose_reply_is_lost_is_undone(monkeypatch):
     as above): the session held a --max-sessions place until its TTL, and the region a
     descriptor of an object its client then unlinked (memory no budget counts) and a
     region slot, until the session ended (a review helper)."""
+    from gradserve.client import _client
     from gradserve.server.core.sessions import SessionStore
     from gradserve.server.transport.lanes import Lane
 
@@ -908,6 +909,8 @@ def test_a_session_or_region_whose_reply_is_lost_is_undone(monkeypatch):
             regions = server.store.get(client.session_id).regions
             before = len(regions._regions)
             monkeypatch.setattr(Lane, "run", late)
+            # (the SDK gives its housekeeping at least a second: here, the reply lost)
+            monkeypatch.setattr(_client, "HOUSEKEEPING_TIMEOUT_SECONDS", 0.2)
             client.timeout = 0.2
             with pytest.raises(gradserve.errors.DeadlineExceededError):
                 client._shm.pool._create(MIB)
