@@ -81,7 +81,7 @@ PROBE_STEPS = 24
 PROBE_ROUNDS = 3
 #: A call waiting for another's measurement of its shape checks this often.
 PLAN_WAIT_CHECK_SECONDS = 0.01
-#: Bytes to which FUSED's packed W_h is aligned: a cache line.
+#: Bytes to which FUSED's packed weights are aligned: a cache line.
 PACK_ALIGNMENT = 64
 
 
@@ -106,7 +106,7 @@ class Workspace:
     gates: Array  # one step's pre-activations: [B, 4H]
     gates_t: Array  # HOISTED_T: h @ W_h transposed, [4H, B] (else empty)
     tmp: Array  # [B, H] scratch
-    packed: Array  # FUSED: W_h packed for the compiled step, 64-byte aligned (else empty)
+    packed: Array  # FUSED: W_h, or all of W, packed for its step, 64-byte aligned (else empty)
 
     def arrays(self) -> tuple[Array, ...]:
         return (self.w, self.w_h_t, self.b, self.peep, self.proj, self.gates, self.gates_t,

@@ -329,19 +329,20 @@ DEFINE_BACKWARD_STEP(double, gradserve_lstm_backward_step_f64)
  * ``lstm_cpu``'s HOISTED formulation computes each step's h @ W_h with NumPy's BLAS,
  * which packs both operands again on every call (W_h, a megabyte at 256 units, for a
  * GEMM of 32 rows) and runs at about 60% of its large-GEMM speed there; the step above
- * then reads the gates back from memory. FUSED packs W_h once per call, into panels of
- * VL units by the four gates (``gradserve_lstm_pack_recurrent_f32``), and each step
- * (``gradserve_lstm_forward_fused_step_f32``) computes a tile of MR batch rows by one
- * panel in registers (a register-blocked GEMM: MR x 4 vectors of accumulators, as BLAS
- * libraries' micro-kernels), starting from the bias and the projection, and turns it
- * into the seven outputs of those rows and units while it is still in the L1 cache.
+ * then reads the gates back from memory. FUSED packs W_h (or all of W, where the steps
+ * project the input too) once per call, into panels of VL units by the four gates
+ * (``gradserve_lstm_pack_f32``), and each step (``gradserve_lstm_forward_fused_step_f32``)
+ * computes a tile of MR batch rows by one panel in registers (a register-blocked GEMM:
+ * MR x 4 vectors of accumulators, as BLAS libraries' micro-kernels), starting from the
+ * bias (and the projection), and turns it into the seven outputs of those rows and
+ * units while it is still in the L1 cache.
  *
  * VL and MR follow the vector registers the compiler targets: 32 of 16 floats with
  * AVX-512, 16 of 8 with AVX, 32 of 4 on AArch64, else SSE's or the baseline's 4 (GCC's
- * and Clang's vector extensions compile the same code for each). The GEMM's products
- * are summed with fused multiply-adds where the CPU has them (the rest of this file is
- * compiled without contraction: ``FMA_FUNCTION``), in the order of k: its last bits
- * differ from the BLAS formulations', as those differ from each other. */
+ * and Clang's vector extensions compile the same code for each). FUSED's arithmetic
+ * uses fused multiply-adds where the CPU has them (the rest of this file is compiled
+ * without contraction: ``FMA_FUNCTION``), its products summed in the order of k: its
+ * last bits differ from the BLAS formulations', as those differ from each other. */
 
 #if defined(__AVX512F__)
 #define VL 16

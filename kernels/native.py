@@ -1,4 +1,6 @@
-"""The CPU LSTM's fused elementwise steps (``lstm_cpu_step.c``), compiled for this host.
+"""The CPU LSTM's compiled steps (``lstm_cpu_step.c``), compiled for this host: the
+fused elementwise steps, and the FUSED formulation's (``pack``, ``fused_step``, its
+teams of threads ``TEAMS``, ``flushing_subnormals``).
 
 NumPy runs a forward step's elementwise pass as about twenty ufunc calls (a backward
 step's as about fifteen), each a pass over memory and a call's overhead; at (50, 32,
@@ -67,11 +69,11 @@ TANH_FMA = "gradserve_rational_tanh_fma_f32"
 PACKED_FLOATS = "gradserve_lstm_packed_floats"
 PACK = "gradserve_lstm_pack_f32"
 FUSED_STEP = "gradserve_lstm_forward_fused_step_f32"
-TEAM_START = "gradserve_fused_team_start"
 CLAIMS = "gradserve_fused_step_claims"
+TEAM_START = "gradserve_fused_team_start"
+TEAM_STOP = "gradserve_fused_team_stop"
 FLUSH = "gradserve_flush_subnormals"
 RESTORE = "gradserve_restore_fp_mode"
-TEAM_STOP = "gradserve_fused_team_stop"
 
 
 class Mode(enum.Enum):
