@@ -424,7 +424,9 @@ class Client:
         """Invoke ``rpc``; a failure raises its ``gradserve.errors`` class (repeated as
         ``_with_retries`` says; with ``once``, never: the SDK's own housekeeping within
         other calls, its shared-memory regions and deletes, so that a server that is
-        down costs a call one retry budget, not one per nested call). An op records on
+        down costs a call one retry budget, not one per nested call; and given at least
+        ``HOUSEKEEPING_TIMEOUT_SECONDS``, so that the deadline that cut the call short
+        does not cut its cleanup short too). An op records on
         ``tapes`` (default: the tapes recording on this thread). ``metadata`` may be
         a function, called for each
         attempt with whether the last attempt may have reached the server (an op's

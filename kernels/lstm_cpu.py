@@ -192,7 +192,7 @@ def _new_workspace(key: WorkspaceKey) -> Workspace:
 def _aligned_empty(count: int, dtype: np.dtype[Any]) -> Array:
     """``count`` elements starting at a multiple of ``PACK_ALIGNMENT`` bytes: the
     compiled step's vector loads of a panel then never straddle two cache lines (with
-    NumPy's 16-byte alignment they did, and its GEMM ran at 142 against 156 GFLOP/s)."""
+    NumPy's 16-byte alignment they did, and its GEMM ran at 142 against 154 GFLOP/s)."""
     pad = PACK_ALIGNMENT // dtype.itemsize
     raw = np.empty(count + pad, dtype)
     start = (-raw.ctypes.data % PACK_ALIGNMENT) // dtype.itemsize
