@@ -29,6 +29,17 @@ else ``~/.cache/gradserve``; its links resolved) is made private (0700); a direc
 or library owned by another user, or writable by others, is never loaded from
 (anyone who can write there could run code in the server): a fresh private
 temporary directory is used instead, removed once the library is loaded.
+
+Where no compiler may run (a container image, a read-only filesystem), the libraries
+are built ahead of time (``python -m gradserve.kernels.native DIR``, as
+``docker/Dockerfile`` does in a stage of its own): one per x86-64 level (the psABI's
+``x86-64-v4`` .. ``x86-64``; elsewhere the architecture's baseline), with a manifest
+naming the source they were built from. A process with ``$GRADSERVE_NATIVE_DIR`` set
+loads the best level its CPU runs from there (``prebuilt``), compiling nothing; a
+directory built from another source, or that someone else could write, is not loaded
+from (said in the log, and the step is then compiled where a compiler is found). A
+level's library computes what ``-march=native`` compiles on that CPU does, bit for bit
+(the source fixes every operation's order; what the level adds is the vector width).
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ import contextlib
 import ctypes
 import enum
 import hashlib
+import json
 import logging
 import os
 import pathlib
@@ -46,6 +58,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -228,6 +241,25 @@ def _build(
 
 
 def build_and_load() -> ctypes.CDLL:
+    """The compiled step's library: built ahead of time where ``$GRADSERVE_NATIVE_DIR``
+    names a directory this process may load from, else built now unless cached
+    (NativeBuildError if neither: the message says why each failed)."""
+    prebuilt = os.environ.get(PREBUILT_ENV)
+    if not prebuilt:
+        return _compile_and_load()
+    try:
+        lib, level = load_prebuilt(pathlib.Path(prebuilt))
+    except NativeBuildError as e:
+        log.warning("$%s=%s not loaded (%s): compiling the step here", PREBUILT_ENV, prebuilt, e)
+        try:
+            return _compile_and_load()
+        except NativeBuildError as failed:
+            raise NativeBuildError(f"{failed}; ${PREBUILT_ENV}: {e}") from failed
+    log.info("CPU LSTM: the steps built ahead of time for %s (%s)", level, prebuilt)
+    return lib
+
+
+def _compile_and_load() -> ctypes.CDLL:
     """The compiled step's library, built now unless cached (NativeBuildError if not)."""
     compiler = _compiler()
     identity = cpu_identity()
@@ -257,6 +289,190 @@ def build_and_load() -> ctypes.CDLL:
         raise NativeBuildError(f"{type(e).__name__}: {e}") from e
     _declare(lib)
     return lib
+
+
+# --- libraries built ahead of time ------------------------------------------------------
+
+#: A directory of libraries built ahead of time (``prebuild``), loaded from instead of
+#: compiling where set.
+PREBUILT_ENV = "GRADSERVE_NATIVE_DIR"
+MANIFEST = "manifest.json"
+#: x86-64's micro-architecture levels (the psABI's), best first, each with the
+#: ``/proc/cpuinfo`` flags it adds to the levels after it (``abm``: LZCNT).
+X86_64_LEVELS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("x86-64-v4", frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})),
+    ("x86-64-v3", frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe",
+                             "xsave"})),
+    ("x86-64-v2", frozenset({"cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3"})),
+    ("x86-64", frozenset()),
+)  # fmt: skip
+#: The one level built on other architectures: the compiler's default target.
+BASELINE = "baseline"
+
+
+def _x86_64(machine: str) -> bool:
+    return machine in ("x86_64", "AMD64")
+
+
+def levels(machine: str | None = None) -> tuple[str, ...]:
+    """The levels built ahead of time for ``machine`` (default: this one), best first."""
+    if _x86_64(machine or platform.machine()):
+        return tuple(name for name, _ in X86_64_LEVELS)
+    return (BASELINE,)
+
+
+def level_flags(level: str) -> tuple[str, ...]:
+    """The compiler's flags for ``level``: ``FLAGS`` for that target, not this CPU."""
+    portable = tuple(f for f in FLAGS if f != "-march=native")
+    return portable if level == BASELINE else (*portable, f"-march={level}")
+
+
+def runnable_levels(cpuinfo: str | None = None, machine: str | None = None) -> tuple[str, ...]:
+    """The levels this CPU runs, best first (``cpuinfo``: the text of ``/proc/cpuinfo``,
+    read here when None). Every CPU's flags count (a level runs where all of them
+    have its flags); where none can be read, x86-64's baseline only."""
+    if not _x86_64(machine or platform.machine()):
+        return (BASELINE,)
+    if cpuinfo is None:
+        try:
+            cpuinfo = pathlib.Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            cpuinfo = ""
+    per_cpu = [
+        set(value.split())
+        for key, _, value in (line.partition(":") for line in cpuinfo.splitlines())
+        if key.strip() == "flags"
+    ]
+    have = set.intersection(*per_cpu) if per_cpu else set()
+    runs: list[str] = []
+    needed: set[str] = set()
+    for name, adds in reversed(X86_64_LEVELS):
+        needed |= adds
+        if not needed <= have:
+            break
+        runs.append(name)
+    return tuple(reversed(runs))
+
+
+def _source_digest() -> str:
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
+
+
+def prebuild(directory: pathlib.Path) -> dict[str, Any]:
+    """Build every level's library into ``directory`` (made if missing) with this
+    host's compiler, for CPUs other than this one, and its manifest (returned) last:
+    a reader never finds a manifest naming a library not yet there. Files are made
+    readable by all (the server may run as another user) and writable by none but
+    their owner."""
+    compiler = _compiler()
+    directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+    libraries: dict[str, str] = {}
+    for level in levels():
+        name = f"lstm_cpu_step-{level}.so"
+        tmp = directory / f".build-{name}"
+        try:
+            done = _run(
+                [*compiler, *level_flags(level), str(SOURCE), "-lm", "-o", str(tmp)],
+                COMPILE_TIMEOUT_SECONDS,
+            )
+            if done.returncode != 0:
+                raise NativeBuildError(
+                    f"{compiler[0]} failed for {level}: {done.stderr.strip()[-2000:]}"
+                )
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, directory / name)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        libraries[level] = name
+    manifest = {
+        "source_sha256": _source_digest(),
+        "machine": platform.machine(),
+        "compiler": " ".join(compiler),
+        "compiler_version": _compiler_version(compiler).strip().splitlines()[0],
+        "libraries": libraries,
+    }
+    tmp = directory / f".{MANIFEST}"
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, directory / MANIFEST)
+    return manifest
+
+
+def _trusted(path: pathlib.Path, is_kind: Callable[[int], bool] = stat.S_ISDIR) -> bool:
+    """``path`` itself is of that kind, owned by root or this user, and writable by no
+    one else: only they could have put code there."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (
+        is_kind(st.st_mode)
+        and st.st_uid in (0, os.getuid())
+        and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    )
+
+
+def load_prebuilt(directory: pathlib.Path, cpuinfo: str | None = None) -> tuple[ctypes.CDLL, str]:
+    """The best library of ``directory`` (``prebuild``'s) this CPU runs, loaded, and
+    its level; NativeBuildError where there is none to trust: a directory, manifest
+    or library someone else could write, a manifest of another source or machine."""
+    try:
+        directory = directory.resolve(strict=True)
+    except (OSError, RuntimeError) as e:
+        raise NativeBuildError(f"{directory}: {e}") from e
+    manifest_path = directory / MANIFEST
+    if not (_trusted(directory) and _trusted(manifest_path, stat.S_ISREG)):
+        raise NativeBuildError(
+            f"{directory} or its {MANIFEST} is missing, or not owned by root or this user, "
+            "or others can write it"
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        libraries, digest, machine = (
+            manifest["libraries"], manifest["source_sha256"], manifest["machine"]
+        )  # fmt: skip
+        names = {str(level): str(name) for level, name in libraries.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise NativeBuildError(f"{manifest_path} unreadable: {type(e).__name__}: {e}") from e
+    if digest != _source_digest() or machine != platform.machine():
+        raise NativeBuildError(
+            f"{directory} was built from another {SOURCE.name} or for another machine "
+            f"({machine}): build it again (python -m gradserve.kernels.native {directory})"
+        )
+    level = next((lv for lv in runnable_levels(cpuinfo) if lv in names), None)
+    if level is None:
+        raise NativeBuildError(f"{directory} has no library this CPU runs (has {sorted(names)})")
+    path = directory / names[level]
+    if path.parent != directory or not _trusted(path, stat.S_ISREG):
+        raise NativeBuildError(f"{path} is missing, or not a file of root or this user only")
+    try:
+        lib = ctypes.CDLL(str(path))
+        _declare(lib)
+    except (OSError, AttributeError) as e:
+        raise NativeBuildError(f"{path} failed to load: {e}") from e
+    return lib, level
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gradserve.kernels.native DIR``: ``prebuild`` into DIR (an image's
+    build stage with a compiler; the server then runs with ``$GRADSERVE_NATIVE_DIR``)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m gradserve.kernels.native",
+        description="Build the CPU LSTM's compiled steps ahead of time, for every level "
+        "of this architecture, into DIR (then serve with GRADSERVE_NATIVE_DIR=DIR).",
+    )
+    parser.add_argument("directory", metavar="DIR")
+    args = parser.parse_args(argv)
+    try:
+        manifest = prebuild(pathlib.Path(args.directory))
+    except (NativeBuildError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(manifest, indent=2))
+    return 0
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -439,3 +655,7 @@ class FusedTeams:
 
 
 TEAMS = FusedTeams()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,6 +6,8 @@ every one computes the same."""
 
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
 import pytest
 
@@ -161,6 +163,43 @@ def test_a_fused_server_refuses_to_start_without_a_compiler(no_compiler):
     with pytest.raises(ConfigError, match="--lstm-formulation fused: no C compiler"):
         with run_server(lstm_formulation="fused"):
             pass
+
+
+@pytest.fixture(scope="module")
+def prebuilt(tmp_path_factory):
+    """The compiled steps built ahead of time (as the Docker image's build stage)."""
+    require_native()
+    directory = tmp_path_factory.mktemp("prebuilt") / "native"
+    native.prebuild(directory)
+    return directory
+
+
+def test_a_server_without_a_compiler_serves_fused_from_steps_built_ahead_of_time(
+    prebuilt, no_compiler, monkeypatch
+):
+    """The Docker image's case: no compiler, ``$GRADSERVE_NATIVE_DIR`` set, and the
+    deploy's flags: the server starts, loads the best level, and computes FUSED."""
+    monkeypatch.setenv(native.PREBUILT_ENV, str(prebuilt))
+    case = _case()
+    with run_server(lstm_formulation="fused", cpu_step_kernel="native") as server:
+        with gradserve.Client(f"127.0.0.1:{server.port}", shared_memory=False) as client:
+            got = client.raw_ops.BlockLSTMV2(
+                np.int64(5), *(case[k] for k in INPUTS), use_peephole=True
+            )
+    lib = native.NATIVE.library()
+    assert lib is not None and pathlib.Path(lib._name).parent == prebuilt
+    token = lstm_cpu.STEP_KERNEL.set(native.Mode.NATIVE)
+    pinned = lstm_cpu.PINNED.set(lstm_cpu.Formulation.FUSED)
+    try:
+        own = forward(
+            backend_numpy, *(case[k] for k in INPUTS), seq_len_max=5, use_peephole=True,
+            layout=LAYOUT["BlockLSTMV2"],
+        )  # fmt: skip
+    finally:
+        lstm_cpu.PINNED.reset(pinned)
+        lstm_cpu.STEP_KERNEL.reset(token)
+    for k, a, b in zip(OUTPUTS, got, own, strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=k)
 
 
 def test_the_step_kernel_flag_and_its_values():
