@@ -84,6 +84,10 @@ def test_the_replicas_compute_the_same_bits_within_their_cpu_request():
     assert flags.lstm_formulation is not None
     assert flags.cpu_step_kernel != "auto"
     assert flags.compute_slots == max(1, cpus // threads)
+    if flags.cpu_step_kernel == "native":  # the image carries the steps built ahead of time
+        dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+        built = re.search(r"-m gradserve\.kernels\.native (\S+)", dockerfile)
+        assert built and f"GRADSERVE_NATIVE_DIR={built.group(1)}" in dockerfile
 
 
 def test_the_proxy_configmap_is_the_nginx_template():
