@@ -21,7 +21,7 @@ the same function (``lstm``'s docstring states the gates) in one of several
   project's machine a step at (32, 256) took 129-138 against 179-183 us. With one
   BLAS thread the input projection is hoisted as in ``HOISTED``; with more, the steps
   project the input themselves and a team of threads shares each step
-  (``_projects_in_step``, ``_team``). Subnormal floats are read and written as zero
+  (``_projects_in_step``, ``fused_team``). Subnormal floats are read and written as zero
   (``native.flushing_subnormals``), as TensorFlow's CPU kernels compute. float32
   with the compiled step only: elsewhere
   (float64, NumPy's pass) it computes as ``HOISTED``, and the planner measures it only
@@ -185,11 +185,11 @@ def _new_workspace(key: WorkspaceKey) -> Workspace:
         gates=np.empty((0, gates) if fused else (batch, gates), dt),
         gates_t=np.empty((gates, batch) if transposed else (0,), dt),
         tmp=np.empty((0,) if fused else (batch, units), dt),
-        packed=_aligned_empty(native.packed_floats(inputs + units, units) if fused else 0, dt),
+        packed=aligned_empty(native.packed_floats(inputs + units, units) if fused else 0, dt),
     )
 
 
-def _aligned_empty(count: int, dtype: np.dtype[Any]) -> Array:
+def aligned_empty(count: int, dtype: np.dtype[Any]) -> Array:
     """``count`` elements starting at a multiple of ``PACK_ALIGNMENT`` bytes: the
     compiled step's vector loads of a panel then never straddle two cache lines (with
     NumPy's 16-byte alignment they did, and its GEMM ran at 142 against 154 GFLOP/s)."""
@@ -401,7 +401,8 @@ def _run(
     try:
         in_step = form is Formulation.FUSED and _projects_in_step()
         flushing = native.flushing_subnormals() if form is Formulation.FUSED else None
-        with flushing or contextlib.nullcontext(), _team(in_step, batch, units) as team:
+        teamed = fused_team(batch, units) if in_step else contextlib.nullcontext()
+        with flushing or contextlib.nullcontext(), teamed as team:
             _prepare(ws, form, w, b, wci, wcf, wco, offsets, units, forget_bias, in_step)
             _recur(ws, form, chunk, x, cs_prev, h_prev, outs, length, offsets, cell_clip,
                    use_peephole, check, in_step, team)  # fmt: skip
@@ -420,17 +421,20 @@ def _projects_in_step() -> bool:
     return (blas_threads() or 1) > 1
 
 
-def _team(in_step: bool, batch: int, units: int) -> contextlib.AbstractContextManager[int | None]:
-    """FUSED's team of threads for a call whose steps project the input: as many as
-    the op's BLAS threads now (its share of them with ``--share-blas-threads``), but
-    no more than a step has claims (each member wakes every step), where the BLAS
-    threads sleep soon after a call (``BlasThreads.sleep_soon``: the server's
-    setting). Where they spin on (OpenBLAS's default: 0.1 s after each call), a team
-    computed on the cores they spun on: 10-15 against 7 ms a call at (50, 32, 256), two
-    threads. None: the caller computes alone."""
-    if not in_step or not blas.BLAS.sleep_soon():
+def fused_team(
+    batch: int, units: int, backward: bool = False
+) -> contextlib.AbstractContextManager[int | None]:
+    """FUSED's team of threads for a call (a forward whose steps project the input, or
+    a ``backward``): as many as the op's BLAS threads now (its share of them with
+    ``--share-blas-threads``), but no more than a step has claims (each member wakes
+    every step), where the BLAS threads sleep soon after a call
+    (``BlasThreads.sleep_soon``: the server's setting). Where they spin on (OpenBLAS's
+    default: 0.1 s after each call), a team computed on the cores they spun on: 10-15
+    against 7 ms a call at (50, 32, 256), two threads. None: the caller computes alone."""
+    if not blas.BLAS.sleep_soon():
         return contextlib.nullcontext()
-    return native.TEAMS.team(min(blas.BLAS.count() or 1, native.step_claims(batch, units)))
+    claims = native.step_claims(batch, units, backward)
+    return native.TEAMS.team(min(blas.BLAS.count() or 1, claims))
 
 
 def _prepare(

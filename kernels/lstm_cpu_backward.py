@@ -81,12 +81,18 @@ def backward_sequence(
     heap.keep_warm()
     batch, units = dh.shape
     ct = dh.dtype
-    w_h_t = empty((w_h.shape[1], w_h.shape[0]), ct)
-    transpose_into(w_h, w_h_t)
     per_step = (i, cs, f, o, ci, co, cs_grad, h_grad)
     step = _native_step(cs_prev, per_step, dgates, dh, dcs, length)
+    peep = np.stack([wci, wcf, wco]).astype(ct, copy=False) if use_peephole else None
+    if step is not None and _fuses(ct):
+        _recur_fused(
+            step, cs_prev, per_step, peep, w_h, dgates, dh, dcs, length, offsets, clip_at,
+            check,
+        )  # fmt: skip
+        return
+    w_h_t = empty((w_h.shape[1], w_h.shape[0]), ct)
+    transpose_into(w_h, w_h_t)
     if step is not None:
-        peep = np.stack([wci, wcf, wco]).astype(ct, copy=False) if use_peephole else None
         _recur_native(
             step, cs_prev, per_step, peep, w_h_t, dgates, dh, dcs, length, offsets,
             clip_at, check,
@@ -191,6 +197,62 @@ def _recur_native(
             gates + t * gates_row,
         )  # fmt: skip
         np.matmul(dgates[t], w_h_t, out=dh)
+
+
+def _fuses(ct: np.dtype[Any]) -> bool:
+    """Whether the backward runs in FUSED's steps: float32 (the compiled step serving
+    the call: the caller's check), where the forward's formulation is FUSED or the
+    planner's (``lstm_cpu.PINNED`` None). A formulation of the BLAS pinned keeps the
+    backward on the BLAS too: the compiled backward step then gives the NumPy passes'
+    bits, and replicas pinned so keep the bits they computed before."""
+    return ct == np.float32 and lstm_cpu.PINNED.get() in (None, lstm_cpu.Formulation.FUSED)
+
+
+def _recur_fused(
+    step: Any, cs_prev: Array, per_step: tuple[Array, ...], peep: Array | None,
+    w_h: Array, dgates: Array, dh: Array, dcs: Array, length: int, offsets: Offsets,
+    clip_at: float | None, check: Callable[[], None] | None,
+) -> None:  # fmt: skip
+    """``backward_sequence``'s loop in FUSED's steps (``lstm_cpu_step.c``): the last
+    step by the compiled backward step (its dh: the zero carry), each earlier one by
+    a fused step, which computes its dh = dgates[t + 1] @ W_h^T tile by tile and turns
+    each tile into step t's gate gradients while it is in cache (W_h^T packed once,
+    a team of threads where the process has more than one BLAS thread: the same bits
+    with any team or none), then dh = dgates[0] @ W_h^T the same way. Subnormal floats
+    are read and written as zero (as the forward's FUSED: the team's workers compute
+    so), in all of it (the BLAS's GEMMs after it, of W_x and for W's gradient, keep
+    them, as the forward's projection does with one thread)."""
+    batch, units = dh.shape
+    packed = lstm_cpu.aligned_empty(native.packed_transposed_floats(units), dh.dtype)
+    native.pack_transposed(np.ascontiguousarray(w_h), packed)
+    fused = native.backward_fused_step()
+    row = batch * units * dh.dtype.itemsize  # bytes of one step of a [T, B, H] array
+    i, cs, f, o, ci, co, cs_grad, h_grad = (a.ctypes.data for a in per_step)
+    gates_row, gates = dgates.strides[0], dgates.ctypes.data
+    peep_ptr = None if peep is None else peep.ctypes.data
+    clip, clip_value = (0, 0.0) if clip_at is None else (1, clip_at)
+    dh_ptr, dcs_ptr, packed_ptr = dh.ctypes.data, dcs.ctypes.data, packed.ctypes.data
+    with native.flushing_subnormals(), lstm_cpu.fused_team(batch, units, True) as team:
+        for t in range(length - 1, -1, -1):
+            if check is not None:
+                check()
+            at = t * row
+            cs_last = cs_prev.ctypes.data if t == 0 else cs + at - row
+            if t == length - 1:
+                step(
+                    dh_ptr, dcs_ptr, i + at, f + at, o + at, ci + at, co + at, cs + at,
+                    cs_last, h_grad + at, cs_grad + at, peep_ptr, clip, clip_value, batch,
+                    units, *offsets, gates + t * gates_row,
+                )  # fmt: skip
+                continue
+            fused(
+                team, gates + (t + 1) * gates_row, packed_ptr, i + at, f + at, o + at,
+                ci + at, co + at, cs + at, cs_last, h_grad + at, cs_grad + at, peep_ptr, clip,
+                clip_value, batch, units, *offsets, dcs_ptr, gates + t * gates_row, None,
+            )  # fmt: skip
+        product_only = (None,) * 10
+        fused(team, gates, packed_ptr, *product_only, 0, 0.0, batch, units, *offsets, None,
+              None, dh_ptr)  # fmt: skip
 
 
 class _Factors:

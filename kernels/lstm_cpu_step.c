@@ -614,6 +614,162 @@ static void tiles_of_step(const struct fused_step *s, long b_begin, long b_end, 
                  s->out_cs, s->out_f, s->out_o, s->out_ci, s->out_co, s->out_h);
 }
 
+/* ---- FUSED's backward: the recurrent GEMM and the backward step in one loop ----
+ *
+ * The backward's recurrence (``lstm_cpu_backward``) is, per step t from the last:
+ * the gate gradients of step t from dh (the carry dgates[t + 1] @ W_h^T, plus
+ * h_grad[t]) and dcs, elementwise; then dgates[t] @ W_h^T for step t - 1. With the
+ * BLAS that GEMM is a call per step that packs W_h^T again (as the forward's), and the
+ * elementwise step reads its result back from memory. Here W_h^T is packed once per
+ * call into panels of PANEL_WIDTH units (``gradserve_lstm_pack_transposed_f32``) and
+ * each tile of MR batch rows by a panel is ``panel_tile``'s GEMM over the 4 units of
+ * dgates[t + 1]'s rows, turned at once into step t's gate gradients of those rows and
+ * units (the backward step's row code above, on the tile's dh): each (row, unit) of a
+ * step needs its own dh, dcs and activations only, and dcs is each tile's own. */
+
+/* Panels of W_h^T's [4 units, units]: PANEL_WIDTH units each. */
+static long transposed_panels_of(long units) { return (units + PANEL_WIDTH - 1) / PANEL_WIDTH; }
+
+/* Floats of W_h^T packed (the caller aligns it to 64 bytes). */
+long gradserve_lstm_packed_transposed_floats(long units) {
+    return transposed_panels_of(units) * 4 * units * PANEL_WIDTH;
+}
+
+/* Columns of W_h a packing pass copies at once: PACK_T_COLUMNS of each of a panel's
+ * rows, so its reads and writes stay in a few cache lines (a column at a time, the
+ * writes strode a whole panel: 0.5 ms for W_h at 256 units, against 0.1). */
+#define PACK_T_COLUMNS 16
+
+/* packed[p][k][j] = w_h[p * PANEL_WIDTH + j][k], 0 past the last unit: W_h^T by panels
+ * of PANEL_WIDTH units (w_h: W_h, [units, 4 units], contiguous). */
+void gradserve_lstm_pack_transposed_f32(const float *restrict w_h, long units,
+                                        float *restrict packed)
+{
+    const long depth = 4 * units;
+    for (long p = 0; p < transposed_panels_of(units); p++) {
+        float *dst = packed + p * depth * PANEL_WIDTH;
+        for (long k0 = 0; k0 < depth; k0 += PACK_T_COLUMNS) {
+            const long k1 = k0 + PACK_T_COLUMNS < depth ? k0 + PACK_T_COLUMNS : depth;
+            for (long j = 0; j < PANEL_WIDTH; j++) {
+                const long u = p * PANEL_WIDTH + j;
+                const float *row = u < units ? w_h + u * depth : NULL;
+                for (long k = k0; k < k1; k++) dst[k * PANEL_WIDTH + j] = row ? row[k] : 0.0f;
+            }
+        }
+    }
+}
+
+/* One backward step's arguments (``gradserve_lstm_backward_fused_step_f32`` states
+ * them). */
+struct backward_step {
+    const float *dgates_next, *packed, *i, *f, *o, *ci, *co, *cs, *cs_last, *h_grad,
+        *cs_grad, *peep;
+    int clip;
+    float clip_at;
+    long batch, units, offs[4];
+    float *dcs, *dgates, *dh;
+};
+
+/* Panels of W_h^T that go through the row blocks one after another (a cache group, as
+ * the forward's ``cache_group_panels``): one at least. */
+static long backward_group_panels(long units) {
+    const long fit = CACHE_GROUP_BYTES / (4 * units * PANEL_WIDTH * (long)sizeof(float));
+    return fit < 1 ? 1 : fit;
+}
+
+/* The tiles of row blocks [b_begin, b_end) by W_h^T's panels [p_begin, p_end) of one
+ * backward step, a block's panels one after another (restrict parameters: see
+ * ``fused_tiles``). */
+static __attribute__((noinline)) FMA_FUNCTION void backward_tiles(
+    long b_begin, long b_end, long p_begin, long p_end, const float *restrict dgates_next,
+    const float *restrict packed, const float *restrict i, const float *restrict f,
+    const float *restrict o, const float *restrict ci, const float *restrict co,
+    const float *restrict cs, const float *restrict cs_last, const float *restrict h_grad,
+    const float *restrict cs_grad, const float *restrict peep, int clip, float clip_at,
+    long batch, long units, const long offs[4], float *restrict dcs, float *restrict dgates,
+    float *restrict dh)
+{
+    const long blocks = blocks_of(batch), depth = 4 * units;
+    float z[MR * PANEL_WIDTH] __attribute__((aligned(64)));
+    for (long block = b_begin; block < b_end; block++) {
+        const long r0 = block_start(batch, blocks, block);
+        const int mr = (int)(block_start(batch, blocks, block + 1) - r0);
+        for (long p = p_begin; p < p_end; p++) {
+            const long u0 = p * PANEL_WIDTH;
+            const long n = units - u0 < PANEL_WIDTH ? units - u0 : PANEL_WIDTH;
+            for (long k = 0; k < mr * PANEL_WIDTH; k++) z[k] = 0.0f;
+            panel_tile_rows(dgates_next + r0 * depth, depth, packed + p * depth * PANEL_WIDTH,
+                            z, mr);
+            if (i == NULL) { /* the product alone */
+                for (int r = 0; r < mr; r++)
+                    for (long u = 0; u < n; u++) dh[(r0 + r) * units + u0 + u] = z[r * PANEL_WIDTH + u];
+                continue;
+            }
+            const float *wci = peep != NULL ? peep + u0 : NULL;
+            const float *wcf = peep != NULL ? peep + units + u0 : NULL;
+            const float *wco = peep != NULL ? peep + 2 * units + u0 : NULL;
+            for (int r = 0; r < mr; r++) {
+                const long at = (r0 + r) * units + u0;
+                float *g = dgates + (r0 + r) * depth + u0;
+#define BACKWARD_ROW(PEEP, CLIP)                                                            \
+    gradserve_lstm_backward_step_f32_row(                                                  \
+        z + r * PANEL_WIDTH, dcs + at, i + at, f + at, o + at, ci + at, co + at, cs + at,   \
+        cs_last + at, h_grad + at, cs_grad + at, wci, wcf, wco, clip_at, PEEP, CLIP, n,     \
+        g + offs[0], g + offs[1], g + offs[2], g + offs[3])
+                if (peep != NULL && clip) BACKWARD_ROW(1, 1);
+                else if (peep != NULL) BACKWARD_ROW(1, 0);
+                else if (clip) BACKWARD_ROW(0, 1);
+                else BACKWARD_ROW(0, 0);
+#undef BACKWARD_ROW
+            }
+        }
+    }
+}
+
+static void backward_tiles_of_step(const struct backward_step *s, long b_begin, long b_end,
+                                   long p_begin, long p_end) {
+    backward_tiles(b_begin, b_end, p_begin, p_end, s->dgates_next, s->packed, s->i, s->f, s->o,
+                   s->ci, s->co, s->cs, s->cs_last, s->h_grad, s->cs_grad, s->peep, s->clip,
+                   s->clip_at, s->batch, s->units, s->offs, s->dcs, s->dgates, s->dh);
+}
+
+/* Panels of W_h^T in a team's claim of a backward step (at most a cache group's): each
+ * claim reads its rows of dgates[t + 1] (4 KB a row at 256 units), half of them
+ * written by the other core in the step before. A panel a claim: the recurrence at (50,
+ * 32, 256) took 5.8-6.0 ms in a team of two, two panels 5.0-5.4 (medians of 18
+ * interleaved calls, two runs; the caller alone 7.8-8.4: ``repros17y/bwcmp.py``). */
+#define CLAIM_PANELS 2
+
+/* The claims of a backward step of that shape, and claim c's tiles, in the order the
+ * caller alone computes them: cache group by cache group (the last may have fewer
+ * panels), in each its row blocks one after another, in each block CLAIM_PANELS panels
+ * at a time. */
+long gradserve_backward_fused_step_claims(long batch, long units) {
+    const long panels = transposed_panels_of(units), group = backward_group_panels(units);
+    long claims = 0;
+    for (long first = 0; first < panels; first += group) {
+        const long in_group = panels - first < group ? panels - first : group;
+        claims += blocks_of(batch) * ((in_group + CLAIM_PANELS - 1) / CLAIM_PANELS);
+    }
+    return claims;
+}
+static void claimed_backward_tiles(const struct backward_step *s, long c) {
+    const long panels = transposed_panels_of(s->units), blocks = blocks_of(s->batch);
+    const long group = backward_group_panels(s->units);
+    for (long first = 0; first < panels; first += group) {
+        const long in_group = panels - first < group ? panels - first : group;
+        const long subs = (in_group + CLAIM_PANELS - 1) / CLAIM_PANELS;
+        if (c >= blocks * subs) {
+            c -= blocks * subs;
+            continue;
+        }
+        const long block = c / subs, p = first + c % subs * CLAIM_PANELS;
+        const long end = p + CLAIM_PANELS < first + in_group ? p + CLAIM_PANELS : first + in_group;
+        backward_tiles_of_step(s, block, block + 1, p, end);
+        return;
+    }
+}
+
 /* ---- A team of threads for FUSED's steps ----
  *
  * With more than one BLAS thread, a step's tiles are shared by a team: the calling
@@ -674,7 +830,9 @@ struct fused_team {
     long claims;               /* of the current step: its row blocks x panel groups */
     long done;                 /* claims of the current step computed */
     int stop;
+    int backward;              /* the current step: back's, else step's */
     struct fused_step step;
+    struct backward_step back;
     struct team_member members[];
 };
 
@@ -713,7 +871,8 @@ static void take_tiles(struct fused_team *t, unsigned long long generation) {
         if (__atomic_compare_exchange_n(&t->ticket, &ticket, ticket + 1, 0, __ATOMIC_ACQ_REL,
                                         __ATOMIC_ACQUIRE)) {
             TEAM_DELAY(30000); /* a member slow to compute its claim */
-            claimed_tiles(&t->step, CLAIM(ticket));
+            if (t->backward) claimed_backward_tiles(&t->back, CLAIM(ticket));
+            else claimed_tiles(&t->step, CLAIM(ticket));
             __atomic_fetch_add(&t->done, 1, __ATOMIC_RELEASE);
             ticket = __atomic_load_n(&t->ticket, __ATOMIC_ACQUIRE);
         } /* else ticket holds its current value: try again */
@@ -808,6 +967,8 @@ void gradserve_fused_team_stop(struct fused_team *t) {
     free(t);
 }
 
+static void run_team_step(struct fused_team *team, long claims);
+
 /* One step of FUSED into the seven outputs [batch, units]: z = (bias + proj) + h_last @
  * W_h, bias and proj as ``gradserve_lstm_forward_step_f32`` takes them, where x_t is
  * NULL (packed: W_h's rows, ``gradserve_lstm_pack_f32``); else z = bias + x_t @ W_x +
@@ -840,7 +1001,13 @@ void gradserve_lstm_forward_fused_step_f32(
         return;
     }
     team->step = step;
-    const long claims = gradserve_fused_step_claims(batch, units);
+    team->backward = 0;
+    run_team_step(team, gradserve_fused_step_claims(batch, units));
+}
+
+/* The step stored in ``team`` (``backward`` says which) by its members, the caller one
+ * of them; returns once every claim is done and the step is closed. */
+static void run_team_step(struct fused_team *team, long claims) {
     __atomic_store_n(&team->claims, claims, __ATOMIC_RELEASE);
     __atomic_store_n(&team->done, 0, __ATOMIC_RELAXED);
     TEAM_DELAY(20000); /* the caller slow to publish the step it stored */
@@ -855,5 +1022,37 @@ void gradserve_lstm_forward_fused_step_f32(
     }
     /* closed: a member late for this step takes nothing now, whatever comes next */
     __atomic_store_n(&team->ticket, generation << 32 | CLOSED, __ATOMIC_SEQ_CST);
+}
 
+/* One step t of FUSED's backward, t below the last: dh = dgates_next @ W_h^T (the
+ * gate gradients of step t + 1, [batch, 4 units] contiguous; packed: W_h^T,
+ * ``gradserve_lstm_pack_transposed_f32``), then as ``gradserve_lstm_backward_step_f32``
+ * with that dh (not written back): step t's gate gradients into dgates and dcs, the
+ * carry, updated in place. Where i is NULL, the product alone, into dh ([batch, units]:
+ * the gradient of h_prev after step 0; the other step arguments unused). By ``team``'s
+ * members where it is not NULL, else by the caller alone: each tile by one member, in
+ * one order, the same bits either way. */
+void gradserve_lstm_backward_fused_step_f32(
+    struct fused_team *team, const float *restrict dgates_next, const float *restrict packed,
+    const float *restrict i, const float *restrict f, const float *restrict o,
+    const float *restrict ci, const float *restrict co, const float *restrict cs,
+    const float *restrict cs_last, const float *restrict h_grad,
+    const float *restrict cs_grad, const float *restrict peep, int clip, float clip_at,
+    long batch, long units, long off_i, long off_f, long off_c, long off_o,
+    float *restrict dcs, float *restrict dgates, float *restrict dh)
+{
+    const struct backward_step step = {
+        dgates_next, packed, i, f, o, ci, co, cs, cs_last, h_grad, cs_grad, peep, clip,
+        clip_at, batch, units, {off_i, off_f, off_c, off_o}, dcs, dgates, dh,
+    };
+    if (team == NULL) {
+        const long panels = transposed_panels_of(units), group = backward_group_panels(units);
+        for (long p0 = 0; p0 < panels; p0 += group)
+            backward_tiles_of_step(&step, 0, blocks_of(batch), p0,
+                                   p0 + group < panels ? p0 + group : panels);
+        return;
+    }
+    team->back = step;
+    team->backward = 1;
+    run_team_step(team, gradserve_backward_fused_step_claims(batch, units));
 }

@@ -85,6 +85,10 @@ FUSED_STEP = "gradserve_lstm_forward_fused_step_f32"
 CLAIMS = "gradserve_fused_step_claims"
 TEAM_START = "gradserve_fused_team_start"
 TEAM_STOP = "gradserve_fused_team_stop"
+PACKED_T_FLOATS = "gradserve_lstm_packed_transposed_floats"
+PACK_T = "gradserve_lstm_pack_transposed_f32"
+BACKWARD_FUSED_STEP = "gradserve_lstm_backward_fused_step_f32"
+BACKWARD_CLAIMS = "gradserve_backward_fused_step_claims"
 FLUSH = "gradserve_flush_subnormals"
 RESTORE = "gradserve_restore_fp_mode"
 
@@ -495,15 +499,27 @@ def _declare(lib: ctypes.CDLL) -> None:
     fused.argtypes = [ptr, ptr, long_, ptr, ptr, ptr, long_, ptr, ptr, ptr, *[long_] * 6, f32,
                       *[ptr] * 7]  # fmt: skip
     fused.restype = None
+    packed_t_floats = getattr(lib, PACKED_T_FLOATS)
+    packed_t_floats.argtypes = [long_]
+    packed_t_floats.restype = long_
+    pack_t = getattr(lib, PACK_T)
+    pack_t.argtypes = [ptr, long_, ptr]  # w_h, units; packed
+    pack_t.restype = None
+    backward_fused = getattr(lib, BACKWARD_FUSED_STEP)
+    # team, dgates_next, packed, i, f, o, ci, co, cs, cs_last, h_grad, cs_grad, peep;
+    # clip, clip_at; batch, units, the four offsets; dcs, dgates, dh
+    backward_fused.argtypes = [*[ptr] * 13, ctypes.c_int, f32, *[long_] * 6, ptr, ptr, ptr]
+    backward_fused.restype = None
     flush = getattr(lib, FLUSH)
     flush.argtypes = []
     flush.restype = ctypes.c_ulong
     restore = getattr(lib, RESTORE)
     restore.argtypes = [ctypes.c_ulong]
     restore.restype = None
-    claims = getattr(lib, CLAIMS)
-    claims.argtypes = [long_, long_]
-    claims.restype = long_
+    for name in (CLAIMS, BACKWARD_CLAIMS):
+        claims = getattr(lib, name)
+        claims.argtypes = [long_, long_]
+        claims.restype = long_
     team_start = getattr(lib, TEAM_START)
     team_start.argtypes = [long_]
     team_start.restype = ptr
@@ -580,6 +596,30 @@ def pack(w: Any, offsets: tuple[int, int, int, int], out: Any) -> None:
     getattr(_built(), PACK)(w.ctypes.data, rows, units, *offsets, out.ctypes.data)
 
 
+def packed_transposed_floats(units: int) -> int:
+    """The floats of W_h^T ([4 units, units]) packed for ``backward_fused_step``."""
+    return int(getattr(_built(), PACKED_T_FLOATS)(units))
+
+
+def pack_transposed(w_h: Any, out: Any) -> None:
+    """W_h ([units, 4 units] float32, C-contiguous) transposed and packed into ``out``
+    (``packed_transposed_floats(units)`` float32) for ``backward_fused_step``."""
+    units, columns = w_h.shape
+    if (
+        columns != 4 * units or not w_h.flags.c_contiguous or not out.flags.c_contiguous
+        or out.shape != (packed_transposed_floats(units),)
+        or w_h.dtype.str != "<f4" or out.dtype.str != "<f4"
+    ):  # fmt: skip
+        raise ValueError(f"pack_transposed: W_h {w_h.shape} {w_h.dtype} into {out.shape}")
+    getattr(_built(), PACK_T)(w_h.ctypes.data, units, out.ctypes.data)
+
+
+def backward_fused_step() -> Callable[..., None]:
+    """FUSED's backward step (``lstm_cpu_step.c`` states its arguments; the first is a
+    team of ``FusedTeams.team`` or None)."""
+    return getattr(_built(), BACKWARD_FUSED_STEP)  # type: ignore[no-any-return]
+
+
 @contextlib.contextmanager
 def flushing_subnormals() -> Iterator[None]:
     """This thread computes with subnormal floats read and written as zero in the block
@@ -593,10 +633,10 @@ def flushing_subnormals() -> Iterator[None]:
         getattr(lib, RESTORE)(was)
 
 
-def step_claims(batch: int, units: int) -> int:
-    """The claims a team's members take of a FUSED step of that shape (at most that
-    many members have work)."""
-    return int(getattr(_built(), CLAIMS)(batch, units))
+def step_claims(batch: int, units: int, backward: bool = False) -> int:
+    """The claims a team's members take of a FUSED step of that shape, forward or
+    ``backward`` (at most that many members have work)."""
+    return int(getattr(_built(), BACKWARD_CLAIMS if backward else CLAIMS)(batch, units))
 
 
 def fused_step() -> Callable[..., None]:

@@ -8,6 +8,8 @@ pass (the compiled step gives the NumPy passes' bits)."""
 
 from __future__ import annotations
 
+import contextvars
+
 import numpy as np
 import pytest
 
@@ -25,6 +27,7 @@ from tests.kernels.lstm_cases import (
     scaled_error,
 )
 
+HOISTED = lstm_cpu.Formulation.HOISTED
 BY_STEP_KERNEL = pytest.mark.parametrize(
     "step_kernel", STEP_KERNELS, ids=lambda m: m.value, indirect=True
 )
@@ -163,7 +166,10 @@ def test_non_finite_gradients_match_the_generic_loop_exactly(
 def test_the_compiled_backward_step_gives_the_numpy_passes_bits(
     monkeypatch, dtype, layout, peephole, clip, length, poison
 ):
+    """With a formulation of the BLAS pinned (FUSED's backward, the default in float32,
+    sums its own GEMM: ``test_lstm_cpu_fused.py``)."""
     require_native()
+    monkeypatch.setattr(lstm_cpu, "PINNED", contextvars.ContextVar("pinned", default=HOISTED))
     calls = []
     real = lstm_cpu_backward._native_step
 

@@ -8,6 +8,7 @@ computing as HOISTED elsewhere."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ctypes
 import os
 import signal
@@ -18,10 +19,11 @@ import numpy as np
 import pytest
 
 from gradserve.kernels import backend_numpy, blas_threads, lstm, lstm_cpu, native
-from gradserve.lstm_signature import LSTMInputs
+from gradserve.lstm_signature import LSTMGrads, LSTMInputs, LSTMOutputGrads
 from tests.kernels.lstm_cases import (
     GENERIC,
     INPUTS,
+    OUTPUT_GRADS,
     TOLERANCE,
     pinned_forward,
     random_case,
@@ -223,7 +225,7 @@ def test_fused_computes_subnormals_as_zero_as_tensorflow_and_restores_the_mode(
 def _step_inputs(rng: np.random.Generator, batch: int, inputs: int, units: int) -> dict:
     """One FUSED step's operands (all of W packed: the projection in the step)."""
     w = rng.standard_normal((inputs + units, 4 * units)).astype(np.float32) * 0.3
-    packed = lstm_cpu._aligned_empty(native.packed_floats(inputs + units, units), np.dtype("f4"))
+    packed = lstm_cpu.aligned_empty(native.packed_floats(inputs + units, units), np.dtype("f4"))
     offsets = (0, units, 2 * units, 3 * units)
     native.pack(w, offsets, packed)
     arrays = {
@@ -335,6 +337,13 @@ def test_a_team_has_no_more_members_than_a_step_has_claims(team_of, monkeypatch)
     claims = [native.step_claims(b, u) for b, u in ((1, 16), (13, 16), (64, 512))]
     assert claims[0] == 1 and 1 < claims[1] < 8 < claims[2]
     assert asked == [1, claims[1], 8]
+    asked.clear()  # the backward's claims: its own count
+    for batch, units in ((1, 16), (13, 16), (64, 512)):
+        case = random_case(np.random.default_rng(17), 2, batch, 3, units, np.float32)
+        _backward(case, pinned_forward(case, form=HOISTED, seq_len_max=2), FUSED, seq_len_max=2)
+    claims = [native.step_claims(b, u, backward=True) for b, u in ((1, 16), (13, 16), (64, 512))]
+    assert claims[0] == 1 and 1 < claims[1] < 8 < claims[2]
+    assert asked == [1, claims[1], 8]
 
 
 def test_teams_are_kept_between_calls_and_a_forked_child_starts_its_own(team_of):
@@ -392,3 +401,150 @@ def test_the_blas_threads_sleep_soon_only_as_the_server_sets_them(monkeypatch):
         else:
             monkeypatch.setenv("OPENBLAS_THREAD_TIMEOUT", timeout)
         assert blas_threads.BlasThreads(lambda libs=libs: libs).sleep_soon() is expected
+
+
+# --- the backward: FUSED's recurrence ---------------------------------------------------
+
+
+def _backward(case: dict, activations, form: lstm_cpu.Formulation | None, **attrs):
+    """``block_lstm_backward`` on the NumPy backend, the formulation pinned (None: the
+    planner's, as a server with ``--lstm-formulation auto``), the compiled steps on."""
+    token = lstm_cpu.STEP_KERNEL.set(native.Mode.NATIVE)
+    pinned = lstm_cpu.PINNED.set(form)
+    try:
+        return lstm.block_lstm_backward(
+            backend_numpy, LSTMInputs(*(case[k] for k in INPUTS)), activations,
+            LSTMOutputGrads(*(case[k] for k in OUTPUT_GRADS)), **attrs,
+        )  # fmt: skip
+    finally:
+        lstm_cpu.PINNED.reset(pinned)
+        lstm_cpu.STEP_KERNEL.reset(token)
+
+
+@pytest.fixture
+def fused_backward_steps(monkeypatch):
+    """The fused backward steps each call runs (``native.backward_fused_step`` calls)."""
+    require_native()
+    calls: list[int] = []
+    real = native.backward_fused_step
+
+    def counting():
+        step = real()
+        return lambda *a: calls.append(1) or step(*a)
+
+    monkeypatch.setattr(native, "backward_fused_step", counting)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("batch", "units", "peephole", "clip", "layout"),
+    [
+        (1, 1, True, 0.0, lstm.GateLayout.IFCO),
+        (6, 64, True, 0.0, lstm.GateLayout.ICFO),  # one full panel (AVX-512), one row block
+        (7, 65, False, 0.5, lstm.GateLayout.IFCO),  # a unit past a panel, a row past a block
+        (13, 40, True, 0.3, lstm.GateLayout.ICFO),
+        (33, 3, True, 0.0, lstm.GateLayout.IFCO),
+        (20, 300, True, 0.0, lstm.GateLayout.ICFO),  # 5 panels in cache groups of one
+    ],
+)
+def test_the_fused_backward_computes_the_gradients(
+    fused_backward_steps, batch, units, peephole, clip, layout
+):
+    """Against the generic per-step loop in float64 (``lstm.py``), at shapes that leave
+    partial panels and row blocks; a fused call per step but the last, and one for the
+    gradient of h_prev."""
+    case = random_case(np.random.default_rng(31), 9, batch, 11, units, np.float32, scale=0.5)
+    attrs = dict(seq_len_max=8, use_peephole=peephole, cell_clip=clip, layout=layout)
+    wide = {k: v.astype(np.float64) for k, v in case.items()}
+    activations = lstm.block_lstm_forward(GENERIC, LSTMInputs(*(wide[k] for k in INPUTS)), **attrs)
+    want = lstm.block_lstm_backward(
+        GENERIC, LSTMInputs(*(wide[k] for k in INPUTS)), activations,
+        LSTMOutputGrads(*(wide[k] for k in OUTPUT_GRADS)), **attrs,
+    )  # fmt: skip
+    narrow = lstm.LSTMActivations(*(a.astype(np.float32) for a in activations))
+    got = _backward(case, narrow, None, **attrs)
+    assert len(fused_backward_steps) == 8  # 7 steps and dgates[0] @ W_h^T
+    for name, a, b in zip(LSTMGrads._fields, got, want, strict=True):
+        assert a.dtype == np.float32
+        assert scaled_error(a, b.astype(np.float32)) < TOLERANCE["float32"], name
+
+
+@pytest.mark.parametrize(
+    ("form", "dtype", "mode", "fused"),
+    [
+        (None, np.float32, native.Mode.NATIVE, True),  # the planner's: FUSED's backward
+        (FUSED, np.float16, native.Mode.NATIVE, True),  # (computed in float32)
+        (HOISTED, np.float32, native.Mode.NATIVE, False),  # a BLAS formulation pinned
+        (None, np.float64, native.Mode.NATIVE, False),  # float64: no fused step
+        (None, np.float32, native.Mode.NUMPY, False),  # NumPy's passes
+    ],
+)
+def test_the_backward_fuses_in_float32_where_the_formulation_is_fused_or_the_planners(
+    fused_backward_steps, monkeypatch, form, dtype, mode, fused
+):
+    case = random_case(np.random.default_rng(32), 4, 3, 5, 6, dtype)
+    attrs = dict(seq_len_max=4, use_peephole=True)
+    activations = lstm.block_lstm_forward(GENERIC, LSTMInputs(*(case[k] for k in INPUTS)), **attrs)
+    monkeypatch.setattr(lstm_cpu, "STEP_KERNEL", contextvars.ContextVar("k", default=mode))
+    token = lstm_cpu.PINNED.set(form)
+    try:
+        lstm.block_lstm_backward(
+            backend_numpy, LSTMInputs(*(case[k] for k in INPUTS)), activations,
+            LSTMOutputGrads(*(case[k] for k in OUTPUT_GRADS)), **attrs,
+        )  # fmt: skip
+    finally:
+        lstm_cpu.PINNED.reset(token)
+    assert len(fused_backward_steps) == (4 if fused else 0)
+
+
+@pytest.mark.parametrize("units", [70, 300])  # 300: 5 panels, a cache group each
+def test_a_team_computes_the_fused_backwards_bits_at_any_size(team_of, units):
+    """Each tile is one member's, in one order: the caller alone and 2, 3 or 8 members
+    give the same bits (and none differs with the BLAS thread count: no projection)."""
+    case = random_case(np.random.default_rng(33), 12, 13, 9, units, np.float32, scale=0.5)
+    attrs = dict(seq_len_max=11, use_peephole=True, cell_clip=0.7)
+    activations = pinned_forward(case, form=HOISTED, **attrs)
+    first = None
+    for n in (0, 2, 3, 8, 2, 3, 8, 0):
+        team_of(n)
+        got = _backward(case, activations, FUSED, **attrs)
+        first = first or got
+        for name, a, b in zip(LSTMGrads._fields, first, got, strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"{n} members: {name}")
+
+
+@pytest.mark.parametrize("members", [1, 2])
+def test_the_fused_backward_computes_subnormals_as_zero_and_restores_the_mode(team_of, members):
+    """As the forward's FUSED: W_h of 1e-39 gives the gate gradients of a zero W_h (the
+    carry through W_h^T is zero), and the calling thread's mode is restored."""
+    team_of(members)
+    case = random_case(np.random.default_rng(34), 6, 7, 5, 40, np.float32)
+    attrs = dict(seq_len_max=6, use_peephole=True)
+    activations = pinned_forward(case, form=HOISTED, **attrs)
+    w_h = case["w"][5:]
+    tiny = dict(case, w=np.concatenate([case["w"][:5], (w_h * np.float32(1e-39))]))
+    assert np.count_nonzero(tiny["w"][5:]) == w_h.size  # subnormal, not zero
+    zero = dict(case, w=np.concatenate([case["w"][:5], np.zeros_like(w_h)]))
+    got, want = (_backward(c, activations, FUSED, **attrs) for c in (tiny, zero))
+    for name in ("cs_prev_grad", "h_prev_grad", "x_grad", "wci_grad", "b_grad"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    assert not got.h_prev_grad.any()  # dgates[0] @ W_h^T in the fused steps too
+    kept = _backward(tiny, activations, HOISTED, **attrs)  # the BLAS's: subnormals kept
+    assert kept.h_prev_grad.any()
+    assert np.float32(1e-38) * np.float32(0.01) > 0  # this thread's mode restored
+
+
+def test_the_transposed_packing_holds_w_h_by_panels_of_units():
+    require_native()
+    units = 70
+    w_h = np.random.default_rng(35).standard_normal((units, 4 * units)).astype(np.float32)
+    packed = lstm_cpu.aligned_empty(native.packed_transposed_floats(units), np.dtype("f4"))
+    native.pack_transposed(w_h, packed)
+    # a panel is 4 vectors of units: 64 (AVX-512), 32 (AVX) or 16 (else) of them
+    (width,) = [w for w in (16, 32, 64) if -(-units // w) * w * 4 * units == packed.size]
+    panels = packed.reshape(-1, 4 * units, width)  # [panel][k][unit of the panel]
+    want = np.zeros((panels.shape[0] * width, 4 * units), np.float32)
+    want[:units] = w_h  # zero past the last unit
+    np.testing.assert_array_equal(panels.transpose(0, 2, 1).reshape(-1, 4 * units), want)
+    with pytest.raises(ValueError):
+        native.pack_transposed(np.asfortranarray(w_h), packed)
