@@ -41,8 +41,11 @@ unclipped mask after the carry is formed, in the generic loop's order.
 one strided copy of the whole matrix.
 
 Where the forward's compiled step is built (``native``; ``lstm_cpu.STEP_KERNEL`` not
-NumPy's), each step's elementwise part is one call of its backward step instead, in
-float32 and float64: the same products and sums in the same order, compiled without
+NumPy's), in float32, and the forward's formulation is FUSED or the planner's, the
+recurrence is FUSED's (``_recur_fused``): each step's GEMM and elementwise part in one
+compiled call, a tile at a time. Elsewhere with the compiled step (a formulation of
+the BLAS pinned; float64), each step's elementwise part is one call of its backward
+step instead of the NumPy passes: the same products and sums in the same order, compiled without
 fused multiply-adds, so the same bits as the NumPy passes but for a NaN's sign (the
 tests compare them bit for bit), in one pass over the step's arrays instead of about
 fifteen.

@@ -8,9 +8,9 @@ bits. Each step's elementwise pass is the compiled step where it builds
 (``kernels/native.py``), else NumPy's (``--cpu-step-kernel``). This times the
 in-process forward (``Compute.lstm_forward``, float32, peepholes) in each formulation
 with each pass ("hoisted/native", "hoisted/numpy", ...) and as the planner chooses
-("auto", the default pass, with its choice), and the backward with each pass,
-interleaved call by call, at the LSTM benchmark's sizes and at 1 and all BLAS
-threads; medians.
+("auto", the default pass, with its choice), and the backward in FUSED's recurrence
+and the BLAS's (a BLAS formulation pinned) with each pass, interleaved call by call,
+at the LSTM benchmark's sizes and at 1 and all BLAS threads; medians.
 """
 
 from __future__ import annotations
@@ -65,11 +65,21 @@ def bench_size(steps: int, batch: int, units: int, calls: int) -> None:
 
 
 def bench_backward(inputs: LSTMInputs, steps: int, kernels: list, calls: int) -> None:
-    """The backward with each elementwise pass (the same bits either way), interleaved."""
+    """The backward in FUSED's recurrence (where the compiled step builds: the
+    default's) and in the BLAS's with each elementwise pass (the same bits either
+    way), interleaved."""
     attrs = dict(seq_len_max=steps, use_peephole=True)
     acts = Compute(backend_numpy).lstm_forward(inputs, **attrs)
     grads = LSTMOutputGrads(acts.cs, acts.h)
-    computes = {k.value: Compute(backend_numpy, step_kernel=k) for k in kernels}
+    hoisted, fused = lstm_cpu.Formulation.HOISTED, lstm_cpu.Formulation.FUSED
+    computes = {
+        f"hoisted/{k.value}": Compute(backend_numpy, formulation=hoisted, step_kernel=k)
+        for k in kernels
+    }
+    if native.Mode.NATIVE in kernels:
+        computes["fused/native"] = Compute(
+            backend_numpy, formulation=fused, step_kernel=native.Mode.NATIVE
+        )
     samples: dict[str, list[float]] = {name: [] for name in computes}
     for _ in range(calls + 1):  # the first round warms
         for name, compute in computes.items():
