@@ -246,7 +246,10 @@ def block_lstm_backward(
         h_seq = _shifted(xp, h_prev, h, length)
         xp.matmul(h_seq.reshape(length * batch, units).T, flat, out=w_grad[input_size:])
         b_grad = flat.sum(axis=0)
-        if use_peephole:
+        grads_of = getattr(backend, "peephole_grads", None)  # the CPU's: no products
+        if use_peephole and grads_of is not None:
+            peephole_grads = grads_of(dgates, cs_prev, cs, length, offsets)
+        elif use_peephole:
             off_i, off_f, _, off_o = offsets
             cs_seq = _shifted(xp, cs_prev, cs, length)
             peephole_grads = [
