@@ -59,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from gradserve import heap
+from gradserve.kernels import blas_threads as blas
 from gradserve.kernels import lstm_cpu, native
 from gradserve.kernels.lstm import Empty
 from gradserve.kernels.lstm_cpu import Array, Offsets, transpose_into
@@ -81,6 +82,8 @@ def backward_sequence(
     ``dh`` and ``dcs`` (zeros on entry) end as the gradients of ``h_prev`` and
     ``cs_prev``. ``clip_at``: the forward's cell clip as stored, or None without one.
     ``check`` runs before every step; ``empty`` allocates ``W_h^T`` and the factors."""
+    if length == 0:  # no step: the carries stay zero (and dgates[0] is not there)
+        return
     heap.keep_warm()
     batch, units = dh.shape
     ct = dh.dtype
@@ -204,11 +207,20 @@ def _recur_native(
 
 def _fuses(ct: np.dtype[Any]) -> bool:
     """Whether the backward runs in FUSED's steps: float32 (the compiled step serving
-    the call: the caller's check), where the forward's formulation is FUSED or the
-    planner's (``lstm_cpu.PINNED`` None). A formulation of the BLAS pinned keeps the
-    backward on the BLAS too: the compiled backward step then gives the NumPy passes'
-    bits, and replicas pinned so keep the bits they computed before."""
-    return ct == np.float32 and lstm_cpu.PINNED.get() in (None, lstm_cpu.Formulation.FUSED)
+    the call: the caller's check), where the forward's formulation is FUSED, or the
+    planner's (``lstm_cpu.PINNED`` None) where FUSED's steps use the BLAS's threads
+    (one, or a team: ``BlasThreads.sleep_soon``). Elsewhere in ``auto`` the caller would
+    compute FUSED's steps alone beside the BLAS's idle threads (1.27-1.36x the BLAS's
+    backward at batch 256-512 with two threads: a review helper). A formulation of
+    the BLAS pinned keeps the backward on the BLAS too: the compiled backward step then
+    gives the NumPy passes' bits, and replicas pinned so keep the bits they computed
+    before."""
+    if ct != np.float32:
+        return False
+    pinned = lstm_cpu.PINNED.get()
+    if pinned is None:
+        return (lstm_cpu.blas_threads() or 1) == 1 or blas.BLAS.sleep_soon()
+    return pinned is lstm_cpu.Formulation.FUSED
 
 
 def _recur_fused(

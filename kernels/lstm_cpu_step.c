@@ -673,6 +673,7 @@ struct backward_step {
 /* Panels of W_h^T that go through the row blocks one after another (a cache group, as
  * the forward's ``cache_group_panels``): one at least. */
 static long backward_group_panels(long units) {
+    if (units <= 0) return 1;
     const long fit = CACHE_GROUP_BYTES / (4 * units * PANEL_WIDTH * (long)sizeof(float));
     return fit < 1 ? 1 : fit;
 }
@@ -745,6 +746,7 @@ static void backward_tiles_of_step(const struct backward_step *s, long b_begin, 
  * panels), in each its row blocks one after another, in each block CLAIM_PANELS panels
  * at a time. */
 long gradserve_backward_fused_step_claims(long batch, long units) {
+    if (batch <= 0 || units <= 0) return 0;
     const long panels = transposed_panels_of(units), group = backward_group_panels(units);
     long claims = 0;
     for (long first = 0; first < panels; first += group) {
@@ -774,20 +776,25 @@ static void claimed_backward_tiles(const struct backward_step *s, long c) {
  *
  * With more than one BLAS thread, a step's tiles are shared by a team: the calling
  * thread and ``threads - 1`` workers (``gradserve_fused_team_start``; ``native.py``
- * keeps teams between calls). The steps then project the input themselves (x_t given):
- * between chunks of steps, the BLAS projection's own threads woke, and spun for a while
- * after it (OpenBLAS's, 0.1 s by default) on the cores the team computes on.
+ * keeps teams between calls). A team serves forward steps and backward steps (one at
+ * a time: a call's forward, its backward, the next call's forward; ``backward`` says
+ * which the current step is). The forward's steps then project the input themselves
+ * (x_t given): between chunks of steps, the BLAS projection's own threads woke, and
+ * spun for a while after it (OpenBLAS's, 0.1 s by default) on the cores the team
+ * computes on.
  *
- * Per step the caller publishes it (a new generation in the ticket, under the team's
- * mutex so that no worker going to sleep misses it) and every member takes claims (a
- * row block by a group of GROUP_PANELS panels) one at a time by moving the ticket on,
- * until none is left; the caller then waits for the claims taken to be done. A member
- * the scheduler does not run takes nothing, so the step never waits for it beyond a
- * claim it had taken (statically divided, a step waited for a worker that shared the
- * caller's core). Each tile is computed by one member, in one order, so a team's
- * outputs are the same bits at any team size (and the same as the caller alone with
- * x_t given). Between steps a worker spins a while (``SPIN_ROUNDS``: the next step
- * comes within microseconds), then sleeps on the
+ * Per step the caller stores it, publishes it (a new generation in the ticket, under
+ * the team's mutex so that no worker going to sleep misses it) and every member takes
+ * claims (a forward step's: a row block by a group of GROUP_PANELS panels; a
+ * backward's: a row block by CLAIM_PANELS panels of W_h^T) one at a time by moving the
+ * ticket on, until none is left; the caller then waits for the claims taken to be done
+ * and closes the step. The caller stores the next step only then, so no member ever
+ * reads a step being stored. A member the scheduler does not run takes nothing, so the
+ * step never waits for it beyond a claim it had taken (statically divided, a step
+ * waited for a worker that shared the caller's core). Each tile is computed by one
+ * member, in one order, so a team's outputs are the same bits at any team size (and
+ * the same as the caller alone with x_t given). Between steps a worker spins a while
+ * (``SPIN_ROUNDS``: the next step comes within microseconds), then sleeps on the
  * condition variable: an op paused, or between calls, costs no core. */
 
 /* Test builds only (``-DGRADSERVE_TEAM_DELAYS``): sleeps that widen the team's race
@@ -827,7 +834,7 @@ struct fused_team {
     pthread_cond_t wake;
     long started;              /* workers running */
     unsigned long long ticket; /* the step's generation << 32 | its next untaken claim */
-    long claims;               /* of the current step: its row blocks x panel groups */
+    long claims;               /* of the current step (``run_team_step``) */
     long done;                 /* claims of the current step computed */
     int stop;
     int backward;              /* the current step: back's, else step's */
@@ -1041,6 +1048,7 @@ void gradserve_lstm_backward_fused_step_f32(
     long batch, long units, long off_i, long off_f, long off_c, long off_o,
     float *restrict dcs, float *restrict dgates, float *restrict dh)
 {
+    if (batch <= 0 || units <= 0) return; /* no element: nothing to compute */
     const struct backward_step step = {
         dgates_next, packed, i, f, o, ci, co, cs, cs_last, h_grad, cs_grad, peep, clip,
         clip_at, batch, units, {off_i, off_f, off_c, off_o}, dcs, dgates, dh,

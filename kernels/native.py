@@ -39,7 +39,10 @@ loads the best level its CPU runs from there (``prebuilt``), compiling nothing; 
 directory built from another source, or that someone else could write, is not loaded
 from (said in the log, and the step is then compiled where a compiler is found). A
 level's library computes what ``-march=native`` compiles on that CPU does, bit for bit
-(the source fixes every operation's order; what the level adds is the vector width).
+(the source fixes every operation's order; what a level adds is the vector width,
+which does not change the bits, and from ``x86-64-v3`` on fused multiply-adds, which
+do: ``v3`` and ``v4`` give the same bits, ``v2`` and ``x86-64`` others, measured by a
+review helper).
 """
 
 from __future__ import annotations
@@ -253,7 +256,7 @@ def build_and_load() -> ctypes.CDLL:
         return _compile_and_load()
     try:
         lib, level = load_prebuilt(pathlib.Path(prebuilt))
-    except NativeBuildError as e:
+    except Exception as e:  # noqa: BLE001 - any failure: compiled here instead, said
         log.warning("$%s=%s not loaded (%s): compiling the step here", PREBUILT_ENV, prebuilt, e)
         try:
             return _compile_and_load()
@@ -363,20 +366,28 @@ def _source_digest() -> str:
 
 
 def prebuild(directory: pathlib.Path) -> dict[str, Any]:
-    """Build every level's library into ``directory`` (made if missing) with this
-    host's compiler, for CPUs other than this one, and its manifest (returned) last:
-    a reader never finds a manifest naming a library not yet there. Files are made
-    readable by all (the server may run as another user) and writable by none but
-    their owner."""
+    """Build every level's library into ``directory`` (made if missing; one that exists
+    must be owned by this user or root and writable by no one else) with this host's
+    compiler, for CPUs other than this one, and its manifest (returned) last, with each
+    library's SHA-256: a reader never finds a manifest naming a library not yet there,
+    and a rebuild cut short leaves libraries the old manifest does not vouch for.
+    Temporaries are made exclusively (a link planted in the directory is never written
+    through). Files are made readable by all (the server may run as another user) and
+    writable by none but their owner."""
     compiler = _compiler()
     directory.mkdir(mode=0o755, parents=True, exist_ok=True)
-    libraries: dict[str, str] = {}
+    if not _trusted(directory):
+        raise NativeBuildError(
+            f"{directory} is not a directory of this user or root only: not built into"
+        )
+    libraries: dict[str, dict[str, str]] = {}
     for level in levels():
         name = f"lstm_cpu_step-{level}.so"
-        tmp = directory / f".build-{name}"
+        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=directory)
+        os.close(fd)
         try:
             done = _run(
-                [*compiler, *level_flags(level), str(SOURCE), "-lm", "-o", str(tmp)],
+                [*compiler, *level_flags(level), str(SOURCE), "-lm", "-o", tmp],
                 COMPILE_TIMEOUT_SECONDS,
             )
             if done.returncode != 0:
@@ -384,11 +395,12 @@ def prebuild(directory: pathlib.Path) -> dict[str, Any]:
                     f"{compiler[0]} failed for {level}: {done.stderr.strip()[-2000:]}"
                 )
             os.chmod(tmp, 0o755)
+            digest = hashlib.sha256(pathlib.Path(tmp).read_bytes()).hexdigest()
             os.replace(tmp, directory / name)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-        libraries[level] = name
+        libraries[level] = {"file": name, "sha256": digest}
     manifest = {
         "source_sha256": _source_digest(),
         "machine": platform.machine(),
@@ -396,20 +408,21 @@ def prebuild(directory: pathlib.Path) -> dict[str, Any]:
         "compiler_version": _compiler_version(compiler).strip().splitlines()[0],
         "libraries": libraries,
     }
-    tmp = directory / f".{MANIFEST}"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, directory / MANIFEST)
+    fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST}-", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as out:
+            os.fchmod(out.fileno(), 0o644)
+            out.write(json.dumps(manifest, indent=2) + "\n")
+        os.replace(tmp, directory / MANIFEST)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
     return manifest
 
 
-def _trusted(path: pathlib.Path, is_kind: Callable[[int], bool] = stat.S_ISDIR) -> bool:
-    """``path`` itself is of that kind, owned by root or this user, and writable by no
-    one else: only they could have put code there."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
+def _trusted_stat(st: os.stat_result, is_kind: Callable[[int], bool]) -> bool:
+    """Of that kind, owned by root or this user, and writable by no one else: only
+    they could have put code there."""
     return (
         is_kind(st.st_mode)
         and st.st_uid in (0, os.getuid())
@@ -417,44 +430,92 @@ def _trusted(path: pathlib.Path, is_kind: Callable[[int], bool] = stat.S_ISDIR) 
     )
 
 
+def _trusted(path: pathlib.Path, is_kind: Callable[[int], bool] = stat.S_ISDIR) -> bool:
+    """``path`` itself (a link is not followed) is ``_trusted_stat``."""
+    try:
+        return _trusted_stat(os.lstat(path), is_kind)
+    except OSError:
+        return False
+
+
+def _open_trusted(name: str, dir_fd: int | None, is_kind: Callable[[int], bool], flags: int) -> int:
+    """``name`` (in the directory ``dir_fd``), opened with ``flags`` and checked as
+    what was opened (``fstat``: no other file can be swapped in after the check);
+    NativeBuildError where it is missing or not ``_trusted_stat``."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | flags, dir_fd=dir_fd)
+    except OSError as e:
+        raise NativeBuildError(f"{name}: {e.strerror or e}") from e
+    try:
+        if not _trusted_stat(os.fstat(fd), is_kind):
+            raise NativeBuildError(
+                f"{name} is not owned by root or this user, or others can write it"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def load_prebuilt(directory: pathlib.Path, cpuinfo: str | None = None) -> tuple[ctypes.CDLL, str]:
     """The best library of ``directory`` (``prebuild``'s) this CPU runs, loaded, and
     its level; NativeBuildError where there is none to trust: a directory, manifest
-    or library someone else could write, a manifest of another source or machine."""
+    or library someone else could write, a library whose bytes the manifest does not
+    name, a manifest of another source or machine. Everything is read through file
+    descriptors checked as opened (the directory's, then the files' in it), and the
+    library loaded from its descriptor: a path swapped between the check and the load
+    (a parent directory others can write) finds nothing to swap."""
     try:
-        directory = directory.resolve(strict=True)
-    except (OSError, RuntimeError) as e:
-        raise NativeBuildError(f"{directory}: {e}") from e
-    manifest_path = directory / MANIFEST
-    if not (_trusted(directory) and _trusted(manifest_path, stat.S_ISREG)):
-        raise NativeBuildError(
-            f"{directory} or its {MANIFEST} is missing, or not owned by root or this user, "
-            "or others can write it"
-        )
+        # (a link to the directory is followed: what it opened is what is checked)
+        dir_fd = _open_trusted(str(directory), None, stat.S_ISDIR, os.O_DIRECTORY)
+    except NativeBuildError as e:
+        raise NativeBuildError(f"the directory {e}") from None
     try:
-        manifest = json.loads(manifest_path.read_text())
-        libraries, digest, machine = (
-            manifest["libraries"], manifest["source_sha256"], manifest["machine"]
-        )  # fmt: skip
-        names = {str(level): str(name) for level, name in libraries.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise NativeBuildError(f"{manifest_path} unreadable: {type(e).__name__}: {e}") from e
-    if digest != _source_digest() or machine != platform.machine():
-        raise NativeBuildError(
-            f"{directory} was built from another {SOURCE.name} or for another machine "
-            f"({machine}): build it again (python -m gradserve.kernels.native {directory})"
-        )
-    level = next((lv for lv in runnable_levels(cpuinfo) if lv in names), None)
-    if level is None:
-        raise NativeBuildError(f"{directory} has no library this CPU runs (has {sorted(names)})")
-    path = directory / names[level]
-    if path.parent != directory or not _trusted(path, stat.S_ISREG):
-        raise NativeBuildError(f"{path} is missing, or not a file of root or this user only")
+        try:
+            manifest_fd = _open_trusted(MANIFEST, dir_fd, stat.S_ISREG, os.O_NOFOLLOW)
+            with os.fdopen(manifest_fd, "rb") as f:
+                manifest = json.loads(f.read(1 << 20))
+            libraries, digest, machine = (
+                manifest["libraries"], manifest["source_sha256"], manifest["machine"]
+            )  # fmt: skip
+            files = {
+                str(lv): (str(lib["file"]), str(lib["sha256"])) for lv, lib in libraries.items()
+            }
+        except NativeBuildError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            raise NativeBuildError(f"{MANIFEST} unreadable: {type(e).__name__}: {e}") from e
+        if digest != _source_digest() or machine != platform.machine():
+            raise NativeBuildError(
+                f"{directory} was built from another {SOURCE.name} or for another machine "
+                f"({machine}): build it again (python -m gradserve.kernels.native {directory})"
+            )
+        level = next((lv for lv in runnable_levels(cpuinfo) if lv in files), None)
+        if level is None:
+            raise NativeBuildError(
+                f"{directory} has no library this CPU runs (has {sorted(files)})"
+            )
+        name, want = files[level]
+        if pathlib.PurePath(name).name != name or "\0" in name:
+            raise NativeBuildError(f"{name!r} is not a file name in {directory}")
+        lib_fd = _open_trusted(name, dir_fd, stat.S_ISREG, os.O_NOFOLLOW)
+    finally:
+        os.close(dir_fd)
     try:
-        lib = ctypes.CDLL(str(path))
+        with os.fdopen(os.dup(lib_fd), "rb") as f:
+            got = hashlib.sha256(f.read()).hexdigest()
+        if got != want:
+            raise NativeBuildError(f"{name}'s bytes are not those its manifest names")
+        # Loaded from the descriptor checked and hashed, kept open for good: dlopen
+        # knows a loaded library by its path, and a number reused would find this one.
+        lib = ctypes.CDLL(f"/proc/self/fd/{lib_fd}")
         _declare(lib)
+    except NativeBuildError:
+        os.close(lib_fd)
+        raise
     except (OSError, AttributeError) as e:
-        raise NativeBuildError(f"{path} failed to load: {e}") from e
+        os.close(lib_fd)
+        raise NativeBuildError(f"{name} failed to load: {e}") from e
     return lib, level
 
 

@@ -290,6 +290,60 @@ def test_a_member_late_for_a_step_takes_nothing_of_the_next(delayed_build):
         getattr(lib, native.TEAM_STOP)(team)
 
 
+def _backward_step_inputs(rng: np.random.Generator, batch: int, units: int) -> dict:
+    """One step of FUSED's backward: dgates[t + 1], W_h^T packed, the activations."""
+    w_h = rng.standard_normal((units, 4 * units)).astype(np.float32) * 0.3
+    packed = lstm_cpu.aligned_empty(native.packed_transposed_floats(units), np.dtype("f4"))
+    native.pack_transposed(w_h, packed)
+    acts = rng.uniform(0.1, 0.9, (9, batch, units)).astype(np.float32)
+    next_gates = rng.standard_normal((batch, 4 * units)).astype(np.float32)
+    dcs = rng.standard_normal((batch, units)).astype(np.float32)
+    return dict(packed=packed, acts=acts, next=next_gates, dcs=dcs, batch=batch, units=units)
+
+
+def _run_backward_step(team: int | None, op: dict, lib: ctypes.CDLL) -> np.ndarray:
+    """The step's gate gradients and carry, written into NaNs and a copy of dcs."""
+    gates = np.full((op["batch"], 4 * op["units"]), np.nan, np.float32)
+    dcs = op["dcs"].copy()
+    units = op["units"]
+    getattr(lib, native.BACKWARD_FUSED_STEP)(
+        team, op["next"].ctypes.data, op["packed"].ctypes.data,
+        *(a.ctypes.data for a in op["acts"]), None, 0, 0.0, op["batch"], units,
+        0, units, 2 * units, 3 * units, dcs.ctypes.data, gates.ctypes.data, None,
+    )  # fmt: skip
+    return np.concatenate([gates.ravel(), dcs.ravel()])
+
+
+def test_forward_and_backward_steps_take_turns_on_a_kept_team(delayed_build):
+    """A kept team serves a call's forward, then its backward, then the next forward
+    (the server's order): each step, whatever the kind of the one before it and late
+    members of it, computes the caller alone's bits (a forward that ran the backward's
+    claims wrote NaNs: a review helper's mutation, which no test caught)."""
+    lib = delayed_build
+    rng = np.random.default_rng(15)
+    forward = {"small": _step_inputs(rng, 2, 4, 16), "large": _step_inputs(rng, 7, 4, 256)}
+    backward = {
+        "small": _backward_step_inputs(rng, 2, 16),
+        "large": _backward_step_inputs(rng, 7, 300),
+    }
+    want = {
+        **{("f", k): _run_step(None, op, lib) for k, op in forward.items()},
+        **{("b", k): _run_backward_step(None, op, lib) for k, op in backward.items()},
+    }
+    team = getattr(lib, native.TEAM_START)(8)
+    assert team is not None
+    try:
+        for n in range(120):
+            for kind, size in (("f", "small"), ("b", "large"), ("b", "small"), ("f", "large")):
+                if kind == "f":
+                    got = _run_step(team, forward[size], lib)
+                else:
+                    got = _run_backward_step(team, backward[size], lib)
+                np.testing.assert_array_equal(got, want[kind, size], err_msg=f"{n}: {kind} {size}")
+    finally:
+        getattr(lib, native.TEAM_STOP)(team)
+
+
 def test_teams_are_kept_stopped_past_a_few_and_survive_an_abandoned_call(team_of):
     teams = native.FusedTeams()
     with contextlib.ExitStack() as stack:
@@ -462,7 +516,7 @@ def test_the_fused_backward_computes_the_gradients(
         LSTMOutputGrads(*(wide[k] for k in OUTPUT_GRADS)), **attrs,
     )  # fmt: skip
     narrow = lstm.LSTMActivations(*(a.astype(np.float32) for a in activations))
-    got = _backward(case, narrow, None, **attrs)
+    got = _backward(case, narrow, FUSED, **attrs)
     assert len(fused_backward_steps) == 8  # 7 steps and dgates[0] @ W_h^T
     for name, a, b in zip(LSTMGrads._fields, got, want, strict=True):
         assert a.dtype == np.float32
@@ -470,18 +524,24 @@ def test_the_fused_backward_computes_the_gradients(
 
 
 @pytest.mark.parametrize(
-    ("form", "dtype", "mode", "fused"),
+    ("form", "dtype", "mode", "threads", "sleep_soon", "fused"),
     [
-        (None, np.float32, native.Mode.NATIVE, True),  # the planner's: FUSED's backward
-        (FUSED, np.float16, native.Mode.NATIVE, True),  # (computed in float32)
-        (HOISTED, np.float32, native.Mode.NATIVE, False),  # a BLAS formulation pinned
-        (None, np.float64, native.Mode.NATIVE, False),  # float64: no fused step
-        (None, np.float32, native.Mode.NUMPY, False),  # NumPy's passes
+        (None, np.float32, native.Mode.NATIVE, 1, False, True),  # auto, one BLAS thread
+        (None, np.float32, native.Mode.NATIVE, 2, True, True),  # auto, a team
+        # auto where FUSED would run on one core beside the BLAS's idle threads: the BLAS
+        (None, np.float32, native.Mode.NATIVE, 2, False, False),
+        (FUSED, np.float16, native.Mode.NATIVE, 2, False, True),  # pinned (in float32)
+        (HOISTED, np.float32, native.Mode.NATIVE, 1, True, False),  # a BLAS formulation
+        (None, np.float64, native.Mode.NATIVE, 1, True, False),  # float64: no fused step
+        (FUSED, np.float32, native.Mode.NUMPY, 1, True, False),  # NumPy's passes
     ],
 )
-def test_the_backward_fuses_in_float32_where_the_formulation_is_fused_or_the_planners(
-    fused_backward_steps, monkeypatch, form, dtype, mode, fused
+def test_the_backward_fuses_in_float32_where_the_formulation_is_fused_or_auto_with_threads(
+    fused_backward_steps, monkeypatch, form, dtype, mode, threads, sleep_soon, fused
 ):
+    monkeypatch.setattr(blas_threads.BLAS, "plan_count", lambda: threads)
+    monkeypatch.setattr(blas_threads.BLAS, "count", lambda: threads)
+    monkeypatch.setattr(blas_threads.BLAS, "sleep_soon", lambda: sleep_soon)
     case = random_case(np.random.default_rng(32), 4, 3, 5, 6, dtype)
     attrs = dict(seq_len_max=4, use_peephole=True)
     activations = lstm.block_lstm_forward(GENERIC, LSTMInputs(*(case[k] for k in INPUTS)), **attrs)

@@ -20,6 +20,7 @@ from tests.kernels.lstm_cases import (
     backward_attrs,
     forward_attrs,
     golden,
+    require_native,
     scaled_error,
 )
 
@@ -31,6 +32,7 @@ CASES = [c["name"] for c in INDEX]
 @pytest.fixture(
     params=[
         "cpu",
+        "cpu-fused",  # FUSED's forward and backward (``--lstm-formulation fused``)
         pytest.param("cuda", marks=pytest.mark.gpu),
         pytest.param("cuda-graphs", marks=pytest.mark.gpu),
     ]
@@ -38,6 +40,9 @@ CASES = [c["name"] for c in INDEX]
 def compute(request):
     if request.param.startswith("cuda") and cuda_unavailable_reason() is not None:
         pytest.skip("no CUDA device")
+    if request.param == "cpu-fused":
+        require_native()
+        return compute_for("cpu", lstm_formulation="fused")
     return compute_for(request.param.removesuffix("-graphs"), cuda_graphs="graphs" in request.param)
 
 

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import pathlib
+import platform
 import shutil
 import subprocess
 import sys
@@ -54,6 +55,15 @@ def copy_of(built, tmp_path):
     return directory
 
 
+def _sha256(path: pathlib.Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _file_of(lib) -> pathlib.Path:
+    """The file a library was loaded from (a prebuilt one: by its descriptor)."""
+    return pathlib.Path(os.path.realpath(lib._name))
+
+
 def _loaded_from(directory: pathlib.Path, monkeypatch) -> native.NativeStep:
     """The process's compiled steps (and FUSED's teams) as a process started with
     ``$GRADSERVE_NATIVE_DIR`` has them, where compiling fails."""
@@ -71,14 +81,15 @@ def _loaded_from(directory: pathlib.Path, monkeypatch) -> native.NativeStep:
 
 def test_the_build_holds_every_level_of_the_machine_and_a_manifest_of_its_source(built):
     manifest = json.loads((built / native.MANIFEST).read_text())
-    assert manifest["source_sha256"] == hashlib.sha256(native.SOURCE.read_bytes()).hexdigest()
+    assert manifest["source_sha256"] == _sha256(native.SOURCE)
     assert list(manifest["libraries"]) == list(native.levels())
-    for name in [*manifest["libraries"].values(), native.MANIFEST]:
+    names = [lib["file"] for lib in manifest["libraries"].values()]
+    for lib in manifest["libraries"].values():
+        assert lib["sha256"] == _sha256(built / lib["file"])
+    for name in [*names, native.MANIFEST]:
         mode = os.stat(built / name).st_mode
         assert mode & 0o444 == 0o444 and not mode & 0o022  # all read, only its owner writes
-    assert sorted(p.name for p in built.iterdir()) == sorted(
-        [*manifest["libraries"].values(), native.MANIFEST]
-    )  # no temporary left
+    assert sorted(p.name for p in built.iterdir()) == sorted([*names, native.MANIFEST])
 
 
 def test_a_process_given_the_directory_loads_the_best_level_and_compiles_nothing(
@@ -88,7 +99,7 @@ def test_a_process_given_the_directory_loads_the_best_level_and_compiles_nothing
         lib = _loaded_from(built, monkeypatch).library()
     assert lib is not None
     best = native.runnable_levels()[0]
-    assert pathlib.Path(lib._name).name == f"lstm_cpu_step-{best}.so"
+    assert _file_of(lib) == built.resolve() / f"lstm_cpu_step-{best}.so"
     assert f"built ahead of time for {best}" in caplog.text
 
 
@@ -96,9 +107,9 @@ def test_a_process_given_the_directory_loads_the_best_level_and_compiles_nothing
 def test_the_prebuilt_steps_compute_the_bits_of_the_ones_compiled_for_this_cpu(
     built, monkeypatch, threads
 ):
-    """FUSED (one BLAS thread: the caller alone; two: the steps project the input, in a
-    team of two), the compiled elementwise step of HOISTED and the compiled backward
-    step: the same bits from the best level's library as from ``-march=native``'s."""
+    """FUSED's forward (one BLAS thread: the caller alone; two: the steps project the
+    input, in a team of two) and backward, and the compiled elementwise step of
+    HOISTED: the same bits from the best level's library as from ``-march=native``'s."""
     require_native()
     monkeypatch.setattr(blas_threads.BLAS, "plan_count", lambda: threads)
     monkeypatch.setattr(blas_threads.BLAS, "count", lambda: threads)
@@ -162,21 +173,63 @@ def _manifest(directory: pathlib.Path, **changes) -> None:
     path.write_text(json.dumps(manifest))
 
 
+def _libraries(directory: pathlib.Path) -> list[pathlib.Path]:
+    return sorted(directory.glob("*.so"))
+
+
+def _relink(path: pathlib.Path) -> None:
+    """``path`` replaced by a link to a copy of it (the same bytes, owner and mode)."""
+    copy = path.with_name(path.name + ".copy")
+    shutil.copy2(path, copy)
+    path.unlink()
+    path.symlink_to(copy.name)
+
+
+def _other_library(directory: pathlib.Path) -> None:
+    """Each library replaced by another level's: a real library, other bytes (a
+    rebuild cut short leaves such a directory)."""
+    libs = _libraries(directory)
+    for lib, other in zip(libs, libs[1:] + libs[:1]):
+        shutil.copy(other, lib.with_suffix(".tmp"))
+    for lib in libs:
+        os.replace(lib.with_suffix(".tmp"), lib)
+
+
 @pytest.mark.parametrize(
     ("spoil", "why"),
     [
-        (lambda d: os.chmod(d, 0o777), "others can write"),
-        (lambda d: os.chmod(d / native.MANIFEST, 0o666), "others can write"),
-        (lambda d: (d / native.MANIFEST).unlink(), "missing"),
-        (lambda d: (d / native.MANIFEST).write_text("{"), "unreadable"),
-        (lambda d: _manifest(d, libraries=["x"]), "unreadable"),
-        (lambda d: _manifest(d, source_sha256="0" * 64), "another lstm_cpu_step.c"),
-        (lambda d: _manifest(d, machine="riscv64"), "another machine"),
-        (lambda d: _manifest(d, libraries={lv: "../x.so" for lv in native.levels()}),
-         "not a file of root"),
-        (lambda d: [os.chmod(p, 0o775) for p in d.glob("*.so")], "not a file of root"),
-        (lambda d: [p.unlink() for p in d.glob("*.so")], "not a file of root"),
-        (lambda d: [p.write_bytes(b"not ELF") for p in d.glob("*.so")], "failed to load"),
+        pytest.param(lambda d: os.chmod(d, 0o777), "others can write", id="dir-writable"),
+        pytest.param(lambda d: os.chmod(d / native.MANIFEST, 0o666), "others can write",
+                     id="manifest-writable"),
+        pytest.param(lambda d: (d / native.MANIFEST).unlink(), "No such file",
+                     id="no-manifest"),
+        pytest.param(lambda d: _relink(d / native.MANIFEST), "symbolic links",
+                     id="manifest-a-link"),
+        pytest.param(lambda d: (d / native.MANIFEST).write_text("{"), "unreadable",
+                     id="manifest-not-json"),
+        pytest.param(lambda d: (d / native.MANIFEST).write_text("[" * 100_000 + "]" * 100_000),
+                     "unreadable", id="manifest-nested-deep"),
+        pytest.param(lambda d: _manifest(d, libraries=["x"]), "unreadable",
+                     id="manifest-of-no-libraries"),
+        pytest.param(lambda d: _manifest(d, source_sha256="0" * 64), "another lstm_cpu_step.c",
+                     id="another-source"),
+        pytest.param(lambda d: _manifest(d, machine="riscv64"), "another machine",
+                     id="another-machine"),
+        pytest.param(lambda d: _manifest(d, libraries={lv: {"file": "../x.so", "sha256": ""}
+                                                       for lv in native.levels()}),
+                     "not a file name", id="a-path-for-a-name"),
+        pytest.param(lambda d: _manifest(d, libraries={lv: {"file": "a\0b", "sha256": ""}
+                                                       for lv in native.levels()}),
+                     "not a file name", id="a-nul-in-a-name"),
+        pytest.param(lambda d: [os.chmod(p, 0o775) for p in _libraries(d)], "others can write",
+                     id="libraries-writable"),
+        pytest.param(lambda d: [_relink(p) for p in _libraries(d)], "symbolic links",
+                     id="libraries-links"),
+        pytest.param(lambda d: [p.unlink() for p in _libraries(d)], "No such file",
+                     id="no-libraries"),
+        pytest.param(_other_library, "bytes are not those", id="other-libraries"),
+        pytest.param(lambda d: [p.write_bytes(b"not ELF") for p in _libraries(d)],
+                     "bytes are not those", id="libraries-not-elf"),
     ],
 )  # fmt: skip
 def test_a_directory_that_cannot_be_trusted_or_does_not_fit_is_not_loaded(copy_of, spoil, why):
@@ -185,8 +238,66 @@ def test_a_directory_that_cannot_be_trusted_or_does_not_fit_is_not_loaded(copy_o
         native.load_prebuilt(copy_of)
 
 
+NOBODY = 65534
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving files to another user needs root")
+@pytest.mark.parametrize("what", ["directory", "manifest", "library"])
+def test_files_of_another_user_are_not_loaded(copy_of, what):
+    path = {"directory": copy_of, "manifest": copy_of / native.MANIFEST}.get(what)
+    for target in [path] if path else _libraries(copy_of):
+        os.chown(target, NOBODY, NOBODY)
+    with pytest.raises(native.NativeBuildError, match="not owned by root or this user"):
+        native.load_prebuilt(copy_of)
+
+
+def test_a_link_to_the_directory_is_followed_and_what_it_opened_is_checked(copy_of, tmp_path):
+    link = tmp_path / "link"
+    link.symlink_to(copy_of)
+    lib, _ = native.load_prebuilt(link)
+    assert _file_of(lib).parent == copy_of.resolve()
+    os.chmod(copy_of, 0o777)
+    with pytest.raises(native.NativeBuildError, match="others can write"):
+        native.load_prebuilt(link)
+
+
+def test_the_directory_is_checked_as_opened_not_by_its_path(copy_of, tmp_path, monkeypatch):
+    """A directory swapped in under the path after it was opened is not what is read
+    (a parent others can write: a review helper loaded a library so)."""
+    evil = tmp_path / "evil"
+    shutil.copytree(copy_of, evil)
+    for lib in _libraries(evil):
+        lib.write_bytes(b"not ELF")
+    real_open = os.open
+    swapped = []
+
+    def open_then_swap(path, flags, *args, **kwargs):
+        fd = real_open(path, flags, *args, **kwargs)
+        if not swapped and flags & os.O_DIRECTORY:
+            os.rename(copy_of, tmp_path / "moved")
+            os.rename(evil, copy_of)
+            swapped.append(fd)
+        return fd
+
+    monkeypatch.setattr(native.os, "open", open_then_swap)
+    lib, _ = native.load_prebuilt(copy_of)  # the libraries of the directory it opened
+    assert swapped and _file_of(lib).parent == tmp_path / "moved"
+
+
+def test_prebuild_refuses_a_directory_others_can_write(tmp_path):
+    require_native()
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o777)
+    with pytest.raises(native.NativeBuildError, match="not a directory of this user or root"):
+        native.prebuild(shared)
+    assert list(shared.iterdir()) == []
+
+
+@pytest.mark.skipif(not native._x86_64(platform.machine()), reason="x86-64's levels")
 def test_a_directory_without_a_level_this_cpu_runs_is_not_loaded(copy_of):
-    _manifest(copy_of, libraries={"x86-64-v4": "lstm_cpu_step-x86-64-v4.so"})
+    manifest = json.loads((copy_of / native.MANIFEST).read_text())
+    _manifest(copy_of, libraries={"x86-64-v4": manifest["libraries"]["x86-64-v4"]})
     with pytest.raises(native.NativeBuildError, match="no library this CPU runs"):
         native.load_prebuilt(copy_of, cpuinfo=_cpus(AVX512.replace(" avx512f", "")))
 
