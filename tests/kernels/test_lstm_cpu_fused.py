@@ -18,7 +18,7 @@ import types
 import numpy as np
 import pytest
 
-from gradserve.kernels import backend_numpy, blas_threads, lstm, lstm_cpu, native
+from gradserve.kernels import backend_numpy, blas_threads, lstm, lstm_cpu, lstm_cpu_backward, native
 from gradserve.lstm_signature import LSTMGrads, LSTMInputs, LSTMOutputGrads
 from tests.kernels.lstm_cases import (
     GENERIC,
@@ -608,3 +608,25 @@ def test_the_transposed_packing_holds_w_h_by_panels_of_units():
     np.testing.assert_array_equal(panels.transpose(0, 2, 1).reshape(-1, 4 * units), want)
     with pytest.raises(ValueError):
         native.pack_transposed(np.asfortranarray(w_h), packed)
+
+
+def test_the_fused_backward_of_no_step_or_no_unit_computes_nothing(fused_backward_steps):
+    """``backward_sequence`` of length 0 leaves the carries zero (it read ``dgates[0]``,
+    which is not there, into dh: a review helper); a step or claim count of no unit is
+    nothing (a division by zero killed the process)."""
+    batch, units = 3, 8
+    zeros = np.zeros((0, batch, units), np.float32)
+    dh, dcs = np.zeros((batch, units), np.float32), np.zeros((batch, units), np.float32)
+    token = lstm_cpu.PINNED.set(FUSED)
+    try:
+        lstm_cpu_backward.backward_sequence(
+            np.ones((batch, units), np.float32), *[zeros] * 8, *[np.ones(units, np.float32)] * 3,
+            np.ones((units, 4 * units), np.float32), np.zeros((0, batch, 4 * units), np.float32),
+            dh, dcs, length=0, offsets=(0, units, 2 * units, 3 * units), use_peephole=True,
+            clip_at=None, check=None, empty=np.empty,
+        )  # fmt: skip
+    finally:
+        lstm_cpu.PINNED.reset(token)
+    assert not dh.any() and not dcs.any() and not fused_backward_steps
+    assert native.step_claims(4, 0, backward=True) == native.step_claims(0, 4, backward=True) == 0
+    native.backward_fused_step()(None, *[None] * 12, 0, 0.0, 4, 0, 0, 0, 0, 0, None, None, None)
