@@ -95,6 +95,17 @@ class GateLayout(enum.Enum):
         return 0, 2 * units, units, 3 * units
 
 
+def clip_in_effect(cell_clip: float, ct: np.dtype) -> float:
+    """``cell_clip`` as the ops apply it in compute dtype ``ct``: 0 (no clip) where it
+    is below ``ct``'s smallest normal number. TensorFlow's CPU kernels run with
+    subnormals read as zero, so its ``cell_clip > 0`` test finds such a clip 0 and
+    clips nothing, as FUSED (which reads subnormals as zero too) did, while the other
+    formulations clipped every cell to it and the gradient tape's backward took every
+    cell for clipped (a gradient 0.35 off its finite differences: a review helper).
+    One rule for every formulation and both directions: TensorFlow's."""
+    return float(cell_clip) if cell_clip >= np.finfo(ct).tiny else 0.0
+
+
 def block_lstm_forward(
     backend: Backend,
     inputs: LSTMInputs[Array],
@@ -117,6 +128,7 @@ def block_lstm_forward(
     empty = empty or xp.empty
     out_dtype = inputs.x.dtype
     ct = compute_dtype(out_dtype)
+    cell_clip = clip_in_effect(cell_clip, ct)
     x, cs_prev, h_prev, w, wci, wcf, wco, b = (backend.asarray(a, ct) for a in inputs)
     steps, batch, input_size = x.shape
     units = cs_prev.shape[1]
@@ -192,6 +204,7 @@ def block_lstm_backward(
     empty = empty or xp.empty
     out_dtype = inputs.x.dtype
     ct = compute_dtype(out_dtype)
+    cell_clip = clip_in_effect(cell_clip, ct)
     x, cs_prev, h_prev, w, wci, wcf, wco, _ = (backend.asarray(a, ct) for a in inputs)
     i, cs, f, o, ci, co, h = (backend.asarray(a, ct) for a in activations)
     cs_grad, h_grad = (backend.asarray(a, ct) for a in output_grads)

@@ -630,3 +630,23 @@ def test_the_fused_backward_of_no_step_or_no_unit_computes_nothing(fused_backwar
     assert not dh.any() and not dcs.any() and not fused_backward_steps
     assert native.step_claims(4, 0, backward=True) == native.step_claims(0, 4, backward=True) == 0
     native.backward_fused_step()(None, *[None] * 12, 0, 0.0, 4, 0, 0, 0, 0, 0, None, None, None)
+
+
+@pytest.mark.parametrize("form", [FUSED, HOISTED])
+def test_a_cell_clip_below_the_smallest_normal_float_clips_nothing_either_way(form):
+    """As TensorFlow's kernels (subnormals read as zero: its ``cell_clip > 0`` finds 1e-39
+    0): the forward and the tape's backward of a clip of 1e-39 are those of no clip in
+    every formulation (FUSED clipped nothing and HOISTED every cell, and the backward
+    took every cell for clipped: a review helper)."""
+    require_native()
+    case = random_case(np.random.default_rng(36), 5, 4, 3, 20, np.float32)
+    attrs = dict(seq_len_max=5, use_peephole=True)
+    tiny, none = (
+        pinned_forward(case, native.Mode.NATIVE, form, cell_clip=c, **attrs) for c in (1e-39, 0.0)
+    )
+    for a, b in zip(tiny, none, strict=True):
+        np.testing.assert_array_equal(a, b)
+    grads = [_backward(case, none, form, cell_clip=c, **attrs) for c in (1e-39, 0.0)]
+    for a, b in zip(*grads, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert np.abs(none.cs).max() > 1e-3  # (a clip in effect would have shown)
