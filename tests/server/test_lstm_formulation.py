@@ -23,6 +23,7 @@ from tests.kernels.lstm_cases import (
     LAYOUT,
     OUTPUTS,
     forward,
+    pinned_forward,
     random_case,
     require_native,
 )
@@ -108,21 +109,19 @@ def _served_with(kernel: str, case: dict) -> dict:
     return dict(zip(OUTPUTS, got))
 
 
+def _own_forward(case: dict, kernel: native.Mode, form: lstm_cpu.Formulation):
+    """``_served_with``'s call computed here, that pass and formulation pinned."""
+    return pinned_forward(
+        case, kernel, form, seq_len_max=5, use_peephole=True, layout=LAYOUT["BlockLSTMV2"]
+    )
+
+
 def test_a_server_computes_with_the_step_kernel_it_names(monkeypatch):
     require_native()
     case = _case()
     served = {kernel: _served_with(kernel, case) for kernel in ("native", "numpy", "auto")}
     for kernel in (native.Mode.NATIVE, native.Mode.NUMPY):
-        token = lstm_cpu.STEP_KERNEL.set(kernel)
-        pinned = lstm_cpu.PINNED.set(lstm_cpu.Formulation.HOISTED)
-        try:
-            own = forward(
-                backend_numpy, *(case[k] for k in INPUTS), seq_len_max=5, use_peephole=True,
-                layout=LAYOUT["BlockLSTMV2"],
-            )  # fmt: skip
-        finally:
-            lstm_cpu.PINNED.reset(pinned)
-            lstm_cpu.STEP_KERNEL.reset(token)
+        own = _own_forward(case, kernel, lstm_cpu.Formulation.HOISTED)
         for k, want in zip(OUTPUTS, own):
             np.testing.assert_array_equal(served[kernel.value][k], want, err_msg=f"{kernel} {k}")
     for k in OUTPUTS:  # auto: the compiled step, where it builds
@@ -189,16 +188,7 @@ def test_a_server_without_a_compiler_serves_fused_from_steps_built_ahead_of_time
             )
     lib = native.NATIVE.library()
     assert lib is not None and pathlib.Path(os.path.realpath(lib._name)).parent == prebuilt
-    token = lstm_cpu.STEP_KERNEL.set(native.Mode.NATIVE)
-    pinned = lstm_cpu.PINNED.set(lstm_cpu.Formulation.FUSED)
-    try:
-        own = forward(
-            backend_numpy, *(case[k] for k in INPUTS), seq_len_max=5, use_peephole=True,
-            layout=LAYOUT["BlockLSTMV2"],
-        )  # fmt: skip
-    finally:
-        lstm_cpu.PINNED.reset(pinned)
-        lstm_cpu.STEP_KERNEL.reset(token)
+    own = _own_forward(case, native.Mode.NATIVE, lstm_cpu.Formulation.FUSED)
     for k, a, b in zip(OUTPUTS, got, own, strict=True):
         np.testing.assert_array_equal(a, b, err_msg=k)
 
