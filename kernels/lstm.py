@@ -95,15 +95,20 @@ class GateLayout(enum.Enum):
         return 0, 2 * units, units, 3 * units
 
 
-def clip_in_effect(cell_clip: float, ct: np.dtype) -> float:
-    """``cell_clip`` as the ops apply it in compute dtype ``ct``: 0 (no clip) where it
-    is below ``ct``'s smallest normal number. TensorFlow's CPU kernels run with
-    subnormals read as zero, so its ``cell_clip > 0`` test finds such a clip 0 and
-    clips nothing, as FUSED (which reads subnormals as zero too) did, while the other
-    formulations clipped every cell to it and the gradient tape's backward took every
-    cell for clipped (a gradient 0.35 off its finite differences: a review helper).
-    One rule for every formulation and both directions: TensorFlow's."""
-    return float(cell_clip) if cell_clip >= np.finfo(ct).tiny else 0.0
+def clip_in_effect(cell_clip: float) -> float:
+    """``cell_clip`` as the ops apply it: 0 (no clip) where, as a float32, it is below
+    float32's smallest normal number, in every dtype.
+    TensorFlow's ``cell_clip`` is a float32 attribute, compared ``cell_clip > 0.0f``
+    in kernels that run with subnormals read as zero: such a clip clips nothing there,
+    as in FUSED (which reads subnormals as zero too), while the other formulations
+    clipped every cell to it and the gradient tape's backward took every cell for
+    clipped (a gradient 0.35 off its finite differences: a review helper); a float64
+    call clipped to 1e-40 (another). One rule for every formulation, dtype and both
+    directions: TensorFlow's."""
+    tiny = np.finfo(np.float32).tiny
+    with np.errstate(over="ignore"):
+        as_attribute = np.float32(cell_clip)
+    return float(cell_clip) if as_attribute >= tiny else 0.0
 
 
 def block_lstm_forward(
@@ -128,7 +133,7 @@ def block_lstm_forward(
     empty = empty or xp.empty
     out_dtype = inputs.x.dtype
     ct = compute_dtype(out_dtype)
-    cell_clip = clip_in_effect(cell_clip, ct)
+    cell_clip = clip_in_effect(cell_clip)
     x, cs_prev, h_prev, w, wci, wcf, wco, b = (backend.asarray(a, ct) for a in inputs)
     steps, batch, input_size = x.shape
     units = cs_prev.shape[1]
@@ -204,7 +209,7 @@ def block_lstm_backward(
     empty = empty or xp.empty
     out_dtype = inputs.x.dtype
     ct = compute_dtype(out_dtype)
-    cell_clip = clip_in_effect(cell_clip, ct)
+    cell_clip = clip_in_effect(cell_clip)
     x, cs_prev, h_prev, w, wci, wcf, wco, _ = (backend.asarray(a, ct) for a in inputs)
     i, cs, f, o, ci, co, h = (backend.asarray(a, ct) for a in activations)
     cs_grad, h_grad = (backend.asarray(a, ct) for a in output_grads)

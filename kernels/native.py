@@ -376,6 +376,7 @@ def prebuild(directory: pathlib.Path) -> dict[str, Any]:
     writable by none but their owner."""
     compiler = _compiler()
     directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+    directory = directory.resolve(strict=True)  # (a link to it: what it names is checked)
     if not _trusted(directory):
         raise NativeBuildError(
             f"{directory} is not a directory of this user or root only: not built into"
@@ -501,21 +502,27 @@ def load_prebuilt(directory: pathlib.Path, cpuinfo: str | None = None) -> tuple[
         lib_fd = _open_trusted(name, dir_fd, stat.S_ISREG, os.O_NOFOLLOW)
     finally:
         os.close(dir_fd)
+    loaded = False
     try:
         with os.fdopen(os.dup(lib_fd), "rb") as f:
-            got = hashlib.sha256(f.read()).hexdigest()
+            got = hashlib.file_digest(f, "sha256").hexdigest()
         if got != want:
             raise NativeBuildError(f"{name}'s bytes are not those its manifest names")
-        # Loaded from the descriptor checked and hashed, kept open for good: dlopen
-        # knows a loaded library by its path, and a number reused would find this one.
-        lib = ctypes.CDLL(f"/proc/self/fd/{lib_fd}")
-        _declare(lib)
-    except NativeBuildError:
-        os.close(lib_fd)
-        raise
-    except (OSError, AttributeError) as e:
-        os.close(lib_fd)
-        raise NativeBuildError(f"{name} failed to load: {e}") from e
+        # Loaded from the descriptor checked and hashed, kept open for good once
+        # loaded (even if declaring it fails): dlopen knows a loaded library by its
+        # path, and a number closed and reused would find this one again.
+        try:
+            lib = ctypes.CDLL(f"/proc/self/fd/{lib_fd}")
+        except OSError as e:
+            raise NativeBuildError(f"{name} failed to load (/proc mounted?): {e}") from e
+        loaded = True
+        try:
+            _declare(lib)
+        except AttributeError as e:
+            raise NativeBuildError(f"{name} lacks the steps' functions: {e}") from e
+    finally:
+        if not loaded:
+            os.close(lib_fd)
     return lib, level
 
 

@@ -650,3 +650,17 @@ def test_a_cell_clip_below_the_smallest_normal_float_clips_nothing_either_way(fo
     for a, b in zip(*grads, strict=True):
         np.testing.assert_array_equal(a, b)
     assert np.abs(none.cs).max() > 1e-3  # (a clip in effect would have shown)
+
+
+def test_a_float32_subnormal_clip_clips_nothing_in_float64_either():
+    """TensorFlow's ``cell_clip`` is a float32 attribute: 1e-39 is 0 to its kernels in
+    every dtype (float64's call clipped every cell to it: a review helper)."""
+    case = random_case(np.random.default_rng(37), 4, 3, 3, 5, np.float64)
+    attrs = dict(seq_len_max=4, use_peephole=True)
+    tiny, none = (
+        pinned_forward(case, native.Mode.NUMPY, HOISTED, cell_clip=c, **attrs) for c in (1e-39, 0.0)
+    )
+    for a, b in zip(tiny, none, strict=True):
+        np.testing.assert_array_equal(a, b)
+    clipped = pinned_forward(case, native.Mode.NUMPY, HOISTED, cell_clip=1.2e-38, **attrs)
+    assert np.abs(clipped.cs).max() <= 1.2e-38  # a normal float32 clip clips

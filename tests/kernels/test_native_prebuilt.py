@@ -13,6 +13,7 @@ import os
 import pathlib
 import platform
 import shutil
+import stat
 import subprocess
 import sys
 
@@ -282,6 +283,47 @@ def test_the_directory_is_checked_as_opened_not_by_its_path(copy_of, tmp_path, m
     monkeypatch.setattr(native.os, "open", open_then_swap)
     lib, _ = native.load_prebuilt(copy_of)  # the libraries of the directory it opened
     assert swapped and _file_of(lib).parent == tmp_path / "moved"
+
+
+def test_prebuild_writes_nothing_through_a_link_planted_in_its_directory(tmp_path):
+    """Its temporaries are made exclusively: links planted at every name a fixed
+    scheme would use lead nowhere (a review helper had the manifest's overwrite and
+    chmod a root-only file)."""
+    require_native()
+    directory, victim = tmp_path / "native", tmp_path / "victim"
+    directory.mkdir()
+    victim.write_text("root's")
+    os.chmod(victim, 0o600)
+    planted = [f".{native.MANIFEST}", *(f".build-lstm_cpu_step-{lv}.so" for lv in native.levels())]
+    for name in planted:
+        (directory / name).symlink_to(victim)
+    native.prebuild(directory)
+    assert victim.read_text() == "root's" and stat.S_IMODE(os.stat(victim).st_mode) == 0o600
+    native.load_prebuilt(directory)
+
+
+def test_a_library_that_loads_but_lacks_the_steps_spoils_no_later_load(copy_of, tmp_path):
+    """A library loaded from /proc/self/fd/N and then refused keeps its descriptor: a
+    number closed and reused named the refused library to dlopen again, and a good
+    directory loaded after it was refused (a review helper)."""
+    stub = tmp_path / "stub"
+    shutil.copytree(copy_of, stub)
+    source = tmp_path / "stub.c"
+    source.write_text("int gradserve_nothing(void) { return 0; }\n")
+    manifest = json.loads((stub / native.MANIFEST).read_text())
+    for lib in manifest["libraries"].values():
+        path = stub / lib["file"]
+        path.unlink()
+        done = subprocess.run(
+            [*native._compiler(), "-shared", "-fPIC", str(source), "-o", str(path)]
+        )
+        assert done.returncode == 0
+        lib["sha256"] = _sha256(path)
+    (stub / native.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(native.NativeBuildError, match="lacks the steps' functions"):
+        native.load_prebuilt(stub)
+    lib, _ = native.load_prebuilt(copy_of)
+    assert _file_of(lib).parent == copy_of.resolve()
 
 
 def test_prebuild_refuses_a_directory_others_can_write(tmp_path):
