@@ -460,10 +460,14 @@ def test_the_blas_threads_sleep_soon_only_as_the_server_sets_them(monkeypatch):
 # --- the backward: FUSED's recurrence ---------------------------------------------------
 
 
-def _backward(case: dict, activations, form: lstm_cpu.Formulation | None, **attrs):
+def _backward(
+    case: dict, activations, form: lstm_cpu.Formulation | None,
+    mode: native.Mode = native.Mode.NATIVE, **attrs,
+):  # fmt: skip
     """``block_lstm_backward`` on the NumPy backend, the formulation pinned (None: the
-    planner's, as a server with ``--lstm-formulation auto``), the compiled steps on."""
-    token = lstm_cpu.STEP_KERNEL.set(native.Mode.NATIVE)
+    planner's, as a server with ``--lstm-formulation auto``), the compiled steps on
+    (``mode``)."""
+    token = lstm_cpu.STEP_KERNEL.set(mode)
     pinned = lstm_cpu.PINNED.set(form)
     try:
         return lstm.block_lstm_backward(
@@ -632,35 +636,30 @@ def test_the_fused_backward_of_no_step_or_no_unit_computes_nothing(fused_backwar
     native.backward_fused_step()(None, *[None] * 12, 0, 0.0, 4, 0, 0, 0, 0, 0, None, None, None)
 
 
-@pytest.mark.parametrize("form", [FUSED, HOISTED])
-def test_a_cell_clip_below_the_smallest_normal_float_clips_nothing_either_way(form):
-    """As TensorFlow's kernels (subnormals read as zero: its ``cell_clip > 0`` finds 1e-39
-    0): the forward and the tape's backward of a clip of 1e-39 are those of no clip in
-    every formulation (FUSED clipped nothing and HOISTED every cell, and the backward
-    took every cell for clipped: a review helper)."""
-    require_native()
-    case = random_case(np.random.default_rng(36), 5, 4, 3, 20, np.float32)
+@pytest.mark.parametrize(
+    ("form", "dtype", "mode"),
+    [
+        (FUSED, np.float32, native.Mode.NATIVE),
+        (HOISTED, np.float32, native.Mode.NATIVE),
+        (HOISTED, np.float64, native.Mode.NUMPY),
+    ],
+)
+def test_a_float32_subnormal_cell_clip_clips_nothing_in_any_formulation_or_dtype(form, dtype, mode):
+    """As TensorFlow's kernels: ``cell_clip`` is a float32 attribute they compare with
+    subnormals read as zero, so 1e-39 is no clip in every dtype. The forward and the
+    tape's backward of it are those of no clip (FUSED clipped nothing and HOISTED
+    every cell, the backward took every cell for clipped, and float64 clipped to 1e-40:
+    review helpers); a normal float32 clip still clips."""
+    if mode is native.Mode.NATIVE:
+        require_native()
+    case = random_case(np.random.default_rng(36), 5, 4, 3, 20, dtype)
     attrs = dict(seq_len_max=5, use_peephole=True)
-    tiny, none = (
-        pinned_forward(case, native.Mode.NATIVE, form, cell_clip=c, **attrs) for c in (1e-39, 0.0)
+    tiny, none, smallest = (
+        pinned_forward(case, mode, form, cell_clip=c, **attrs) for c in (1e-39, 0.0, 1.2e-38)
     )
     for a, b in zip(tiny, none, strict=True):
         np.testing.assert_array_equal(a, b)
-    grads = [_backward(case, none, form, cell_clip=c, **attrs) for c in (1e-39, 0.0)]
+    grads = [_backward(case, none, form, mode, cell_clip=c, **attrs) for c in (1e-39, 0.0)]
     for a, b in zip(*grads, strict=True):
         np.testing.assert_array_equal(a, b)
-    assert np.abs(none.cs).max() > 1e-3  # (a clip in effect would have shown)
-
-
-def test_a_float32_subnormal_clip_clips_nothing_in_float64_either():
-    """TensorFlow's ``cell_clip`` is a float32 attribute: 1e-39 is 0 to its kernels in
-    every dtype (float64's call clipped every cell to it: a review helper)."""
-    case = random_case(np.random.default_rng(37), 4, 3, 3, 5, np.float64)
-    attrs = dict(seq_len_max=4, use_peephole=True)
-    tiny, none = (
-        pinned_forward(case, native.Mode.NUMPY, HOISTED, cell_clip=c, **attrs) for c in (1e-39, 0.0)
-    )
-    for a, b in zip(tiny, none, strict=True):
-        np.testing.assert_array_equal(a, b)
-    clipped = pinned_forward(case, native.Mode.NUMPY, HOISTED, cell_clip=1.2e-38, **attrs)
-    assert np.abs(clipped.cs).max() <= 1.2e-38  # a normal float32 clip clips
+    assert np.abs(none.cs).max() > 1e-3 and np.abs(smallest.cs).max() <= 1.2e-38
