@@ -63,6 +63,7 @@ import numpy as np
 from gradserve import heap, pauses
 from gradserve.kernels import blas_threads as blas
 from gradserve.kernels import native
+from gradserve.kernels.lstm import Empty
 
 Array = Any  # numpy.ndarray; ``Any`` as in backend_numpy (in-place ufunc annotations)
 Offsets = tuple[int, int, int, int]
@@ -189,12 +190,13 @@ def _new_workspace(key: WorkspaceKey) -> Workspace:
     )
 
 
-def aligned_empty(count: int, dtype: np.dtype[Any]) -> Array:
-    """``count`` elements starting at a multiple of ``PACK_ALIGNMENT`` bytes: the
-    compiled step's vector loads of a panel then never straddle two cache lines (with
-    NumPy's 16-byte alignment they did, and its GEMM ran at 142 against 154 GFLOP/s)."""
+def aligned_empty(count: int, dtype: np.dtype[Any], empty: Empty = np.empty) -> Array:
+    """``count`` elements starting at a multiple of ``PACK_ALIGNMENT`` bytes (from
+    ``empty``): the compiled step's vector loads of a panel then never straddle two
+    cache lines (with NumPy's 16-byte alignment they did, and its GEMM ran at 142
+    against 154 GFLOP/s)."""
     pad = PACK_ALIGNMENT // dtype.itemsize
-    raw = np.empty(count + pad, dtype)
+    raw = empty((count + pad,), dtype)
     start = (-raw.ctypes.data % PACK_ALIGNMENT) // dtype.itemsize
     return raw[start : start + count]
 

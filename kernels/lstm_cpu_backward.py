@@ -93,7 +93,7 @@ def backward_sequence(
     if step is not None and _fuses(ct):
         _recur_fused(
             step, cs_prev, per_step, peep, w_h, dgates, dh, dcs, length, offsets, clip_at,
-            check,
+            check, empty,
         )  # fmt: skip
         return
     w_h_t = empty((w_h.shape[1], w_h.shape[0]), ct)
@@ -226,7 +226,7 @@ def _fuses(ct: np.dtype[Any]) -> bool:
 def _recur_fused(
     step: Any, cs_prev: Array, per_step: tuple[Array, ...], peep: Array | None,
     w_h: Array, dgates: Array, dh: Array, dcs: Array, length: int, offsets: Offsets,
-    clip_at: float | None, check: Callable[[], None] | None,
+    clip_at: float | None, check: Callable[[], None] | None, empty: Empty,
 ) -> None:  # fmt: skip
     """``backward_sequence``'s loop in FUSED's steps (``lstm_cpu_step.c``): the last
     step by the compiled backward step (its dh: the zero carry), each earlier one by
@@ -236,9 +236,10 @@ def _recur_fused(
     with any team or none), then dh = dgates[0] @ W_h^T the same way. Subnormal floats
     are read and written as zero (as the forward's FUSED: the team's workers compute
     so), in all of it (the BLAS's GEMMs after it, of W_x and for W's gradient, keep
-    them, as the forward's projection does with one thread)."""
+    them, as the forward's projection does with one thread). ``empty`` allocates the
+    packed W_h^T (the server's warm buffers), as the other paths' W_h^T."""
     batch, units = dh.shape
-    packed = lstm_cpu.aligned_empty(native.packed_transposed_floats(units), dh.dtype)
+    packed = lstm_cpu.aligned_empty(native.packed_transposed_floats(units), dh.dtype, empty)
     native.pack_transposed(np.ascontiguousarray(w_h), packed)
     fused = native.backward_fused_step()
     row = batch * units * dh.dtype.itemsize  # bytes of one step of a [T, B, H] array

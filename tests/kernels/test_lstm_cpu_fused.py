@@ -663,3 +663,21 @@ def test_a_float32_subnormal_cell_clip_clips_nothing_in_any_formulation_or_dtype
     for a, b in zip(*grads, strict=True):
         np.testing.assert_array_equal(a, b)
     assert np.abs(none.cs).max() > 1e-3 and np.abs(smallest.cs).max() <= 1.2e-38
+
+
+def test_the_fused_backward_takes_its_packed_weights_from_the_callers_allocator(
+    fused_backward_steps,
+):
+    """As the other paths' W_h^T: from ``empty`` (a server's warm buffers), not NumPy's."""
+    case = random_case(np.random.default_rng(38), 3, 4, 5, 24, np.float32)
+    activations = pinned_forward(case, form=HOISTED, seq_len_max=3)
+    asked: list[int] = []
+
+    def empty(shape, dtype):
+        asked.append(int(np.prod(shape)))
+        return np.empty(shape, dtype)
+
+    _backward(case, activations, FUSED, seq_len_max=3, empty=empty)
+    assert fused_backward_steps  # (the fused path ran)
+    padded = native.packed_transposed_floats(24) + lstm_cpu.PACK_ALIGNMENT // 4
+    assert padded in asked
