@@ -89,7 +89,8 @@ def backward_sequence(
     ct = dh.dtype
     per_step = (i, cs, f, o, ci, co, cs_grad, h_grad)
     step = _native_step(cs_prev, per_step, dgates, dh, dcs, length)
-    peep = np.stack([wci, wcf, wco]).astype(ct, copy=False) if use_peephole else None
+    compiled = step is not None and use_peephole  # (NumPy's passes read wci.. as they are)
+    peep = np.stack([wci, wcf, wco]).astype(ct, copy=False) if compiled else None
     if step is not None and _fuses(ct):
         _recur_fused(
             step, cs_prev, per_step, peep, w_h, dgates, dh, dcs, length, offsets, clip_at,

@@ -117,16 +117,21 @@ CPU_IDENTITY_KEYS = frozenset(
 )  # fmt: skip
 
 
+def _cpuinfo() -> str:
+    """The text of ``/proc/cpuinfo``, "" where it cannot be read."""
+    try:
+        return pathlib.Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
 def cpu_identity(cpuinfo: str | None = None) -> str:
     """What ``-march=native`` compiles for (``cpuinfo``: the text of ``/proc/cpuinfo``,
     read here when None): "" where it cannot be told, and then the step is compiled
     for the machine's baseline instead (``flags``), never for a CPU a shared cache
     could not tell from another."""
     if cpuinfo is None:
-        try:
-            cpuinfo = pathlib.Path("/proc/cpuinfo").read_text(errors="replace")
-        except OSError:
-            return ""
+        cpuinfo = _cpuinfo()
     keep = [ln for ln in cpuinfo.splitlines() if ln.split(":")[0].strip() in CPU_IDENTITY_KEYS]
     if not keep:
         return ""
@@ -181,18 +186,31 @@ def _compiler_version(compiler: list[str]) -> str:
     return done.stdout
 
 
-def _private(path: pathlib.Path, is_kind: Callable[[int], bool] = stat.S_ISDIR) -> bool:
-    """``path`` itself (a link is not followed) is of that kind (a directory, or with
-    ``stat.S_ISREG`` a regular file), owned by this user and writable by no one else."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
+def _only_theirs(
+    st: os.stat_result, is_kind: Callable[[int], bool], owners: tuple[int, ...]
+) -> bool:
+    """Of that kind (``stat.S_ISDIR``, ``S_ISREG``), owned by one of ``owners`` and
+    writable by no one else: only they could have put code there."""
     return (
         is_kind(st.st_mode)
-        and st.st_uid == os.getuid()
+        and st.st_uid in owners
         and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
     )
+
+
+def _path_only_theirs(
+    path: pathlib.Path, is_kind: Callable[[int], bool], owners: tuple[int, ...]
+) -> bool:
+    """``path`` itself (a link is not followed) is ``_only_theirs``."""
+    try:
+        return _only_theirs(os.lstat(path), is_kind, owners)
+    except OSError:
+        return False
+
+
+def _private(path: pathlib.Path, is_kind: Callable[[int], bool] = stat.S_ISDIR) -> bool:
+    """``path`` is this user's only: the cache, which this user writes."""
+    return _path_only_theirs(path, is_kind, (os.getuid(),))
 
 
 def configured_cache_dir() -> pathlib.Path:
@@ -341,10 +359,7 @@ def runnable_levels(cpuinfo: str | None = None, machine: str | None = None) -> t
     if not _x86_64(machine or platform.machine()):
         return (BASELINE,)
     if cpuinfo is None:
-        try:
-            cpuinfo = pathlib.Path("/proc/cpuinfo").read_text(errors="replace")
-        except OSError:
-            cpuinfo = ""
+        cpuinfo = _cpuinfo()
     per_cpu = [
         set(value.split())
         for key, _, value in (line.partition(":") for line in cpuinfo.splitlines())
@@ -421,34 +436,26 @@ def prebuild(directory: pathlib.Path) -> dict[str, Any]:
     return manifest
 
 
-def _trusted_stat(st: os.stat_result, is_kind: Callable[[int], bool]) -> bool:
-    """Of that kind, owned by root or this user, and writable by no one else: only
-    they could have put code there."""
-    return (
-        is_kind(st.st_mode)
-        and st.st_uid in (0, os.getuid())
-        and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    )
+def _trusted_owners() -> tuple[int, ...]:
+    """Who may own what is loaded ahead of time: root (an image's) or this user."""
+    return (0, os.getuid())
 
 
 def _trusted(path: pathlib.Path, is_kind: Callable[[int], bool] = stat.S_ISDIR) -> bool:
-    """``path`` itself (a link is not followed) is ``_trusted_stat``."""
-    try:
-        return _trusted_stat(os.lstat(path), is_kind)
-    except OSError:
-        return False
+    """``path`` is root's or this user's only (``prebuild``'s directory)."""
+    return _path_only_theirs(path, is_kind, _trusted_owners())
 
 
 def _open_trusted(name: str, dir_fd: int | None, is_kind: Callable[[int], bool], flags: int) -> int:
     """``name`` (in the directory ``dir_fd``), opened with ``flags`` and checked as
     what was opened (``fstat``: no other file can be swapped in after the check);
-    NativeBuildError where it is missing or not ``_trusted_stat``."""
+    NativeBuildError where it is missing or not root's or this user's only."""
     try:
         fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | flags, dir_fd=dir_fd)
     except OSError as e:
         raise NativeBuildError(f"{name}: {e.strerror or e}") from e
     try:
-        if not _trusted_stat(os.fstat(fd), is_kind):
+        if not _only_theirs(os.fstat(fd), is_kind, _trusted_owners()):
             raise NativeBuildError(
                 f"{name} is not owned by root or this user, or others can write it"
             )
