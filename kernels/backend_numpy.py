@@ -15,6 +15,7 @@ import numpy as np
 from gradserve.kernels.lstm_cpu import forward_sequence as forward_sequence
 from gradserve.kernels.lstm_cpu_backward import backward_sequence as backward_sequence
 from gradserve.kernels.lstm_cpu_backward import peephole_grads as peephole_grads
+from gradserve.kernels.lstm_cpu_backward import without_subnormals as without_subnormals
 
 #: The arrays of this backend (NumPy's); ``Any`` because NumPy's own annotations of
 #: in-place ufuncs are looser than this code's use of them.

@@ -236,8 +236,9 @@ def block_lstm_backward(
         # A backend may run the recurrence its own way (the CPU: ``lstm_cpu_backward``,
         # the step-independent factors a block of steps at a time).
         sequence = getattr(backend, "backward_sequence", None)
+        flushed = False  # whether the recurrence read subnormal floats as zero
         if sequence is not None:
-            sequence(
+            flushed = sequence(
                 cs_prev, i, cs, f, o, ci, co, cs_grad, h_grad, wci, wcf, wco, w_h,
                 dgates, dh, dcs, length=length, offsets=offsets, use_peephole=use_peephole,
                 clip_at=clip_at if cell_clip > 0 else None, check=check, empty=empty,
@@ -258,6 +259,10 @@ def block_lstm_backward(
                     _mask_clipped(xp, cs[t], clip_at, dgates[t], dcs, offsets, units)
                 xp.matmul(dgates[t], w_h_t, out=dh)
         flat = dgates.reshape(length * batch, 4 * units)
+        # Then W_x's GEMM reads them as zero too: the BLAS's threads would not.
+        without_subnormals = getattr(backend, "without_subnormals", None)
+        if flushed and without_subnormals is not None:
+            w_x = without_subnormals(w_x)
         # GEMMs write straight into (contiguous views of) the outputs: no temporaries.
         xp.matmul(flat, w_x.T, out=x_grad[:length].reshape(length * batch, input_size))
         xp.matmul(x[:length].reshape(length * batch, input_size).T, flat, out=w_grad[:input_size])

@@ -77,13 +77,15 @@ def backward_sequence(
     dgates: Array, dh: Array, dcs: Array, *, length: int, offsets: Offsets,
     use_peephole: bool, clip_at: float | None, check: Callable[[], None] | None,
     empty: Empty,
-) -> None:  # fmt: skip
+) -> bool:  # fmt: skip
     """Gate gradients of steps ``length - 1`` down to 0 into ``dgates`` ([length, B, 4H]);
     ``dh`` and ``dcs`` (zeros on entry) end as the gradients of ``h_prev`` and
     ``cs_prev``. ``clip_at``: the forward's cell clip as stored, or None without one.
-    ``check`` runs before every step; ``empty`` allocates ``W_h^T`` and the factors."""
+    ``check`` runs before every step; ``empty`` allocates ``W_h^T`` and the factors.
+    Returns whether subnormal floats were read and written as zero (FUSED's steps):
+    the caller's GEMMs after it then read W_x through ``without_subnormals``."""
     if length == 0:  # no step: the carries stay zero (and dgates[0] is not there)
-        return
+        return False
     heap.keep_warm()
     batch, units = dh.shape
     ct = dh.dtype
@@ -96,7 +98,7 @@ def backward_sequence(
             step, cs_prev, per_step, peep, w_h, dgates, dh, dcs, length, offsets, clip_at,
             check, empty,
         )  # fmt: skip
-        return
+        return True
     w_h_t = empty((w_h.shape[1], w_h.shape[0]), ct)
     transpose_into(w_h, w_h_t)
     if step is not None:
@@ -104,7 +106,7 @@ def backward_sequence(
             step, cs_prev, per_step, peep, w_h_t, dgates, dh, dcs, length, offsets,
             clip_at, check,
         )  # fmt: skip
-        return
+        return False
     block = max(1, min(length, BLOCK_ELEMENTS // max(1, batch * units)))
     factors = _Factors(block, batch, units, ct, offsets, clip_at is not None, empty)
     slot_i, slot_f, slot_c = factors.slots
@@ -145,6 +147,23 @@ def backward_sequence(
                 for d in (dcs, d_i, d_f, d_c):
                     d *= unclipped
             np.matmul(dgates[t], w_h_t, out=dh)
+    return False
+
+
+def without_subnormals(a: Array) -> Array:
+    """``a`` as TensorFlow's CPU kernels read it, for a BLAS GEMM after FUSED's backward
+    recurrence (``backward_sequence`` returned True: float32, the library built): ``a``
+    itself where it holds no subnormal float (``native.any_subnormal``, one scan), else
+    a copy with each as a zero of its sign. The BLAS's threads compute without
+    flush-to-zero: the GEMM of subnormal W_x took 120 ms against 11 (``lstm_cpu_step.c``
+    says why the steps flush)."""
+    contiguous = np.ascontiguousarray(a)
+    if not native.any_subnormal(contiguous):
+        return a
+    flushed = contiguous.copy()
+    subnormal = (flushed != 0) & (np.abs(flushed) < np.finfo(flushed.dtype).tiny)
+    flushed[subnormal] = np.copysign(flushed.dtype.type(0), flushed[subnormal])
+    return flushed
 
 
 #: The compiled backward step of each dtype (``lstm_cpu_step.c``).
@@ -236,9 +255,9 @@ def _recur_fused(
     a team of threads where the process has more than one BLAS thread: the same bits
     with any team or none), then dh = dgates[0] @ W_h^T the same way. Subnormal floats
     are read and written as zero (as the forward's FUSED: the team's workers compute
-    so), in all of it (the BLAS's GEMMs after it, of W_x and for W's gradient, keep
-    them, as the forward's projection does with one thread). ``empty`` allocates the
-    packed W_h^T (the server's warm buffers), as the other paths' W_h^T."""
+    so), in all of it; the caller's GEMM of W_x after it reads W_x through
+    ``without_subnormals``. ``empty`` allocates the packed W_h^T (the server's warm
+    buffers), as the other paths' W_h^T."""
     batch, units = dh.shape
     packed = lstm_cpu.aligned_empty(native.packed_transposed_floats(units), dh.dtype, empty)
     native.pack_transposed(np.ascontiguousarray(w_h), packed)

@@ -29,6 +29,7 @@
 #include <signal.h>
 #include <stddef.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* Where the rational function reaches 1 (Eigen's clamp): beyond it tanh rounds to +-1
  * in float32, and the function itself, clamped at 9 instead, rose past 1 by up to 2 ulps
@@ -403,6 +404,21 @@ unsigned long gradserve_flush_subnormals(void) { return 0; }
 void gradserve_restore_fp_mode(unsigned long was) { (void)was; }
 #endif
 
+/* Whether any of a's n floats is subnormal. The BLAS's threads run without that mode:
+ * the GEMM of W_x after FUSED's backward recurrence took 120 ms against 11 with
+ * subnormal weights, so it reads a copy with them as zero where there are any
+ * (``lstm_cpu_backward.without_subnormals``); this scan (a megabyte at 256 units) is
+ * what the common case pays. */
+int gradserve_any_subnormal_f32(const float *restrict a, long n) {
+    unsigned int any = 0;
+    for (long k = 0; k < n; k++) {
+        unsigned int bits;
+        memcpy(&bits, a + k, sizeof bits);
+        any |= ((bits & 0x7f800000u) == 0) & ((bits & 0x007fffffu) != 0);
+    }
+    return (int)any;
+}
+
 /* Exported for the accuracy test: ``out[k] = tanh(z[k])`` as FUSED's cells compute it,
  * with fused multiply-adds where GCC contracts them (``fused_tiles``). */
 FMA_FUNCTION void gradserve_rational_tanh_fma_f32(const float *restrict z, float *restrict out,
@@ -578,6 +594,12 @@ static __attribute__((noinline)) FMA_FUNCTION void fused_tiles(
                 for (int g = 0; g < 4; g++) {
                     float *zg = z + r * PANEL_WIDTH + g * VL;
                     const float *bg = bias + offs[g] + u0;
+                    if (n == VL) { /* whole vectors: the micro-kernel loads them as such */
+                        vfloat v = *(const vfloat *)bg;
+                        if (pr != NULL) v = v + *(const vfloat *)(pr + offs[g] + u0);
+                        *(vfloat *)zg = v;
+                        continue;
+                    }
                     for (long u = 0; u < VL; u++) zg[u] = u < n ? bg[u] : 0.0f;
                     if (pr != NULL)
                         for (long u = 0; u < n; u++) zg[u] += pr[offs[g] + u0 + u];

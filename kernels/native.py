@@ -94,6 +94,7 @@ BACKWARD_FUSED_STEP = "gradserve_lstm_backward_fused_step_f32"
 BACKWARD_CLAIMS = "gradserve_backward_fused_step_claims"
 FLUSH = "gradserve_flush_subnormals"
 RESTORE = "gradserve_restore_fp_mode"
+ANY_SUBNORMAL = "gradserve_any_subnormal_f32"
 
 
 class Mode(enum.Enum):
@@ -591,6 +592,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     restore = getattr(lib, RESTORE)
     restore.argtypes = [ctypes.c_ulong]
     restore.restype = None
+    any_subnormal = getattr(lib, ANY_SUBNORMAL)
+    any_subnormal.argtypes = [ptr, long_]
+    any_subnormal.restype = ctypes.c_int
     for name in (CLAIMS, BACKWARD_CLAIMS):
         claims = getattr(lib, name)
         claims.argtypes = [long_, long_]
@@ -706,6 +710,13 @@ def flushing_subnormals() -> Iterator[None]:
         yield
     finally:
         getattr(lib, RESTORE)(was)
+
+
+def any_subnormal(a: Any) -> bool:
+    """Whether the C-contiguous float32 array ``a`` holds a subnormal float."""
+    if a.dtype.str != "<f4" or not a.flags.c_contiguous:
+        raise ValueError(f"any_subnormal: {a.shape} {a.dtype}, not C-contiguous float32")
+    return bool(getattr(_built(), ANY_SUBNORMAL)(a.ctypes.data, a.size))
 
 
 def step_claims(batch: int, units: int, backward: bool = False) -> int:

@@ -598,6 +598,54 @@ def test_the_fused_backward_computes_subnormals_as_zero_and_restores_the_mode(te
     assert np.float32(1e-38) * np.float32(0.01) > 0  # this thread's mode restored
 
 
+@pytest.mark.parametrize("members", [1, 2])
+def test_the_fused_backwards_gemm_of_w_x_reads_its_subnormals_as_zero_too(team_of, members):
+    """The GEMM of W_x after the recurrence is the BLAS's, whose threads compute without
+    flush-to-zero (120 ms against 11 at (50, 32, 256) with subnormal weights): it reads a
+    copy with them as zero. So W with subnormal entries gives the gradients of W with
+    zeros there, every one bit for bit, and the caller's W is left as it was."""
+    team_of(members)
+    rng = np.random.default_rng(36)
+    case = random_case(rng, 6, 7, 5, 40, np.float32)
+    attrs = dict(seq_len_max=6, use_peephole=True)
+    activations = pinned_forward(case, form=HOISTED, **attrs)
+    # some entries of W_x and W_h, of both signs; all of two inputs' rows, whose x_grad
+    # then sums subnormal products alone (elsewhere they round away beside normal ones)
+    picked = rng.random(case["w"].shape) < 0.3
+    picked[[1, 3]] = True
+    tiny = dict(case, w=np.where(picked, case["w"] * np.float32(1e-39), case["w"]))
+    assert np.count_nonzero(tiny["w"][picked]) == picked.sum()  # subnormal, not zero
+    before = tiny["w"].copy()
+    zero = dict(case, w=np.where(picked, np.float32(0), case["w"]))
+    got, want = (_backward(c, activations, FUSED, **attrs) for c in (tiny, zero))
+    for name, a, b in zip(LSTMGrads._fields, got, want, strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    assert got.x_grad.any() and not got.x_grad[..., [1, 3]].any()
+    np.testing.assert_array_equal(tiny["w"], before)
+
+
+def test_without_subnormals_copies_only_an_array_that_holds_one():
+    require_native()
+    tiny = np.finfo(np.float32).tiny
+    special = np.array([0.0, -0.0, tiny, -tiny, np.inf, -np.inf, np.nan, 1.0], np.float32)
+    assert lstm_cpu_backward.without_subnormals(special) is special
+    for n in (1, 15, 16, 17, 33, 100):  # a subnormal at every position of vectors and tails
+        for at in range(n):
+            a = np.ones(n, np.float32)
+            a[at] = -tiny / 2 if at % 2 else tiny * np.float32(2**-23)  # the largest, the least
+            assert native.any_subnormal(a), (n, at)
+            flushed = lstm_cpu_backward.without_subnormals(a)
+            assert flushed is not a and a[at] != 0  # a copy; the array itself unchanged
+            assert flushed[at] == 0 and np.signbit(flushed[at]) == bool(at % 2)
+            np.testing.assert_array_equal(np.delete(flushed, at), np.ones(n - 1, np.float32))
+    view = np.tile(np.append(special, np.float32(1e-40)), (3, 1))[:, 1:]  # not contiguous
+    flushed = lstm_cpu_backward.without_subnormals(view)
+    np.testing.assert_array_equal(flushed, np.tile(np.append(special[1:], 0), (3, 1)))
+    for wrong in (np.ones(4), np.ones((4, 4), np.float32).T):
+        with pytest.raises(ValueError):
+            native.any_subnormal(wrong)
+
+
 def test_the_transposed_packing_holds_w_h_by_panels_of_units():
     require_native()
     units = 70
