@@ -18,10 +18,10 @@ the same function (``lstm``'s docstring states the gates) in one of several
   computes ``h @ W_h`` tile by tile in registers and turns each tile into its outputs
   while it is in cache. BLAS packs W_h again on every step's GEMM (a megabyte at 256
   units, for 32 rows) and the step then reads the gates back from memory; on the
-  project's machine a step at (32, 256) took 129-138 against 179-183 us. With one
-  BLAS thread the input projection is hoisted as in ``HOISTED``; with more, the steps
-  project the input themselves and a team of threads shares each step
-  (``_projects_in_step``, ``fused_team``). Subnormal floats are read and written as zero
+  project's machine a step at (32, 256) took 129-138 against 179-183 us. The input
+  projection is hoisted as in ``HOISTED`` (the BLAS's, with its threads), and where
+  the BLAS's threads sleep soon after a call a team of threads shares each step
+  (``fused_team``). Subnormal floats are read and written as zero
   (``native.flushing_subnormals``), as TensorFlow's CPU kernels compute. float32
   with the compiled step only: elsewhere
   (float64, NumPy's pass) it computes as ``HOISTED``, and the planner measures it only
@@ -68,9 +68,13 @@ from gradserve.kernels.lstm import Empty
 Array = Any  # numpy.ndarray; ``Any`` as in backend_numpy (in-place ufunc annotations)
 Offsets = tuple[int, int, int, int]
 
-#: Rows (chunk steps x batch) of one input-projection GEMM: enough for OpenBLAS to run
-#: near its large-GEMM speed, few enough for the chunk to stay in cache.
-CHUNK_ROWS = 512
+#: Bytes of one input-projection GEMM's output (a chunk of steps, whole steps; one
+#: step where a step is more). Few GEMMs: each wakes the BLAS's threads, which then
+#: spin beside FUSED's team. FUSED with two threads, all steps' projection at once
+#: against 512 rows a GEMM: 7.0 against 7.5 ms at (50, 32, 256), 7.9 against 8.8 after
+#: 0.2 s idle; at (100, 64, 512) 1,024-6,400 rows were within noise (88-94 ms), the
+#: whole sequence 52 MB of warm workspace.
+CHUNK_BYTES = 8 << 20
 #: Bytes of warm workspaces kept between calls, all shapes together (LRU beyond).
 WORKSPACE_CACHE_BYTES = 64 << 20
 #: Shapes whose formulation choice is remembered (LRU beyond).
@@ -107,7 +111,7 @@ class Workspace:
     gates: Array  # one step's pre-activations: [B, 4H]
     gates_t: Array  # HOISTED_T: h @ W_h transposed, [4H, B] (else empty)
     tmp: Array  # [B, H] scratch
-    packed: Array  # FUSED: W_h, or all of W, packed for its step, 64-byte aligned (else empty)
+    packed: Array  # FUSED: W_h packed for its step, 64-byte aligned (else empty)
 
     def arrays(self) -> tuple[Array, ...]:
         return (self.w, self.w_h_t, self.b, self.peep, self.proj, self.gates, self.gates_t,
@@ -186,7 +190,7 @@ def _new_workspace(key: WorkspaceKey) -> Workspace:
         gates=np.empty((0, gates) if fused else (batch, gates), dt),
         gates_t=np.empty((gates, batch) if transposed else (0,), dt),
         tmp=np.empty((0,) if fused else (batch, units), dt),
-        packed=aligned_empty(native.packed_floats(inputs + units, units) if fused else 0, dt),
+        packed=aligned_empty(native.packed_floats(units, units) if fused else 0, dt),
     )
 
 
@@ -381,8 +385,8 @@ def _native_step(x: Array, outs: Sequence[Array], units: int) -> Any | None:
     return None if lib is None else getattr(lib, native.STEP)
 
 
-def _chunk_steps(batch: int, length: int) -> int:
-    return max(1, min(length, -(-CHUNK_ROWS // max(batch, 1))))
+def _chunk_steps(batch: int, units: int, itemsize: int, length: int) -> int:
+    return max(1, min(length, CHUNK_BYTES // max(1, batch * 4 * units * itemsize)))
 
 
 def _run(
@@ -397,37 +401,25 @@ def _run(
     units = cs_prev.shape[1]
     if form is Formulation.FUSED and _native_step(x, outs, units) is None:
         form = Formulation.HOISTED
-    chunk = _chunk_steps(batch, length) if form is not Formulation.CONCAT else 1
+    chunk = 1 if form is Formulation.CONCAT else _chunk_steps(batch, units, x.itemsize, length)
     key: WorkspaceKey = (form, chunk, batch, inputs, units, x.dtype.str)
     ws = WORKSPACES.take(key)
     try:
-        in_step = form is Formulation.FUSED and _projects_in_step()
-        flushing = native.flushing_subnormals() if form is Formulation.FUSED else None
-        teamed = fused_team(batch, units) if in_step else contextlib.nullcontext()
-        with flushing or contextlib.nullcontext(), teamed as team:
-            _prepare(ws, form, w, b, wci, wcf, wco, offsets, units, forget_bias, in_step)
+        fused = form is Formulation.FUSED
+        flushing = native.flushing_subnormals() if fused else contextlib.nullcontext()
+        teamed = fused_team(batch, units) if fused else contextlib.nullcontext()
+        with flushing, teamed as team:
+            _prepare(ws, form, w, b, wci, wcf, wco, offsets, units, forget_bias)
             _recur(ws, form, chunk, x, cs_prev, h_prev, outs, length, offsets, cell_clip,
-                   use_peephole, check, in_step, team)  # fmt: skip
+                   use_peephole, check, team)  # fmt: skip
     finally:
         WORKSPACES.give(key, ws)
-
-
-def _projects_in_step() -> bool:
-    """Whether FUSED's steps project the input themselves (all of W packed), rather
-    than add a chunk's projection by the BLAS: where the process has more than one BLAS
-    thread (``blas_threads``: its count, not an op's share of it), so that a team of
-    threads shares each step and no BLAS thread runs during the forward. The two sum
-    in different orders; whether a team then computes, and of how many, does not change
-    the bits, so they depend on the thread count as the other formulations' do, not
-    on the load, the environment or a thread that failed to start (a review helper)."""
-    return (blas_threads() or 1) > 1
 
 
 def fused_team(
     batch: int, units: int, backward: bool = False
 ) -> contextlib.AbstractContextManager[int | None]:
-    """FUSED's team of threads for a call (a forward whose steps project the input, or
-    a ``backward``): as many as the op's BLAS threads now (its share of them with
+    """FUSED's team of threads for a call (a forward or a ``backward``): as many as the op's BLAS threads now (its share of them with
     ``--share-blas-threads``), but no more than a step has claims (each member wakes
     every step), where the BLAS threads sleep soon after a call
     (``BlasThreads.sleep_soon``: the server's setting). Where they spin on (OpenBLAS's
@@ -441,10 +433,10 @@ def fused_team(
 
 def _prepare(
     ws: Workspace, form: Formulation, w: Array, b: Array, wci: Array, wcf: Array, wco: Array,
-    offsets: Offsets, units: int, forget_bias: float, in_step: bool,
+    offsets: Offsets, units: int, forget_bias: float,
 ) -> None:  # fmt: skip
     """Weights, bias (with the forget bias) and peepholes, sigmoid gates halved; FUSED's
-    packed: W_h alone, or all of W where its steps project the input (``in_step``)."""
+    packed W_h."""
     off_c, off_f = offsets[2], offsets[1]
     np.multiply(w, 0.5, out=ws.w)
     np.multiply(b, 0.5, out=ws.b)
@@ -457,8 +449,7 @@ def _prepare(
     if form is Formulation.HOISTED_T:
         transpose_into(ws.w[w.shape[0] - units :], ws.w_h_t)
     elif form is Formulation.FUSED:
-        rows = ws.w if in_step else ws.w[w.shape[0] - units :]
-        native.pack(rows, offsets, ws.packed[: native.packed_floats(rows.shape[0], units)])
+        native.pack(ws.w[w.shape[0] - units :], offsets, ws.packed)
 
 
 def transpose_into(matrix: Array, out: Array) -> None:
@@ -472,7 +463,7 @@ def transpose_into(matrix: Array, out: Array) -> None:
 def _recur(
     ws: Workspace, form: Formulation, chunk: int, x: Array, cs_prev: Array, h_prev: Array,
     outs: Sequence[Array], length: int, offsets: Offsets, cell_clip: float,
-    use_peephole: bool, check: Callable[[], None] | None, in_step: bool, team: int | None,
+    use_peephole: bool, check: Callable[[], None] | None, team: int | None,
 ) -> None:  # fmt: skip
     steps, batch, inputs = x.shape
     units = cs_prev.shape[1]
@@ -495,17 +486,14 @@ def _recur(
         if form is Formulation.FUSED:
             fused_step = native.fused_step()
             h_prev = np.ascontiguousarray(np.broadcast_to(h_prev, (batch, units)), np.float32)
-            x_rows = np.ascontiguousarray(x) if in_step else None
             packed_ptr = ws.packed.ctypes.data
 
-            def _fused_step(t: int, x_ptr: int | None, proj_t: Array | None) -> None:
+            def _fused_step(t: int, proj_t: Array) -> None:
                 at = t * row_bytes
                 c_ptr = cs_prev.ctypes.data if t == 0 else bases[1] + at - row_bytes
                 h_ptr = h_prev.ctypes.data if t == 0 else bases[6] + at - row_bytes
-                proj_ptr, proj_stride = (None, 0) if proj_t is None else (
-                    proj_t.ctypes.data, proj_t.shape[1])  # fmt: skip
                 fused_step(
-                    team, x_ptr, inputs, h_ptr, packed_ptr, proj_ptr, proj_stride, bias_ptr,
+                    team, h_ptr, packed_ptr, proj_t.ctypes.data, proj_t.shape[1], bias_ptr,
                     c_ptr, peep_ptr, batch, units, *offsets, clip,
                     *(base + at for base in bases),
                 )  # fmt: skip
@@ -515,10 +503,6 @@ def _recur(
             check()
         c_last = cs_prev if t == 0 else out_cs[t - 1]
         h_last = h_prev if t == 0 else out_h[t - 1]
-        if in_step:  # FUSED, the projection in the step
-            assert x_rows is not None
-            _fused_step(t, x_rows[t].ctypes.data, None)
-            continue
         if form is Formulation.CONCAT:
             xh = ws.proj
             xh[:, :inputs] = x[t]
@@ -537,7 +521,7 @@ def _recur(
                     proj += ws.b
             proj_t = ws.proj[k * batch : (k + 1) * batch]
             if form is Formulation.FUSED:  # (``_run`` made sure the step serves)
-                _fused_step(t, None, proj_t)
+                _fused_step(t, proj_t)
                 continue
             if form is Formulation.HOISTED_T:
                 np.matmul(ws.w_h_t, h_last.T, out=ws.gates_t)

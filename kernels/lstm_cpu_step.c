@@ -330,13 +330,13 @@ DEFINE_BACKWARD_STEP(double, gradserve_lstm_backward_step_f64)
  * ``lstm_cpu``'s HOISTED formulation computes each step's h @ W_h with NumPy's BLAS,
  * which packs both operands again on every call (W_h, a megabyte at 256 units, for a
  * GEMM of 32 rows) and runs at about 60% of its large-GEMM speed there; the step above
- * then reads the gates back from memory. FUSED packs W_h (or all of W, where the steps
- * project the input too) once per call, into panels of VL units by the four gates
- * (``gradserve_lstm_pack_f32``), and each step (``gradserve_lstm_forward_fused_step_f32``)
- * computes a tile of MR batch rows by one panel in registers (a register-blocked GEMM:
- * MR x 4 vectors of accumulators, as BLAS libraries' micro-kernels), starting from the
- * bias (and the projection), and turns it into the seven outputs of those rows and
- * units while it is still in the L1 cache.
+ * then reads the gates back from memory. FUSED packs W_h once per call, into panels
+ * of VL units by the four gates (``gradserve_lstm_pack_f32``), and each step
+ * (``gradserve_lstm_forward_fused_step_f32``) computes a tile of MR batch rows by one
+ * panel in registers (a register-blocked GEMM: MR x 4 vectors of accumulators, as BLAS
+ * libraries' micro-kernels), starting from the bias and the input projection (the
+ * BLAS's GEMM of a chunk of steps), and turns it into the seven outputs of those rows
+ * and units while it is still in the L1 cache.
  *
  * VL and MR follow the vector registers the compiler targets: 32 of 16 floats with
  * AVX-512, 16 of 8 with AVX, 32 of 4 on AArch64, else SSE's or the baseline's 4 (GCC's
@@ -432,7 +432,7 @@ long gradserve_lstm_packed_floats(long rows, long units) {
 }
 
 /* packed[p][k][g][u] = w[k][off_g + p * VL + u] for each gate g (i, f, c, o), 0 past the
- * last unit: w is [rows, 4 units] (W_h, or all of W: W_x's rows, then W_h's), the gates'
+ * last unit: w is [rows, 4 units] (W_h: rows = units), the gates'
  * columns at off_*. */
 void gradserve_lstm_pack_f32(
     const float *restrict w, long rows, long units, long off_i, long off_f, long off_c,
@@ -543,8 +543,8 @@ static long cache_group_panels(long rows) {
 
 /* One step's arguments (``gradserve_lstm_forward_fused_step_f32`` states them). */
 struct fused_step {
-    const float *x_t, *h_last, *packed, *proj, *bias, *c_last, *peep;
-    long inputs, proj_stride, batch, units, offs[4];
+    const float *h_last, *packed, *proj, *bias, *c_last, *peep;
+    long proj_stride, batch, units, offs[4];
     float cell_clip;
     float *out_i, *out_cs, *out_f, *out_o, *out_ci, *out_co, *out_h;
 };
@@ -555,7 +555,7 @@ struct fused_step {
  * were not in it: after 0.2 s idle a forward at (50, 32, 256) took 13.7 ms in its steps
  * against 11.1 ms busy; a block at a time, 12.7). */
 static __attribute__((noinline)) FMA_FUNCTION void fused_tiles(
-    long b_begin, long b_end, long p_begin, long p_end, const float *restrict x_t, long inputs,
+    long b_begin, long b_end, long p_begin, long p_end,
     const float *restrict h_last, const float *restrict packed,
     const float *restrict proj, long proj_stride, const float *restrict bias,
     const float *restrict c_last, const float *restrict peep, long batch, long units,
@@ -566,13 +566,13 @@ static __attribute__((noinline)) FMA_FUNCTION void fused_tiles(
 {
     /* (restrict parameters: through a struct's fields GCC assumed the outputs might
      * alias the operands, and the step ran 2.2x slower; ``tiles_of_step`` unpacks) */
-    const long blocks = blocks_of(batch), rows = inputs + units; /* of each packed panel */
+    const long blocks = blocks_of(batch);
     float z[MR * PANEL_WIDTH] __attribute__((aligned(64)));
     for (long block = b_begin; block < b_end; block++) {
         const long r0 = block_start(batch, blocks, block);
         const int mr = (int)(block_start(batch, blocks, block + 1) - r0);
         for (long p = p_begin; p < p_end; p++) {
-            const float *panel = packed + p * rows * PANEL_WIDTH;
+            const float *panel = packed + p * units * PANEL_WIDTH;
             const long u0 = p * VL, n = units - u0 < VL ? units - u0 : VL;
             const float *wci = peep != NULL ? peep + u0 : NULL;
             const float *wcf = peep != NULL ? peep + units + u0 : NULL;
@@ -605,8 +605,7 @@ static __attribute__((noinline)) FMA_FUNCTION void fused_tiles(
                         for (long u = 0; u < n; u++) zg[u] += pr[offs[g] + u0 + u];
                 }
             }
-            if (inputs > 0) panel_tile_rows(x_t + r0 * inputs, inputs, panel, z, mr);
-            panel_tile_rows(h_last + r0 * units, units, panel + inputs * PANEL_WIDTH, z, mr);
+            panel_tile_rows(h_last + r0 * units, units, panel, z, mr);
             for (int r = 0; r < mr; r++) {
                 const long at = (r0 + r) * units + u0;
                 const float *zr = z + r * PANEL_WIDTH;
@@ -630,7 +629,7 @@ static __attribute__((noinline)) FMA_FUNCTION void fused_tiles(
 /* ``fused_tiles`` of a step's arguments. */
 static void tiles_of_step(const struct fused_step *s, long b_begin, long b_end, long p_begin,
                           long p_end) {
-    fused_tiles(b_begin, b_end, p_begin, p_end, s->x_t, s->inputs, s->h_last, s->packed, s->proj,
+    fused_tiles(b_begin, b_end, p_begin, p_end, s->h_last, s->packed, s->proj,
                  s->proj_stride, s->bias,
                  s->c_last, s->peep, s->batch, s->units, s->offs, s->cell_clip, s->out_i,
                  s->out_cs, s->out_f, s->out_o, s->out_ci, s->out_co, s->out_h);
@@ -801,10 +800,11 @@ static void claimed_backward_tiles(const struct backward_step *s, long c) {
  * thread and ``threads - 1`` workers (``gradserve_fused_team_start``; ``native.py``
  * keeps teams between calls). A team serves forward steps and backward steps (one at
  * a time: a call's forward, its backward, the next call's forward; ``backward`` says
- * which the current step is). The forward's steps then project the input themselves
- * (x_t given): between chunks of steps, the BLAS projection's own threads woke, and
- * spun for a while after it (OpenBLAS's, 0.1 s by default) on the cores the team
- * computes on.
+ * which the current step is). The forward's input projection stays the BLAS's, a GEMM
+ * per chunk of steps between them (``lstm_cpu.CHUNK_BYTES``): teams run only where the
+ * BLAS's threads sleep soon after a call (``native.py``), and the steps projecting the
+ * input themselves (all of W packed, a team where there were BLAS threads) ran 4-9%
+ * slower, W_x's panels read again every step.
  *
  * Per step the caller stores it, publishes it (a new generation in the ticket, under
  * the team's mutex so that no worker going to sleep misses it) and every member takes
@@ -816,7 +816,7 @@ static void claimed_backward_tiles(const struct backward_step *s, long c) {
  * step never waits for it beyond a claim it had taken (statically divided, a step
  * waited for a worker that shared the caller's core). Each tile is computed by one
  * member, in one order, so a team's outputs are the same bits at any team size (and
- * the same as the caller alone with x_t given). Between steps a worker spins a while
+ * the same as the caller alone). Between steps a worker spins a while
  * (``SPIN_ROUNDS``: the next step comes within microseconds), then sleeps on the
  * condition variable: an op paused, or between calls, costs no core. */
 
@@ -877,7 +877,7 @@ static long groups_of(long units) { return (panels_of(units) + GROUP_PANELS - 1)
  * GROUP_PANELS panels (so a member's next claim goes on along the rows it wrote). */
 static void claimed_tiles(const struct fused_step *s, long c) {
     const long panels = panels_of(s->units), blocks = blocks_of(s->batch);
-    const long cache_group = cache_group_panels(s->inputs + s->units);
+    const long cache_group = cache_group_panels(s->units);
     const long full_claims = blocks * (cache_group / GROUP_PANELS); /* of a whole group */
     const long first = c / full_claims * cache_group, rest = c % full_claims;
     const long in_group = panels - first < cache_group ? panels - first : cache_group;
@@ -1000,15 +1000,12 @@ void gradserve_fused_team_stop(struct fused_team *t) {
 static void run_team_step(struct fused_team *team, long claims);
 
 /* One step of FUSED into the seven outputs [batch, units]: z = (bias + proj) + h_last @
- * W_h, bias and proj as ``gradserve_lstm_forward_step_f32`` takes them, where x_t is
- * NULL (packed: W_h's rows, ``gradserve_lstm_pack_f32``); else z = bias + x_t @ W_x +
- * h_last @ W_h, the input projection in the step too (packed: W's rows, W_x's first;
- * proj unused): x_t [batch, inputs] and h_last [batch, units], contiguous. By ``team``'s
- * members where it is not NULL (``gradserve_fused_team_start``), else by the caller
- * alone. */
+ * W_h, bias and proj as ``gradserve_lstm_forward_step_f32`` takes them (proj NULL: no
+ * input projection), packed W_h's rows (``gradserve_lstm_pack_f32``), h_last [batch,
+ * units] contiguous. By ``team``'s members where it is not NULL
+ * (``gradserve_fused_team_start``), else by the caller alone. */
 void gradserve_lstm_forward_fused_step_f32(
-    struct fused_team *team, const float *restrict x_t, long inputs,
-    const float *restrict h_last, const float *restrict packed,
+    struct fused_team *team, const float *restrict h_last, const float *restrict packed,
     const float *restrict proj, long proj_stride, const float *restrict bias,
     const float *restrict c_last, const float *restrict peep,
     long batch, long units, long off_i, long off_f, long off_c, long off_o,
@@ -1017,15 +1014,13 @@ void gradserve_lstm_forward_fused_step_f32(
     float *restrict out_o, float *restrict out_ci, float *restrict out_co,
     float *restrict out_h)
 {
-    if (x_t == NULL) inputs = 0;
-    else proj = NULL;
     const struct fused_step step = {
-        x_t, h_last, packed, proj, bias, c_last, peep, inputs, proj_stride, batch, units,
+        h_last, packed, proj, bias, c_last, peep, proj_stride, batch, units,
         {off_i, off_f, off_c, off_o}, cell_clip,
         out_i, out_cs, out_f, out_o, out_ci, out_co, out_h,
     };
     if (team == NULL) {
-        const long panels = panels_of(units), group = cache_group_panels(inputs + units);
+        const long panels = panels_of(units), group = cache_group_panels(units);
         for (long p0 = 0; p0 < panels; p0 += group)
             tiles_of_step(&step, 0, blocks_of(batch), p0, p0 + group < panels ? p0 + group : panels);
         return;

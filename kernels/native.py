@@ -571,9 +571,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     pack.argtypes = [ptr, long_, long_, *[long_] * 4, ptr]  # w, rows, units, offsets; packed
     pack.restype = None
     fused = getattr(lib, FUSED_STEP)
-    # team, x_t, inputs, h_last, packed, proj, proj_stride, then as the step's
-    fused.argtypes = [ptr, ptr, long_, ptr, ptr, ptr, long_, ptr, ptr, ptr, *[long_] * 6, f32,
-                      *[ptr] * 7]  # fmt: skip
+    # team, h_last, packed, proj, proj_stride, then as the step's
+    fused.argtypes = [ptr, ptr, ptr, ptr, long_, ptr, ptr, ptr, *[long_] * 6, f32, *[ptr] * 7]
     fused.restype = None
     packed_t_floats = getattr(lib, PACKED_T_FLOATS)
     packed_t_floats.argtypes = [long_]
@@ -656,7 +655,7 @@ def _built() -> ctypes.CDLL:
 
 def packed_floats(rows: int, units: int) -> int:
     """The floats of a [rows, 4 units] weight matrix packed for the FUSED formulation's
-    step (W_h: ``units`` rows; all of W: inputs + units)."""
+    step (W_h: ``units`` rows)."""
     return int(getattr(_built(), PACKED_FLOATS)(rows, units))
 
 

@@ -17,6 +17,7 @@ import types
 
 import numpy as np
 import pytest
+import threadpoolctl
 
 from gradserve.kernels import backend_numpy, blas_threads, lstm, lstm_cpu, lstm_cpu_backward, native
 from gradserve.lstm_signature import LSTMGrads, LSTMInputs, LSTMOutputGrads
@@ -127,12 +128,12 @@ def test_the_packed_weights_are_aligned_and_hold_w_by_panel():
     ws = lstm_cpu._new_workspace((FUSED, 2, 3, inputs, units, "<f4"))
     assert ws.packed.ctypes.data % lstm_cpu.PACK_ALIGNMENT == 0
     assert ws.gates.size == 0 and ws.tmp.size == 0  # FUSED needs neither
-    assert ws.packed.size == native.packed_floats(inputs + units, units)  # all of W, at most
+    assert ws.packed.size == native.packed_floats(units, units)  # W_h
     rng = np.random.default_rng(1)
     offsets = (2 * units, 0, 3 * units, units)  # i, f, c, o: the columns of each gate
-    for rows in (inputs + units, units):  # all of W (a team's), W_h alone
+    for rows in (units, inputs + units):  # W_h, and any rows
         w = rng.standard_normal((rows, 4 * units)).astype(np.float32)
-        packed = ws.packed[: native.packed_floats(rows, units)]
+        packed = lstm_cpu.aligned_empty(native.packed_floats(rows, units), np.dtype("f4"))
         native.pack(w, offsets, packed)
         # packed[p][k][g][u]: panels of VL units by the four gates, 0 past the last unit
         (width,) = [vl for vl in (4, 8, 16) if packed.size == -(-units // vl) * rows * 4 * vl]
@@ -156,8 +157,8 @@ def test_the_packed_weights_are_aligned_and_hold_w_by_panel():
 
 @pytest.fixture
 def team_of(monkeypatch):
-    """FUSED's calls as in a process of two BLAS threads (its steps project the input),
-    in teams of n where the BLAS threads sleep soon (0 or 1: the caller alone)."""
+    """FUSED's calls as in a process of two BLAS threads, in teams of n where the BLAS
+    threads sleep soon (0 or 1: the caller alone)."""
     require_native()
     monkeypatch.setattr(blas_threads.BLAS, "plan_count", lambda: 2)
 
@@ -170,12 +171,13 @@ def team_of(monkeypatch):
 
 @pytest.mark.parametrize("units", [70, 200])  # 200: 13 panels, cache groups of 8 and 5
 def test_a_team_computes_the_same_bits_at_any_size_and_the_lstm(team_of, units):
-    """Where the process has two BLAS threads or more the steps project the input
-    themselves and a team shares their tiles; each tile is one member's, so the
-    caller alone (no team: BLAS threads that spin, a failed thread start) and 2, 3 or
-    8 members (8 on this machine's 2 cores: members the scheduler leaves waiting)
-    give the same bits; and the LSTM's values. With one BLAS thread the projection is
-    the BLAS's, another sum's bits."""
+    """A team shares each step's tiles; each tile is one member's, so the caller alone
+    (no team: BLAS threads that spin, a failed thread start) and 2, 3 or 8 members (8
+    on this machine's 2 cores: members the scheduler leaves waiting) give the same
+    bits; and the LSTM's values. The projection is the BLAS's GEMM, whose threads
+    split its output, not its sums: the bits are the same with one BLAS thread or
+    two (with the steps projecting the input themselves where there were two, they
+    were not)."""
     scale = 0.8 if units < 100 else 0.5
     case = random_case(np.random.default_rng(12), 20, 13, 9, units, np.float32, scale=scale)
     attrs = dict(seq_len_max=18, use_peephole=True, cell_clip=0.7, forget_bias=1.0)
@@ -189,10 +191,10 @@ def test_a_team_computes_the_same_bits_at_any_size_and_the_lstm(team_of, units):
     for name, a, b in zip(lstm.LSTMActivations._fields, results[0], want):
         # (float32's rounding grows with the steps: the first five, as above)
         assert scaled_error(a[:5], b[:5].astype(np.float32)) < TOLERANCE["float32"], name
-    with pytest.MonkeyPatch.context() as one_thread:
-        one_thread.setattr(blas_threads.BLAS, "plan_count", lambda: 1)
-        hoisted_projection = pinned_forward(case, form=FUSED, **attrs)
-    assert not np.array_equal(hoisted_projection.h, results[0].h)
+    for threads in (1, 2):
+        with threadpoolctl.threadpool_limits(threads, user_api="blas"):
+            for a, b in zip(pinned_forward(case, form=FUSED, **attrs), results[0]):
+                np.testing.assert_array_equal(a, b, err_msg=f"{threads} BLAS threads")
 
 
 @pytest.mark.parametrize("members", [1, 2])  # one BLAS thread (its projection), a team
@@ -223,13 +225,15 @@ def test_fused_computes_subnormals_as_zero_as_tensorflow_and_restores_the_mode(
 
 
 def _step_inputs(rng: np.random.Generator, batch: int, inputs: int, units: int) -> dict:
-    """One FUSED step's operands (all of W packed: the projection in the step)."""
-    w = rng.standard_normal((inputs + units, 4 * units)).astype(np.float32) * 0.3
-    packed = lstm_cpu.aligned_empty(native.packed_floats(inputs + units, units), np.dtype("f4"))
+    """One FUSED step's operands (W_h packed; the projection of ``inputs`` inputs)."""
+    w_h = rng.standard_normal((units, 4 * units)).astype(np.float32) * 0.3
+    packed = lstm_cpu.aligned_empty(native.packed_floats(units, units), np.dtype("f4"))
     offsets = (0, units, 2 * units, 3 * units)
-    native.pack(w, offsets, packed)
+    native.pack(w_h, offsets, packed)
+    x, w_x = (rng.standard_normal(shape).astype(np.float32) for shape in
+              ((batch, inputs), (inputs, 4 * units)))  # fmt: skip
     arrays = {
-        "x": rng.standard_normal((batch, inputs)).astype(np.float32),
+        "proj": x @ w_x,
         "h": rng.standard_normal((batch, units)).astype(np.float32),
         "c": rng.standard_normal((batch, units)).astype(np.float32),
         "bias": rng.standard_normal(4 * units).astype(np.float32),
@@ -243,9 +247,9 @@ def _run_step(team: int | None, op: dict, lib: ctypes.CDLL | None = None) -> np.
     outs = np.full((7, op["batch"], op["units"]), np.nan, np.float32)
     step = native.fused_step() if lib is None else getattr(lib, native.FUSED_STEP)
     step(
-        team, op["x"].ctypes.data, op["inputs"], op["h"].ctypes.data, op["packed"].ctypes.data,
-        None, 0, op["bias"].ctypes.data, op["c"].ctypes.data, None, op["batch"], op["units"],
-        *op["offsets"], 0.0, *(o.ctypes.data for o in outs),
+        team, op["h"].ctypes.data, op["packed"].ctypes.data, op["proj"].ctypes.data,
+        4 * op["units"], op["bias"].ctypes.data, op["c"].ctypes.data, None, op["batch"],
+        op["units"], *op["offsets"], 0.0, *(o.ctypes.data for o in outs),
     )  # fmt: skip
     return outs
 
