@@ -13,9 +13,9 @@ import numpy as np
 # The whole-sequence forward and backward recurrences, and the peepholes' gradients
 # (``lstm.block_lstm_forward`` and ``block_lstm_backward`` hand them over).
 from gradserve.kernels.lstm_cpu import forward_sequence as forward_sequence
+from gradserve.kernels.lstm_cpu import without_subnormals as without_subnormals
 from gradserve.kernels.lstm_cpu_backward import backward_sequence as backward_sequence
 from gradserve.kernels.lstm_cpu_backward import peephole_grads as peephole_grads
-from gradserve.kernels.lstm_cpu_backward import without_subnormals as without_subnormals
 
 #: The arrays of this backend (NumPy's); ``Any`` because NumPy's own annotations of
 #: in-place ufuncs are looser than this code's use of them.

@@ -259,15 +259,17 @@ def block_lstm_backward(
                     _mask_clipped(xp, cs[t], clip_at, dgates[t], dcs, offsets, units)
                 xp.matmul(dgates[t], w_h_t, out=dh)
         flat = dgates.reshape(length * batch, 4 * units)
-        # Then W_x's GEMM reads them as zero too: the BLAS's threads would not.
+        x_rows = x[:length].reshape(length * batch, input_size)
+        h_rows = _shifted(xp, h_prev, h, length).reshape(length * batch, units)
+        # Then the GEMMs read them as zero too, as the BLAS's threads would not (the
+        # CPU's ``lstm_cpu.without_subnormals``; dgates came out of the recurrence so).
         without_subnormals = getattr(backend, "without_subnormals", None)
         if flushed and without_subnormals is not None:
-            w_x = without_subnormals(w_x)
+            w_x, x_rows, h_rows = (without_subnormals(a) for a in (w_x, x_rows, h_rows))
         # GEMMs write straight into (contiguous views of) the outputs: no temporaries.
         xp.matmul(flat, w_x.T, out=x_grad[:length].reshape(length * batch, input_size))
-        xp.matmul(x[:length].reshape(length * batch, input_size).T, flat, out=w_grad[:input_size])
-        h_seq = _shifted(xp, h_prev, h, length)
-        xp.matmul(h_seq.reshape(length * batch, units).T, flat, out=w_grad[input_size:])
+        xp.matmul(x_rows.T, flat, out=w_grad[:input_size])
+        xp.matmul(h_rows.T, flat, out=w_grad[input_size:])
         b_grad = flat.sum(axis=0)
         grads_of = getattr(backend, "peephole_grads", None)  # the CPU's: no products
         if use_peephole and grads_of is not None:

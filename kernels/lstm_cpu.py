@@ -68,12 +68,14 @@ from gradserve.kernels.lstm import Empty
 Array = Any  # numpy.ndarray; ``Any`` as in backend_numpy (in-place ufunc annotations)
 Offsets = tuple[int, int, int, int]
 
-#: Bytes of one input-projection GEMM's output (a chunk of steps, whole steps; one
-#: step where a step is more). Few GEMMs: each wakes the BLAS's threads, which then
-#: spin beside FUSED's team. FUSED with two threads, all steps' projection at once
-#: against 512 rows a GEMM: 7.0 against 7.5 ms at (50, 32, 256), 7.9 against 8.8 after
-#: 0.2 s idle; at (100, 64, 512) 1,024-6,400 rows were within noise (88-94 ms), the
-#: whole sequence 52 MB of warm workspace.
+#: Bytes of one input-projection GEMM's output in the hoisted formulations and FUSED (a
+#: chunk of whole steps; one step where a step is more). Few GEMMs: each wakes the
+#: BLAS's threads, which then spin beside FUSED's team. FUSED with two threads, all
+#: steps' projection at once against 512 rows a GEMM: 7.0 against 7.5 ms at (50, 32,
+#: 256), 7.9 against 8.8 after 0.2 s idle; at (100, 64, 512) 1,024-6,400 rows were
+#: within noise (88-94 ms), the whole sequence 52 MB of warm workspace. HOISTED and
+#: HOISTED_T: neutral (0.99-1.10, a review helper). The chunk follows the input's steps,
+#: not ``seq_len_max``: so calls of one shape share one workspace key.
 CHUNK_BYTES = 8 << 20
 #: Bytes of warm workspaces kept between calls, all shapes together (LRU beyond).
 WORKSPACE_CACHE_BYTES = 64 << 20
@@ -107,7 +109,7 @@ class Workspace:
     w_h_t: Array  # HOISTED_T: prepared W_h^T, [4H, H] (else empty)
     b: Array  # prepared bias: [4H]
     peep: Array  # prepared peepholes wci, wcf, wco: [3, H]
-    proj: Array  # HOISTED*: the projection of a chunk of steps; CONCAT: [B, I + H] of [x, h]
+    proj: Array  # HOISTED*, FUSED: a chunk of steps' projection; CONCAT: [B, I + H] of [x, h]
     gates: Array  # one step's pre-activations: [B, 4H]
     gates_t: Array  # HOISTED_T: h @ W_h transposed, [4H, B] (else empty)
     tmp: Array  # [B, H] scratch
@@ -385,8 +387,8 @@ def _native_step(x: Array, outs: Sequence[Array], units: int) -> Any | None:
     return None if lib is None else getattr(lib, native.STEP)
 
 
-def _chunk_steps(batch: int, units: int, itemsize: int, length: int) -> int:
-    return max(1, min(length, CHUNK_BYTES // max(1, batch * 4 * units * itemsize)))
+def _chunk_steps(batch: int, units: int, itemsize: int, steps: int) -> int:
+    return max(1, min(steps, CHUNK_BYTES // max(1, batch * 4 * units * itemsize)))
 
 
 def _run(
@@ -401,17 +403,20 @@ def _run(
     units = cs_prev.shape[1]
     if form is Formulation.FUSED and _native_step(x, outs, units) is None:
         form = Formulation.HOISTED
-    chunk = 1 if form is Formulation.CONCAT else _chunk_steps(batch, units, x.itemsize, length)
+    chunk = 1 if form is Formulation.CONCAT else _chunk_steps(batch, units, x.itemsize, steps)
     key: WorkspaceKey = (form, chunk, batch, inputs, units, x.dtype.str)
     ws = WORKSPACES.take(key)
     try:
         fused = form is Formulation.FUSED
         flushing = native.flushing_subnormals() if fused else contextlib.nullcontext()
         teamed = fused_team(batch, units) if fused else contextlib.nullcontext()
+        # The projection's operands without subnormals where BLAS threads other than this
+        # (flushing) one may compute it: the process has more than one (``zero_subnormals``).
+        flush = fused and (blas_threads() or 1) > 1
         with flushing, teamed as team:
-            _prepare(ws, form, w, b, wci, wcf, wco, offsets, units, forget_bias)
+            _prepare(ws, form, w, b, wci, wcf, wco, offsets, units, forget_bias, flush)
             _recur(ws, form, chunk, x, cs_prev, h_prev, outs, length, offsets, cell_clip,
-                   use_peephole, check, team)  # fmt: skip
+                   use_peephole, check, team, flush)  # fmt: skip
     finally:
         WORKSPACES.give(key, ws)
 
@@ -419,8 +424,8 @@ def _run(
 def fused_team(
     batch: int, units: int, backward: bool = False
 ) -> contextlib.AbstractContextManager[int | None]:
-    """FUSED's team of threads for a call (a forward or a ``backward``): as many as the op's BLAS threads now (its share of them with
-    ``--share-blas-threads``), but no more than a step has claims (each member wakes
+    """FUSED's team of threads for a call (a forward or a ``backward``): as many as the
+    op's BLAS threads now (its share of them with ``--share-blas-threads``), but no more than a step has claims (each member wakes
     every step), where the BLAS threads sleep soon after a call
     (``BlasThreads.sleep_soon``: the server's setting). Where they spin on (OpenBLAS's
     default: 0.1 s after each call), a team computed on the cores they spun on: 10-15
@@ -433,10 +438,10 @@ def fused_team(
 
 def _prepare(
     ws: Workspace, form: Formulation, w: Array, b: Array, wci: Array, wcf: Array, wco: Array,
-    offsets: Offsets, units: int, forget_bias: float,
+    offsets: Offsets, units: int, forget_bias: float, flush: bool,
 ) -> None:  # fmt: skip
     """Weights, bias (with the forget bias) and peepholes, sigmoid gates halved; FUSED's
-    packed W_h."""
+    packed W_h; ``flush``: W_x's subnormals as zeros (``zero_subnormals``)."""
     off_c, off_f = offsets[2], offsets[1]
     np.multiply(w, 0.5, out=ws.w)
     np.multiply(b, 0.5, out=ws.b)
@@ -450,6 +455,39 @@ def _prepare(
         transpose_into(ws.w[w.shape[0] - units :], ws.w_h_t)
     elif form is Formulation.FUSED:
         native.pack(ws.w[w.shape[0] - units :], offsets, ws.packed)
+        w_x = ws.w[: w.shape[0] - units]
+        if flush and native.any_subnormal(w_x):
+            zero_subnormals(w_x)
+
+
+def without_subnormals(a: Array) -> Array:
+    """``a`` as TensorFlow's CPU kernels read it, for a BLAS GEMM of FUSED (float32, the
+    library built): ``a`` itself where it holds no subnormal float
+    (``native.any_subnormal``, one scan), else a copy with each as a zero of its sign
+    (``zero_subnormals``)."""
+    contiguous = np.ascontiguousarray(a)
+    if not native.any_subnormal(contiguous):
+        return a
+    flushed = contiguous.copy()
+    zero_subnormals(flushed)
+    return flushed
+
+
+def zero_subnormals(a: Array) -> None:
+    """``a``'s subnormal floats as zeros of their sign, in place: FUSED's steps read them
+    so (flush-to-zero and denormals-are-zero, as TensorFlow's CPU kernels), but the
+    BLAS's threads that compute its input projection (and the backward's GEMM of W_x)
+    do not, and each multiply-add with one takes a microcode assist there: at (50, 32,
+    256) a backward of subnormal weights took 120 ms against 11, a forward with two BLAS
+    threads 146.5 ms against 8.3, and one of subnormal inputs 557.6 (a review helper).
+    The callers scan first (``native.any_subnormal``): most arrays hold none; the
+    forward only where the process has more than one BLAS thread (with one, the
+    projection is computed in the flushing thread itself). float32,
+    by its bits: in a flushing thread (FUSED's calls) NumPy's comparisons read a
+    subnormal as zero too, and a test of ``a != 0`` found none."""
+    bits = a.view(np.uint32)
+    subnormal = ((bits & 0x7F800000) == 0) & ((bits & 0x007FFFFF) != 0)
+    bits[subnormal] &= np.uint32(0x80000000)
 
 
 def transpose_into(matrix: Array, out: Array) -> None:
@@ -463,7 +501,7 @@ def transpose_into(matrix: Array, out: Array) -> None:
 def _recur(
     ws: Workspace, form: Formulation, chunk: int, x: Array, cs_prev: Array, h_prev: Array,
     outs: Sequence[Array], length: int, offsets: Offsets, cell_clip: float,
-    use_peephole: bool, check: Callable[[], None] | None, team: int | None,
+    use_peephole: bool, check: Callable[[], None] | None, team: int | None, flush: bool,
 ) -> None:  # fmt: skip
     steps, batch, inputs = x.shape
     units = cs_prev.shape[1]
@@ -516,7 +554,10 @@ def _recur(
             if k == 0:  # the input projection of the next chunk of steps, bias added
                 n = min(chunk, length - t)
                 proj = ws.proj[: n * batch]
-                np.matmul(x[t : t + n].reshape(n * batch, inputs), w_x, out=proj)
+                x_rows = x[t : t + n].reshape(n * batch, inputs)
+                if flush:
+                    x_rows = without_subnormals(x_rows)
+                np.matmul(x_rows, w_x, out=proj)
                 if step is None:  # (the compiled step adds the bias itself)
                     proj += ws.b
             proj_t = ws.proj[k * batch : (k + 1) * batch]

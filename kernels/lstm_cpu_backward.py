@@ -83,7 +83,8 @@ def backward_sequence(
     ``cs_prev``. ``clip_at``: the forward's cell clip as stored, or None without one.
     ``check`` runs before every step; ``empty`` allocates ``W_h^T`` and the factors.
     Returns whether subnormal floats were read and written as zero (FUSED's steps):
-    the caller's GEMMs after it then read W_x through ``without_subnormals``."""
+    the caller's GEMMs after it then read their operands through
+    ``lstm_cpu.without_subnormals``."""
     if length == 0:  # no step: the carries stay zero (and dgates[0] is not there)
         return False
     heap.keep_warm()
@@ -148,22 +149,6 @@ def backward_sequence(
                     d *= unclipped
             np.matmul(dgates[t], w_h_t, out=dh)
     return False
-
-
-def without_subnormals(a: Array) -> Array:
-    """``a`` as TensorFlow's CPU kernels read it, for a BLAS GEMM after FUSED's backward
-    recurrence (``backward_sequence`` returned True: float32, the library built): ``a``
-    itself where it holds no subnormal float (``native.any_subnormal``, one scan), else
-    a copy with each as a zero of its sign. The BLAS's threads compute without
-    flush-to-zero: the GEMM of subnormal W_x took 120 ms against 11 (``lstm_cpu_step.c``
-    says why the steps flush)."""
-    contiguous = np.ascontiguousarray(a)
-    if not native.any_subnormal(contiguous):
-        return a
-    flushed = contiguous.copy()
-    subnormal = (flushed != 0) & (np.abs(flushed) < np.finfo(flushed.dtype).tiny)
-    flushed[subnormal] = np.copysign(flushed.dtype.type(0), flushed[subnormal])
-    return flushed
 
 
 #: The compiled backward step of each dtype (``lstm_cpu_step.c``).
@@ -255,8 +240,8 @@ def _recur_fused(
     a team of threads where the process has more than one BLAS thread: the same bits
     with any team or none), then dh = dgates[0] @ W_h^T the same way. Subnormal floats
     are read and written as zero (as the forward's FUSED: the team's workers compute
-    so), in all of it; the caller's GEMM of W_x after it reads W_x through
-    ``without_subnormals``. ``empty`` allocates the packed W_h^T (the server's warm
+    so), in all of it; the caller's GEMMs after it read their operands through
+    ``lstm_cpu.without_subnormals``. ``empty`` allocates the packed W_h^T (the server's warm
     buffers), as the other paths' W_h^T."""
     batch, units = dh.shape
     packed = lstm_cpu.aligned_empty(native.packed_transposed_floats(units), dh.dtype, empty)

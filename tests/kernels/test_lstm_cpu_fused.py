@@ -177,7 +177,8 @@ def test_a_team_computes_the_same_bits_at_any_size_and_the_lstm(team_of, units):
     bits; and the LSTM's values. The projection is the BLAS's GEMM, whose threads
     split its output, not its sums: the bits are the same with one BLAS thread or
     two (with the steps projecting the input themselves where there were two, they
-    were not)."""
+    were not), at this depth (9 inputs: OpenBLAS's one-thread driver blocks sums of
+    more than 448 otherwise than its threaded one, a review helper)."""
     scale = 0.8 if units < 100 else 0.5
     case = random_case(np.random.default_rng(12), 20, 13, 9, units, np.float32, scale=scale)
     attrs = dict(seq_len_max=18, use_peephole=True, cell_clip=0.7, forget_bias=1.0)
@@ -222,6 +223,33 @@ def test_fused_computes_subnormals_as_zero_as_tensorflow_and_restores_the_mode(
     unflushed = pinned_forward(tiny, native.Mode.NUMPY, HOISTED, **attrs)
     assert unflushed.ci.any()  # (where subnormals are kept, ci = tanh(z) is one)
     assert np.float32(1e-38) * np.float32(0.01) > 0  # this thread's mode restored
+
+
+@pytest.mark.parametrize("operand", ["w", "x"])
+def test_fused_reads_subnormals_as_zero_in_the_blas_projection_with_two_threads(operand):
+    """The input projection is the BLAS's GEMM, whose threads compute without
+    flush-to-zero: FUSED hands it W_x and x with their subnormals as zeros. All of W
+    subnormal sums 256 products into normal numbers there, and x subnormal beside a
+    large W makes normal products: the first step's pre-activations are that GEMM alone
+    (no bias, zero states), and the outputs are the bits of zeros in their place (with
+    two BLAS threads the helper thread's share gave nonzero cells, and the forward took
+    146.5 and 557.6 ms against 8.3: a review helper). At a size OpenBLAS threads."""
+    require_native()
+    rng = np.random.default_rng(37)
+    case = random_case(rng, 6, 32, 256, 64, np.float32)
+    case.update(b=np.zeros_like(case["b"]), cs_prev=np.zeros_like(case["cs_prev"]),
+                h_prev=np.zeros_like(case["h_prev"]))  # fmt: skip
+    if operand == "x":
+        case["w"] = case["w"] * np.float32(1e3)
+    tiny = dict(case, **{operand: case[operand] * np.float32(1e-39)})
+    assert np.count_nonzero(tiny[operand]) == tiny[operand].size  # subnormal, not zero
+    zero = dict(case, **{operand: np.zeros_like(case[operand])})
+    attrs = dict(seq_len_max=6, use_peephole=True)
+    with threadpoolctl.threadpool_limits(2, user_api="blas"):
+        got, want = (pinned_forward(c, form=FUSED, **attrs) for c in (tiny, zero))
+    for name, a, b in zip(lstm.LSTMActivations._fields, got, want, strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    assert not got.ci[0].any()
 
 
 def _step_inputs(rng: np.random.Generator, batch: int, inputs: int, units: int) -> dict:
@@ -603,47 +631,73 @@ def test_the_fused_backward_computes_subnormals_as_zero_and_restores_the_mode(te
 
 
 @pytest.mark.parametrize("members", [1, 2])
-def test_the_fused_backwards_gemm_of_w_x_reads_its_subnormals_as_zero_too(team_of, members):
-    """The GEMM of W_x after the recurrence is the BLAS's, whose threads compute without
-    flush-to-zero (120 ms against 11 at (50, 32, 256) with subnormal weights): it reads a
-    copy with them as zero. So W with subnormal entries gives the gradients of W with
-    zeros there, every one bit for bit, and the caller's W is left as it was."""
+def test_the_fused_backwards_gemms_read_their_subnormals_as_zero_too(team_of, members):
+    """The GEMMs after the recurrence are the BLAS's, whose threads compute without
+    flush-to-zero (120 ms against 11 at (50, 32, 256) with subnormal weights): they read
+    W_x, x and h with their subnormals as zero. So W, x and h with subnormal entries
+    give the gradients of zeros there, every one bit for bit, and the caller's arrays
+    are left as they were."""
     team_of(members)
     rng = np.random.default_rng(36)
     case = random_case(rng, 6, 7, 5, 40, np.float32)
     attrs = dict(seq_len_max=6, use_peephole=True)
     activations = pinned_forward(case, form=HOISTED, **attrs)
     # some entries of W_x and W_h, of both signs; all of two inputs' rows, whose x_grad
-    # then sums subnormal products alone (elsewhere they round away beside normal ones)
+    # then sums subnormal products alone (elsewhere they round away beside normal ones);
+    # all of x's input 2 and h's unit 3 (w_grad's rows of them: subnormal sums alone)
     picked = rng.random(case["w"].shape) < 0.3
     picked[[1, 3]] = True
-    tiny = dict(case, w=np.where(picked, case["w"] * np.float32(1e-39), case["w"]))
-    assert np.count_nonzero(tiny["w"][picked]) == picked.sum()  # subnormal, not zero
-    before = tiny["w"].copy()
-    zero = dict(case, w=np.where(picked, np.float32(0), case["w"]))
-    got, want = (_backward(c, activations, FUSED, **attrs) for c in (tiny, zero))
+    tiny_w = np.where(picked, case["w"] * np.float32(1e-39), case["w"])
+    assert np.count_nonzero(tiny_w[picked]) == picked.sum()  # subnormal, not zero
+    x, h, h_prev = case["x"].copy(), activations.h.copy(), case["h_prev"].copy()
+    x[..., 2] *= np.float32(1e-39)
+    h[..., 3] *= np.float32(1e-39)
+    h_prev[..., 3] *= np.float32(1e-39)  # (the first step's previous h)
+    tiny = dict(case, w=tiny_w, x=x, h_prev=h_prev)
+    before = [a.copy() for a in (tiny_w, x, h, h_prev)]
+    zero_x, zero_h, zero_h_prev = x.copy(), h.copy(), h_prev.copy()
+    zero_x[..., 2] = zero_h[..., 3] = zero_h_prev[..., 3] = 0
+    zero = dict(case, w=np.where(picked, np.float32(0), case["w"]), x=zero_x, h_prev=zero_h_prev)
+    got = _backward(tiny, activations._replace(h=h), FUSED, **attrs)
+    want = _backward(zero, activations._replace(h=zero_h), FUSED, **attrs)
     for name, a, b in zip(LSTMGrads._fields, got, want, strict=True):
         np.testing.assert_array_equal(a, b, err_msg=name)
     assert got.x_grad.any() and not got.x_grad[..., [1, 3]].any()
-    np.testing.assert_array_equal(tiny["w"], before)
+    assert not got.w_grad[[2, 5 + 3]].any()  # x's input 2, h's unit 3: their rows
+    for a, b in zip((tiny_w, x, h, h_prev), before):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_calls_of_one_shape_share_one_workspace_whatever_their_length():
+    """The projection's chunk follows the input's steps, not ``seq_len_max``: lengths
+    20 to 50 of one shape used a workspace each (up to 8 MB apiece, 62 MiB of the 64
+    MiB cache for one shape: a review helper)."""
+    require_native()
+    case = random_case(np.random.default_rng(38), 60, 4, 8, 16, np.float32)
+    cache = lstm_cpu.Workspaces()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lstm_cpu, "WORKSPACES", cache)
+        for length in (20, 33, 50, 60):
+            pinned_forward(case, form=FUSED, seq_len_max=length, use_peephole=True)
+    assert len(cache._free) == 1
 
 
 def test_without_subnormals_copies_only_an_array_that_holds_one():
     require_native()
     tiny = np.finfo(np.float32).tiny
     special = np.array([0.0, -0.0, tiny, -tiny, np.inf, -np.inf, np.nan, 1.0], np.float32)
-    assert lstm_cpu_backward.without_subnormals(special) is special
+    assert lstm_cpu.without_subnormals(special) is special
     for n in (1, 15, 16, 17, 33, 100):  # a subnormal at every position of vectors and tails
         for at in range(n):
             a = np.ones(n, np.float32)
             a[at] = -tiny / 2 if at % 2 else tiny * np.float32(2**-23)  # the largest, the least
             assert native.any_subnormal(a), (n, at)
-            flushed = lstm_cpu_backward.without_subnormals(a)
+            flushed = lstm_cpu.without_subnormals(a)
             assert flushed is not a and a[at] != 0  # a copy; the array itself unchanged
             assert flushed[at] == 0 and np.signbit(flushed[at]) == bool(at % 2)
             np.testing.assert_array_equal(np.delete(flushed, at), np.ones(n - 1, np.float32))
     view = np.tile(np.append(special, np.float32(1e-40)), (3, 1))[:, 1:]  # not contiguous
-    flushed = lstm_cpu_backward.without_subnormals(view)
+    flushed = lstm_cpu.without_subnormals(view)
     np.testing.assert_array_equal(flushed, np.tile(np.append(special[1:], 0), (3, 1)))
     for wrong in (np.ones(4), np.ones((4, 4), np.float32).T):
         with pytest.raises(ValueError):
