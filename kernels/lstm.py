@@ -273,7 +273,7 @@ def block_lstm_backward(
         b_grad = flat.sum(axis=0)
         grads_of = getattr(backend, "peephole_grads", None)  # the CPU's: no products
         if use_peephole and grads_of is not None:
-            peephole_grads = grads_of(dgates, cs_prev, cs, length, offsets)
+            peephole_grads = grads_of(dgates, cs_prev, cs, length, offsets, flushing=flushed)
         elif use_peephole:
             off_i, off_f, _, off_o = offsets
             cs_seq = _shifted(xp, cs_prev, cs, length)

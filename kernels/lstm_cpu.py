@@ -410,11 +410,12 @@ def _run(
         fused = form is Formulation.FUSED
         flushing = native.flushing_subnormals() if fused else contextlib.nullcontext()
         teamed = fused_team(batch, units) if fused else contextlib.nullcontext()
-        # The projection's operands without subnormals where BLAS threads other than this
-        # (flushing) one may compute it: the process has more than one (``zero_subnormals``).
-        flush = fused and (blas_threads() or 1) > 1
+        # x without subnormals where BLAS threads other than this (flushing) one may
+        # compute the projection: the process has more than one, or its count is unknown
+        # (``zero_subnormals``; W_x comes out of ``_prepare``'s pass so).
+        flush = fused and (blas_threads() or 2) > 1
         with flushing, teamed as team:
-            _prepare(ws, form, w, b, wci, wcf, wco, offsets, units, forget_bias, flush)
+            _prepare(ws, form, w, b, wci, wcf, wco, offsets, units, forget_bias)
             _recur(ws, form, chunk, x, cs_prev, h_prev, outs, length, offsets, cell_clip,
                    use_peephole, check, team, flush)  # fmt: skip
     finally:
@@ -425,8 +426,9 @@ def fused_team(
     batch: int, units: int, backward: bool = False
 ) -> contextlib.AbstractContextManager[int | None]:
     """FUSED's team of threads for a call (a forward or a ``backward``): as many as the
-    op's BLAS threads now (its share of them with ``--share-blas-threads``), but no more than a step has claims (each member wakes
-    every step), where the BLAS threads sleep soon after a call
+    op's BLAS threads now (its share of them with ``--share-blas-threads``), but no
+    more than a step has claims (each member wakes every step), where the BLAS threads
+    sleep soon after a call
     (``BlasThreads.sleep_soon``: the server's setting). Where they spin on (OpenBLAS's
     default: 0.1 s after each call), a team computed on the cores they spun on: 10-15
     against 7 ms a call at (50, 32, 256), two threads. None: the caller computes alone."""
@@ -438,14 +440,17 @@ def fused_team(
 
 def _prepare(
     ws: Workspace, form: Formulation, w: Array, b: Array, wci: Array, wcf: Array, wco: Array,
-    offsets: Offsets, units: int, forget_bias: float, flush: bool,
+    offsets: Offsets, units: int, forget_bias: float,
 ) -> None:  # fmt: skip
     """Weights, bias (with the forget bias) and peepholes, sigmoid gates halved; FUSED's
-    packed W_h; ``flush``: W_x's subnormals as zeros (``zero_subnormals``)."""
+    packed W_h. The weights by arithmetic, the c gate's times 1: in FUSED's flushing
+    thread that writes every subnormal of them as a zero of its sign, so the BLAS's
+    threads, which do not flush, get no subnormal W_x (``zero_subnormals``; a copy
+    kept them, and a forward with two BLAS threads took 146.5 ms against 8.3)."""
     off_c, off_f = offsets[2], offsets[1]
     np.multiply(w, 0.5, out=ws.w)
     np.multiply(b, 0.5, out=ws.b)
-    ws.w[:, off_c : off_c + units] = w[:, off_c : off_c + units]
+    np.multiply(w[:, off_c : off_c + units], 1.0, out=ws.w[:, off_c : off_c + units])
     ws.b[off_c : off_c + units] = b[off_c : off_c + units]
     if forget_bias:
         ws.b[off_f : off_f + units] += 0.5 * forget_bias
@@ -455,9 +460,6 @@ def _prepare(
         transpose_into(ws.w[w.shape[0] - units :], ws.w_h_t)
     elif form is Formulation.FUSED:
         native.pack(ws.w[w.shape[0] - units :], offsets, ws.packed)
-        w_x = ws.w[: w.shape[0] - units]
-        if flush and native.any_subnormal(w_x):
-            zero_subnormals(w_x)
 
 
 def without_subnormals(a: Array) -> Array:
@@ -476,14 +478,14 @@ def without_subnormals(a: Array) -> Array:
 def zero_subnormals(a: Array) -> None:
     """``a``'s subnormal floats as zeros of their sign, in place: FUSED's steps read them
     so (flush-to-zero and denormals-are-zero, as TensorFlow's CPU kernels), but the
-    BLAS's threads that compute its input projection (and the backward's GEMM of W_x)
-    do not, and each multiply-add with one takes a microcode assist there: at (50, 32,
-    256) a backward of subnormal weights took 120 ms against 11, a forward with two BLAS
-    threads 146.5 ms against 8.3, and one of subnormal inputs 557.6 (a review helper).
-    The callers scan first (``native.any_subnormal``): most arrays hold none; the
-    forward only where the process has more than one BLAS thread (with one, the
-    projection is computed in the flushing thread itself). float32,
-    by its bits: in a flushing thread (FUSED's calls) NumPy's comparisons read a
+    BLAS's threads that compute its input projection (x) and the backward's GEMMs
+    after the recurrence (W_x, x, h) do not, and each multiply-add with one takes a
+    microcode assist there: at (50, 32, 256) a backward of subnormal weights took 120
+    ms against 11, a forward with two BLAS threads of subnormal inputs 557.6 against
+    8.2 (a review helper). The callers scan first (``native.any_subnormal``): most
+    arrays hold none; the forward only where the process has more than one BLAS thread
+    (with one, the projection is computed in the flushing thread itself). float32, by
+    its bits: in a flushing thread (FUSED's calls) NumPy's comparisons read a
     subnormal as zero too, and a test of ``a != 0`` found none."""
     bits = a.view(np.uint32)
     subnormal = ((bits & 0x7F800000) == 0) & ((bits & 0x007FFFFF) != 0)

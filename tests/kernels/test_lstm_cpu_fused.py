@@ -634,9 +634,10 @@ def test_the_fused_backward_computes_subnormals_as_zero_and_restores_the_mode(te
 def test_the_fused_backwards_gemms_read_their_subnormals_as_zero_too(team_of, members):
     """The GEMMs after the recurrence are the BLAS's, whose threads compute without
     flush-to-zero (120 ms against 11 at (50, 32, 256) with subnormal weights): they read
-    W_x, x and h with their subnormals as zero. So W, x and h with subnormal entries
-    give the gradients of zeros there, every one bit for bit, and the caller's arrays
-    are left as they were."""
+    W_x, x and h with their subnormals as zero, and the peepholes' gradients are
+    computed flushing too (a subnormal cell made other bits). So W, x, h and the cells
+    with subnormal entries give the gradients of zeros there, every one bit for bit,
+    and the caller's arrays are left as they were."""
     team_of(members)
     rng = np.random.default_rng(36)
     case = random_case(rng, 6, 7, 5, 40, np.float32)
@@ -650,21 +651,28 @@ def test_the_fused_backwards_gemms_read_their_subnormals_as_zero_too(team_of, me
     tiny_w = np.where(picked, case["w"] * np.float32(1e-39), case["w"])
     assert np.count_nonzero(tiny_w[picked]) == picked.sum()  # subnormal, not zero
     x, h, h_prev = case["x"].copy(), activations.h.copy(), case["h_prev"].copy()
+    cs, cs_prev = activations.cs.copy(), case["cs_prev"].copy()
     x[..., 2] *= np.float32(1e-39)
     h[..., 3] *= np.float32(1e-39)
     h_prev[..., 3] *= np.float32(1e-39)  # (the first step's previous h)
-    tiny = dict(case, w=tiny_w, x=x, h_prev=h_prev)
-    before = [a.copy() for a in (tiny_w, x, h, h_prev)]
-    zero_x, zero_h, zero_h_prev = x.copy(), h.copy(), h_prev.copy()
+    # the cells of unit 4: the recurrence's and the peepholes' gradients read them
+    cs[..., 4] *= np.float32(1e-39)
+    cs_prev[..., 4] *= np.float32(1e-39)
+    tiny = dict(case, w=tiny_w, x=x, h_prev=h_prev, cs_prev=cs_prev)
+    before = [a.copy() for a in (tiny_w, x, h, h_prev, cs, cs_prev)]
+    zeros = [a.copy() for a in (x, h, h_prev, cs, cs_prev)]
+    zero_x, zero_h, zero_h_prev, zero_cs, zero_cs_prev = zeros
     zero_x[..., 2] = zero_h[..., 3] = zero_h_prev[..., 3] = 0
-    zero = dict(case, w=np.where(picked, np.float32(0), case["w"]), x=zero_x, h_prev=zero_h_prev)
-    got = _backward(tiny, activations._replace(h=h), FUSED, **attrs)
-    want = _backward(zero, activations._replace(h=zero_h), FUSED, **attrs)
+    zero_cs[..., 4] = zero_cs_prev[..., 4] = 0
+    zero = dict(case, w=np.where(picked, np.float32(0), case["w"]), x=zero_x,
+                h_prev=zero_h_prev, cs_prev=zero_cs_prev)  # fmt: skip
+    got = _backward(tiny, activations._replace(h=h, cs=cs), FUSED, **attrs)
+    want = _backward(zero, activations._replace(h=zero_h, cs=zero_cs), FUSED, **attrs)
     for name, a, b in zip(LSTMGrads._fields, got, want, strict=True):
         np.testing.assert_array_equal(a, b, err_msg=name)
     assert got.x_grad.any() and not got.x_grad[..., [1, 3]].any()
     assert not got.w_grad[[2, 5 + 3]].any()  # x's input 2, h's unit 3: their rows
-    for a, b in zip((tiny_w, x, h, h_prev), before):
+    for a, b in zip((tiny_w, x, h, h_prev, cs, cs_prev), before):
         np.testing.assert_array_equal(a, b)
 
 
