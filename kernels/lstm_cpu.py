@@ -77,6 +77,14 @@ Offsets = tuple[int, int, int, int]
 #: HOISTED_T: neutral (0.99-1.10, a review helper). The chunk follows the input's steps,
 #: not ``seq_len_max``: so calls of one shape share one workspace key.
 CHUNK_BYTES = 8 << 20
+#: FUSED's steps of one compiled call (``native.fused_steps``): as many as make about
+#: ``CALL_FLOPS`` of the recurrent GEMM's (a millisecond on the project's machine's
+#: core), at most ``MAX_STEPS_PER_CALL``. A call per step cost about 5 us a step from
+#: Python (a quarter of a step at (500, 8, 128)); ``check`` (the call's liveness, and
+#: where the server's ops may pause for others: ``--compute-quantum``, 50 ms) runs
+#: between calls, so a call must stay short.
+CALL_FLOPS = 200_000_000
+MAX_STEPS_PER_CALL = 16
 #: Bytes of warm workspaces kept between calls, all shapes together (LRU beyond).
 WORKSPACE_CACHE_BYTES = 64 << 20
 #: Shapes whose formulation choice is remembered (LRU beyond).
@@ -462,6 +470,22 @@ def _prepare(
         native.pack(ws.w[w.shape[0] - units :], offsets, ws.packed)
 
 
+def _steps_per_call(batch: int, units: int) -> int:
+    """FUSED's steps of one compiled call (``CALL_FLOPS``)."""
+    flops = 2 * batch * units * 4 * units
+    return max(1, min(MAX_STEPS_PER_CALL, CALL_FLOPS // max(1, flops)))
+
+
+def _project(out: Array, x: Array, t: int, n: int, w_x: Array, flush: bool) -> Array:
+    """Steps t .. t + n - 1's input projection x @ W_x into ``out``'s first rows (those
+    rows returned); ``flush``: x read as ``without_subnormals``."""
+    batch, inputs = x.shape[1:]
+    proj = out[: n * batch]
+    x_rows = x[t : t + n].reshape(n * batch, inputs)
+    np.matmul(without_subnormals(x_rows) if flush else x_rows, w_x, out=proj)
+    return proj
+
+
 def without_subnormals(a: Array) -> Array:
     """``a`` as TensorFlow's CPU kernels read it, for a BLAS GEMM of FUSED (float32, the
     library built): ``a`` itself where it holds no subnormal float
@@ -524,19 +548,31 @@ def _recur(
         bias_ptr = ws.b.ctypes.data
         clip = float(cell_clip) if cell_clip > 0 else 0.0
         if form is Formulation.FUSED:
-            fused_step = native.fused_step()
+            fused_steps = native.fused_steps()
             h_prev = np.ascontiguousarray(np.broadcast_to(h_prev, (batch, units)), np.float32)
             packed_ptr = ws.packed.ctypes.data
+            proj_row = ws.proj.strides[0]
 
-            def _fused_step(t: int, proj_t: Array) -> None:
-                at = t * row_bytes
-                c_ptr = cs_prev.ctypes.data if t == 0 else bases[1] + at - row_bytes
-                h_ptr = h_prev.ctypes.data if t == 0 else bases[6] + at - row_bytes
-                fused_step(
-                    team, h_ptr, packed_ptr, proj_t.ctypes.data, proj_t.shape[1], bias_ptr,
-                    c_ptr, peep_ptr, batch, units, *offsets, clip,
-                    *(base + at for base in bases),
-                )  # fmt: skip
+            # A chunk's projection, then its steps several a call (``CALL_FLOPS``),
+            # ``check`` before each.
+            per_call = _steps_per_call(batch, units)
+            for t in range(0, length, chunk):
+                n = min(chunk, length - t)
+                if check is not None:
+                    check()
+                proj = _project(ws.proj, x, t, n, w_x, flush)
+                for s in range(0, n, per_call):
+                    if s and check is not None:
+                        check()
+                    at = (t + s) * row_bytes
+                    c_ptr = cs_prev.ctypes.data if t + s == 0 else bases[1] + at - row_bytes
+                    h_ptr = h_prev.ctypes.data if t + s == 0 else bases[6] + at - row_bytes
+                    fused_steps(
+                        team, min(per_call, n - s), h_ptr, c_ptr, packed_ptr,
+                        proj.ctypes.data + s * batch * proj_row, proj.shape[1], bias_ptr,
+                        peep_ptr, batch, units, *offsets, clip, *(base + at for base in bases),
+                    )  # fmt: skip
+            return
 
     for t in range(length):
         if check is not None:
@@ -554,18 +590,10 @@ def _recur(
         else:
             k = t % chunk
             if k == 0:  # the input projection of the next chunk of steps, bias added
-                n = min(chunk, length - t)
-                proj = ws.proj[: n * batch]
-                x_rows = x[t : t + n].reshape(n * batch, inputs)
-                if flush:
-                    x_rows = without_subnormals(x_rows)
-                np.matmul(x_rows, w_x, out=proj)
+                proj = _project(ws.proj, x, t, min(chunk, length - t), w_x, flush)
                 if step is None:  # (the compiled step adds the bias itself)
                     proj += ws.b
             proj_t = ws.proj[k * batch : (k + 1) * batch]
-            if form is Formulation.FUSED:  # (``_run`` made sure the step serves)
-                _fused_step(t, proj_t)
-                continue
             if form is Formulation.HOISTED_T:
                 np.matmul(ws.w_h_t, h_last.T, out=ws.gates_t)
                 np.add(ws.gates_t.T, proj_t, out=g)

@@ -332,7 +332,7 @@ DEFINE_BACKWARD_STEP(double, gradserve_lstm_backward_step_f64)
  * GEMM of 32 rows) and runs at about 60% of its large-GEMM speed there; the step above
  * then reads the gates back from memory. FUSED packs W_h once per call, into panels
  * of VL units by the four gates (``gradserve_lstm_pack_f32``), and each step
- * (``gradserve_lstm_forward_fused_step_f32``) computes a tile of MR batch rows by one
+ * (``fused_forward_step``) computes a tile of MR batch rows by one
  * panel in registers (a register-blocked GEMM: MR x 4 vectors of accumulators, as BLAS
  * libraries' micro-kernels), starting from the bias and the input projection (the
  * BLAS's GEMM of a chunk of steps), and turns it into the seven outputs of those rows
@@ -541,7 +541,7 @@ static long cache_group_panels(long rows) {
     return fit < GROUP_PANELS ? GROUP_PANELS : fit / GROUP_PANELS * GROUP_PANELS;
 }
 
-/* One step's arguments (``gradserve_lstm_forward_fused_step_f32`` states them). */
+/* One step's arguments (``fused_forward_step`` states them). */
 struct fused_step {
     const float *h_last, *packed, *proj, *bias, *c_last, *peep;
     long proj_stride, batch, units, offs[4];
@@ -1004,7 +1004,7 @@ static void run_team_step(struct fused_team *team, long claims);
  * input projection), packed W_h's rows (``gradserve_lstm_pack_f32``), h_last [batch,
  * units] contiguous. By ``team``'s members where it is not NULL
  * (``gradserve_fused_team_start``), else by the caller alone. */
-void gradserve_lstm_forward_fused_step_f32(
+static void fused_forward_step(
     struct fused_team *team, const float *restrict h_last, const float *restrict packed,
     const float *restrict proj, long proj_stride, const float *restrict bias,
     const float *restrict c_last, const float *restrict peep,
@@ -1028,6 +1028,31 @@ void gradserve_lstm_forward_fused_step_f32(
     team->step = step;
     team->backward = 0;
     run_team_step(team, gradserve_fused_step_claims(batch, units));
+}
+
+/* Steps 0 .. steps - 1 of FUSED, one after another (``fused_forward_step``): step t
+ * reads proj's rows t * batch .. (t + 1) * batch - 1 (proj_stride floats apart), h_last
+ * and c_last from h0 and c0 at t = 0, else from step t - 1's out_h and out_cs, and
+ * writes the outputs' rows of step t ([steps, batch, units] each, contiguous). One call
+ * for several steps: a call per step from Python cost about 5 us a step (a quarter of
+ * a step at (500, 8, 128)); the caller checks for cancellation between calls. */
+void gradserve_lstm_forward_fused_steps_f32(
+    struct fused_team *team, long steps, const float *h0, const float *c0,
+    const float *packed, const float *proj, long proj_stride, const float *bias,
+    const float *peep, long batch, long units, long off_i, long off_f, long off_c,
+    long off_o, float cell_clip, float *out_i, float *out_cs, float *out_f, float *out_o,
+    float *out_ci, float *out_co, float *out_h)
+{
+    const long row = batch * units;
+    for (long t = 0; t < steps; t++) {
+        const long at = t * row;
+        fused_forward_step(
+            team, t == 0 ? h0 : out_h + at - row, packed,
+            proj == NULL ? NULL : proj + t * batch * proj_stride, proj_stride, bias,
+            t == 0 ? c0 : out_cs + at - row, peep, batch, units, off_i, off_f, off_c, off_o,
+            cell_clip, out_i + at, out_cs + at, out_f + at, out_o + at, out_ci + at,
+            out_co + at, out_h + at);
+    }
 }
 
 /* The step stored in ``team`` (``backward`` says which) by its members, the caller one

@@ -1,5 +1,5 @@
 """The CPU LSTM's compiled steps (``lstm_cpu_step.c``), compiled for this host: the
-fused elementwise steps, and the FUSED formulation's (``pack``, ``fused_step``, its
+fused elementwise steps, and the FUSED formulation's (``pack``, ``fused_steps``, its
 teams of threads ``TEAMS``, ``flushing_subnormals``).
 
 NumPy runs a forward step's elementwise pass as about twenty ufunc calls (a backward
@@ -84,7 +84,7 @@ TANH = "gradserve_rational_tanh_f32"
 TANH_FMA = "gradserve_rational_tanh_fma_f32"
 PACKED_FLOATS = "gradserve_lstm_packed_floats"
 PACK = "gradserve_lstm_pack_f32"
-FUSED_STEP = "gradserve_lstm_forward_fused_step_f32"
+FUSED_STEPS = "gradserve_lstm_forward_fused_steps_f32"
 CLAIMS = "gradserve_fused_step_claims"
 TEAM_START = "gradserve_fused_team_start"
 TEAM_STOP = "gradserve_fused_team_stop"
@@ -570,9 +570,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     pack = getattr(lib, PACK)
     pack.argtypes = [ptr, long_, long_, *[long_] * 4, ptr]  # w, rows, units, offsets; packed
     pack.restype = None
-    fused = getattr(lib, FUSED_STEP)
-    # team, h_last, packed, proj, proj_stride, then as the step's
-    fused.argtypes = [ptr, ptr, ptr, ptr, long_, ptr, ptr, ptr, *[long_] * 6, f32, *[ptr] * 7]
+    fused = getattr(lib, FUSED_STEPS)
+    # team, steps, h0, c0, packed, proj, proj_stride, bias, peep; batch, units, the four
+    # offsets; cell_clip; the seven outputs
+    fused.argtypes = [ptr, long_, ptr, ptr, ptr, ptr, long_, ptr, ptr, *[long_] * 6, f32,
+                      *[ptr] * 7]  # fmt: skip
     fused.restype = None
     packed_t_floats = getattr(lib, PACKED_T_FLOATS)
     packed_t_floats.argtypes = [long_]
@@ -724,14 +726,14 @@ def step_claims(batch: int, units: int, backward: bool = False) -> int:
     return int(getattr(_built(), BACKWARD_CLAIMS if backward else CLAIMS)(batch, units))
 
 
-def fused_step() -> Callable[..., None]:
-    """The FUSED formulation's step (``lstm_cpu_step.c`` states its arguments; the
-    first is a team of ``fused_team`` or None)."""
-    return getattr(_built(), FUSED_STEP)  # type: ignore[no-any-return]
+def fused_steps() -> Callable[..., None]:
+    """The FUSED formulation's steps, several a call (``lstm_cpu_step.c`` states its
+    arguments; the first is a team of ``fused_team`` or None)."""
+    return getattr(_built(), FUSED_STEPS)  # type: ignore[no-any-return]
 
 
 class FusedTeams:
-    """Teams of threads for ``fused_step``, kept between calls: a team of ``threads``
+    """Teams of threads for ``fused_steps``, kept between calls: a team of ``threads``
     is the caller and ``threads - 1`` workers, which sleep while no step comes. Teams
     started per call ran a call at two threads in 6.9 ms or, about every other call,
     in 10-13 (at (50, 32, 256)): the scheduler put a fresh worker on the core of the

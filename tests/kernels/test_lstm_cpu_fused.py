@@ -273,10 +273,10 @@ def _step_inputs(rng: np.random.Generator, batch: int, inputs: int, units: int) 
 def _run_step(team: int | None, op: dict, lib: ctypes.CDLL | None = None) -> np.ndarray:
     """The step's seven outputs, written into NaNs (so a tile left unwritten shows)."""
     outs = np.full((7, op["batch"], op["units"]), np.nan, np.float32)
-    step = native.fused_step() if lib is None else getattr(lib, native.FUSED_STEP)
-    step(
-        team, op["h"].ctypes.data, op["packed"].ctypes.data, op["proj"].ctypes.data,
-        4 * op["units"], op["bias"].ctypes.data, op["c"].ctypes.data, None, op["batch"],
+    steps = native.fused_steps() if lib is None else getattr(lib, native.FUSED_STEPS)
+    steps(
+        team, 1, op["h"].ctypes.data, op["c"].ctypes.data, op["packed"].ctypes.data,
+        op["proj"].ctypes.data, 4 * op["units"], op["bias"].ctypes.data, None, op["batch"],
         op["units"], *op["offsets"], 0.0, *(o.ctypes.data for o in outs),
     )  # fmt: skip
     return outs
@@ -376,7 +376,7 @@ def test_forward_and_backward_steps_take_turns_on_a_kept_team(delayed_build):
         getattr(lib, native.TEAM_STOP)(team)
 
 
-def test_teams_are_kept_stopped_past_a_few_and_survive_an_abandoned_call(team_of):
+def test_teams_are_kept_stopped_past_a_few_and_survive_an_abandoned_call(team_of, monkeypatch):
     teams = native.FusedTeams()
     with contextlib.ExitStack() as stack:
         taken = [stack.enter_context(teams.team(3)) for _ in range(teams.KEEP + 2)]
@@ -384,14 +384,15 @@ def test_teams_are_kept_stopped_past_a_few_and_survive_an_abandoned_call(team_of
     kept = teams._idle[3]
     assert len(kept) == teams.KEEP and set(kept) < set(taken)  # the rest stopped, joined
     # A call that ends mid-sequence (its deadline, say) returns the team between two
-    # steps; the next call, of another shape, computes as the caller alone would.
+    # calls of steps; the next call, of another shape, computes as the caller alone would.
     team_of(2)
+    monkeypatch.setattr(lstm_cpu, "MAX_STEPS_PER_CALL", 2)  # a check every 2 steps
     case = random_case(np.random.default_rng(15), 8, 7, 5, 40, np.float32)
     calls = []
 
     def deadline() -> None:
         calls.append(1)
-        if len(calls) == 4:
+        if len(calls) == 3:  # after 4 of the 8 steps
             raise TimeoutError("deadline")
 
     inputs = LSTMInputs(*(case[k] for k in INPUTS))
@@ -407,6 +408,41 @@ def test_teams_are_kept_stopped_past_a_few_and_survive_an_abandoned_call(team_of
     alone = pinned_forward(other, form=FUSED, seq_len_max=5)
     for a, b in zip(got, alone):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(("call_flops", "chunk_bytes", "checks"), [
+    (10**12, 1 << 23, 3),  # 16 steps a call (the most): calls of 16, 16 and 8
+    (2 * 2 * 3 * 12 * 3, 1 << 23, 14),  # 3 steps a call, one chunk of 40: 14 calls
+    (2 * 2 * 3 * 12 * 3, 10 * 2 * 12 * 4, 16),  # chunks of 10 steps: 4 calls each
+    (1, 1 << 23, 40),  # a step a call
+])  # fmt: skip
+def test_fused_checks_between_its_calls_of_several_steps_with_the_same_bits(
+    monkeypatch, call_flops, chunk_bytes, checks
+):
+    """FUSED's steps run several a compiled call (``_steps_per_call``: about a
+    millisecond of work, at most 16), and ``check`` (the call's liveness; where the
+    server's ops may pause for others) runs before each call: the bits do not depend on
+    how the steps are grouped, nor on the chunks of the projection."""
+    require_native()
+    case = random_case(np.random.default_rng(39), 40, 2, 5, 3, np.float32)
+    attrs = dict(seq_len_max=40, use_peephole=True, cell_clip=0.4)
+    monkeypatch.setattr(lstm_cpu, "CALL_FLOPS", 1)  # a step a call: the reference
+    want = pinned_forward(case, form=FUSED, **attrs)
+    monkeypatch.setattr(lstm_cpu, "CALL_FLOPS", call_flops)
+    monkeypatch.setattr(lstm_cpu, "CHUNK_BYTES", chunk_bytes)
+    seen: list[int] = []
+    token, pinned = lstm_cpu.STEP_KERNEL.set(native.Mode.AUTO), lstm_cpu.PINNED.set(FUSED)
+    try:
+        got = lstm.block_lstm_forward(
+            backend_numpy, LSTMInputs(*(case[k] for k in INPUTS)), check=lambda: seen.append(1),
+            **attrs,
+        )  # fmt: skip
+    finally:
+        lstm_cpu.PINNED.reset(pinned)
+        lstm_cpu.STEP_KERNEL.reset(token)
+    assert len(seen) == checks
+    for name, a, b in zip(lstm.LSTMActivations._fields, got, want, strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=name)
 
 
 def test_a_team_has_no_more_members_than_a_step_has_claims(team_of, monkeypatch):

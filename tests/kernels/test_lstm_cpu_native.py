@@ -91,10 +91,13 @@ def counted(monkeypatch):
         return lambda *args: calls.append(1) or step(*args)
 
     monkeypatch.setattr(lstm_cpu, "_native_step", counting)
-    real_fused = native.fused_step
-    monkeypatch.setattr(
-        native, "fused_step", lambda: lambda *args: calls.append(1) or real_fused()(*args)
-    )
+    real_fused = native.fused_steps
+
+    def counting_steps(team, steps, *args):  # FUSED's calls: their steps each
+        calls.extend([1] * steps)
+        return real_fused()(team, steps, *args)
+
+    monkeypatch.setattr(native, "fused_steps", lambda: counting_steps)
     return calls
 
 
