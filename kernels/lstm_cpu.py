@@ -470,8 +470,9 @@ def _prepare(
         native.pack(ws.w[w.shape[0] - units :], offsets, ws.packed)
 
 
-def _steps_per_call(batch: int, units: int) -> int:
-    """FUSED's steps of one compiled call (``CALL_FLOPS``)."""
+def steps_per_call(batch: int, units: int) -> int:
+    """FUSED's steps of one compiled call, forward or backward (``CALL_FLOPS``: their
+    recurrent GEMMs have the same size)."""
     flops = 2 * batch * units * 4 * units
     return max(1, min(MAX_STEPS_PER_CALL, CALL_FLOPS // max(1, flops)))
 
@@ -555,7 +556,7 @@ def _recur(
 
             # A chunk's projection, then its steps several a call (``CALL_FLOPS``),
             # ``check`` before each.
-            per_call = _steps_per_call(batch, units)
+            per_call = steps_per_call(batch, units)
             for t in range(0, length, chunk):
                 n = min(chunk, length - t)
                 if check is not None:

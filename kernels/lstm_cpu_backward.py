@@ -248,6 +248,8 @@ def _recur_fused(
     packed = lstm_cpu.aligned_empty(native.packed_transposed_floats(units), dh.dtype, empty)
     native.pack_transposed(np.ascontiguousarray(w_h), packed)
     fused = native.backward_fused_step()
+    fused_steps = native.backward_fused_steps()
+    per_call = lstm_cpu.steps_per_call(batch, units)
     row = batch * units * dh.dtype.itemsize  # bytes of one step of a [T, B, H] array
     i, cs, f, o, ci, co, cs_grad, h_grad = (a.ctypes.data for a in per_step)
     gates_row, gates = dgates.strides[0], dgates.ctypes.data
@@ -255,23 +257,25 @@ def _recur_fused(
     clip, clip_value = (0, 0.0) if clip_at is None else (1, clip_at)
     dh_ptr, dcs_ptr, packed_ptr = dh.ctypes.data, dcs.ctypes.data, packed.ctypes.data
     with native.flushing_subnormals(), lstm_cpu.fused_team(batch, units, True) as team:
-        for t in range(length - 1, -1, -1):
+        t = length - 1
+        if check is not None:
+            check()
+        at = t * row
+        step(
+            dh_ptr, dcs_ptr, i + at, f + at, o + at, ci + at, co + at, cs + at,
+            cs_prev.ctypes.data if t == 0 else cs + at - row, h_grad + at, cs_grad + at,
+            peep_ptr, clip, clip_value, batch, units, *offsets, gates + t * gates_row,
+        )  # fmt: skip
+        t -= 1
+        while t >= 0:  # several steps a call, ``check`` before each (as the forward)
             if check is not None:
                 check()
-            at = t * row
-            cs_last = cs_prev.ctypes.data if t == 0 else cs + at - row
-            if t == length - 1:
-                step(
-                    dh_ptr, dcs_ptr, i + at, f + at, o + at, ci + at, co + at, cs + at,
-                    cs_last, h_grad + at, cs_grad + at, peep_ptr, clip, clip_value, batch,
-                    units, *offsets, gates + t * gates_row,
-                )  # fmt: skip
-                continue
-            fused(
-                team, gates + (t + 1) * gates_row, packed_ptr, i + at, f + at, o + at,
-                ci + at, co + at, cs + at, cs_last, h_grad + at, cs_grad + at, peep_ptr, clip,
-                clip_value, batch, units, *offsets, dcs_ptr, gates + t * gates_row, None,
+            n = min(per_call, t + 1)
+            fused_steps(
+                team, t, n, packed_ptr, i, f, o, ci, co, cs, cs_prev.ctypes.data, h_grad,
+                cs_grad, peep_ptr, clip, clip_value, batch, units, *offsets, dcs_ptr, gates,
             )  # fmt: skip
+            t -= n
         product_only = (None,) * 10
         fused(team, gates, packed_ptr, *product_only, 0, 0.0, batch, units, *offsets, None,
               None, dh_ptr)  # fmt: skip

@@ -1107,3 +1107,27 @@ void gradserve_lstm_backward_fused_step_f32(
     team->backward = 1;
     run_team_step(team, gradserve_backward_fused_step_claims(batch, units));
 }
+
+/* Steps t_from, t_from - 1, .., t_from - steps + 1 of FUSED's backward recurrence, one
+ * after another, each ``gradserve_lstm_backward_fused_step_f32``'s (dh NULL): step t
+ * reads dgates' rows of step t + 1 and writes its own ([T, batch, 4 units]); the
+ * activations and output gradients are [T, batch, units] (step t's rows), cs_last
+ * cs_prev at t = 0, else cs's rows of t - 1. Several steps a call, as the forward's
+ * (``gradserve_lstm_forward_fused_steps_f32``). */
+void gradserve_lstm_backward_fused_steps_f32(
+    struct fused_team *team, long t_from, long steps, const float *packed, const float *i,
+    const float *f, const float *o, const float *ci, const float *co, const float *cs,
+    const float *cs_prev, const float *h_grad, const float *cs_grad, const float *peep,
+    int clip, float clip_at, long batch, long units, long off_i, long off_f, long off_c,
+    long off_o, float *dcs, float *dgates)
+{
+    const long row = batch * units, gates_row = 4 * row;
+    for (long t = t_from; t > t_from - steps; t--) {
+        const long at = t * row;
+        gradserve_lstm_backward_fused_step_f32(
+            team, dgates + (t + 1) * gates_row, packed, i + at, f + at, o + at, ci + at,
+            co + at, cs + at, t == 0 ? cs_prev : cs + at - row, h_grad + at, cs_grad + at,
+            peep, clip, clip_at, batch, units, off_i, off_f, off_c, off_o, dcs,
+            dgates + t * gates_row, NULL);
+    }
+}

@@ -91,6 +91,7 @@ TEAM_STOP = "gradserve_fused_team_stop"
 PACKED_T_FLOATS = "gradserve_lstm_packed_transposed_floats"
 PACK_T = "gradserve_lstm_pack_transposed_f32"
 BACKWARD_FUSED_STEP = "gradserve_lstm_backward_fused_step_f32"
+BACKWARD_FUSED_STEPS = "gradserve_lstm_backward_fused_steps_f32"
 BACKWARD_CLAIMS = "gradserve_backward_fused_step_claims"
 FLUSH = "gradserve_flush_subnormals"
 RESTORE = "gradserve_restore_fp_mode"
@@ -587,6 +588,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     # clip, clip_at; batch, units, the four offsets; dcs, dgates, dh
     backward_fused.argtypes = [*[ptr] * 13, ctypes.c_int, f32, *[long_] * 6, ptr, ptr, ptr]
     backward_fused.restype = None
+    backward_steps = getattr(lib, BACKWARD_FUSED_STEPS)
+    # team, t_from, steps, packed, i, f, o, ci, co, cs, cs_prev, h_grad, cs_grad, peep;
+    # clip, clip_at; batch, units, the four offsets; dcs, dgates
+    backward_steps.argtypes = [ptr, long_, long_, *[ptr] * 11, ctypes.c_int, f32,
+                               *[long_] * 6, ptr, ptr]  # fmt: skip
+    backward_steps.restype = None
     flush = getattr(lib, FLUSH)
     flush.argtypes = []
     flush.restype = ctypes.c_ulong
@@ -692,6 +699,12 @@ def pack_transposed(w_h: Any, out: Any) -> None:
     ):  # fmt: skip
         raise ValueError(f"pack_transposed: W_h {w_h.shape} {w_h.dtype} into {out.shape}")
     getattr(_built(), PACK_T)(w_h.ctypes.data, units, out.ctypes.data)
+
+
+def backward_fused_steps() -> Callable[..., None]:
+    """FUSED's backward steps, several a call (``lstm_cpu_step.c`` states its
+    arguments; the first is a team of ``FusedTeams.team`` or None)."""
+    return getattr(_built(), BACKWARD_FUSED_STEPS)  # type: ignore[no-any-return]
 
 
 def backward_fused_step() -> Callable[..., None]:

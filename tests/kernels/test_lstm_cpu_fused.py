@@ -549,16 +549,22 @@ def _backward(
 
 @pytest.fixture
 def fused_backward_steps(monkeypatch):
-    """The fused backward steps each call runs (``native.backward_fused_step`` calls)."""
+    """The fused backward steps each call runs: those of ``native.backward_fused_steps``
+    (several a call) and the ``backward_fused_step`` of dgates[0] @ W_h^T."""
     require_native()
     calls: list[int] = []
-    real = native.backward_fused_step
+    real, real_steps = native.backward_fused_step, native.backward_fused_steps
 
     def counting():
         step = real()
         return lambda *a: calls.append(1) or step(*a)
 
+    def counting_steps():
+        steps = real_steps()
+        return lambda team, t, n, *a: calls.extend([1] * n) or steps(team, t, n, *a)
+
     monkeypatch.setattr(native, "backward_fused_step", counting)
+    monkeypatch.setattr(native, "backward_fused_steps", counting_steps)
     return calls
 
 
@@ -627,6 +633,40 @@ def test_the_backward_fuses_in_float32_where_the_formulation_is_fused_or_auto_wi
     finally:
         lstm_cpu.PINNED.reset(token)
     assert len(fused_backward_steps) == (4 if fused else 0)
+
+
+@pytest.mark.parametrize(("call_flops", "checks"), [
+    (10**12, 1 + 3),  # the last step, then calls of 16, 16 and 7
+    (2 * 3 * 16 * 4 * 16 * 3, 1 + 13),  # 3 steps a call
+    (1, 1 + 39),  # a step a call
+])  # fmt: skip
+def test_the_fused_backward_checks_between_its_calls_of_several_steps_with_the_same_bits(
+    team_of, monkeypatch, call_flops, checks
+):
+    """As the forward: the backward's fused steps run several a call, ``check`` before
+    each (and before the last step, the compiled step's), the bits the same however the
+    steps are grouped."""
+    team_of(2)
+    case = random_case(np.random.default_rng(40), 40, 3, 5, 16, np.float32)
+    attrs = dict(seq_len_max=40, use_peephole=True, cell_clip=0.6)
+    activations = pinned_forward(case, form=HOISTED, **attrs)
+    monkeypatch.setattr(lstm_cpu, "CALL_FLOPS", 1)
+    want = _backward(case, activations, FUSED, **attrs)
+    monkeypatch.setattr(lstm_cpu, "CALL_FLOPS", call_flops)
+    seen: list[int] = []
+    token, pinned = lstm_cpu.STEP_KERNEL.set(native.Mode.NATIVE), lstm_cpu.PINNED.set(FUSED)
+    try:
+        got = lstm.block_lstm_backward(
+            backend_numpy, LSTMInputs(*(case[k] for k in INPUTS)), activations,
+            LSTMOutputGrads(*(case[k] for k in OUTPUT_GRADS)), check=lambda: seen.append(1),
+            **attrs,
+        )  # fmt: skip
+    finally:
+        lstm_cpu.PINNED.reset(pinned)
+        lstm_cpu.STEP_KERNEL.reset(token)
+    assert len(seen) == checks
+    for name, a, b in zip(LSTMGrads._fields, got, want, strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=name)
 
 
 @pytest.mark.parametrize("units", [70, 300])  # 300: 5 panels, a cache group each
