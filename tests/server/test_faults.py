@@ -176,7 +176,9 @@ def test_an_op_that_ends_in_a_drain_gets_its_streamed_outputs_to_its_client():
     drain refused those (every new call was): the op completed, and its results were
     lost (UNAVAILABLE, then "failed to connect" once the server had stopped). Reading
     and deleting what only this replica holds is admitted while it drains."""
-    server = ServerProcess("--grace", "20")
+    # NumPy's passes: 150,000 steps of tiny cells compute for a second or so, long
+    # enough to see the op running (FUSED's compiled calls of several steps: 0.08 s)
+    server = ServerProcess("--grace", "20", "--cpu-step-kernel", "numpy")
     try:
         with gradserve.Client(server.target, retries=0, shared_memory=False) as c:
             args = lstm_args(150_000)  # seven 4.8 MB outputs: more than one reply holds

@@ -204,7 +204,8 @@ def wait_until(condition, timeout=30.0):
 
 
 def lstm_args(steps=10):
-    """An LSTM call's inputs (tiny cells; 100,000 steps compute for a second or two)."""
+    """An LSTM call's inputs (tiny cells: 100,000 steps compute for a second or two with
+    NumPy's passes, about 0.05 s in FUSED's compiled calls of several steps)."""
     rng = np.random.default_rng(0)
     r = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     return [np.int64(steps), r(steps, 2, 4), r(2, 4), r(2, 4), r(8, 16), r(4), r(4), r(4), r(16)]
