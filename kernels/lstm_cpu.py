@@ -79,11 +79,14 @@ Offsets = tuple[int, int, int, int]
 CHUNK_BYTES = 8 << 20
 #: FUSED's steps of one compiled call (``native.fused_steps``): as many as make about
 #: ``CALL_FLOPS`` of the recurrent GEMM's (a millisecond on the project's machine's
-#: core), at most ``MAX_STEPS_PER_CALL``. A call per step cost about 5 us a step from
-#: Python (a quarter of a step at (500, 8, 128)); ``check`` (the call's liveness, and
-#: where the server's ops may pause for others: ``--compute-quantum``, 50 ms) runs
-#: between calls, so a call must stay short.
+#: core) and read ``CALL_BYTES`` of packed W_h (where a small batch makes the steps
+#: memory-bound: 8-22 ms between checks at batch 1 and 1,024-1,536 units without it, a
+#: review helper), at most ``MAX_STEPS_PER_CALL``. A call per step cost about 5 us a
+#: step from Python (a quarter of a step at (500, 8, 128)); ``check`` (the call's
+#: liveness, and where the server's ops may pause for others: ``--compute-quantum``,
+#: 50 ms) runs between calls, so a call must stay short.
 CALL_FLOPS = 200_000_000
+CALL_BYTES = 8 << 20
 MAX_STEPS_PER_CALL = 16
 #: Bytes of warm workspaces kept between calls, all shapes together (LRU beyond).
 WORKSPACE_CACHE_BYTES = 64 << 20
@@ -473,8 +476,9 @@ def _prepare(
 def steps_per_call(batch: int, units: int) -> int:
     """FUSED's steps of one compiled call, forward or backward (``CALL_FLOPS``: their
     recurrent GEMMs have the same size)."""
-    flops = 2 * batch * units * 4 * units
-    return max(1, min(MAX_STEPS_PER_CALL, CALL_FLOPS // max(1, flops)))
+    flops, w_h_bytes = 2 * batch * units * 4 * units, 4 * units * units * 4
+    by_flops, by_bytes = CALL_FLOPS // max(1, flops), CALL_BYTES // max(1, w_h_bytes)
+    return max(1, min(MAX_STEPS_PER_CALL, by_flops, by_bytes))
 
 
 def _project(out: Array, x: Array, t: int, n: int, w_x: Array, flush: bool) -> Array:

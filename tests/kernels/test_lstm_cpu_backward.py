@@ -92,6 +92,11 @@ def test_matches_the_generic_loop(
 
 
 def test_check_runs_before_every_step_and_can_abandon_the_call(monkeypatch):
+    """The BLAS formulations' backward (FUSED's checks between its calls of several
+    steps: ``test_lstm_cpu_fused``), pinned: ``auto`` fuses where the process has one
+    BLAS thread."""
+    hoisted = contextvars.ContextVar("p", default=lstm_cpu.Formulation.HOISTED)
+    monkeypatch.setattr(lstm_cpu, "PINNED", hoisted)
     monkeypatch.setattr(lstm_cpu_backward, "BLOCK_ELEMENTS", 2 * 3 * 4)  # blocks of 2 steps
     case = random_case(np.random.default_rng(0), 7, 3, 5, 4, np.float32)
     activations = lstm.block_lstm_forward(GENERIC, LSTMInputs(*(case[k] for k in INPUTS)),

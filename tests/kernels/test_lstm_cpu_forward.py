@@ -123,11 +123,9 @@ def test_the_planner_measures_once_per_shape_and_keeps_its_choice(monkeypatch):
 def test_a_measurement_may_pause_between_its_timed_runs_never_inside_one(monkeypatch):
     """A pause (``--compute-quantum``) inside a timed run would be timed; none at all
     held the compute slot for the whole measurement, about ten calls' worth of steps
-    (helper-81). The checks of the steps of a timed run never pause. (The formulations
-    that check every step: FUSED checks between its calls of several,
-    ``test_lstm_cpu_fused``.)"""
-    per_step = [f for f in lstm_cpu.Formulation if f is not lstm_cpu.Formulation.FUSED]
-    monkeypatch.setattr(lstm_cpu, "PLANNER", lstm_cpu.Planner(per_step))
+    (helper-81). The checks of a timed run never pause: the BLAS formulations check
+    before every step, FUSED before each of its calls of several (here 16 a call)."""
+    monkeypatch.setattr(lstm_cpu, "PLANNER", lstm_cpu.Planner())
     case = random_case(np.random.default_rng(0), 30, 2, 5, 3, np.float32)
     seen = []
     lstm.block_lstm_forward(
@@ -136,10 +134,20 @@ def test_a_measurement_may_pause_between_its_timed_runs_never_inside_one(monkeyp
         seq_len_max=30,
         check=lambda: seen.append(pauses.may_pause()),
     )
-    runs = lstm_cpu.PROBE_ROUNDS * len(lstm_cpu.PLANNER.candidates)
-    assert seen.count(False) == runs * lstm_cpu.PROBE_STEPS  # every step of a timed run
-    # between the timed runs, and the steps of the warm-up run and of the call itself
-    assert seen.count(True) == runs + lstm_cpu.PROBE_STEPS + 30
+    candidates = lstm_cpu._candidates(compiled=native.NATIVE.library() is not None)
+    per_call = lstm_cpu.steps_per_call(2, 3)
+    assert per_call == 16
+
+    def checks(form: lstm_cpu.Formulation, steps: int) -> int:
+        return -(-steps // per_call) if form is lstm_cpu.Formulation.FUSED else steps
+
+    runs = lstm_cpu.PROBE_ROUNDS * len(candidates)
+    timed = lstm_cpu.PROBE_ROUNDS * sum(checks(f, lstm_cpu.PROBE_STEPS) for f in candidates)
+    assert seen.count(False) == timed  # every check of a timed run
+    # between the timed runs, and the checks of the warm-up run and of the call itself
+    warm_up = checks(candidates[0], lstm_cpu.PROBE_STEPS)
+    chosen = lstm_cpu.PLANNER.lookup(next(iter(lstm_cpu.PLANNER.measured)))
+    assert seen.count(True) == runs + warm_up + checks(chosen, 30)
 
 
 def test_a_cancelled_measurement_raises_and_records_nothing(monkeypatch):

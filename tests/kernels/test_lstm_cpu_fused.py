@@ -419,7 +419,7 @@ def test_teams_are_kept_stopped_past_a_few_and_survive_an_abandoned_call(team_of
 def test_fused_checks_between_its_calls_of_several_steps_with_the_same_bits(
     monkeypatch, call_flops, chunk_bytes, checks
 ):
-    """FUSED's steps run several a compiled call (``_steps_per_call``: about a
+    """FUSED's steps run several a compiled call (``steps_per_call``: about a
     millisecond of work, at most 16), and ``check`` (the call's liveness; where the
     server's ops may pause for others) runs before each call: the bits do not depend on
     how the steps are grouped, nor on the chunks of the projection."""
