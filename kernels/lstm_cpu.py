@@ -474,8 +474,9 @@ def _prepare(
 
 
 def steps_per_call(batch: int, units: int) -> int:
-    """FUSED's steps of one compiled call, forward or backward (``CALL_FLOPS``: their
-    recurrent GEMMs have the same size)."""
+    """FUSED's steps of one compiled call, forward or backward (their recurrent GEMMs
+    have the same size): ``CALL_FLOPS`` of it, ``CALL_BYTES`` of packed W_h read, at
+    most ``MAX_STEPS_PER_CALL``."""
     flops, w_h_bytes = 2 * batch * units * 4 * units, 4 * units * units * 4
     by_flops, by_bytes = CALL_FLOPS // max(1, flops), CALL_BYTES // max(1, w_h_bytes)
     return max(1, min(MAX_STEPS_PER_CALL, by_flops, by_bytes))
@@ -558,7 +559,7 @@ def _recur(
             packed_ptr = ws.packed.ctypes.data
             proj_row = ws.proj.strides[0]
 
-            # A chunk's projection, then its steps several a call (``CALL_FLOPS``),
+            # A chunk's projection, then its steps several a call (``steps_per_call``),
             # ``check`` before each.
             per_call = steps_per_call(batch, units)
             for t in range(0, length, chunk):
