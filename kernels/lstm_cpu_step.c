@@ -590,19 +590,17 @@ static __attribute__((noinline)) FMA_FUNCTION void fused_tiles(
                 }
             }
             for (int r = 0; r < mr; r++) {
-                const float *pr = proj != NULL ? proj + (r0 + r) * proj_stride : NULL;
+                const float *pr = proj + (r0 + r) * proj_stride;
                 for (int g = 0; g < 4; g++) {
                     float *zg = z + r * PANEL_WIDTH + g * VL;
                     const float *bg = bias + offs[g] + u0;
                     if (n == VL) { /* whole vectors: the micro-kernel loads them as such */
-                        vfloat v = *(const vfloat *)bg;
-                        if (pr != NULL) v = v + *(const vfloat *)(pr + offs[g] + u0);
-                        *(vfloat *)zg = v;
+                        const vfloat pg = *(const vfloat *)(pr + offs[g] + u0);
+                        *(vfloat *)zg = *(const vfloat *)bg + pg;
                         continue;
                     }
                     for (long u = 0; u < VL; u++) zg[u] = u < n ? bg[u] : 0.0f;
-                    if (pr != NULL)
-                        for (long u = 0; u < n; u++) zg[u] += pr[offs[g] + u0 + u];
+                    for (long u = 0; u < n; u++) zg[u] += pr[offs[g] + u0 + u];
                 }
             }
             panel_tile_rows(h_last + r0 * units, units, panel, z, mr);
@@ -1000,8 +998,8 @@ void gradserve_fused_team_stop(struct fused_team *t) {
 static void run_team_step(struct fused_team *team, long claims);
 
 /* One step of FUSED into the seven outputs [batch, units]: z = (bias + proj) + h_last @
- * W_h, bias and proj as ``gradserve_lstm_forward_step_f32`` takes them (proj NULL: no
- * input projection), packed W_h's rows (``gradserve_lstm_pack_f32``), h_last [batch,
+ * W_h, bias and proj as ``gradserve_lstm_forward_step_f32`` takes them (the projection
+ * always given: a zero GEMM's where there are no inputs), packed W_h's rows (``gradserve_lstm_pack_f32``), h_last [batch,
  * units] contiguous. By ``team``'s members where it is not NULL
  * (``gradserve_fused_team_start``), else by the caller alone. */
 static void fused_forward_step(
@@ -1048,7 +1046,7 @@ void gradserve_lstm_forward_fused_steps_f32(
         const long at = t * row;
         fused_forward_step(
             team, t == 0 ? h0 : out_h + at - row, packed,
-            proj == NULL ? NULL : proj + t * batch * proj_stride, proj_stride, bias,
+            proj + t * batch * proj_stride, proj_stride, bias,
             t == 0 ? c0 : out_cs + at - row, peep, batch, units, off_i, off_f, off_c, off_o,
             cell_clip, out_i + at, out_cs + at, out_f + at, out_o + at, out_ci + at,
             out_co + at, out_h + at);
